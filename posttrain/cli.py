@@ -1,0 +1,61 @@
+"""The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module with a `main(args)` function, one-line help). Modules are imported only when
+# their subcommand runs, so `posttrain --help` stays fast and never starts Ray.
+COMMANDS = {
+    "sft": ("posttrain.algorithms.sft", "supervised fine-tuning on conversations or prompt/response pairs"),
+    "grpo": ("posttrain.algorithms.grpo", "GRPO-family RL with verifiable rewards (DAPO/GSPO options)"),
+    "dpo": ("posttrain.algorithms.dpo", "direct preference optimisation on chosen/rejected pairs"),
+    "rm": ("posttrain.algorithms.rm", "Bradley-Terry reward-model training on preference pairs"),
+    "eval": ("posttrain.evals.run", "evaluate a model or checkpoint with pass@k or cons@k"),
+    "demo": ("posttrain.demo", "offline end-to-end demo: tiny model, SFT, then GRPO on arithmetic"),
+    "export": ("posttrain.export", "export a training checkpoint as a Hugging Face model directory"),
+    "create-model": ("posttrain.models.build", "create a tiny from-config model + tokenizer directory"),
+}
+
+CONFIG_COMMANDS = ("sft", "grpo", "dpo", "rm", "eval")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        if name in CONFIG_COMMANDS:
+            sub.add_argument("--config", required=True, help="YAML config file (may use `defaults:`)")
+            sub.add_argument("--help-config", action="store_true", help="list every config key and exit")
+            sub.add_argument("overrides", nargs="*", help="overrides: a.b=1, +a.c=2, ++a.d=3, ~a.e")
+        elif name == "demo":
+            sub.add_argument("--out", default=None, help="run directory (default results/demo-<time>)")
+            sub.add_argument("overrides", nargs="*", help="overrides of the demo config")
+        elif name == "export":
+            sub.add_argument("checkpoint_dir", help="a checkpoint directory (step_N) of a posttrain run")
+            sub.add_argument("out_dir", help="where to write the Hugging Face directory")
+        elif name == "create-model":
+            sub.add_argument("out_dir", help="where to write the model and tokenizer")
+            sub.add_argument("overrides", nargs="*", help="architecture overrides, e.g. hidden_size=256")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    module_name = COMMANDS[args.command][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name:
+            raise
+        print(f"posttrain {args.command}: not available yet (its module {module_name} has not landed)",
+              file=sys.stderr)
+        return 2
+    return int(module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Models: the trainable policy, generation backends, and the offline tiny-model builder."""
