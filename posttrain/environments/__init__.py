@@ -1,0 +1,20 @@
+"""Environments score rollouts: math (math-verify), exact match, a sliding-tile game, a code tool, a reward model."""
+
+from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn
+from posttrain.environments.registry import (
+    EnvironmentConfig,
+    EnvironmentPool,
+    create_environments,
+    register_environment,
+    resolve_environment_class,
+)
+
+__all__ = [
+    "EnvironmentConfig",
+    "EnvironmentInterface",
+    "EnvironmentPool",
+    "EnvironmentReturn",
+    "create_environments",
+    "register_environment",
+    "resolve_environment_class",
+]

@@ -1,0 +1,52 @@
+"""The environment contract: `step(message_logs, metadata) -> EnvironmentReturn`, one call per turn for a batch."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Message = dict[str, Any]  # {"role": ..., "content": ..., optional "token_ids"}
+
+
+@dataclass
+class EnvironmentReturn:
+    """What an environment answers for a batch of B samples after one assistant turn."""
+
+    observations: list[Message]  # the next message of each sample (role "environment" or "tool")
+    metadata: list[dict[str, Any]]  # per-sample state carried to the next turn
+    next_stop_strings: list[list[str] | None]  # stop strings for each sample's next generation
+    rewards: torch.Tensor  # [B] float, reward earned by this turn
+    terminateds: torch.Tensor  # [B] bool, the episode ended
+    answers: list[str | None]  # the answer extracted from the response, for cons@k and logging
+    num_errors: int = 0  # reward functions that raised or timed out (each scored 0)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EnvironmentInterface(abc.ABC):
+    """An environment scores (and may answer) the last assistant message of each conversation."""
+
+    @abc.abstractmethod
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        """Score one turn: `message_logs[i]` ends with the assistant's latest message."""
+
+    def global_post_process_and_metrics(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+        """Post-process a finished rollout batch and return environment-level metrics (default: none)."""
+        return batch, {}
+
+
+def last_assistant_text(message_log: list[Message]) -> str:
+    """The content of the last assistant message ('' when there is none)."""
+    for message in reversed(message_log):
+        if message["role"] == "assistant":
+            return message["content"]
+    return ""
+
+
+def strip_special_tokens(text: str, special_tokens: tuple[str, ...] = ("<eos>", "</s>", "<|im_end|>", "<|endoftext|>")) -> str:
+    """The response without trailing end-of-sequence markers, stripped of surrounding whitespace."""
+    for token in special_tokens:
+        text = text.replace(token, "")
+    return text.strip()
