@@ -1,0 +1,120 @@
+"""Model and tokenizer loading for every backend, and tiny seeded models built from an architecture config.
+
+`build_model_dir` is the documented way to create an offline Hugging Face model directory to start from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+)
+
+from posttrain.models.tokenizer import build_char_tokenizer
+
+ARCHITECTURES: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+
+
+@dataclass
+class ModelFromConfig:
+    """A decoder-only model with seeded random weights and the built-in character tokenizer."""
+
+    architecture: str = field(default="qwen2", metadata={"help": "Model family: 'qwen2' or 'llama'."})
+    hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
+    num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
+    num_attention_heads: int = field(default=4, metadata={"help": "Number of query heads per layer."})
+    num_key_value_heads: int | None = field(
+        default=None,
+        metadata={"help": "Key/value heads (grouped-query attention); None = num_attention_heads."},
+    )
+    intermediate_size: int = field(default=512, metadata={"help": "Hidden width of the MLP."})
+    max_position_embeddings: int = field(
+        default=512, metadata={"help": "Longest sequence the model supports."}
+    )
+    tie_word_embeddings: bool = field(
+        default=True, metadata={"help": "Share the input embedding and the output projection."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the random initial weights."})
+
+    def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:
+            raise ValueError(
+                f"model.from_config.architecture={self.architecture!r} is not one of {sorted(ARCHITECTURES)}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.from_config.hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        num_kv_heads = self.num_key_value_heads or self.num_attention_heads
+        if self.num_attention_heads % num_kv_heads:
+            raise ValueError(
+                f"model.from_config.num_attention_heads={self.num_attention_heads} is not divisible by "
+                f"num_key_value_heads={num_kv_heads}"
+            )
+
+
+def make_hf_config(cfg: ModelFromConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+    """The transformers config of `cfg`, with vocabulary size and special ids taken from `tokenizer`."""
+    config_class = ARCHITECTURES[cfg.architecture]
+    return config_class(
+        vocab_size=len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads or cfg.num_attention_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
+    """Write a Hugging Face directory (safetensors weights, config, tokenizer) of a seeded random model.
+
+    The same `cfg` (seed included) always gives identical weights. Returns the directory.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = build_char_tokenizer()
+    hf_config = make_hf_config(cfg, tokenizer)
+    # Seed a private generator state so the caller's global RNG stream is left as it was.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(out_dir, safe_serialization=True)
+        tokenizer.save_pretrained(out_dir)
+    except OSError as error:
+        raise OSError(f"could not write the model directory {out_dir}: {error}") from error
+    return out_dir
+
+
+def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """A causal LM from a local Hugging Face directory or a hub name, in `dtype`."""
+    return AutoModelForCausalLM.from_pretrained(str(path_or_name), dtype=dtype)
+
+
+def load_tokenizer(path_or_name: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local directory or hub name; a missing pad token falls back to the eos token."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path_or_name))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {path_or_name} has neither a pad token nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

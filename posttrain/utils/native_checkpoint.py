@@ -1,0 +1,329 @@
+"""Checkpoint mechanism: sharded model/optimizer state with torch.distributed.checkpoint (DCP), scheduler and
+run state beside it, per-rank RNG states, and export to a Hugging Face directory. Nothing here unpickles.
+
+Layout of a checkpoint directory: `model/` and `optim/` (DCP), `scheduler.json`, `extra_state.json`,
+`hf_config/` (the model's config.json), `tokenizer/`, `rng/rank_N.safetensors`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+HF_CONFIG_DIR = "hf_config"
+TOKENIZER_DIR = "tokenizer"
+RNG_DIR = "rng"
+SCHEDULER_FILE = "scheduler.json"
+EXTRA_STATE_FILE = "extra_state.json"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permission, a file in the way); names the path."""
+
+
+# -- process-group helpers -----------------------------------------------------------------------------
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _is_distributed() else 0
+
+
+def _on_rank0(action: Callable[[], None], what: str) -> None:
+    """Run `action` on rank 0 only; every rank raises if it failed there (so no rank waits forever)."""
+    failure: Exception | None = None
+    error = None
+    if _rank() == 0:
+        try:
+            action()
+        except Exception as exc:  # any failure must reach the other ranks, not only OSError
+            failure, error = exc, f"{what}: {type(exc).__name__}: {exc}"
+    if _is_distributed():
+        message = [error]
+        dist.broadcast_object_list(message, src=0)  # our own strings between our own ranks
+        error = message[0]
+    if error is not None:
+        raise CheckpointWriteError(error) from failure
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns on every single-process call, which is an intended use here (reshard to 1, export)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _dcp_save(state_dict: dict[str, Any], path: Path) -> None:
+    try:
+        with _quiet_single_process():
+            dcp.save(state_dict, checkpoint_id=path, no_dist=not _is_distributed())
+    except (OSError, CheckpointException) as exc:
+        raise CheckpointWriteError(f"could not write the checkpoint shard directory {path}: {exc}") from exc
+
+
+def _require_dcp(path: Path) -> Path:
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no DCP checkpoint at {path} (missing {path / '.metadata'})")
+    return path
+
+
+def _dcp_load(state_dict: dict[str, Any], path: Path) -> None:
+    _require_dcp(path)
+    with _quiet_single_process():
+        dcp.load(state_dict, checkpoint_id=path, no_dist=not _is_distributed())
+
+
+def _write_json(data: Any, path: Path) -> None:
+    try:
+        text = json.dumps(data, indent=1)
+    except TypeError as exc:
+        raise TypeError(f"state for {path} is not JSON-serialisable: {exc}") from exc
+    path.write_text(text)
+
+
+# -- save / load -----------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    path: str | Path,
+    tokenizer: Any | None = None,
+    extra_state: dict | None = None,
+) -> None:
+    """Save model, optimizer (DCP, sharded as the model is) and scheduler state under `path`.
+
+    Collective over the default process group (or a plain single process). Rank 0 also writes the
+    scheduler state, `extra_state` (JSON), the model's HF config and the tokenizer.
+    """
+    path = Path(path)
+    _on_rank0(
+        lambda: path.mkdir(parents=True, exist_ok=True), f"could not create checkpoint directory {path}"
+    )
+    _dcp_save(get_model_state_dict(model), path / MODEL_DIR)
+    if optimizer is not None:
+        _dcp_save(get_optimizer_state_dict(model, optimizer), path / OPTIM_DIR)
+    _on_rank0(
+        lambda: _write_rank0_files(model, scheduler, path, tokenizer, extra_state),
+        f"could not write checkpoint files under {path}",
+    )
+
+
+def _write_rank0_files(
+    model: torch.nn.Module, scheduler: Any | None, path: Path, tokenizer: Any | None, extra_state: dict | None
+) -> None:
+    if scheduler is not None:
+        _write_json(scheduler.state_dict(), path / SCHEDULER_FILE)
+    if extra_state is not None:
+        _write_json(extra_state, path / EXTRA_STATE_FILE)
+    hf_config = getattr(model, "config", None)
+    if hasattr(hf_config, "save_pretrained"):
+        hf_config.save_pretrained(path / HF_CONFIG_DIR)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path / TOKENIZER_DIR)
+
+
+def load_checkpoint(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, path: str | Path
+) -> dict | None:
+    """Restore what save_checkpoint wrote into `model`/`optimizer`/`scheduler` (collective).
+
+    The number of ranks may differ from the save (DCP reshards). Returns the saved `extra_state` or None.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    model_state = get_model_state_dict(model)
+    _dcp_load(model_state, path / MODEL_DIR)
+    set_model_state_dict(model, model_state)
+    if optimizer is not None:
+        # A fresh optimizer gets its state initialised here, so the loaded state has somewhere to go.
+        optim_state = get_optimizer_state_dict(model, optimizer)
+        _dcp_load(optim_state, path / OPTIM_DIR)
+        set_optimizer_state_dict(model, optimizer, optim_state)
+    if scheduler is not None:
+        scheduler.load_state_dict(_read_json(path / SCHEDULER_FILE))
+    extra_file = path / EXTRA_STATE_FILE
+    return _read_json(extra_file) if extra_file.is_file() else None
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file {path} is missing")
+    return json.loads(path.read_text())
+
+
+# -- RNG state of every rank -------------------------------------------------------------------------
+
+
+def _rng_file(path: str | Path, rank: int) -> Path:
+    return Path(path) / RNG_DIR / f"rank_{rank}.safetensors"
+
+
+def save_rng_state(path: str | Path, rank: int) -> Path:
+    """Write this process's python, numpy and torch (CPU and CUDA) RNG states to `<path>/rng/rank_N.safetensors`."""
+    file = _rng_file(path, rank)
+    py_version, py_keys, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors = {
+        "python": torch.tensor(py_keys, dtype=torch.int64),  # [625]
+        "numpy": torch.from_numpy(np_keys.astype(np.int64)),  # [624]
+        "torch_cpu": torch.get_rng_state(),  # uint8 bytes
+    }
+    if torch.cuda.is_available():
+        for index, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{index}"] = state
+    scalars = {
+        "python_version": py_version,
+        "python_gauss": py_gauss,
+        "numpy_kind": np_kind,
+        "numpy_pos": int(np_pos),
+        "numpy_has_gauss": int(np_has_gauss),
+        "numpy_gauss": float(np_gauss),
+    }
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(file), metadata={"scalars": json.dumps(scalars)})
+    except OSError as exc:
+        raise CheckpointWriteError(f"could not write RNG state {file}: {exc}") from exc
+    return file
+
+
+def load_rng_state(path: str | Path, rank: int) -> None:
+    """Restore the RNG states that save_rng_state wrote for `rank`."""
+    file = _rng_file(path, rank)
+    if not file.is_file():
+        raise FileNotFoundError(f"no RNG state for rank {rank}: {file} is missing")
+    tensors = load_file(str(file))
+    with open(file, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        scalars = json.loads(json.loads(handle.read(header_size))["__metadata__"]["scalars"])
+    random.setstate((scalars["python_version"], tuple(tensors["python"].tolist()), scalars["python_gauss"]))
+    np.random.set_state(
+        (
+            scalars["numpy_kind"],
+            tensors["numpy"].numpy().astype(np.uint32),
+            scalars["numpy_pos"],
+            scalars["numpy_has_gauss"],
+            scalars["numpy_gauss"],
+        )
+    )
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            if f"torch_cuda_{index}" in tensors:
+                torch.cuda.set_rng_state(tensors[f"torch_cuda_{index}"], device=index)
+
+
+# -- Hugging Face export ----------------------------------------------------------------------------
+
+
+def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """An HF causal LM of `model_config` with uninitialised CPU weights in `dtype` (no random init cost)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty un-ties shared parameters
+    return model
+
+
+def _weights_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """The dtype the weights were trained in: that of the first floating-point tensor."""
+    return next((dtype for dtype in dtypes if dtype.is_floating_point), torch.float32)
+
+
+def _model_with_weights(full_state: dict[str, torch.Tensor], model_config: Any) -> torch.nn.Module:
+    model = _empty_model(model_config, _weights_dtype([t.dtype for t in full_state.values()]))
+    missing, unexpected = model.load_state_dict(full_state, strict=False)
+    tied = {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied or unexpected:
+        raise KeyError(
+            f"state dict does not match the model config: missing {missing}, unexpected {unexpected}"
+        )
+    model.tie_weights()
+    return model
+
+
+def _write_hf_dir(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+
+
+def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, model_config: Any) -> Path:
+    """Gather the full weights on rank 0 and write a Hugging Face directory there (collective)."""
+    out_dir = Path(out_dir)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full_state = get_model_state_dict(model, options=options)  # full on rank 0, empty on the others
+    _on_rank0(
+        lambda: _write_hf_dir(_model_with_weights(full_state, model_config), tokenizer, out_dir),
+        f"could not export the Hugging Face directory {out_dir}",
+    )
+    return out_dir
+
+
+def export_checkpoint_to_hf(
+    checkpoint_dir: str | Path, out_dir: str | Path, base_model_dir: str | Path | None = None
+) -> Path:
+    """`posttrain export`: a Hugging Face directory from a checkpoint's DCP model weights (one process).
+
+    The model config and tokenizer come from the checkpoint (`hf_config/`, `tokenizer/`), else from
+    `base_model_dir`.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
+    model_dir = _require_dcp(checkpoint_dir / MODEL_DIR)
+    config_dir = _pick_dir(checkpoint_dir / HF_CONFIG_DIR, base_model_dir, "config")
+    tokenizer_dir = _pick_dir(checkpoint_dir / TOKENIZER_DIR, base_model_dir, "tokenizer")
+    saved = dcp.FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    dtypes = [entry.properties.dtype for entry in saved.values() if hasattr(entry, "properties")]
+    model = _empty_model(AutoConfig.from_pretrained(config_dir), _weights_dtype(dtypes))
+    state = model.state_dict()  # tied weights appear under both names, sharing one tensor
+    _dcp_load(state, model_dir)
+    model.load_state_dict(state)
+    model.tie_weights()
+    try:
+        _write_hf_dir(model, AutoTokenizer.from_pretrained(tokenizer_dir), out_dir)
+    except OSError as exc:
+        raise CheckpointWriteError(f"could not export the Hugging Face directory {out_dir}: {exc}") from exc
+    return out_dir
+
+
+def _pick_dir(saved: Path, base_model_dir: str | Path | None, what: str) -> str:
+    if saved.is_dir():
+        return str(saved)
+    if base_model_dir is not None:
+        return str(base_model_dir)
+    raise FileNotFoundError(
+        f"the checkpoint has no {what} ({saved} is missing) and no base model dir was given"
+    )
