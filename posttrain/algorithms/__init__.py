@@ -1,0 +1,1 @@
+"""Training algorithms: the pure math (`loss.py`, `advantages.py`) and one loop module per algorithm."""

@@ -1,0 +1,459 @@
+"""Loss functions called by the training worker once per micro-batch: NLL (SFT), the clipped policy
+gradient (GRPO/DAPO/GSPO options), DPO and Bradley-Terry (reward model).
+
+Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
+- `logprobs [B, T]`: position t holds log p(token t | tokens < t), position 0 is 0 (`scores [B]` for the
+  reward model). `data` holds `input_ids [B, T]`, `token_mask [B, T]`, `sample_mask [B]` (optional,
+  default 1) and what the loss needs (`advantages`, `prev_logprobs`, `generation_logprobs`,
+  `reference_policy_logprobs`, all [B, T]).
+- `global_valid_toks` = sum of token_mask * sample_mask over the GLOBAL batch, `global_valid_seqs` = sum
+  of sample_mask over the global batch. Every loss divides by these, so the sum of the micro-batch losses
+  over micro-batches and data-parallel ranks is the loss of the global batch (and so is the gradient).
+- Metrics are floats already divided by the global counts, so that SUMMING them over micro-batches and
+  ranks gives the global value; the only exceptions are keys ending in `_min` / `_max`, this micro-batch's
+  extremes, which must be reduced with min / max (`reduce_loss_metrics` does both).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.algorithms.advantages import kl_estimate
+
+Count = torch.Tensor | float | int
+LossOutput = tuple[torch.Tensor, dict[str, float]]
+
+
+# -- shared helpers ---------------------------------------------------------------------------------
+
+
+def _require(data: Mapping[str, Any], key: str, loss_name: str) -> torch.Tensor:
+    """data[key], or a KeyError naming the loss and the missing key."""
+    if key not in data:
+        raise KeyError(f"{loss_name} needs '{key}' in the micro-batch; it has {sorted(data.keys())}")
+    return data[key]
+
+
+def _valid_token_mask(data: Mapping[str, Any], like: torch.Tensor, loss_name: str) -> torch.Tensor:
+    """token_mask * sample_mask as float on like's device: [B, T]."""
+    token_mask = _require(data, "token_mask", loss_name).to(like.device).float()  # [B, T]
+    return token_mask * _sample_mask(data, like).unsqueeze(1)  # [B, T]
+
+
+def _sample_mask(data: Mapping[str, Any], like: torch.Tensor) -> torch.Tensor:
+    """sample_mask [B] as float (all ones when absent)."""
+    if "sample_mask" not in data:
+        return torch.ones(like.shape[0], device=like.device)
+    return data["sample_mask"].to(like.device).float()  # [B]
+
+
+def _count(value: Count, like: torch.Tensor) -> torch.Tensor:
+    """A global count as a float tensor, at least 1 so that an empty batch gives 0 rather than NaN."""
+    return torch.as_tensor(value, dtype=torch.float32, device=like.device).clamp(min=1.0)
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def _pair_halves(values: torch.Tensor, loss_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved pairs [2P, ...] -> (chosen rows 0, 2, 4..., rejected rows 1, 3, 5...), each [P, ...]."""
+    if values.shape[0] % 2:
+        raise ValueError(
+            f"{loss_name}: pairs are interleaved (row 2i chosen, 2i+1 rejected), got an odd batch of "
+            f"{values.shape[0]} rows"
+        )
+    return values[0::2], values[1::2]
+
+
+def reduce_loss_metrics(per_microbatch: list[dict[str, float]]) -> dict[str, float]:
+    """Combine metrics of several micro-batches (or ranks): sum, except `*_min` -> min and `*_max` -> max."""
+    reduced: dict[str, float] = {}
+    for metrics in per_microbatch:
+        for key, value in metrics.items():
+            if key not in reduced:
+                reduced[key] = value
+            elif key.endswith("_min"):
+                reduced[key] = min(reduced[key], value)
+            elif key.endswith("_max"):
+                reduced[key] = max(reduced[key], value)
+            else:
+                reduced[key] += value
+    return reduced
+
+
+# -- NLL ------------------------------------------------------------------------------------------
+
+
+class NLLLoss:
+    """Supervised fine-tuning: -sum(logprobs * mask) / global_valid_toks.
+
+    Metrics (sums): loss; num_valid_tokens, this micro-batch's count of trained tokens."""
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        mask = _valid_token_mask(data, logprobs, "NLLLoss")  # [B, T]
+        loss = -_masked_sum(logprobs.float(), mask) / _count(global_valid_toks, logprobs)
+        return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(mask.sum())}
+
+
+# -- clipped policy gradient ----------------------------------------------------------------------
+
+
+@dataclass
+class ClippedPGLossConfig:
+    """Options of the clipped policy-gradient loss (PPO/GRPO, with DAPO and GSPO variants)."""
+
+    ratio_clip_min: float = field(
+        default=0.2, metadata={"help": "epsilon_low: the ratio is clipped below at 1 - ratio_clip_min"}
+    )
+    ratio_clip_max: float = field(
+        default=0.2,
+        metadata={
+            "help": "epsilon_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: > min)"
+        },
+    )
+    ratio_clip_c: float | None = field(
+        default=None,
+        metadata={
+            "help": "dual clip for negative advantages: per-token loss capped at -c * A (c > 1); None = off"
+        },
+    )
+    reference_policy_kl_penalty: float = field(
+        default=0.0,
+        metadata={"help": "beta: weight of the per-token KL(pi || pi_ref) added to the loss; 0 = off"},
+    )
+    kl_type: Literal["k1", "k2", "k3"] = field(
+        default="k3", metadata={"help": "KL estimator: k1 = log ratio, k2 = squared/2, k3 = exp(-x) + x - 1"}
+    )
+    kl_input_clamp_value: float | None = field(
+        default=20.0, metadata={"help": "clamp the log ratio to [-v, v] before the KL estimator; None = off"}
+    )
+    kl_output_clamp_value: float | None = field(
+        default=10.0, metadata={"help": "clamp the per-token KL estimate to [-v, v]; None = off"}
+    )
+    token_level_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "True: mean over all valid tokens of the global batch; False: mean over tokens per "
+            "sequence, then mean over sequences"
+        },
+    )
+    sequence_level_importance_ratios: bool = field(
+        default=False,
+        metadata={
+            "help": "GSPO: one ratio per sequence, exp(mean over its tokens of logprobs - prev_logprobs); "
+            "needs token_level_loss=False"
+        },
+    )
+    use_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={
+            "help": "weight each token's loss by exp(prev_logprobs - generation_logprobs) (training vs "
+            "generation engine mismatch)"
+        },
+    )
+    truncated_importance_sampling_ratio: float | None = field(
+        default=None,
+        metadata={"help": "upper bound of that importance weight (truncated IS); None = no bound"},
+    )
+    force_on_policy_ratio: bool = field(
+        default=False,
+        metadata={
+            "help": "use ratio = exp(logprobs - logprobs.detach()) (== 1, gradient of plain REINFORCE), "
+            "ignoring prev_logprobs"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.ratio_clip_min < 0 or self.ratio_clip_max < 0:
+            raise ValueError(
+                f"ratio_clip_min={self.ratio_clip_min} and ratio_clip_max={self.ratio_clip_max} must be >= 0"
+            )
+        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
+            raise ValueError(f"ratio_clip_c={self.ratio_clip_c} must be > 1 (or None to turn dual clip off)")
+        if self.kl_type not in ("k1", "k2", "k3"):
+            raise ValueError(f"kl_type must be 'k1', 'k2' or 'k3', got {self.kl_type!r}")
+        if self.sequence_level_importance_ratios and self.token_level_loss:
+            raise ValueError("sequence_level_importance_ratios (GSPO) needs token_level_loss=False")
+
+
+class ClippedPGLoss:
+    """Clipped policy gradient, per token t of sample i with ratio r = pi(t) / pi_prev(t), advantage A:
+
+        L_t = w_t * (max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) + beta * KL_t)
+
+    PPO (Schulman et al. 2017, arXiv:1707.06347) as GRPO uses it (arXiv:2402.03300), with: dual clip for
+    A < 0 (L capped at -c A, arXiv:1912.09729); DAPO's clip-higher (arXiv:2503.14476); GSPO's
+    sequence-level ratio (arXiv:2507.18071); w_t the optional truncated importance weight
+    exp(prev - generation logprobs), which also weights the KL term. The reduction is a mean over the
+    global batch's valid tokens (token_level_loss) or a mean over tokens per sequence then over sequences.
+
+    Metrics (sums unless noted): loss; probs_ratio_mean (over valid tokens); probs_ratio_min and
+    probs_ratio_max (micro-batch extremes, reduce with min/max); clip_fraction (tokens with r outside the
+    clip range); kl (mean KL estimate); kl_penalty (beta * kl); approx_entropy (-mean logprob of the
+    sampled tokens); is_weight_mean; token_mult_prob_error (mean exp(|prev - generation logprobs|), 1.0
+    when the micro-batch has no generation_logprobs).
+    """
+
+    def __init__(self, cfg: ClippedPGLossConfig | None = None) -> None:
+        self.cfg = cfg or ClippedPGLossConfig()
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        logprobs = logprobs.float()  # [B, T]
+        mask = _valid_token_mask(data, logprobs, "ClippedPGLoss")  # [B, T]
+        advantages = _require(data, "advantages", "ClippedPGLoss").to(logprobs.device).float()  # [B, T]
+        ratio = self._ratio(logprobs, data, mask)  # [B, T]
+        clipped_ratio = ratio.clamp(1.0 - self.cfg.ratio_clip_min, 1.0 + self.cfg.ratio_clip_max)
+        pg_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)  # [B, T]
+        if self.cfg.ratio_clip_c is not None:
+            dual_clipped = torch.minimum(pg_loss, -advantages * self.cfg.ratio_clip_c)
+            pg_loss = torch.where(advantages < 0, dual_clipped, pg_loss)
+        kl = self._kl(logprobs, data)  # [B, T]
+        is_weight = self._importance_weight(data, logprobs)  # [B, T]
+        token_loss = is_weight * (pg_loss + self.cfg.reference_policy_kl_penalty * kl)  # [B, T]
+        loss = self._reduce(token_loss, mask, data, global_valid_seqs, global_valid_toks)
+        num_toks = _count(global_valid_toks, logprobs)
+        metrics = self._ratio_metrics(ratio.detach(), mask, num_toks)
+        metrics.update(self._other_metrics(logprobs.detach(), kl.detach(), is_weight, data, mask, num_toks))
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics
+
+    def _ratio(self, logprobs: torch.Tensor, data: Mapping[str, Any], mask: torch.Tensor) -> torch.Tensor:
+        """Importance ratio pi / pi_prev per token [B, T] (per sequence, broadcast, for GSPO)."""
+        if self.cfg.force_on_policy_ratio:
+            return torch.exp(logprobs - logprobs.detach())  # [B, T], == 1 with the policy's gradient
+        prev_logprobs = _require(data, "prev_logprobs", "ClippedPGLoss").to(logprobs.device).float()
+        log_ratio = logprobs - prev_logprobs  # [B, T]
+        if self.cfg.sequence_level_importance_ratios:
+            num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]
+            sequence_log_ratio = (log_ratio * mask).sum(dim=1) / num_tokens  # [B]
+            log_ratio = sequence_log_ratio.unsqueeze(1).expand_as(log_ratio)  # [B, T]
+        return torch.exp(log_ratio)  # [B, T]
+
+    def _kl(self, logprobs: torch.Tensor, data: Mapping[str, Any]) -> torch.Tensor:
+        """Per-token KL estimate to the reference policy [B, T]; zeros when the penalty is off."""
+        if self.cfg.reference_policy_kl_penalty == 0 and "reference_policy_logprobs" not in data:
+            return torch.zeros_like(logprobs)
+        ref_logprobs = _require(data, "reference_policy_logprobs", "ClippedPGLoss").to(logprobs.device)
+        return kl_estimate(
+            logprobs,
+            ref_logprobs,
+            self.cfg.kl_type,
+            self.cfg.kl_input_clamp_value,
+            self.cfg.kl_output_clamp_value,
+        )
+
+    def _importance_weight(self, data: Mapping[str, Any], like: torch.Tensor) -> torch.Tensor:
+        """Detached exp(prev - generation logprobs), truncated above [B, T]; ones when the correction is off."""
+        if not self.cfg.use_importance_sampling_correction:
+            return torch.ones_like(like)
+        prev_logprobs = _require(data, "prev_logprobs", "ClippedPGLoss").to(like.device).float()
+        generation_logprobs = _require(data, "generation_logprobs", "ClippedPGLoss").to(like.device).float()
+        weight = torch.exp(prev_logprobs - generation_logprobs).detach()  # [B, T]
+        if self.cfg.truncated_importance_sampling_ratio is not None:
+            weight = weight.clamp(max=self.cfg.truncated_importance_sampling_ratio)
+        return weight
+
+    def _reduce(
+        self,
+        token_loss: torch.Tensor,
+        mask: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> torch.Tensor:
+        """Token level: sum / global tokens. Sequence level: per-sequence token mean, summed / global seqs."""
+        if self.cfg.token_level_loss:
+            return _masked_sum(token_loss, mask) / _count(global_valid_toks, token_loss)
+        num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]
+        sequence_loss = (token_loss * mask).sum(dim=1) / num_tokens  # [B]
+        sample_mask = _sample_mask(data, token_loss)  # [B]
+        return (sequence_loss * sample_mask).sum() / _count(global_valid_seqs, token_loss)
+
+    def _ratio_metrics(
+        self, ratio: torch.Tensor, mask: torch.Tensor, num_toks: torch.Tensor
+    ) -> dict[str, float]:
+        valid = mask > 0  # [B, T]
+        outside = (ratio < 1.0 - self.cfg.ratio_clip_min) | (ratio > 1.0 + self.cfg.ratio_clip_max)
+        has_tokens = bool(valid.any())
+        return {
+            "probs_ratio_mean": float(_masked_sum(ratio, mask) / num_toks),
+            "probs_ratio_min": float(ratio[valid].min()) if has_tokens else float("inf"),
+            "probs_ratio_max": float(ratio[valid].max()) if has_tokens else float("-inf"),
+            "clip_fraction": float(_masked_sum(outside.float(), mask) / num_toks),
+        }
+
+    def _other_metrics(
+        self,
+        logprobs: torch.Tensor,
+        kl: torch.Tensor,
+        is_weight: torch.Tensor,
+        data: Mapping[str, Any],
+        mask: torch.Tensor,
+        num_toks: torch.Tensor,
+    ) -> dict[str, float]:
+        kl_mean = float(_masked_sum(kl, mask) / num_toks)
+        return {
+            "kl": kl_mean,
+            "kl_penalty": self.cfg.reference_policy_kl_penalty * kl_mean,
+            "approx_entropy": float(-_masked_sum(logprobs, mask) / num_toks),
+            "is_weight_mean": float(_masked_sum(is_weight, mask) / num_toks),
+            "token_mult_prob_error": float(
+                _masked_sum(token_mult_prob_error(data, logprobs), mask) / num_toks
+            ),
+        }
+
+
+def token_mult_prob_error(data: Mapping[str, Any], like: torch.Tensor) -> torch.Tensor:
+    """exp(|prev_logprobs - generation_logprobs|) per token [B, T]; ones where either is missing."""
+    if "prev_logprobs" not in data or "generation_logprobs" not in data:
+        return torch.ones_like(like)
+    difference = (
+        data["prev_logprobs"].to(like.device).float() - data["generation_logprobs"].to(like.device).float()
+    )
+    return torch.exp(difference.abs())  # [B, T]
+
+
+# -- preference losses ----------------------------------------------------------------------------
+
+
+@dataclass
+class DPOLossConfig:
+    """Options of the DPO loss."""
+
+    reference_policy_kl_penalty: float = field(
+        default=0.1, metadata={"help": "beta: scale of the implicit reward beta * (log pi - log pi_ref)"}
+    )
+    preference_average_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "sequence log-prob = mean (not sum) of the response's token logprobs in the preference term"
+        },
+    )
+    preference_loss_weight: float = field(
+        default=1.0, metadata={"help": "weight of the preference (DPO) term"}
+    )
+    sft_loss_weight: float = field(
+        default=0.0, metadata={"help": "weight of an NLL term on the chosen response; 0 = off"}
+    )
+    sft_average_log_probs: bool = field(
+        default=False, metadata={"help": "the SFT term uses the mean (not sum) of the chosen token logprobs"}
+    )
+
+
+def _sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average: bool) -> torch.Tensor:
+    """Sum (or mean) over trained tokens: [B, T] -> [B]."""
+    total = (logprobs * token_mask).sum(dim=1)  # [B]
+    return total / token_mask.sum(dim=1).clamp(min=1.0) if average else total
+
+
+def _pair_mask(data: Mapping[str, Any], like: torch.Tensor, loss_name: str) -> torch.Tensor:
+    """1 for pairs whose chosen and rejected rows are both valid: [P]."""
+    chosen_mask, rejected_mask = _pair_halves(_sample_mask(data, like), loss_name)
+    return chosen_mask * rejected_mask  # [P]
+
+
+class DPOLoss:
+    """Direct preference optimisation (Rafailov et al. 2023, arXiv:2305.18290).
+
+    Rows are interleaved pairs: row 2i is the chosen response of pair i and row 2i+1 its rejected one, and
+    both rows of a pair carry the same sample_mask. With the implicit reward
+    r = beta * (log pi(y) - log pi_ref(y)), log pi(y) the sum (or mean) of the response's token logprobs:
+
+        loss = sum over pairs of [w_pref * -log sigmoid(r_c - r_r) + w_sft * -log pi(y_c)] / global pairs
+
+    where global pairs = global_valid_seqs / 2. Metrics (sums): loss, preference_loss, sft_loss, accuracy
+    (fraction of pairs with r_c > r_r), rewards_chosen_mean, rewards_rejected_mean.
+    """
+
+    def __init__(self, cfg: DPOLossConfig | None = None) -> None:
+        self.cfg = cfg or DPOLossConfig()
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        logprobs = logprobs.float()  # [B, T]
+        token_mask = _require(data, "token_mask", "DPOLoss").to(logprobs.device).float()  # [B, T]
+        ref_logprobs = _require(data, "reference_policy_logprobs", "DPOLoss").to(logprobs.device).float()
+        pair_mask = _pair_mask(data, logprobs, "DPOLoss")  # [P]
+        num_pairs = _count(torch.as_tensor(global_valid_seqs, dtype=torch.float32) / 2, logprobs)
+        average = self.cfg.preference_average_log_probs
+        log_ratio = _sequence_logprobs(logprobs, token_mask, average) - _sequence_logprobs(
+            ref_logprobs, token_mask, average
+        )  # [B]
+        rewards_chosen, rewards_rejected = _pair_halves(
+            self.cfg.reference_policy_kl_penalty * log_ratio, "DPOLoss"
+        )
+        preference_loss = (-F.logsigmoid(rewards_chosen - rewards_rejected) * pair_mask).sum() / num_pairs
+        chosen_logprobs, _ = _pair_halves(
+            _sequence_logprobs(logprobs, token_mask, self.cfg.sft_average_log_probs), "DPOLoss"
+        )  # [P]
+        sft_loss = (-chosen_logprobs * pair_mask).sum() / num_pairs
+        loss = self.cfg.preference_loss_weight * preference_loss + self.cfg.sft_loss_weight * sft_loss
+        metrics = _pair_metrics(rewards_chosen.detach(), rewards_rejected.detach(), pair_mask, num_pairs)
+        metrics.update(
+            loss=float(loss.detach()),
+            preference_loss=float(preference_loss.detach()),
+            sft_loss=float(sft_loss.detach()),
+        )
+        return loss, metrics
+
+
+def _pair_metrics(
+    rewards_chosen: torch.Tensor,
+    rewards_rejected: torch.Tensor,
+    pair_mask: torch.Tensor,
+    num_pairs: torch.Tensor,
+) -> dict[str, float]:
+    """accuracy, rewards_chosen_mean, rewards_rejected_mean as sums over this micro-batch / global pairs."""
+    return {
+        "accuracy": float(((rewards_chosen > rewards_rejected).float() * pair_mask).sum() / num_pairs),
+        "rewards_chosen_mean": float((rewards_chosen * pair_mask).sum() / num_pairs),
+        "rewards_rejected_mean": float((rewards_rejected * pair_mask).sum() / num_pairs),
+    }
+
+
+class BradleyTerryLoss:
+    """Reward-model loss on interleaved pairs of scalar scores (row 2i chosen, 2i+1 rejected):
+
+        loss = sum over pairs of -log sigmoid(s_c - s_r) / global pairs, global pairs = global_valid_seqs / 2
+
+    The first argument is `scores [B]` (or [B, 1]), not logprobs. Metrics (sums): loss, accuracy (fraction
+    of pairs with s_c > s_r), rewards_chosen_mean, rewards_rejected_mean.
+    """
+
+    def __call__(
+        self,
+        scores: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        scores = scores.float().reshape(scores.shape[0])  # [B]
+        pair_mask = _pair_mask(data, scores, "BradleyTerryLoss")  # [P]
+        num_pairs = _count(torch.as_tensor(global_valid_seqs, dtype=torch.float32) / 2, scores)
+        scores_chosen, scores_rejected = _pair_halves(scores, "BradleyTerryLoss")  # [P], [P]
+        loss = (-F.logsigmoid(scores_chosen - scores_rejected) * pair_mask).sum() / num_pairs
+        metrics = _pair_metrics(scores_chosen.detach(), scores_rejected.detach(), pair_mask, num_pairs)
+        metrics["loss"] = float(loss.detach())
+        return loss, metrics

@@ -1,0 +1,110 @@
+"""Advantages, KL estimators and DAPO reward helpers against hand-derived numbers."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.advantages import (
+    broadcast_advantages,
+    group_relative_advantages,
+    groups_with_signal,
+    kl_estimate,
+    overlong_filter_mask,
+    overlong_reward_penalty,
+    rloo_advantages,
+    scale_rewards,
+)
+
+
+def test_mean_baseline_divides_by_group_std_and_zero_variance_group_gets_zero():
+    """Group [1,0,0,0]: mean 0.25, deviations [.75,-.25,-.25,-.25], sample var (.5625+3*.0625)/3 = .25,
+    std .5 -> [1.5,-.5,-.5,-.5]. Group [2,2,2,2]: std 0, so no division and exactly 0."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 2, 2, 2, 2])
+    advantages = group_relative_advantages(rewards, num_generations=4, eps=0.0)
+    torch.testing.assert_close(advantages, torch.tensor([1.5, -0.5, -0.5, -0.5, 0, 0, 0, 0]))
+
+
+def test_constant_group_with_inexact_mean_gives_exact_zero():
+    """0.1 three times: the float mean may round, but the group has no signal, so all three are exactly 0."""
+    advantages = group_relative_advantages(torch.tensor([0.1, 0.1, 0.1]), num_generations=3)
+    assert torch.equal(advantages, torch.zeros(3))
+
+
+def test_mean_baseline_without_std_normalisation_is_reward_minus_mean():
+    """Group [1,0,0,0] without std: [0.75, -0.25, -0.25, -0.25]."""
+    advantages = group_relative_advantages(torch.tensor([1.0, 0, 0, 0]), 4, normalize_std=False)
+    torch.testing.assert_close(advantages, torch.tensor([0.75, -0.25, -0.25, -0.25]))
+
+
+def test_leave_one_out_baseline_and_rloo_alias():
+    """Group [1,0,0,0]: A_0 = 1 - mean(0,0,0) = 1, A_j = 0 - mean(1,0,0) = -1/3 (= 4/3 * (r - 0.25))."""
+    rewards = torch.tensor([1.0, 0, 0, 0])
+    expected = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3])
+    torch.testing.assert_close(
+        group_relative_advantages(rewards, 4, "leave_one_out", normalize_std=False), expected
+    )
+    torch.testing.assert_close(rloo_advantages(rewards, 4), expected)
+
+
+def test_group_advantages_reject_bad_group_size_and_baseline():
+    with pytest.raises(ValueError, match="num_generations=2"):
+        group_relative_advantages(torch.ones(5), 2)
+    with pytest.raises(ValueError, match="baseline"):
+        group_relative_advantages(torch.ones(4), 2, baseline="median")
+    with pytest.raises(ValueError, match="leave_one_out"):
+        group_relative_advantages(torch.ones(4), 1, baseline="leave_one_out")
+
+
+def test_broadcast_advantages_fills_trained_tokens_only():
+    token_mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    expected = torch.tensor([[0.0, 2.0, 2.0], [0.0, -1.0, 0.0]])
+    torch.testing.assert_close(broadcast_advantages(torch.tensor([2.0, -1.0]), token_mask), expected)
+
+
+def test_kl_estimators_k1_k2_k3_by_hand():
+    """x = logp - ref: x = 1 gives k1 = 1, k2 = 0.5, k3 = e^-1 + 1 - 1 = 0.367879; x = -1 gives k1 = -1,
+    k2 = 0.5, k3 = e^1 - 1 - 1 = 0.718282."""
+    logprobs, ref_logprobs = torch.tensor([[-1.0, -2.0]]), torch.tensor([[-2.0, -1.0]])
+    torch.testing.assert_close(kl_estimate(logprobs, ref_logprobs, "k1"), torch.tensor([[1.0, -1.0]]))
+    torch.testing.assert_close(kl_estimate(logprobs, ref_logprobs, "k2"), torch.tensor([[0.5, 0.5]]))
+    torch.testing.assert_close(
+        kl_estimate(logprobs, ref_logprobs, "k3"), torch.tensor([[math.exp(-1), math.e - 2]])
+    )
+
+
+def test_kl_input_and_output_clamps():
+    """x = 1 clamped to 0.5 first: k3 = e^-0.5 + 0.5 - 1 = 0.106531. k2 = 0.5 clamped at 0.3 after."""
+    logprobs, ref_logprobs = torch.tensor([[-1.0]]), torch.tensor([[-2.0]])
+    clamped_in = kl_estimate(logprobs, ref_logprobs, "k3", input_clamp_value=0.5)
+    torch.testing.assert_close(clamped_in, torch.tensor([[math.exp(-0.5) - 0.5]]))
+    clamped_out = kl_estimate(logprobs, ref_logprobs, "k2", output_clamp_value=0.3)
+    torch.testing.assert_close(clamped_out, torch.tensor([[0.3]]))
+    with pytest.raises(ValueError, match="k4"):
+        kl_estimate(logprobs, ref_logprobs, "k4")
+
+
+def test_groups_with_signal_keeps_groups_with_unequal_rewards():
+    """Groups [1,1], [0,1], [2,2] -> only the middle one has signal."""
+    mask = groups_with_signal(torch.tensor([1.0, 1, 0, 1, 2, 2]), num_generations=2)
+    assert mask.tolist() == [False, True, False]
+
+
+def test_overlong_penalty_is_zero_then_linear_then_full():
+    """max 10, buffer 4: lengths 6 -> 0; 8 -> (6 - 8) / 4 = -0.5; 10 -> -1; 12 -> -1; factor 2 doubles."""
+    lengths = torch.tensor([6, 8, 10, 12])
+    torch.testing.assert_close(overlong_reward_penalty(lengths, 10, 4), torch.tensor([0.0, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(
+        overlong_reward_penalty(lengths, 10, 4, 2.0), torch.tensor([0.0, -1.0, -2.0, -2.0])
+    )
+    with pytest.raises(ValueError, match="buffer_len=11"):
+        overlong_reward_penalty(lengths, 10, 11)
+
+
+def test_overlong_filter_masks_truncated_samples():
+    assert overlong_filter_mask(torch.tensor([True, False, True])).tolist() == [0.0, 1.0, 0.0]
+
+
+def test_scale_rewards_is_affine():
+    """[1, 0] * 2 - 1 = [1, -1]."""
+    torch.testing.assert_close(scale_rewards(torch.tensor([1.0, 0.0]), 2.0, -1.0), torch.tensor([1.0, -1.0]))

@@ -1,0 +1,347 @@
+"""Losses against hand-derived values, and micro-batch additivity (sum of micro-batch losses = global loss)."""
+
+import math
+
+import pytest
+import torch
+
+from posttrain.algorithms.loss import (
+    BradleyTerryLoss,
+    ClippedPGLoss,
+    ClippedPGLossConfig,
+    DPOLoss,
+    DPOLossConfig,
+    NLLLoss,
+    reduce_loss_metrics,
+)
+
+LN2 = math.log(2.0)
+
+
+def one_token_batch(ratio: float, advantage: float, **extra: float) -> tuple[torch.Tensor, dict]:
+    """One sample, T=2, one trained token at position 1 with prev_logprobs -1 and logprobs -1 + ln(ratio)."""
+    logprobs = torch.tensor([[0.0, -1.0 + math.log(ratio)]], requires_grad=True)
+    data = {
+        "input_ids": torch.tensor([[1, 2]]),
+        "token_mask": torch.tensor([[0, 1]]),
+        "sample_mask": torch.tensor([1]),
+        "advantages": torch.tensor([[0.0, advantage]]),
+        "prev_logprobs": torch.tensor([[0.0, -1.0]]),
+    }
+    data.update({key: torch.tensor([[0.0, value]]) for key, value in extra.items()})
+    return logprobs, data
+
+
+def pg_loss(cfg: ClippedPGLossConfig, logprobs: torch.Tensor, data: dict) -> tuple[torch.Tensor, dict]:
+    num_toks = (data["token_mask"] * data["sample_mask"].unsqueeze(1)).sum()
+    return ClippedPGLoss(cfg)(logprobs, data, data["sample_mask"].sum(), num_toks)
+
+
+def token_grad(loss: torch.Tensor, logprobs: torch.Tensor) -> float:
+    loss.backward()
+    return float(logprobs.grad[0, 1])
+
+
+# -- NLL --------------------------------------------------------------------------------------------
+
+
+def test_nll_is_negative_logprob_sum_over_global_tokens():
+    """Trained logprobs -1, -2, -3: sum 6; 3 global tokens -> 2; if the global batch has 6 tokens -> 1."""
+    logprobs = torch.tensor([[0.0, -1.0, -2.0], [0.0, -3.0, -9.0]])
+    data = {"token_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "sample_mask": torch.tensor([1, 1])}
+    loss, metrics = NLLLoss()(logprobs, data, 2, 3)
+    assert loss.item() == pytest.approx(2.0)
+    assert metrics == {"loss": pytest.approx(2.0), "num_valid_tokens": 3.0}
+    assert NLLLoss()(logprobs, data, 4, torch.tensor(6))[0].item() == pytest.approx(1.0)
+
+
+def test_nll_missing_token_mask_names_the_key():
+    with pytest.raises(KeyError, match="NLLLoss needs 'token_mask'"):
+        NLLLoss()(torch.zeros(1, 2), {"input_ids": torch.zeros(1, 2)}, 1, 1)
+
+
+# -- clipped policy gradient --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "ratio, advantage, expected_loss, expected_grad",
+    [
+        (1.5, 1.0, -1.2, 0.0),  # max(-1.5, -1.2) = -1.2, clipped: no gradient
+        (1.5, -1.0, 1.5, 1.5),  # max(1.5, 1.2) = 1.5, unclipped: d(-A r)/dlogp = -A r = 1.5
+        (0.5, 1.0, -0.5, -0.5),  # max(-0.5, -0.8) = -0.5
+        (0.5, -1.0, 0.8, 0.0),  # max(0.5, 0.8) = 0.8, clipped
+        (1.1, 1.0, -1.1, -1.1),  # inside the range
+    ],
+)
+def test_ratio_clipping_by_hand(ratio, advantage, expected_loss, expected_grad):
+    """clip 0.2: L = max(-A r, -A clip(r, 0.8, 1.2)); gradient wrt logprob is -A r where unclipped."""
+    logprobs, data = one_token_batch(ratio, advantage)
+    loss, _ = pg_loss(ClippedPGLossConfig(), logprobs, data)
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
+    assert token_grad(loss, logprobs) == pytest.approx(expected_grad, abs=1e-6)
+
+
+def test_clip_higher_uses_separate_upper_bound():
+    """ratio_clip_max 0.28: ratio 1.5, A=+1 -> -1.28; ratio 0.5, A=-1 still clipped at 0.8 -> 0.8."""
+    cfg = ClippedPGLossConfig(ratio_clip_min=0.2, ratio_clip_max=0.28)
+    assert pg_loss(cfg, *one_token_batch(1.5, 1.0))[0].item() == pytest.approx(-1.28)
+    assert pg_loss(cfg, *one_token_batch(0.5, -1.0))[0].item() == pytest.approx(0.8)
+
+
+def test_dual_clip_caps_loss_for_negative_advantages():
+    """c=3, ratio 5, A=-1: max(5, 1.2) = 5, capped at -c A = 3 (no gradient). A=+1 unaffected: -1.2."""
+    cfg = ClippedPGLossConfig(ratio_clip_c=3.0)
+    logprobs, data = one_token_batch(5.0, -1.0)
+    loss, _ = pg_loss(cfg, logprobs, data)
+    assert loss.item() == pytest.approx(3.0)
+    assert token_grad(loss, logprobs) == 0.0
+    assert pg_loss(cfg, *one_token_batch(5.0, 1.0))[0].item() == pytest.approx(-1.2)
+    assert pg_loss(ClippedPGLossConfig(), *one_token_batch(5.0, -1.0))[0].item() == pytest.approx(5.0)
+
+
+@pytest.mark.parametrize("kl_type, expected_kl", [("k1", 1.0), ("k2", 0.5), ("k3", math.exp(-1.0))])
+def test_kl_penalty_adds_beta_times_estimate(kl_type, expected_kl):
+    """ratio 1, A=0, logprob -1, ref -2: x = 1, k1 = 1, k2 = 0.5, k3 = e^-1; beta 0.5 -> loss 0.5 * k."""
+    cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.5, kl_type=kl_type)
+    loss, metrics = pg_loss(cfg, *one_token_batch(1.0, 0.0, reference_policy_logprobs=-2.0))
+    assert loss.item() == pytest.approx(0.5 * expected_kl)
+    assert metrics["kl"] == pytest.approx(expected_kl)
+    assert metrics["kl_penalty"] == pytest.approx(0.5 * expected_kl)
+
+
+def test_kl_clamps_apply_inside_the_loss():
+    """x = 1: input clamp 0.5 -> k3 = e^-0.5 - 0.5 = 0.106531; k2 = 0.5 with output clamp 0.2 -> 0.2."""
+    batch = one_token_batch(1.0, 0.0, reference_policy_logprobs=-2.0)
+    cfg_in = ClippedPGLossConfig(reference_policy_kl_penalty=1.0, kl_input_clamp_value=0.5)
+    assert pg_loss(cfg_in, *batch)[0].item() == pytest.approx(math.exp(-0.5) - 0.5)
+    cfg_out = ClippedPGLossConfig(reference_policy_kl_penalty=1.0, kl_type="k2", kl_output_clamp_value=0.2)
+    assert pg_loss(cfg_out, *batch)[0].item() == pytest.approx(0.2)
+
+
+def two_sequence_batch() -> tuple[torch.Tensor, dict]:
+    """Ratio 1 everywhere. Sequence 0: 1 trained token with A=3; sequence 1: 3 trained tokens with A=1."""
+    logprobs = torch.full((2, 4), -1.0, requires_grad=True)
+    data = {
+        "token_mask": torch.tensor([[0, 1, 0, 0], [0, 1, 1, 1]]),
+        "sample_mask": torch.tensor([1, 1]),
+        "advantages": torch.tensor([[0.0, 3, 0, 0], [0, 1, 1, 1]]),
+        "prev_logprobs": torch.full((2, 4), -1.0),
+    }
+    return logprobs, data
+
+
+def test_token_level_reduction_averages_over_all_tokens():
+    """Token losses -3, -1, -1, -1 over 4 tokens -> -1.5."""
+    assert pg_loss(ClippedPGLossConfig(), *two_sequence_batch())[0].item() == pytest.approx(-1.5)
+
+
+def test_sequence_level_reduction_averages_per_sequence_then_over_sequences():
+    """Sequence means -3 and -1 over 2 sequences -> -2."""
+    cfg = ClippedPGLossConfig(token_level_loss=False)
+    assert pg_loss(cfg, *two_sequence_batch())[0].item() == pytest.approx(-2.0)
+
+
+def test_gspo_uses_one_sequence_ratio_from_mean_log_ratio():
+    """Log ratios [ln 2, 0] -> sequence ratio exp(ln 2 / 2) = sqrt 2 for both tokens (clip 0.5: inside),
+    A=1 -> loss -sqrt 2; d/dlogp_t = -sqrt 2 / 2 each. Per-token ratios instead: 2 (clipped to 1.5) and 1,
+    mean of -1.5 and -1 = -1.25."""
+    logprobs = torch.tensor([[0.0, -1.0 + LN2, -1.0]], requires_grad=True)
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1]]),
+        "sample_mask": torch.tensor([1]),
+        "advantages": torch.tensor([[0.0, 1.0, 1.0]]),
+        "prev_logprobs": torch.tensor([[0.0, -1.0, -1.0]]),
+    }
+    clip = {"ratio_clip_min": 0.5, "ratio_clip_max": 0.5, "token_level_loss": False}
+    gspo_cfg = ClippedPGLossConfig(sequence_level_importance_ratios=True, **clip)
+    loss, metrics = pg_loss(gspo_cfg, logprobs, data)
+    assert loss.item() == pytest.approx(-math.sqrt(2))
+    assert metrics["probs_ratio_mean"] == pytest.approx(math.sqrt(2))
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -math.sqrt(0.5), -math.sqrt(0.5)]]))
+    assert pg_loss(ClippedPGLossConfig(**clip), logprobs, data)[0].item() == pytest.approx(-1.25)
+
+
+def test_gspo_with_token_level_loss_is_a_config_error():
+    with pytest.raises(ValueError, match="token_level_loss=False"):
+        ClippedPGLossConfig(sequence_level_importance_ratios=True)
+
+
+def test_importance_sampling_correction_weights_by_prev_over_generation_and_truncates():
+    """prev -1, generation -1.5: weight e^0.5 = 1.6487; ratio 1, A=1 -> loss -1.6487 (gradient -1.6487, the
+    weight is a constant). Truncated at 1.2 -> -1.2. token_mult_prob_error = e^0.5 either way."""
+    cfg = ClippedPGLossConfig(use_importance_sampling_correction=True)
+    logprobs, data = one_token_batch(1.0, 1.0, generation_logprobs=-1.5)
+    loss, metrics = pg_loss(cfg, logprobs, data)
+    assert loss.item() == pytest.approx(-math.exp(0.5))
+    assert token_grad(loss, logprobs) == pytest.approx(-math.exp(0.5))
+    assert metrics["token_mult_prob_error"] == pytest.approx(math.exp(0.5))
+    truncated = ClippedPGLossConfig(
+        use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.2
+    )
+    truncated_loss, _ = pg_loss(truncated, *one_token_batch(1.0, 1.0, generation_logprobs=-1.5))
+    assert truncated_loss.item() == pytest.approx(-1.2)
+
+
+def test_force_on_policy_ratio_ignores_prev_logprobs():
+    """logprob -1 + 4 vs prev -1: ratio e^4 would clip to 1.2 (loss -2.4 with A=2, no gradient); forced,
+    ratio is exactly 1: loss -2, gradient -A = -2, ratio metrics 1."""
+    logprobs, data = one_token_batch(math.exp(4.0), 2.0)
+    loss, metrics = pg_loss(ClippedPGLossConfig(force_on_policy_ratio=True), logprobs, data)
+    assert loss.item() == pytest.approx(-2.0)
+    assert metrics["probs_ratio_max"] == 1.0 and metrics["clip_fraction"] == 0.0
+    assert token_grad(loss, logprobs) == pytest.approx(-2.0)
+    assert pg_loss(ClippedPGLossConfig(), *one_token_batch(math.exp(4.0), 2.0))[0].item() == pytest.approx(
+        -2.4
+    )
+
+
+def test_ratio_clip_and_entropy_metrics_by_hand():
+    """Ratios 0.5, 1, 1.5 (prev -1, so logprobs -1.693, -1, -0.595) with clip 0.2: mean 1, min 0.5, max 1.5,
+    clip fraction 2/3; approx_entropy = -mean logprob = (1.6931 + 1 + 0.5945) / 3; no generation
+    logprobs -> token_mult_prob_error 1."""
+    ratios = torch.tensor([0.5, 1.0, 1.5])
+    logprobs = torch.cat([torch.zeros(1), -1.0 + ratios.log()]).unsqueeze(0)
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1, 1]]),
+        "advantages": torch.zeros(1, 4),
+        "prev_logprobs": torch.tensor([[0.0, -1, -1, -1]]),
+    }
+    _, metrics = ClippedPGLoss()(logprobs, data, 1, 3)
+    assert metrics["probs_ratio_mean"] == pytest.approx(1.0)
+    assert (metrics["probs_ratio_min"], metrics["probs_ratio_max"]) == pytest.approx((0.5, 1.5))
+    assert metrics["clip_fraction"] == pytest.approx(2 / 3)
+    assert metrics["approx_entropy"] == pytest.approx((3 - math.log(0.75)) / 3)
+    assert metrics["token_mult_prob_error"] == pytest.approx(1.0)
+
+
+def test_missing_advantages_names_the_key():
+    logprobs, data = one_token_batch(1.0, 1.0)
+    del data["advantages"]
+    with pytest.raises(KeyError, match="ClippedPGLoss needs 'advantages'"):
+        pg_loss(ClippedPGLossConfig(), logprobs, data)
+
+
+# -- DPO and Bradley-Terry ----------------------------------------------------------------------------
+
+
+def preference_batch() -> tuple[torch.Tensor, dict]:
+    """One pair, 2 response tokens each. Chosen logprobs [-1,-1] (ref [-1.5,-1.5]): sum log ratio +1, mean
+    +0.5. Rejected [-2,-2] (ref [-1.5,-1.5]): sum -1, mean -0.5."""
+    logprobs = torch.tensor([[0.0, -1, -1], [0, -2, -2]], requires_grad=True)
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1], [0, 1, 1]]),
+        "sample_mask": torch.tensor([1, 1]),
+        "reference_policy_logprobs": torch.tensor([[0.0, -1.5, -1.5], [0, -1.5, -1.5]]),
+    }
+    return logprobs, data
+
+
+def test_dpo_with_zero_beta_is_ln2():
+    loss, metrics = DPOLoss(DPOLossConfig(reference_policy_kl_penalty=0.0))(*preference_batch(), 2, 4)
+    assert loss.item() == pytest.approx(LN2)
+    assert metrics["accuracy"] == 0.0  # equal implicit rewards are not counted as correct
+
+
+def test_dpo_summed_and_averaged_logprobs_by_hand():
+    """beta 0.5 on sums: r_c = 0.5, r_r = -0.5, -log sigmoid(1) = log(1 + e^-1) = 0.313262. beta 1 on means:
+    the same rewards and loss."""
+    expected = math.log1p(math.exp(-1.0))
+    loss, metrics = DPOLoss(DPOLossConfig(reference_policy_kl_penalty=0.5))(*preference_batch(), 2, 4)
+    assert loss.item() == pytest.approx(expected)
+    assert metrics["accuracy"] == 1.0
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((0.5, -0.5))
+    averaged = DPOLossConfig(reference_policy_kl_penalty=1.0, preference_average_log_probs=True)
+    assert DPOLoss(averaged)(*preference_batch(), 2, 4)[0].item() == pytest.approx(expected)
+
+
+def test_dpo_sft_term_is_nll_of_chosen_response():
+    """sft weight 1: chosen sum logprob -2 -> sft 2, loss 0.313262 + 2; averaged -> sft 1."""
+    preference = math.log1p(math.exp(-1.0))
+    cfg = DPOLossConfig(reference_policy_kl_penalty=0.5, sft_loss_weight=1.0)
+    loss, metrics = DPOLoss(cfg)(*preference_batch(), 2, 4)
+    assert loss.item() == pytest.approx(preference + 2.0)
+    assert (metrics["preference_loss"], metrics["sft_loss"]) == pytest.approx((preference, 2.0))
+    cfg.sft_average_log_probs = True
+    assert DPOLoss(cfg)(*preference_batch(), 2, 4)[1]["sft_loss"] == pytest.approx(1.0)
+
+
+def test_dpo_normalises_by_global_pairs():
+    """The micro-batch holds 1 of 2 global pairs (global_valid_seqs 4): half the pair's loss."""
+    cfg = DPOLossConfig(reference_policy_kl_penalty=0.5)
+    assert DPOLoss(cfg)(*preference_batch(), 4, 8)[0].item() == pytest.approx(math.log1p(math.exp(-1.0)) / 2)
+
+
+def test_pair_losses_reject_odd_batches():
+    with pytest.raises(ValueError, match="odd batch of 3 rows"):
+        BradleyTerryLoss()(torch.zeros(3), {}, 3, 3)
+
+
+def test_bradley_terry_by_hand():
+    """Equal scores -> ln 2. Scores (2, 0) -> log(1 + e^-2) = 0.126928, accuracy 1, means 2 and 0."""
+    assert BradleyTerryLoss()(torch.tensor([1.5, 1.5]), {}, 2, 0)[0].item() == pytest.approx(LN2)
+    loss, metrics = BradleyTerryLoss()(torch.tensor([[2.0], [0.0]]), {"sample_mask": torch.ones(2)}, 2, 0)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-2.0)))
+    assert metrics["accuracy"] == 1.0
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((2.0, 0.0))
+
+
+# -- micro-batch additivity ---------------------------------------------------------------------------
+
+
+def random_batch(seed: int) -> tuple[torch.Tensor, dict]:
+    """8 rows (4 interleaved pairs), T=6, varied lengths; the second pair is masked out (sample_mask 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 6, 4, 5, 2, 6, 5, 3])
+    token_mask = (torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    token_mask[:, 0] = 0
+    logprobs = -torch.rand(8, 6, generator=gen) * 2
+    data = {
+        "input_ids": torch.randint(0, 10, (8, 6), generator=gen),
+        "token_mask": token_mask,
+        "sample_mask": torch.tensor([1, 1, 0, 0, 1, 1, 1, 1]),
+        "advantages": torch.randn(8, 1, generator=gen).expand(8, 6) * token_mask,
+        "prev_logprobs": logprobs + 0.3 * torch.randn(8, 6, generator=gen),
+        "generation_logprobs": logprobs + 0.1 * torch.randn(8, 6, generator=gen),
+        "reference_policy_logprobs": logprobs + 0.5 * torch.randn(8, 6, generator=gen),
+    }
+    return logprobs.requires_grad_(), data
+
+
+LOSSES = {
+    "nll": NLLLoss(),
+    "pg_token": ClippedPGLoss(ClippedPGLossConfig(reference_policy_kl_penalty=0.1, ratio_clip_c=3.0)),
+    "pg_sequence_is": ClippedPGLoss(
+        ClippedPGLossConfig(
+            token_level_loss=False,
+            use_importance_sampling_correction=True,
+            truncated_importance_sampling_ratio=1.1,
+        )
+    ),
+    "gspo": ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)),
+    "dpo_sft": DPOLoss(DPOLossConfig(sft_loss_weight=0.5, preference_average_log_probs=True)),
+    "bradley_terry": BradleyTerryLoss(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_two_micro_batches_sum_to_whole_batch_loss_metrics_and_gradient(name):
+    """Rows 0-3 and 4-7 as micro-batches with the global counts give the whole batch's loss, metrics
+    (summed, `_min`/`_max` reduced) and gradient."""
+    loss_fn = LOSSES[name]
+    logprobs, data = random_batch(seed=0)
+    inputs = logprobs[:, -1] if name == "bradley_terry" else logprobs  # scores [B] for the reward model
+    num_seqs = data["sample_mask"].sum()
+    num_toks = (data["token_mask"] * data["sample_mask"].unsqueeze(1)).sum()
+    whole_loss, whole_metrics = loss_fn(inputs, data, num_seqs, num_toks)
+    (whole_grad,) = torch.autograd.grad(whole_loss, logprobs)
+    parts = [
+        loss_fn(inputs[rows], {k: v[rows] for k, v in data.items()}, num_seqs, num_toks)
+        for rows in (slice(0, 4), slice(4, 8))
+    ]
+    summed_loss = parts[0][0] + parts[1][0]
+    (summed_grad,) = torch.autograd.grad(summed_loss, logprobs)
+    torch.testing.assert_close(summed_loss, whole_loss)
+    torch.testing.assert_close(summed_grad, whole_grad)
+    summed_metrics = reduce_loss_metrics([parts[0][1], parts[1][1]])
+    assert summed_metrics == pytest.approx(whole_metrics, rel=1e-5, abs=1e-6)
