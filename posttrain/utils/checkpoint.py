@@ -1,0 +1,284 @@
+"""Checkpoint policy: temporary directory, crash-safe finalize by rename, top-k by a metric, latest/best
+lookup and saved training info. What goes inside a checkpoint is `native_checkpoint.py`'s business."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+logger = logging.getLogger(__name__)
+
+TRAINING_INFO_FILE = "training_info.json"
+CONFIG_FILE = "config.yaml"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_PREFIX = "tmp_step_"
+# An existing step_N being replaced is first renamed to this; it is never read as a checkpoint.
+_REPLACED_PREFIX = "replaced_step_"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permissions...); the message names the path."""
+
+
+@dataclass
+class CheckpointingConfig:
+    """Where checkpoints go, how often, and which ones are kept."""
+
+    enabled: bool = field(default=True, metadata={"help": "Save checkpoints at all."})
+    checkpoint_dir: str = field(
+        default="results/checkpoints", metadata={"help": "Directory holding step_N/ checkpoint folders."}
+    )
+    metric_name: str | None = field(
+        default="val_loss", metadata={"help": "training_info key that ranks checkpoints; None ranks by step only."}
+    )
+    higher_is_better: bool = field(default=False, metadata={"help": "True if a larger metric is better."})
+    keep_top_k: int | None = field(
+        default=None, metadata={"help": "Keep the k best checkpoints (plus the latest); None keeps all."}
+    )
+    save_period: int = field(default=10, metadata={"help": "Save every this many steps."})
+    resume_from: str | None = field(
+        default=None, metadata={"help": "Explicit checkpoint directory to resume from; None: the latest one."}
+    )
+
+    def __post_init__(self) -> None:
+        if self.keep_top_k is not None and self.keep_top_k < 1:
+            raise ValueError(f"checkpointing.keep_top_k must be >= 1 or None, got {self.keep_top_k}")
+        if self.save_period < 1:
+            raise ValueError(f"checkpointing.save_period must be >= 1, got {self.save_period}")
+
+
+def checkpointing_config_from(config: CheckpointingConfig | dict[str, Any]) -> CheckpointingConfig:
+    """Accept the typed config or a plain dict; an unknown dict key raises, naming the key."""
+    if isinstance(config, CheckpointingConfig):
+        return config
+    known = {f.name for f in dataclasses.fields(CheckpointingConfig)}
+    unknown = sorted(set(config) - known)
+    if unknown:
+        raise ValueError(f"unknown checkpointing key(s) {unknown}; known keys: {sorted(known)}")
+    return CheckpointingConfig(**config)
+
+
+def _json_default(value: Any) -> Any:
+    """Tensor and numpy scalars (anything with `.item()`) become plain numbers; arrays become lists."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"training_info value of type {type(value).__name__} is not JSON serialisable")
+
+
+def _config_as_dict(run_config: Any) -> Any:
+    """A run config as YAML-safe data: pydantic models dump, dataclasses become dicts (at any depth)."""
+    if hasattr(run_config, "model_dump") and not isinstance(run_config, type):
+        return run_config.model_dump(mode="json")
+    if dataclasses.is_dataclass(run_config) and not isinstance(run_config, type):
+        return {f.name: _config_as_dict(getattr(run_config, f.name)) for f in dataclasses.fields(run_config)}
+    if isinstance(run_config, dict):
+        return {key: _config_as_dict(value) for key, value in run_config.items()}
+    if isinstance(run_config, (list, tuple)):
+        return [_config_as_dict(value) for value in run_config]
+    if isinstance(run_config, Path):
+        return str(run_config)
+    return run_config
+
+
+def _step_of(path: Path) -> int | None:
+    match = _STEP_DIR.match(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename inside `directory` durable (best effort: not every platform opens directories)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Creates, finalizes, ranks and prunes `step_N/` checkpoint directories under `checkpoint_dir`."""
+
+    def __init__(self, config: CheckpointingConfig | dict[str, Any]):
+        self.config = checkpointing_config_from(config)
+        self.checkpoint_dir = Path(self.config.checkpoint_dir)
+
+    # ---------------------------------------------------------------- writing
+    def init_tmp_checkpoint(self, step: int, training_info: dict[str, Any], run_config: Any = None) -> Path:
+        """Create `tmp_step_{step}` (replacing a stale one) with training_info.json and config.yaml."""
+        tmp_path = self.checkpoint_dir / f"{_TMP_PREFIX}{step}"
+        try:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            if tmp_path.exists() or tmp_path.is_symlink():
+                _remove_path(tmp_path)
+            tmp_path.mkdir()
+        except OSError as error:
+            raise CheckpointWriteError(f"cannot create checkpoint directory {tmp_path}: {error}") from error
+        info_text = json.dumps(training_info, default=_json_default, indent=2, sort_keys=True)
+        self._write_text(tmp_path / TRAINING_INFO_FILE, info_text)
+        if run_config is not None:
+            config_text = yaml.safe_dump(_config_as_dict(run_config), sort_keys=False)
+            self._write_text(tmp_path / CONFIG_FILE, config_text)
+        return tmp_path
+
+    @staticmethod
+    def _write_text(path: Path, text: str) -> None:
+        try:
+            with open(path, "w", encoding="utf-8") as handle:
+                handle.write(text)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as error:
+            raise CheckpointWriteError(f"cannot write checkpoint file {path}: {error}") from error
+
+    def finalize_checkpoint(self, path: str | Path) -> Path:
+        """Rename `tmp_step_N` to `step_N` atomically, replacing an existing `step_N` without mixing files.
+
+        Replacing goes: step_N -> replaced_step_N, tmp_step_N -> step_N, delete replaced_step_N. A crash
+        between the first two renames is repaired by `clean_partial_checkpoints` (it renames it back).
+        """
+        tmp_path = Path(path)
+        if not tmp_path.name.startswith(_TMP_PREFIX):
+            raise ValueError(f"finalize_checkpoint expects a {_TMP_PREFIX}N directory, got {tmp_path}")
+        step_text = tmp_path.name[len(_TMP_PREFIX):]
+        final_path = tmp_path.with_name(f"step_{step_text}")
+        replaced_path = tmp_path.with_name(f"{_REPLACED_PREFIX}{step_text}")
+        try:
+            if final_path.exists():
+                if replaced_path.exists():
+                    shutil.rmtree(replaced_path)
+                os.rename(final_path, replaced_path)
+            os.rename(tmp_path, final_path)
+            _fsync_dir(final_path.parent)
+        except OSError as error:
+            raise CheckpointWriteError(f"cannot finalize checkpoint {tmp_path} -> {final_path}: {error}") from error
+        if replaced_path.exists():
+            shutil.rmtree(replaced_path, ignore_errors=True)
+        self.remove_old_checkpoints()
+        return final_path
+
+    def clean_partial_checkpoints(self) -> list[Path]:
+        """Delete stale `tmp_step_*` dirs; restore a `replaced_step_N` whose `step_N` never arrived."""
+        if not self.checkpoint_dir.is_dir():
+            return []
+        removed = []
+        for child in sorted(self.checkpoint_dir.iterdir()):
+            if child.name.startswith(_TMP_PREFIX):
+                _remove_path(child)
+                removed.append(child)
+            elif child.name.startswith(_REPLACED_PREFIX):
+                final_path = child.with_name("step_" + child.name[len(_REPLACED_PREFIX):])
+                if final_path.exists():
+                    _remove_path(child)
+                    removed.append(child)
+                else:
+                    os.rename(child, final_path)
+                    logger.warning("restored %s from %s (interrupted replacement)", final_path, child)
+        if removed:
+            logger.warning("removed partial checkpoint(s): %s", ", ".join(str(p) for p in removed))
+        return removed
+
+    # ---------------------------------------------------------------- reading
+    def list_checkpoints(self) -> list[tuple[int, Path]]:
+        """Finalized checkpoints as (step, path), sorted by step number; other names are ignored."""
+        if not self.checkpoint_dir.is_dir():
+            return []
+        found = [(_step_of(child), child) for child in self.checkpoint_dir.iterdir() if child.is_dir()]
+        return sorted((step, path) for step, path in found if step is not None)
+
+    def _metric_of(self, checkpoint_path: Path) -> float | None:
+        if self.config.metric_name is None:
+            return None
+        info = self.load_training_info(checkpoint_path) or {}
+        value = info.get(self.config.metric_name)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def _ranked(self) -> list[tuple[int, Path, float | None]]:
+        """Best first: checkpoints with the metric by direction (ties: more recent first), then the rest."""
+        entries = [(step, path, self._metric_of(path)) for step, path in self.list_checkpoints()]
+        sign = 1.0 if self.config.higher_is_better else -1.0
+
+        def rank_key(entry: tuple[int, Path, float | None]) -> tuple[bool, float, int]:
+            step, _, metric = entry
+            return (metric is not None, sign * metric if metric is not None else 0.0, step)
+
+        return sorted(entries, key=rank_key, reverse=True)
+
+    def remove_old_checkpoints(self, exclude_latest: bool = True) -> list[Path]:
+        """Keep the top-k by metric, plus the latest when `exclude_latest`; delete the rest."""
+        if self.config.keep_top_k is None:
+            return []
+        ranked = self._ranked()
+        keep = {path for _, path, _ in ranked[: self.config.keep_top_k]}
+        latest = self.get_latest_checkpoint_path()
+        if exclude_latest and latest is not None:
+            keep.add(latest)
+        removed = [path for _, path, _ in ranked if path not in keep]
+        for path in removed:
+            shutil.rmtree(path)
+        return removed
+
+    def get_best_checkpoint_path(self) -> Path | None:
+        """The best checkpoint by metric; the latest (with a warning) when none has the metric."""
+        ranked = self._ranked()
+        if not ranked:
+            return None
+        if self.config.metric_name is None:
+            return self.get_latest_checkpoint_path()
+        missing = [str(path) for _, path, metric in ranked if metric is None]
+        if len(missing) == len(ranked):
+            logger.warning("no checkpoint in %s has metric %r; using the latest", self.checkpoint_dir,
+                           self.config.metric_name)
+            return self.get_latest_checkpoint_path()
+        if missing:
+            logger.warning("checkpoint(s) without metric %r ignored: %s", self.config.metric_name,
+                           ", ".join(missing))
+        return ranked[0][1]
+
+    def get_latest_checkpoint_path(self) -> Path | None:
+        """The checkpoint with the highest step number (`step_10` after `step_9`), or None."""
+        checkpoints = self.list_checkpoints()
+        return checkpoints[-1][1] if checkpoints else None
+
+    def get_resume_checkpoint_path(self) -> Path | None:
+        """`resume_from` when set (it must hold training_info.json), else the latest checkpoint."""
+        if self.config.resume_from is None:
+            return self.get_latest_checkpoint_path()
+        path = Path(self.config.resume_from)
+        if not (path / TRAINING_INFO_FILE).is_file():
+            raise FileNotFoundError(f"checkpointing.resume_from={path}: no {TRAINING_INFO_FILE} in it")
+        return path
+
+    def load_training_info(self, checkpoint_path: str | Path | None = None) -> dict[str, Any] | None:
+        """The training_info dict saved in `checkpoint_path` (default: the resume checkpoint), or None."""
+        path = Path(checkpoint_path) if checkpoint_path is not None else self.get_resume_checkpoint_path()
+        if path is None or path.name.startswith(_TMP_PREFIX):
+            return None
+        info_file = path / TRAINING_INFO_FILE
+        if not info_file.is_file():
+            return None
+        with open(info_file, encoding="utf-8") as handle:
+            return json.load(handle)
+
+
+def _remove_path(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -1,0 +1,484 @@
+"""Unified experiment logger: `LoggerInterface`, its TensorBoard / W&B / MLflow / JSONL backends, the
+fan-out `Logger`, metric flattening and summaries, and reductions of worker metrics across ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from posttrain.utils.sample_printer import SamplePrinter
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+@dataclass
+class WandbConfig:
+    """Weights & Biases run identity (offline unless an API key is set and WANDB_MODE allows online)."""
+
+    project: str = field(default="posttrain", metadata={"help": "W&B project name."})
+    name: str | None = field(default=None, metadata={"help": "W&B run name; None: the run directory's name."})
+
+
+@dataclass
+class TensorboardConfig:
+    """Where TensorBoard event files go."""
+
+    log_dir: str | None = field(default=None, metadata={"help": "Event file directory; None: <log_dir>/tensorboard."})
+
+
+@dataclass
+class MLflowConfig:
+    """MLflow experiment and run; the store is local to the run directory unless tracking_uri is set."""
+
+    experiment_name: str = field(default="posttrain", metadata={"help": "MLflow experiment (created if missing)."})
+    run_name: str | None = field(default=None, metadata={"help": "MLflow run name; None: the run directory's name."})
+    tracking_uri: str | None = field(
+        default=None, metadata={"help": "MLflow server or store URI; None: file store <log_dir>/mlruns."}
+    )
+
+
+@dataclass
+class GPUMonitoringConfig:
+    """Timing of the Ray system monitor (node CPU/memory always, GPUs where present)."""
+
+    collection_interval: float = field(default=10.0, metadata={"help": "Seconds between scrapes of every node."})
+    flush_interval: float = field(default=10.0, metadata={"help": "Seconds between logged (averaged) points."})
+
+
+@dataclass
+class LoggerConfig:
+    """Where a run's metrics go: JSONL always, plus the enabled backends, all under `log_dir`."""
+
+    log_dir: str = field(default="results/run", metadata={"help": "Run directory; every backend writes under it."})
+    wandb_enabled: bool = field(default=False, metadata={"help": "Log to Weights & Biases (offline by default)."})
+    tensorboard_enabled: bool = field(default=True, metadata={"help": "Write TensorBoard event files."})
+    mlflow_enabled: bool = field(default=False, metadata={"help": "Log to MLflow (local store by default)."})
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "W&B settings."})
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig, metadata={"help": "TB settings."})
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig, metadata={"help": "MLflow settings."})
+    num_val_samples_to_print: int = field(
+        default=0, metadata={"help": "Validation samples printed per validation (best and worst reward)."}
+    )
+    monitor_gpus: bool = field(
+        default=False, metadata={"help": "Log node CPU/memory and GPU metrics from Ray's metrics endpoints."}
+    )
+    gpu_monitoring: GPUMonitoringConfig = field(
+        default_factory=GPUMonitoringConfig, metadata={"help": "System monitor intervals."}
+    )
+
+
+def _dataclass_from_dict(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    """Build dataclass `cls` from a dict, recursing into dataclass-typed fields; unknown keys raise."""
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(values) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown key(s) {[f'{where}.{k}' for k in unknown]}; known: {sorted(hints)}")
+    kwargs = {}
+    for name, value in values.items():
+        if dataclasses.is_dataclass(hints[name]) and isinstance(value, Mapping):
+            value = _dataclass_from_dict(hints[name], value, f"{where}.{name}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def logger_config_from(cfg: LoggerConfig | Mapping[str, Any]) -> LoggerConfig:
+    """The typed config from itself or a plain (nested) dict; an unknown key raises, naming it."""
+    if isinstance(cfg, LoggerConfig):
+        return cfg
+    return _dataclass_from_dict(LoggerConfig, cfg, "logger")
+
+
+# ---------------------------------------------------------------------------------- metric preparation
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts become one level with "/"-joined keys: {"a": {"b": 1}} -> {"a/b": 1}."""
+    flat: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix.rstrip('/')}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(flatten_metrics(value, name))
+        else:
+            flat[name] = value
+    return flat
+
+
+def summarize_values(values: Sequence[float]) -> dict[str, float]:
+    """mean, p50, p90 (linear interpolation, numpy's default) and max of a list of numbers."""
+    array = np.asarray(values, dtype=np.float64)
+    return {
+        "mean": float(array.mean()),
+        "p50": float(np.percentile(array, 50)),
+        "p90": float(np.percentile(array, 90)),
+        "max": float(array.max()),
+    }
+
+
+def as_number(value: Any) -> float | None:
+    """A plain float for Python/numpy/tensor scalars (bools count as 0/1); None for anything else."""
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return as_number(value.item())
+    return None
+
+
+def as_number_list(value: Any) -> list[float] | None:
+    """A non-empty list/tuple/1-d array/tensor of numbers as floats; None otherwise."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not value:
+        return None
+    numbers = [as_number(item) for item in value]
+    return None if any(number is None for number in numbers) else numbers
+
+
+class ScalarPreparer:
+    """Turns a metrics dict into scalars, warning once per key about values it has to skip."""
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    def prepare(self, metrics: Mapping[str, Any], prefix: str = "", keep_lists: bool = False) -> dict[str, Any]:
+        """Flat scalars; a number list `k` becomes `k/mean`, `k/p50`, `k/p90`, `k/max` (plus `k` itself
+        when keep_lists); anything non-numeric is dropped with one warning per key."""
+        scalars: dict[str, Any] = {}
+        for key, value in flatten_metrics(metrics, prefix).items():
+            number = as_number(value)
+            if number is not None:
+                scalars[key] = number
+                continue
+            numbers = as_number_list(value)
+            if numbers is None:
+                self._warn_once(key, value)
+                continue
+            if keep_lists:
+                scalars[key] = numbers
+            scalars.update({f"{key}/{stat}": v for stat, v in summarize_values(numbers).items()})
+        return scalars
+
+    def _warn_once(self, key: str, value: Any) -> None:
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning(
+            "metric %r is %s, not a number or a non-empty list of numbers; skipped (warned once)",
+            key, type(value).__name__,
+        )
+
+
+def as_plain_data(value: Any) -> Any:
+    """Dataclasses and pydantic models (at any depth, inside dicts, lists and tuples) as plain data."""
+    if hasattr(value, "model_dump") and not isinstance(value, type):
+        return value.model_dump(mode="json")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: as_plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {key: as_plain_data(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_plain_data(item) for item in value]
+    return value
+
+
+def flatten_hyperparams(params: Any) -> dict[str, Any]:
+    """Hyperparameters flattened with "/" after dataclasses and pydantic models become dicts."""
+    return flatten_metrics(as_plain_data(params))
+
+
+def _hparam_value(value: Any) -> int | float | str | bool:
+    """A value TensorBoard/MLflow accept: numbers and strings stay, everything else is its str()."""
+    if isinstance(value, (bool, int, float, str)):
+        return value
+    number = as_number(value)
+    return number if number is not None else str(value)
+
+
+# ------------------------------------------------------------------------------------ rank reductions
+_REDUCTIONS = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum}
+
+
+def reduce_metrics(
+    per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None, default: str = "mean"
+) -> dict[str, float]:
+    """Reduce each metric over the ranks that report it with its named reduction (mean/max/min/sum).
+
+    `reductions` maps a metric name to its reduction; other metrics use `default`.
+    """
+    reductions = dict(reductions or {})
+    for name, reduction in [*reductions.items(), ("<default>", default)]:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}")
+    values_by_key: dict[str, list[float]] = {}
+    for rank, metrics in enumerate(per_rank):
+        for key, value in metrics.items():
+            number = as_number(value)
+            if number is None:
+                raise TypeError(f"rank {rank} metric {key!r} is not a scalar number: {type(value).__name__}")
+            values_by_key.setdefault(key, []).append(number)
+    return {
+        key: float(_REDUCTIONS[reductions.get(key, default)](values)) for key, values in values_by_key.items()
+    }
+
+
+def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Stage timings across ranks: the slowest rank sets the pace, so max."""
+    return reduce_metrics(per_rank, default="max")
+
+
+# ------------------------------------------------------------------------------------------ interface
+class LoggerInterface(ABC):
+    """What every backend and the fan-out `Logger` implement."""
+
+    @abstractmethod
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """Record `metrics` (nested dicts allowed) at `step`, names prefixed with `prefix/`."""
+
+    @abstractmethod
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        """Record the run's hyperparameters (nested dicts are flattened with "/")."""
+
+    def finish(self) -> None:  # noqa: B027 - optional hook, most backends need it
+        """Flush and close; the default has nothing to close."""
+
+
+class JsonlLogger(LoggerInterface):
+    """Always on: one JSON line per call in `<log_dir>/metrics.jsonl`: {"step": N, "<prefix>/<name>": ...}.
+    A number list keeps its raw values beside its summary; hyperparameters go to hyperparams.json."""
+
+    def __init__(self, log_dir: str | Path):
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in finish()
+        self._preparer = ScalarPreparer()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        record = {"step": int(step), **self._preparer.prepare(metrics, prefix, keep_lists=True)}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        flat = {k: _hparam_value(v) if v is not None else None for k, v in flatten_hyperparams(params).items()}
+        (self.path.parent / "hyperparams.json").write_text(json.dumps(flat, indent=2, sort_keys=True))
+
+    def finish(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorboardLogger(LoggerInterface):
+    """Scalars and hparams as TensorBoard event files (readable by TensorBoard's EventAccumulator)."""
+
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._preparer = ScalarPreparer()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        for name, value in self._preparer.prepare(metrics, prefix).items():
+            self._writer.add_scalar(name, value, global_step=step)
+        self._writer.flush()
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        flat = {k: _hparam_value(v) for k, v in flatten_hyperparams(params).items()}
+        # run_name="." keeps the hparams in this directory instead of a timestamped sub-directory.
+        self._writer.add_hparams(flat, {}, run_name=".")
+        self._writer.flush()
+
+    def finish(self) -> None:
+        self._writer.close()
+
+
+def wandb_mode() -> str:
+    """W&B mode: WANDB_MODE when set; else online only with an API key; else offline (never waits)."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class WandbLogger(LoggerInterface):
+    """A W&B run under `<log_dir>/wandb`, offline unless an API key is present and WANDB_MODE allows.
+
+    W&B drops rows whose step goes backwards, so namespaces with their own step counter (`system/`, the
+    system monitor's) are logged against their own x-axis `<ns>/step`, attached to the current row.
+    """
+
+    OWN_STEP_NAMESPACES = ("system",)
+
+    def __init__(self, cfg: WandbConfig, log_dir: str | Path):
+        import wandb
+
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        self.mode = wandb_mode()
+        self._run = wandb.init(
+            project=cfg.project, name=cfg.name or Path(log_dir).name, dir=str(log_dir), mode=self.mode,
+            reinit="create_new",
+        )
+        for namespace in self.OWN_STEP_NAMESPACES:
+            self._run.define_metric(f"{namespace}/*", step_metric=f"{namespace}/step")
+        self._preparer = ScalarPreparer()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        scalars = self._preparer.prepare(metrics, prefix)
+        for namespace in self.OWN_STEP_NAMESPACES:
+            own = {key: value for key, value in scalars.items() if key.startswith(f"{namespace}/")}
+            if own:
+                self._run.log({**own, f"{namespace}/step": int(step)}, commit=False)
+                scalars = {key: value for key, value in scalars.items() if key not in own}
+        if scalars:
+            self._run.log(scalars, step=int(step))
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        self._run.config.update(flatten_hyperparams(params), allow_val_change=True)
+
+    def finish(self) -> None:
+        self._run.finish()
+
+
+_MLFLOW_PARAM_LIMIT = 6000  # MLflow rejects longer parameter values
+_MLFLOW_KEY_INVALID = re.compile(r"[^\w\-. :/]")
+
+
+def mlflow_key(key: str) -> str:
+    """MLflow accepts letters, digits, _ - . space : / in names; anything else becomes "_"."""
+    return _MLFLOW_KEY_INVALID.sub("_", key)
+
+
+class MLflowLogger(LoggerInterface):
+    """An MLflow run; with no tracking_uri the store is the file store `<log_dir>/mlruns`."""
+
+    def __init__(self, cfg: MLflowConfig, log_dir: str | Path):
+        from mlflow.tracking import MlflowClient
+
+        log_dir = Path(log_dir).resolve()
+        self.tracking_uri = cfg.tracking_uri or (log_dir / "mlruns").as_uri()
+        if cfg.tracking_uri is None:
+            # MLflow 3 refuses file stores unless told; this one is ours, inside the run directory.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        experiment = self.client.get_experiment_by_name(cfg.experiment_name)
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            artifacts = None if cfg.tracking_uri else (log_dir / "mlartifacts").as_uri()
+            experiment_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
+        self.run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or log_dir.name).info.run_id
+        self._preparer = ScalarPreparer()
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        from mlflow.entities import Metric
+
+        now_ms = int(time.time() * 1000)
+        scalars = self._preparer.prepare(metrics, prefix)
+        entries = [
+            Metric(mlflow_key(key), value, now_ms, int(step)) for key, value in scalars.items() if math.isfinite(value)
+        ]
+        if entries:
+            self.client.log_batch(self.run_id, metrics=entries)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        flat = flatten_hyperparams(params)
+        entries = [Param(mlflow_key(key), str(_hparam_value(value))[:_MLFLOW_PARAM_LIMIT]) for key, value in flat.items()]
+        for start in range(0, len(entries), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=entries[start:start + 100])
+
+    def finish(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+# ------------------------------------------------------------------------------------------ fan-out
+class Logger(LoggerInterface):
+    """Fans every call out to JSONL and the enabled backends; prints and saves validation samples;
+    runs the Ray system monitor when `monitor_gpus` is set and Ray is up."""
+
+    def __init__(self, cfg: LoggerConfig | Mapping[str, Any]):
+        self.cfg = logger_config_from(cfg)
+        self._log_dir = Path(self.cfg.log_dir)
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self.backends: list[LoggerInterface] = [JsonlLogger(self._log_dir), *self._make_backends()]
+        self._preparer = ScalarPreparer()
+        self._lock = threading.Lock()
+        self.sample_printer = SamplePrinter(self._log_dir / "val_samples", self.cfg.num_val_samples_to_print)
+        self.system_monitor = self._maybe_start_monitor()
+        self._finished = False
+
+    @property
+    def log_dir(self) -> Path:
+        return self._log_dir
+
+    def _make_backends(self) -> list[LoggerInterface]:
+        backends: list[LoggerInterface] = []
+        if self.cfg.tensorboard_enabled:
+            backends.append(TensorboardLogger(self.cfg.tensorboard.log_dir or self._log_dir / "tensorboard"))
+        if self.cfg.wandb_enabled:
+            backends.append(WandbLogger(self.cfg.wandb, self._log_dir))
+        if self.cfg.mlflow_enabled:
+            backends.append(MLflowLogger(self.cfg.mlflow, self._log_dir))
+        return backends
+
+    def _maybe_start_monitor(self) -> Any:
+        if not self.cfg.monitor_gpus:
+            return None
+        import ray
+
+        if not ray.is_initialized():
+            log.warning("logger.monitor_gpus is set but Ray is not initialized; no system metrics")
+            return None
+        from posttrain.utils.system_monitor import RaySystemMonitor
+
+        monitor = RaySystemMonitor(
+            self, self.cfg.gpu_monitoring.collection_interval, self.cfg.gpu_monitoring.flush_interval
+        )
+        monitor.start()
+        return monitor
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+        """Flatten and summarise once, then hand the same record to every backend (thread-safe)."""
+        record = self._preparer.prepare(metrics, prefix, keep_lists=True)
+        scalars = {key: value for key, value in record.items() if not isinstance(value, list)}
+        with self._lock:
+            for backend in self.backends:
+                backend.log_metrics(record if isinstance(backend, JsonlLogger) else scalars, step)
+
+    def log_hyperparams(self, params: Mapping[str, Any]) -> None:
+        with self._lock:
+            for backend in self.backends:
+                backend.log_hyperparams(params)
+
+    def log_val_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> Path:
+        """Write all samples to val_samples/step_N.jsonl and print the chosen ones; returns the file."""
+        return self.sample_printer.log(samples, step)
+
+    def finish(self) -> None:
+        """Stop (and flush) the system monitor, then close every backend; safe to call twice."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.system_monitor is not None:
+            self.system_monitor.stop()
+        for backend in self.backends:
+            backend.finish()
+
+    def __enter__(self) -> Logger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.finish()
