@@ -22,6 +22,23 @@ COMMANDS = {
 CONFIG_COMMANDS = ("sft", "grpo", "dpo", "rm", "eval")
 
 
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Exceptions that mean bad input (config, data, files), reported as one line each."""
+    from posttrain.config import ConfigError
+
+    errors: list[type[Exception]] = [ConfigError, FileNotFoundError]
+    try:
+        from posttrain.data import DataError
+
+        errors.append(DataError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+USER_ERRORS = _user_errors()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="posttrain", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -54,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {args.command}: not available yet (its module {module_name} has not landed)",
               file=sys.stderr)
         return 2
-    return int(module.main(args) or 0)
+    try:
+        return int(module.main(args) or 0)
+    except USER_ERRORS as error:  # bad input: say what and where, without a traceback
+        print(f"posttrain {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

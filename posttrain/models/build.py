@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+import yaml
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -118,3 +120,16 @@ def load_tokenizer(path_or_name: str | Path) -> PreTrainedTokenizerBase:
             raise ValueError(f"tokenizer of {path_or_name} has neither a pad token nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def main(args: Any) -> int:
+    """`posttrain create-model OUT_DIR [key=value ...]`: a from-config model + tokenizer directory."""
+    from posttrain.config import validate_config
+
+    overrides = dict(item.split("=", 1) for item in args.overrides)
+    values = {key: yaml.safe_load(value) for key, value in overrides.items()}
+    cfg = validate_config(ModelFromConfig, values, {key: "command line" for key in overrides})
+    out_dir = build_model_dir(cfg, args.out_dir)
+    num_params = sum(p.numel() for p in load_model(out_dir).parameters())
+    print(f"created {cfg.architecture} model ({num_params / 1e6:.2f}M parameters) in {out_dir}")
+    return 0

@@ -1,0 +1,193 @@
+"""`RayWorkerGroup`: one Ray actor per bundle of a `RayVirtualCluster`, wired for torch.distributed, with
+calls on all workers or a subset, sharded dispatch of `BatchedDataDict`s, and loud worker deaths."""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.named_sharding import NamedSharding
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
+
+LOG_TAIL_LINES = 20
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process died; the message names it, its node and the tail of its log."""
+
+
+def find_free_port(low: int, high: int) -> int:
+    """A port in [low, high] that nothing listens on right now."""
+    start = low + uuid.uuid4().int % (high - low + 1)  # spread concurrent groups over the range
+    for offset in range(high - low + 1):
+        port = low + (start - low + offset) % (high - low + 1)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in cluster.master_port_range [{low}, {high}]")
+
+
+def init_torch_distributed(backend: str | None = None) -> None:
+    """Join the group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (gloo on CPU, NCCL on GPU)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def _with_group_methods(worker_cls: type) -> type:
+    """The worker class plus a method that reports where the actor runs (for error messages)."""
+
+    def group_worker_info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+
+    return type(worker_cls.__name__, (worker_cls,), {"group_worker_info": group_worker_info})
+
+
+def _log_tail(pid: int) -> str:
+    """The last lines of a local worker's stdout/stderr files in Ray's session log directory."""
+    try:
+        session_dir = ray._private.worker._global_node.get_session_dir_path()
+    except AttributeError:
+        return "(no local Ray session directory)"
+    lines: list[str] = []
+    for path in sorted(glob.glob(os.path.join(session_dir, "logs", f"worker-*-{pid}.*"))):
+        with open(path, errors="replace") as f:
+            tail = f.readlines()[-LOG_TAIL_LINES:]
+        if tail:
+            lines.append(f"--- {path}\n" + "".join(tail))
+    return "\n".join(lines) or f"(no log file for pid {pid})"
+
+
+class RayWorkerGroup:
+    """`world_size` actors of `worker_cls` (a plain class), actor i on bundle i, keyword-only calls."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        worker_cls: type,
+        *,
+        init_kwargs: dict[str, Any] | None = None,
+        sharding: NamedSharding | None = None,
+        name_prefix: str = "worker",
+        num_cpus_per_worker: float | None = None,
+        num_gpus_per_worker: float | None = None,
+        env_vars: dict[str, str] | None = None,
+    ):
+        self.cluster = cluster
+        self.world_size = cluster.world_size
+        self.sharding = sharding or NamedSharding.data_parallel(self.world_size)
+        if self.sharding.size != self.world_size:
+            raise ValueError(f"sharding has {self.sharding.size} ranks but the cluster {self.world_size} bundles")
+        # Half a bundle by default, so a colocated generation group fits beside a training group.
+        num_cpus = cluster.cfg.num_cpus_per_worker / 2 if num_cpus_per_worker is None else num_cpus_per_worker
+        num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
+        node_ips = cluster.bundle_node_ips()
+        port = find_free_port(*cluster.cfg.master_port_range)
+        remote_cls = ray.remote(_with_group_methods(worker_cls))
+        suffix = uuid.uuid4().hex[:6]
+        self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
+        self.workers = []
+        for rank in range(self.world_size):
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(rank % cluster.cfg.workers_per_node),
+                "NODE_RANK": str(rank // cluster.cfg.workers_per_node),
+                "MASTER_ADDR": node_ips[0], "MASTER_PORT": str(port), **(env_vars or {}),
+            }
+            strategy = PlacementGroupSchedulingStrategy(cluster.placement_group, placement_group_bundle_index=rank)
+            actor = remote_cls.options(
+                num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy, name=self.names[rank],
+                runtime_env={"env_vars": env}, max_restarts=0,
+            ).remote(**(init_kwargs or {}))
+            self.workers.append(actor)
+        self.info = self.get([w.group_worker_info.remote() for w in self.workers])
+
+    # -- calls ----------------------------------------------------------------------------------------
+    def get(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:
+        """Wait for results; a dead worker raises WorkerDiedError (name, node, log tail), never hangs."""
+        try:
+            return ray.get(list(refs))
+        except ray.exceptions.RayActorError as error:
+            raise self._died_error(error) from error
+
+    def _died_error(self, error: Exception) -> WorkerDiedError:
+        dead = []
+        for rank, worker in enumerate(self.workers):
+            try:
+                ray.get(worker.group_worker_info.remote(), timeout=5)
+            except Exception:
+                dead.append(rank)
+        infos = getattr(self, "info", None)
+        parts = []
+        for rank in dead or range(self.world_size):
+            where = f"node {infos[rank]['node_ip']}, pid {infos[rank]['pid']}" if infos else "during start-up"
+            tail = _log_tail(infos[rank]["pid"]) if infos else ""
+            parts.append(f"worker rank {rank} ({self.names[rank]}, {where}) died\n{tail}")
+        return WorkerDiedError("\n".join(parts) + f"\ncause: {error}")
+
+    def run_all_async(self, method: str, **kwargs: Any) -> list[ray.ObjectRef]:
+        return [getattr(worker, method).remote(**kwargs) for worker in self.workers]
+
+    def run_all(self, method: str, **kwargs: Any) -> list[Any]:
+        """Call `method` on every worker; results in rank order."""
+        return self.get(self.run_all_async(method, **kwargs))
+
+    def run_on(self, ranks: Sequence[int], method: str, **kwargs: Any) -> list[Any]:
+        return self.get([getattr(self.workers[rank], method).remote(**kwargs) for rank in ranks])
+
+    def run_sharded(
+        self,
+        method: str,
+        data: BatchedDataDict | Sequence[BatchedDataDict],
+        in_sharded_axes: Sequence[str],
+        replicate_on_axes: Sequence[str] = (),
+        output_is_replicated: Sequence[str] = (),
+        **common_kwargs: Any,
+    ) -> list[Any]:
+        """Give each worker the shard of `data` at its coordinates on `in_sharded_axes` (a list of shards
+        in row-major order of those axes, or one batch dealt here), the same shard to every worker along
+        `replicate_on_axes`; axes in neither are "free": only their coordinate 0 is called. Results come
+        from the workers at coordinate 0 of `output_is_replicated`, ordered like the shards."""
+        shape = [self.sharding.get_axis_size(axis) for axis in in_sharded_axes]
+        num_shards = math.prod(shape)
+        shards = list(data) if isinstance(data, (list, tuple)) else data.shard_by_batch_size(num_shards)
+        if len(shards) != num_shards:
+            raise ValueError(f"{len(shards)} shards for axes {list(in_sharded_axes)} of sizes {shape}")
+        shard_refs = [ray.put(shard) for shard in shards]
+        calls, outputs = [], []
+        for rank in range(self.world_size):
+            coords = self.sharding.get_worker_coords(rank)
+            free = [a for a in self.sharding.names if a not in in_sharded_axes and a not in replicate_on_axes]
+            if any(coords[a] for a in free):
+                continue
+            index = 0
+            for axis, size in zip(in_sharded_axes, shape):
+                index = index * size + coords[axis]
+            ref = getattr(self.workers[rank], method).remote(data=shard_refs[index], **common_kwargs)
+            calls.append(ref)
+            if not any(coords[a] for a in output_is_replicated):
+                outputs.append((index, ref))
+        self.get(calls)  # surface errors of replicas too
+        results = self.get([ref for _, ref in sorted(outputs, key=lambda pair: pair[0])])
+        return results
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
+        self.workers = []

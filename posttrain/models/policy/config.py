@@ -1,0 +1,145 @@
+"""Typed configuration of the training backend: model, precision, batching, optimizer and schedulers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+
+@dataclass
+class OptimizerConfig:
+    """Any `torch.optim` class by name, built with these keyword arguments."""
+
+    name: str = field(
+        default="AdamW", metadata={"help": "Class name in torch.optim (AdamW, Adam, SGD, ...)."}
+    )
+    kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8},
+        metadata={"help": "Keyword arguments of the optimizer class (lr, weight_decay, betas, eps, ...)."},
+    )
+
+
+@dataclass
+class SchedulerConfig:
+    """One `torch.optim.lr_scheduler` class by name, built with these keyword arguments."""
+
+    name: str = field(default="ConstantLR", metadata={"help": "Class name in torch.optim.lr_scheduler."})
+    kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"factor": 1.0, "total_iters": 1},
+        metadata={"help": "Keyword arguments of the scheduler class (without the optimizer)."},
+    )
+
+
+@dataclass
+class DynamicBatchingConfig:
+    """Micro-batches cut by a token budget instead of a fixed number of sequences."""
+
+    enabled: bool = field(default=False, metadata={"help": "Cut micro-batches by token budget."})
+    max_tokens_per_microbatch: int = field(
+        default=4096, metadata={"help": "Token budget of one micro-batch (padded length x rows)."}
+    )
+    sequence_length_round: int = field(
+        default=16, metadata={"help": "Sequence lengths are rounded up to a multiple of this."}
+    )
+
+
+@dataclass
+class SequencePackingConfig:
+    """Several sequences per row, kept apart by position ids and a block-diagonal causal mask."""
+
+    enabled: bool = field(default=False, metadata={"help": "Pack sequences into rows (bins)."})
+    max_tokens_per_bin: int = field(default=4096, metadata={"help": "Token budget of one packed row."})
+
+
+@dataclass
+class PolicyConfig:
+    """The trainable model and how it is trained (one section: `policy`)."""
+
+    model_name: str | None = field(
+        default=None, metadata={"help": "Hugging Face model directory or hub name."}
+    )
+    tokenizer_name: str | None = field(
+        default=None, metadata={"help": "Tokenizer directory or hub name (None: same as model_name)."}
+    )
+    model_kind: Literal["causal_lm", "reward_model"] = field(
+        default="causal_lm",
+        metadata={"help": "causal_lm: token logprobs; reward_model: one scalar score per sequence."},
+    )
+    precision: Literal["float32", "bfloat16"] = field(
+        default="float32",
+        metadata={"help": "Compute dtype; bfloat16 = mixed precision with fp32 master weights."},
+    )
+    train_global_batch_size: int = field(
+        default=32, metadata={"help": "Sequences per optimizer step, summed over data-parallel ranks."}
+    )
+    train_micro_batch_size: int = field(
+        default=4, metadata={"help": "Sequences per forward/backward on one rank (gradient accumulation)."}
+    )
+    logprob_batch_size: int = field(default=8, metadata={"help": "Sequences per forward in get_logprobs."})
+    max_grad_norm: float | None = field(
+        default=1.0, metadata={"help": "Clip the global gradient norm to this (None: no clipping)."}
+    )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "Optimizer."})
+    scheduler: list[SchedulerConfig] = field(
+        default_factory=list,
+        metadata={"help": "LR schedulers stepped once per optimizer step; several become SequentialLR."},
+    )
+    scheduler_milestones: list[int] = field(
+        default_factory=list, metadata={"help": "SequentialLR milestones (len(scheduler) - 1 steps)."}
+    )
+    dynamic_batching: DynamicBatchingConfig = field(
+        default_factory=DynamicBatchingConfig, metadata={"help": "Micro-batches by token budget."}
+    )
+    sequence_packing: SequencePackingConfig = field(
+        default_factory=SequencePackingConfig, metadata={"help": "Several sequences per row."}
+    )
+    activation_checkpointing: bool = field(
+        default=False, metadata={"help": "Recompute decoder-layer activations in backward to save memory."}
+    )
+    cpu_offload: bool = field(
+        default=False,
+        metadata={"help": "Keep sharded parameters, gradients and optimizer state on CPU (FSDP2)."},
+    )
+    tensor_parallel_size: int = field(
+        default=1, metadata={"help": "Tensor-parallel ranks per model replica (Qwen2/Llama layouts)."}
+    )
+    logprob_temperature: float = field(
+        default=1.0, metadata={"help": "Logprobs come from logits / temperature, to match sampling."}
+    )
+    seed: int = field(default=42, metadata={"help": "Seed of torch's RNG on every worker."})
+
+    def __post_init__(self) -> None:
+        # Nested sections given as plain mappings (e.g. straight from YAML) become their typed classes.
+        if isinstance(self.optimizer, dict):
+            self.optimizer = OptimizerConfig(**self.optimizer)
+        self.scheduler = [SchedulerConfig(**s) if isinstance(s, dict) else s for s in self.scheduler]
+        if isinstance(self.dynamic_batching, dict):
+            self.dynamic_batching = DynamicBatchingConfig(**self.dynamic_batching)
+        if isinstance(self.sequence_packing, dict):
+            self.sequence_packing = SequencePackingConfig(**self.sequence_packing)
+        validate_policy_config(self)
+
+
+def validate_policy_config(cfg: PolicyConfig) -> None:
+    """Raise ValueError naming the first impossible setting of the `policy` section."""
+    if cfg.model_kind not in ("causal_lm", "reward_model"):
+        raise ValueError(f"policy.model_kind: expected 'causal_lm' or 'reward_model', got {cfg.model_kind!r}")
+    if cfg.precision not in ("float32", "bfloat16"):
+        raise ValueError(f"policy.precision: expected 'float32' or 'bfloat16', got {cfg.precision!r}")
+    for key in (
+        "train_global_batch_size",
+        "train_micro_batch_size",
+        "logprob_batch_size",
+        "tensor_parallel_size",
+    ):
+        if getattr(cfg, key) < 1:
+            raise ValueError(f"policy.{key}: must be >= 1, got {getattr(cfg, key)}")
+    if cfg.logprob_temperature <= 0:
+        raise ValueError(f"policy.logprob_temperature: must be > 0, got {cfg.logprob_temperature}")
+    if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
+        raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
+    if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
+        raise ValueError(
+            f"policy.scheduler_milestones: {len(cfg.scheduler)} schedulers need "
+            f"{len(cfg.scheduler) - 1} milestones, got {cfg.scheduler_milestones}"
+        )

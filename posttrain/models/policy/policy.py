@@ -1,0 +1,140 @@
+"""The driver-side `Policy`: a handle over a Ray worker group of `DTensorPolicyWorker`s (one per bundle).
+
+It shards batches across data-parallel ranks, calls the workers and puts their results back together.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import ray
+
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.named_sharding import NamedSharding
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
+from posttrain.distributed.worker_group import RayWorkerGroup
+from posttrain.models.policy.config import PolicyConfig
+from posttrain.models.policy.worker import DTensorPolicyWorker, LossFn
+
+
+class Policy:
+    """The trainable model over `cluster`: dp x tp workers, FSDP2 over dp and tensor parallelism over tp."""
+
+    def __init__(
+        self,
+        cluster: RayVirtualCluster,
+        cfg: PolicyConfig,
+        init_reference_model: bool = False,
+        name_prefix: str = "policy",
+    ) -> None:
+        self.cfg = cfg
+        if cfg.model_name is None:
+            raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
+        tp = cfg.tensor_parallel_size
+        if cluster.world_size % tp:
+            raise ValueError(
+                f"policy.tensor_parallel_size={tp} does not divide the cluster's {cluster.world_size} bundles"
+            )
+        self.dp_size = cluster.world_size // tp
+        # Ranks of one tensor-parallel group are consecutive, matching the workers' (dp, tp) device mesh.
+        self.sharding = NamedSharding(np.arange(cluster.world_size).reshape(self.dp_size, tp), ["dp", "tp"])
+        self.worker_group = RayWorkerGroup(
+            cluster,
+            DTensorPolicyWorker,
+            init_kwargs={"cfg": cfg, "init_reference_model": init_reference_model},
+            sharding=self.sharding,
+            name_prefix=name_prefix,
+        )
+
+    # -- data-parallel dispatch ------------------------------------------------------------------------
+
+    def _run_dp(self, method: str, shards: list[BatchedDataDict], **kwargs: Any) -> list[Any]:
+        """Call `method` with one shard per dp rank (replicated over tp); one result per dp rank."""
+        return self.worker_group.run_sharded(
+            method,
+            shards,
+            in_sharded_axes=["dp"],
+            replicate_on_axes=["tp"],
+            output_is_replicated=["tp"],
+            **kwargs,
+        )
+
+    def _gather_rows(self, method: str, data: BatchedDataDict) -> BatchedDataDict:
+        """Split rows evenly over dp ranks (padding with copies of the last row), run, re-join in order."""
+        num_rows = data.size
+        num_padding = -num_rows % self.dp_size
+        if num_padding:
+            padding_rows = data.select_indices([num_rows - 1] * num_padding)
+            data = BatchedDataDict.from_batches([data, padding_rows])
+        shards = data.shard_by_batch_size(self.dp_size)
+        results = self._run_dp(method, shards)
+        return BatchedDataDict.from_batches(results).slice(0, num_rows)
+
+    # -- public API ------------------------------------------------------------------------------------
+
+    def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{"logprobs": [B, T]} fp32; position t = log p(token t | tokens < t), position 0 and padding 0."""
+        return self._gather_rows("get_logprobs", data)
+
+    def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{"scores": [B]} fp32 from a reward model (policy.model_kind = "reward_model")."""
+        return self._gather_rows("get_scores", data)
+
+    def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{"reference_policy_logprobs": [B, T]} from the frozen initial weights."""
+        return self._gather_rows("get_reference_policy_logprobs", data)
+
+    def train(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFn,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, list[float]]:
+        """One optimizer step per global batch of `gbs` rows (forward only when eval_mode).
+
+        Returns one entry per global batch, reduced over ranks: `loss` (the global-batch loss),
+        `grad_norm` (before clipping), `lr` (used by the step), `num_microbatches`, and the loss
+        function's metrics summed over micro-batches and ranks.
+        """
+        gbs = gbs or self.cfg.train_global_batch_size
+        if data.size % gbs or gbs % self.dp_size:
+            raise ValueError(
+                f"Policy.train: batch of {data.size} rows must be a multiple of the global batch size {gbs}, "
+                f"itself a multiple of the {self.dp_size} data-parallel ranks"
+            )
+        shards = data.shard_by_batch_size(self.dp_size, batch_size=gbs)
+        results = self._run_dp("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+        return results[0]  # every rank returns the same, already reduced over dp
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer + scheduler state under `path` (DCP)."""
+        self.worker_group.run_all("save_checkpoint", path=str(path))
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore the state written by save_checkpoint (any number of workers)."""
+        self.worker_group.run_all("load_checkpoint", path=str(path))
+
+    def export_hf(self, out_dir: str) -> None:
+        """Write a Hugging Face directory (safetensors, config, tokenizer) with the current weights."""
+        self.worker_group.run_all("export_hf", out_dir=str(out_dir))
+
+    def get_weights_ref(self, only_changed: bool = True) -> ray.ObjectRef:
+        """ObjectRef of rank 0's dict name -> full CPU tensor (only tensors changed since the last call)."""
+        refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed)
+        return refs[0]
+
+    def offload(self) -> None:
+        """Move weights and optimizer state off the accelerator (for colocated generation)."""
+        self.worker_group.run_all("offload")
+
+    def onload(self) -> None:
+        """Bring weights and optimizer state back before training."""
+        self.worker_group.run_all("onload")
+
+    def shutdown(self) -> None:
+        """Leave the process groups and kill the workers."""
+        self.worker_group.run_all("shutdown")
+        self.worker_group.shutdown()

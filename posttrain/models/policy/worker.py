@@ -1,0 +1,642 @@
+"""The training worker: one Ray actor per bundle holding an FSDP2 (DTensor) shard of the policy model;
+logprobs, reference logprobs, micro-batched train steps whose summed loss is the global-batch loss,
+native checkpoints, HF export and full weights for refit."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from posttrain.algorithms.loss import reduce_loss_metrics
+from posttrain.distributed.batched_data_dict import (
+    BatchedDataDict,
+    dynamic_microbatch_indices,
+    pack_sequences,
+)
+from posttrain.models.build import load_tokenizer
+from posttrain.models.policy.config import PolicyConfig
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Pure helpers: logprobs, micro-batch plans, packed rows. No process group needed.
+# ----------------------------------------------------------------------------------------------------
+
+
+def compute_token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Position t holds log p(input_ids[t] | input_ids[<t]) in fp32 from logits / temperature; position 0 is 0."""
+    scaled_logits = logits[:, :-1].float() / temperature  # [B, T-1, V]
+    next_ids = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
+    next_logits = scaled_logits.gather(-1, next_ids).squeeze(-1)  # [B, T-1]
+    next_logprobs = next_logits - torch.logsumexp(scaled_logits, dim=-1)  # [B, T-1]
+    return torch.nn.functional.pad(next_logprobs, (1, 0), value=0.0)  # [B, T]
+
+
+def length_mask(input_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """1 where position < length: [B] lengths -> [B, seq_len] long mask."""
+    positions = torch.arange(seq_len, device=input_lengths.device)  # [T]
+    return (positions.unsqueeze(0) < input_lengths.unsqueeze(1)).long()  # [B, T]
+
+
+@dataclass
+class PackedRow:
+    """Several sequences concatenated in one row, kept apart by a block-diagonal causal mask."""
+
+    input_ids: torch.Tensor  # [1, L]
+    position_ids: torch.Tensor  # [1, L], restarting at 0 for each sequence
+    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = may attend
+    lengths: list[int]
+
+
+def build_packed_row(input_ids: torch.Tensor, lengths: list[int]) -> PackedRow:
+    """Concatenate the first lengths[i] tokens of each row of input_ids [n, T] into one packed row."""
+    pieces = [input_ids[i, :length] for i, length in enumerate(lengths)]
+    row_ids = torch.cat(pieces).unsqueeze(0)  # [1, L]
+    position_ids = torch.cat([torch.arange(length) for length in lengths]).unsqueeze(0).to(input_ids.device)
+    segment_ids = torch.cat([torch.full((length,), i) for i, length in enumerate(lengths)]).to(
+        input_ids.device
+    )
+    same_segment = segment_ids.unsqueeze(0) == segment_ids.unsqueeze(1)  # [L, L]
+    causal = torch.ones_like(same_segment).tril()  # [L, L]
+    attention_mask = (same_segment & causal).view(1, 1, *same_segment.shape)  # [1, 1, L, L]
+    return PackedRow(row_ids, position_ids, attention_mask, list(lengths))
+
+
+def unpack_row_logprobs(row_logprobs: torch.Tensor, lengths: list[int], seq_len: int) -> torch.Tensor:
+    """Split packed-row logprobs [1, L] back into [n, seq_len], zero at each sequence start and padding."""
+    unpacked = row_logprobs.new_zeros(len(lengths), seq_len)  # [n, T]
+    offset = 0
+    for i, length in enumerate(lengths):
+        unpacked[i, 1:length] = row_logprobs[0, offset + 1 : offset + length]
+        offset += length
+    return unpacked
+
+
+def select_rows(data: dict[str, Any], indices: list[int], seq_len: int | None = None) -> BatchedDataDict:
+    """Rows `indices` of every value; tensors with a sequence dim (dim 1) equal to the batch's T cut to seq_len."""
+    full_len = data["input_ids"].shape[1]
+    index = torch.tensor(indices, dtype=torch.long)
+    rows = BatchedDataDict()
+    for key, value in data.items():
+        if isinstance(value, torch.Tensor):
+            value = value.index_select(0, index.to(value.device))
+            if seq_len is not None and value.dim() >= 2 and value.shape[1] == full_len:
+                value = value[:, :seq_len]
+        else:
+            value = [value[i] for i in indices]
+        rows[key] = value
+    return rows
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward unit: its rows of the data (what the loss function sees) and forward inputs."""
+
+    data: BatchedDataDict
+    indices: list[int]  # rows of the local batch, in the order of `data`
+    packed: PackedRow | None = None
+    is_padding: bool = False  # a repeated micro-batch that only keeps ranks in step (its loss is scaled by 0)
+
+
+@dataclass
+class StepMetrics:
+    """What one global batch (one optimizer step) produced on this rank, before the cross-rank reduction."""
+
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    num_microbatches: int = 0
+    loss_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def step_value(step: StepMetrics, name: str) -> float:
+    """A named number of a step: its loss, its micro-batch count or one of the loss function's metrics."""
+    if name == "loss":
+        return step.loss
+    if name == "num_microbatches":
+        return float(step.num_microbatches)
+    return step.loss_metrics[name]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Process group, model, optimizer
+# ----------------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def ensure_process_group() -> None:
+    """Join the process group from RANK/WORLD_SIZE/MASTER_* env vars, or form a 1-rank group when absent."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, init_method="env://")
+    else:
+        dist.init_process_group(
+            backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        )
+
+
+def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
+    """The configured model in fp32 on CPU with SDPA attention (causal LM or a 1-label sequence classifier)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    if cfg.model_name is None:
+        raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if cfg.model_kind == "causal_lm":
+        return AutoModelForCausalLM.from_pretrained(cfg.model_name, **kwargs)
+    model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (the classes the model lists in `_no_split_modules`)."""
+    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [module for module in model.modules() if type(module).__name__ in block_names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules={block_names})"
+        )
+    return layers
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP of attention and MLP projections (Qwen2/Llama layout); embeddings stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    config = model.config
+    tp = tp_mesh.size()
+    if config.num_attention_heads % tp or config.num_key_value_heads % tp:
+        raise ValueError(
+            f"policy.tensor_parallel_size={tp} must divide num_attention_heads={config.num_attention_heads} "
+            f"and num_key_value_heads={config.num_key_value_heads}"
+        )
+    for layer in decoder_layers(model):
+        missing = [name for name in plan if layer.get_submodule(name) is None]
+        if missing:
+            raise ValueError(f"{type(layer).__name__}: no {missing} for tensor parallelism")
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def shard_model(model: torch.nn.Module, dp_mesh: DeviceMesh, cfg: PolicyConfig, device: torch.device) -> None:
+    """fully_shard every decoder layer and the root; gradients are SUMMED over ranks (no averaging)."""
+    mp_policy = MixedPrecisionPolicy()
+    if cfg.precision == "bfloat16":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if cfg.cpu_offload and device.type == "cuda" else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    # The loss of each micro-batch is already normalised by GLOBAL counts, so the global gradient is the
+    # sum over ranks: turn FSDP's default averaging off (and use plain SUM, which gloo supports).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@torch.no_grad()
+def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None) -> float:
+    """Global L2 norm of all gradients (DTensor shards on any mesh included); scale them to max_norm if above."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    grads_by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:  # with TP, norms/embeddings live on the dp mesh and projections on the (dp, tp) mesh
+        grads_by_mesh.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(grad)
+    squared_total = 0.0
+    for mesh_grads in grads_by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(mesh_grads, norm_type=2.0)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        squared_total += float(norm) ** 2
+    total_norm = math.sqrt(squared_total)
+    if max_norm is not None:
+        clip_coef = min(1.0, max_norm / (total_norm + 1e-6))
+        if clip_coef < 1.0:
+            torch._foreach_mul_(grads, clip_coef)
+    return total_norm
+
+
+def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Optimizer:
+    """Any torch.optim class by name, over the trainable parameters."""
+    optimizer_cls = getattr(torch.optim, cfg.optimizer.name, None)
+    if optimizer_cls is None:
+        raise ValueError(f"policy.optimizer.name: torch.optim has no {cfg.optimizer.name!r}")
+    kwargs = dict(cfg.optimizer.kwargs)
+    if "betas" in kwargs:
+        kwargs["betas"] = tuple(kwargs["betas"])
+    return optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: PolicyConfig
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The configured schedulers (constant LR when none; several become SequentialLR)."""
+    schedulers = []
+    for i, scheduler_cfg in enumerate(cfg.scheduler):
+        scheduler_cls = getattr(torch.optim.lr_scheduler, scheduler_cfg.name, None)
+        if scheduler_cls is None:
+            raise ValueError(
+                f"policy.scheduler[{i}].name: torch.optim.lr_scheduler has no {scheduler_cfg.name!r}"
+            )
+        schedulers.append(scheduler_cls(optimizer, **scheduler_cfg.kwargs))
+    if not schedulers:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    if len(schedulers) == 1:
+        return schedulers[0]
+    return torch.optim.lr_scheduler.SequentialLR(
+        optimizer, schedulers, milestones=list(cfg.scheduler_milestones)
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# The worker
+# ----------------------------------------------------------------------------------------------------
+
+
+class DTensorPolicyWorker:
+    """One rank of the policy: an FSDP2-sharded (optionally TP) model, its optimizer and scheduler."""
+
+    def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
+        self.cfg = cfg
+        ensure_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        tp = cfg.tensor_parallel_size
+        if self.world_size % tp:
+            raise ValueError(
+                f"policy.tensor_parallel_size={tp} does not divide the {self.world_size} workers"
+            )
+        self.mesh = init_device_mesh(
+            self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+        )
+        self.dp_group = self.mesh["dp"].get_group()
+        self.dp_size = self.mesh["dp"].size()
+        torch.manual_seed(cfg.seed)
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.tokenizer = self._load_tokenizer()
+        self.reference_weights: dict[str, torch.Tensor] | None = None
+        self.last_sent_weights: dict[str, torch.Tensor] = {}
+        if init_reference_model:
+            self.init_reference_model()
+
+    def _build_model(self) -> torch.nn.Module:
+        model = load_hf_model(self.cfg)
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.tensor_parallel_size > 1:
+            model.to(self.device)
+            apply_tensor_parallel(model, self.mesh["tp"])
+        shard_model(model, self.mesh["dp"], self.cfg, self.device)
+        if not (self.cfg.cpu_offload and self.device.type == "cuda"):
+            model.to(self.device)
+        return model
+
+    def _load_tokenizer(self) -> Any:
+        return load_tokenizer(self.cfg.tokenizer_name or self.cfg.model_name)
+
+    def _all_reduce_dp(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+        """All-reduce over the data-parallel ranks (on the worker's device: NCCL needs CUDA tensors); CPU out."""
+        reduced = tensor.to(self.device)
+        dist.all_reduce(reduced, op=op, group=self.dp_group)
+        return reduced.cpu()
+
+    # -- micro-batches ---------------------------------------------------------------------------------
+
+    def _lengths(self, data: dict[str, Any]) -> torch.Tensor:
+        if "input_lengths" in data:
+            return data["input_lengths"].long()
+        return torch.full((data["input_ids"].shape[0],), data["input_ids"].shape[1], dtype=torch.long)
+
+    def make_microbatches(self, data: dict[str, Any], batch_size: int) -> list[MicroBatch]:
+        """Fixed-size, token-budget (dynamic batching) or packed micro-batches, each cut to its longest row."""
+        lengths = self._lengths(data).tolist()
+        if self.cfg.sequence_packing.enabled:
+            if self.cfg.model_kind != "causal_lm":
+                raise ValueError("policy.sequence_packing: only for model_kind='causal_lm'")
+            groups = pack_sequences(lengths, self.cfg.sequence_packing.max_tokens_per_bin)
+        elif self.cfg.dynamic_batching.enabled:
+            budget = self.cfg.dynamic_batching
+            groups = dynamic_microbatch_indices(
+                lengths, budget.max_tokens_per_microbatch, budget.sequence_length_round
+            )
+        else:
+            groups = [
+                list(range(i, min(i + batch_size, len(lengths)))) for i in range(0, len(lengths), batch_size)
+            ]
+        microbatches = []
+        for indices in groups:
+            rows = select_rows(data, indices, seq_len=max(lengths[i] for i in indices))
+            packed = None
+            if self.cfg.sequence_packing.enabled:
+                packed = build_packed_row(rows["input_ids"], [lengths[i] for i in indices])
+            microbatches.append(MicroBatch(rows, indices, packed))
+        return microbatches
+
+    def _pad_to_common_count(self, microbatches: list[MicroBatch]) -> list[MicroBatch]:
+        """Every dp rank must run the same number of forwards (FSDP all-gathers): repeat one as padding."""
+        count = self._all_reduce_dp(torch.tensor([len(microbatches)]), dist.ReduceOp.MAX)
+        if not microbatches and count.item() > 0:
+            raise ValueError(
+                f"rank {self.rank}: got no data while other ranks did; send at least one row per rank"
+            )
+        padding = [MicroBatch(microbatches[0].data, [], microbatches[0].packed, is_padding=True)] * (
+            int(count.item()) - len(microbatches)
+        )
+        return microbatches + padding
+
+    # -- forward ---------------------------------------------------------------------------------------
+
+    def _forward(self, microbatch: MicroBatch) -> torch.Tensor:
+        """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model (fp32)."""
+        data = microbatch.data
+        input_ids = data["input_ids"].to(self.device)  # [b, T_mb]
+        if microbatch.packed is not None:
+            return self._forward_packed(microbatch.packed, input_ids.shape[1])
+        attention_mask = length_mask(self._lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
+        if self.cfg.model_kind == "reward_model":
+            # HF pools the last non-pad token: make every position past the length a pad token.
+            pad_id = self.model.config.pad_token_id
+            input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, pad_id))
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
+            return logits.float().squeeze(-1)  # [b]
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, T_mb, V]
+        logprobs = compute_token_logprobs(logits, input_ids, self.cfg.logprob_temperature)  # [b, T_mb]
+        return logprobs * attention_mask
+
+    def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
+        logits = self.model(
+            input_ids=packed.input_ids.to(self.device),
+            position_ids=packed.position_ids.to(self.device),
+            attention_mask=packed.attention_mask.to(self.device),
+        ).logits  # [1, L, V]
+        row_logprobs = compute_token_logprobs(
+            logits, packed.input_ids.to(self.device), self.cfg.logprob_temperature
+        )
+        return unpack_row_logprobs(row_logprobs, packed.lengths, seq_len)  # [n, T_mb]
+
+    @torch.no_grad()
+    def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"logprobs": [B, T]} in fp32: position t = log p(token t | < t), position 0 and padding 0."""
+        if self.cfg.model_kind != "causal_lm":
+            raise ValueError("get_logprobs: policy.model_kind is 'reward_model'; use get_scores")
+        batch_size, seq_len = data["input_ids"].shape
+        return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
+
+    @torch.no_grad()
+    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
+        if self.cfg.model_kind != "reward_model":
+            raise ValueError("get_scores: policy.model_kind is 'causal_lm'; use get_logprobs")
+        return BatchedDataDict({"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))})
+
+    def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row order."""
+        self.model.eval()
+        microbatches = self._pad_to_common_count(self.make_microbatches(data, self.cfg.logprob_batch_size))
+        for microbatch in microbatches:
+            outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
+            if microbatch.is_padding:
+                continue
+            if outputs.dim() == 2:
+                out[microbatch.indices, : outputs.shape[1]] = outputs
+            else:
+                out[microbatch.indices] = outputs
+        return out
+
+    # -- reference model -------------------------------------------------------------------------------
+
+    def _local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of every parameter, copied to CPU."""
+        return {
+            name: (p.to_local() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+            for name, p in self.model.named_parameters()
+        }
+
+    @torch.no_grad()
+    def _load_local_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, p in self.model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(weights[name].to(local.device))
+
+    def init_reference_model(self) -> None:
+        """Keep a frozen CPU copy of the current (initial) weights for reference logprobs."""
+        self.reference_weights = self._local_weights()
+
+    def get_reference_policy_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"reference_policy_logprobs": [B, T]} from the frozen initial weights (swapped in, then back)."""
+        if self.reference_weights is None:
+            raise RuntimeError(
+                f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
+            )
+        current_weights = self._local_weights()
+        self._load_local_weights(self.reference_weights)
+        try:
+            logprobs = self.get_logprobs(data)["logprobs"]
+        finally:
+            self._load_local_weights(current_weights)
+        return BatchedDataDict({"reference_policy_logprobs": logprobs})
+
+    # -- training --------------------------------------------------------------------------------------
+
+    def _global_counts(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid sequences, valid tokens) of the global batch: this rank's sums all-reduced over dp."""
+        batch_size, seq_len = batch["input_ids"].shape
+        sample_mask = batch.get("sample_mask", torch.ones(batch_size)).float()  # [B]
+        token_mask = batch.get("token_mask")
+        if token_mask is None:
+            token_mask = length_mask(self._lengths(batch), seq_len)
+        counts = torch.stack([sample_mask.sum(), (token_mask.float() * sample_mask.unsqueeze(1)).sum()])
+        counts = self._all_reduce_dp(counts, dist.ReduceOp.SUM)
+        return counts[0].to(self.device), counts[1].to(self.device)
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr used)."""
+        grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, float(lr)
+
+    def _run_global_batch(
+        self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, mbs: int
+    ) -> StepMetrics:
+        valid_seqs, valid_toks = self._global_counts(batch)
+        step = StepMetrics()
+        for microbatch in self._pad_to_common_count(self.make_microbatches(batch, mbs)):
+            with torch.set_grad_enabled(not eval_mode):
+                outputs = self._forward(microbatch)  # [b, T_mb] logprobs or [b] scores
+                loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
+            if not eval_mode:
+                (loss * (0.0 if microbatch.is_padding else 1.0)).backward()
+            if microbatch.is_padding:
+                continue
+            step.loss += float(loss.detach())
+            step.num_microbatches += 1
+            step.loss_metrics = reduce_loss_metrics(
+                [step.loss_metrics, {k: float(v) for k, v in metrics.items()}]
+            )
+        if not eval_mode:
+            step.grad_norm, step.lr = self._optimizer_step()
+        return step
+
+    def train(
+        self,
+        data: dict[str, Any],
+        loss_fn: LossFn,
+        eval_mode: bool = False,
+        gbs: int | None = None,
+        mbs: int | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step per global batch of `gbs` rows (this rank holds gbs / dp of each).
+
+        Returns per-step lists, already reduced over dp ranks: loss (global-batch loss), grad_norm, lr,
+        num_microbatches (summed), and the loss function's metrics (summed over micro-batches and ranks).
+        """
+        gbs = gbs or self.cfg.train_global_batch_size
+        mbs = mbs or self.cfg.train_micro_batch_size
+        if gbs % self.dp_size:
+            raise ValueError(
+                f"train: global batch size {gbs} is not divisible by {self.dp_size} data-parallel ranks"
+            )
+        local_gbs = gbs // self.dp_size
+        num_rows = data["input_ids"].shape[0]
+        if num_rows % local_gbs:
+            raise ValueError(
+                f"train: rank {self.rank} got {num_rows} rows, not a multiple of gbs/dp = {local_gbs}"
+            )
+        self.model.train(not eval_mode)
+        steps = [
+            self._run_global_batch(
+                select_rows(data, list(range(start, start + local_gbs))), loss_fn, eval_mode, mbs
+            )
+            for start in range(0, num_rows, local_gbs)
+        ]
+        return self._reduce_steps(steps, eval_mode)
+
+    def _reduce_steps(self, steps: list[StepMetrics], eval_mode: bool) -> dict[str, Any]:
+        """Reduce over dp ranks: losses, micro-batch counts and loss metrics summed (`*_min` / `*_max`
+        metrics by min / max); grad norm and lr are global already. Every rank has the same metric keys."""
+        keys = sorted({key for step in steps for key in step.loss_metrics} - {"loss", "num_microbatches"})
+        columns = {"sum": ["loss", "num_microbatches"], "min": [], "max": []}
+        for key in keys:
+            columns["min" if key.endswith("_min") else "max" if key.endswith("_max") else "sum"].append(key)
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        result: dict[str, Any] = {}
+        for kind, names in columns.items():
+            if not names:
+                continue
+            values = torch.tensor(
+                [[step_value(step, name) for name in names] for step in steps], dtype=torch.float64
+            )  # [num_steps, num_names]
+            values = self._all_reduce_dp(values, ops[kind])
+            for column, name in enumerate(names):
+                result.setdefault(name, values[:, column].tolist())
+        if not eval_mode:
+            result["grad_norm"] = [step.grad_norm for step in steps]
+            result["lr"] = [step.lr for step in steps]
+        return result
+
+    # -- checkpoints, export, refit ----------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model + optimizer + scheduler state (DCP) under `path` (collective)."""
+        from posttrain.utils import native_checkpoint
+
+        native_checkpoint.save_checkpoint(
+            self.model, self.optimizer, self.scheduler, path, tokenizer=self.tokenizer
+        )
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore model, optimizer and scheduler state saved by save_checkpoint (collective)."""
+        from posttrain.utils import native_checkpoint
+
+        native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path)
+
+    def export_hf(self, out_dir: str) -> None:
+        """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
+        from posttrain.utils import native_checkpoint
+
+        native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
+
+    def get_weights(self, only_changed: bool = True) -> dict[str, torch.Tensor]:
+        """Full (gathered) CPU weights on rank 0, only those changed since the last call when asked; {} elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full_weights = get_model_state_dict(self.model, options=options)
+        if self.rank != 0:
+            return {}
+        changed = {
+            name: tensor
+            for name, tensor in full_weights.items()
+            if not only_changed
+            or name not in self.last_sent_weights
+            or not torch.equal(tensor, self.last_sent_weights[name])
+        }
+        self.last_sent_weights = {name: tensor.clone() for name, tensor in full_weights.items()}
+        return changed
+
+    def _move_training_state(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+    def offload(self) -> None:
+        """Move weights and optimizer state to CPU to free accelerator memory (no-op on a CPU worker)."""
+        if self.device.type != "cpu":
+            self._move_training_state(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring weights and optimizer state back to the worker's device."""
+        if self.device.type != "cpu" and not self.cfg.cpu_offload:
+            self._move_training_state(self.device)
+
+    def shutdown(self) -> bool:
+        """Leave the process group; the actor can then be killed."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True

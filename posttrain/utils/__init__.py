@@ -1,0 +1,1 @@
+"""Utilities: logging, checkpoints, timers, progress, plots."""

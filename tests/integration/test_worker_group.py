@@ -1,0 +1,94 @@
+"""RayWorkerGroup on a real local Ray: a gloo process group, sharded dispatch, dead workers, placement."""
+
+import os
+import time
+
+import pytest
+import torch
+
+from posttrain.distributed import (
+    BatchedDataDict,
+    ClusterConfig,
+    ClusterResourceError,
+    NamedSharding,
+    RayVirtualCluster,
+    RayWorkerGroup,
+    WorkerDiedError,
+    init_torch_distributed,
+)
+
+
+class EchoWorker:
+    def all_reduce_rank_plus_one(self) -> float:
+        import torch.distributed as dist
+
+        init_torch_distributed()
+        value = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(value)
+        return value.item()
+
+    def environment(self) -> dict:
+        keys = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"]
+        return {key: os.environ[key] for key in keys}
+
+    def echo(self, data, tag: str = "") -> tuple:
+        return int(os.environ["RANK"]), data["x"].tolist(), tag
+
+    def crash(self) -> None:
+        print("about to crash on purpose")
+        os._exit(3)
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session):
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
+    yield cluster
+    cluster.shutdown()
+
+
+def test_two_workers_form_a_gloo_group_and_all_reduce(cluster):
+    group = RayWorkerGroup(cluster, EchoWorker)
+    assert group.run_all("all_reduce_rank_plus_one") == [3.0, 3.0]  # 1 + 2 on both ranks
+    envs = group.run_all("environment")
+    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"] and 29500 <= int(envs[0]["MASTER_PORT"]) <= 29999
+    group.shutdown()
+
+
+def test_sharded_dispatch_reaches_the_right_workers(cluster):
+    group = RayWorkerGroup(cluster, EchoWorker)
+    data = BatchedDataDict(x=torch.arange(8))
+    results = group.run_sharded("echo", data.shard_by_batch_size(2, batch_size=4), in_sharded_axes=["dp"], tag="t")
+    assert results == [(0, [0, 1, 4, 5], "t"), (1, [2, 3, 6, 7], "t")]
+    group.shutdown()
+
+
+def test_replicated_and_free_axes(cluster):
+    # one dp shard replicated over a 2-wide tp axis: both workers get it, only tp=0 answers
+    group = RayWorkerGroup(cluster, EchoWorker, sharding=NamedSharding([[0, 1]], ["dp", "tp"]))
+    data = [BatchedDataDict(x=torch.tensor([7, 8]))]
+    assert group.run_sharded("echo", data, in_sharded_axes=["dp"], replicate_on_axes=["tp"],
+                             output_is_replicated=["tp"]) == [(0, [7, 8], "")]
+    # tp free: only coordinate 0 is called at all
+    assert group.run_sharded("echo", data, in_sharded_axes=["dp"]) == [(0, [7, 8], "")]
+    group.shutdown()
+
+
+def test_a_dead_worker_raises_naming_it_within_seconds(cluster):
+    group = RayWorkerGroup(cluster, EchoWorker, name_prefix="crashy")
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError) as error:
+        group.run_on([1], "crash")
+    assert time.monotonic() - start < 15
+    message = str(error.value)
+    assert "worker rank 1 (crashy-1-" in message and "node " in message
+    group.shutdown()
+
+
+def test_asking_for_more_cpus_than_exist_fails_fast_with_what_was_asked(ray_session):
+    start = time.monotonic()
+    with pytest.raises(ClusterResourceError) as error:
+        RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=1000, resource_timeout_s=3))
+    assert time.monotonic() - start < 10
+    message = str(error.value)
+    assert "2 bundles of {'CPU': 1000}" in message and "2000 CPUs" in message and "the cluster has 8 CPUs" in message
