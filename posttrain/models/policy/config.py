@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttrain.models.build import ModelFromConfig
+
 
 @dataclass
 class OptimizerConfig:
@@ -52,11 +54,25 @@ class SequencePackingConfig:
 
 
 @dataclass
+class PolicyModelConfig:
+    """Offline alternative to `policy.model_name`: build the model from an architecture config."""
+
+    from_config: ModelFromConfig | None = field(
+        default=None,
+        metadata={"help": "Architecture of a seeded random model + the built-in tokenizer (None: use model_name)."},
+    )
+
+
+@dataclass
 class PolicyConfig:
     """The trainable model and how it is trained (one section: `policy`)."""
 
     model_name: str | None = field(
         default=None, metadata={"help": "Hugging Face model directory or hub name."}
+    )
+    model: PolicyModelConfig = field(
+        default_factory=PolicyModelConfig,
+        metadata={"help": "model.from_config builds a tiny model into <log_dir>/initial_model and sets model_name."},
     )
     tokenizer_name: str | None = field(
         default=None, metadata={"help": "Tokenizer directory or hub name (None: same as model_name)."}
@@ -110,6 +126,10 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         # Nested sections given as plain mappings (e.g. straight from YAML) become their typed classes.
+        if isinstance(self.model, dict):
+            self.model = PolicyModelConfig(**self.model)
+        if isinstance(self.model.from_config, dict):
+            self.model.from_config = ModelFromConfig(**self.model.from_config)
         if isinstance(self.optimizer, dict):
             self.optimizer = OptimizerConfig(**self.optimizer)
         self.scheduler = [SchedulerConfig(**s) if isinstance(s, dict) else s for s in self.scheduler]

@@ -1,0 +1,74 @@
+"""Message logs: conversations whose messages carry their own token ids, rendered with the tokenizer's
+chat template, and flattened into padded `input_ids`, `input_lengths` and a trained-token `token_mask`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+
+Message = dict[str, Any]
+
+
+def _render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool) -> str:
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenize_message_log(messages: list[Message], tokenizer: Any, add_generation_prompt: bool = False) -> list[Message]:
+    """Each message gets `token_ids`: the tokens the chat template adds for it (the last one also gets
+    the assistant generation prompt when asked), so the concatenation is the whole rendered conversation."""
+    result, previous = [], ""
+    for i, message in enumerate(messages):
+        last = i == len(messages) - 1
+        text = _render(tokenizer, messages[: i + 1], add_generation_prompt and last)
+        if not text.startswith(previous):
+            raise ValueError("the chat template does not render conversations incrementally")
+        delta = text[len(previous):]
+        ids = tokenizer(delta, add_special_tokens=False)["input_ids"]
+        result.append({**message, "token_ids": torch.tensor(ids, dtype=torch.long)})
+        previous = text
+    return result
+
+
+def message_log_length(message_log: list[Message]) -> int:
+    return sum(len(m["token_ids"]) for m in message_log)
+
+
+def trained_messages(message_log: list[Message], train_on: str) -> list[bool]:
+    """Which messages' tokens are trained on: assistant turns, or only the final assistant turn."""
+    assistant = [m["role"] == "assistant" for m in message_log]
+    if train_on == "assistant":
+        return assistant
+    if train_on == "last_assistant":
+        last = max((i for i, a in enumerate(assistant) if a), default=-1)
+        return [i == last for i in range(len(message_log))]
+    if train_on == "none":
+        return [False] * len(message_log)
+    raise ValueError(f"train_on must be 'assistant', 'last_assistant' or 'none', got {train_on!r}")
+
+
+def message_log_to_flat(message_logs: list[list[Message]], pad_token_id: int, train_on: str = "assistant") -> BatchedDataDict:
+    """Right-padded `input_ids [B,T]`, `input_lengths [B]`, `token_mask [B,T]` (1 on trained tokens,
+    never position 0) and `sample_mask [B]` (all 1)."""
+    lengths = [message_log_length(log) for log in message_logs]
+    max_len = max(lengths)
+    input_ids = torch.full((len(message_logs), max_len), pad_token_id, dtype=torch.long)
+    token_mask = torch.zeros((len(message_logs), max_len), dtype=torch.float32)
+    for row, log in enumerate(message_logs):
+        position = 0
+        for message, trained in zip(log, trained_messages(log, train_on)):
+            n = len(message["token_ids"])
+            input_ids[row, position:position + n] = torch.as_tensor(message["token_ids"], dtype=torch.long)
+            if trained:
+                token_mask[row, position:position + n] = 1.0
+            position += n
+    token_mask[:, 0] = 0.0  # position 0 has no logprob (nothing precedes it)
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=torch.tensor(lengths, dtype=torch.long),
+        token_mask=token_mask,
+        sample_mask=torch.ones(len(message_logs), dtype=torch.float32),
+    )

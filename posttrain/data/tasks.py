@@ -1,0 +1,76 @@
+"""Built-in tasks generated from a seed (no download), with disjoint training and validation rows."""
+
+from __future__ import annotations
+
+import random
+
+from posttrain.environments.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
+
+BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle")
+
+
+def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> tuple[list, list]:
+    """Disjoint (a, b) operand pairs: validation drawn first, training never repeats a validation pair."""
+    limit = 10**num_digits
+    if num_train + num_val > limit * limit:
+        raise ValueError(f"{num_train}+{num_val} pairs requested but only {limit * limit} exist with {num_digits} digits")
+    rng = random.Random(seed)
+    val: set = set()
+    while len(val) < num_val:
+        val.add((rng.randrange(limit), rng.randrange(limit)))
+    train = []
+    if num_train > limit * limit // 2:  # dense: enumerate what is left and shuffle
+        pool = [(a, b) for a in range(limit) for b in range(limit) if (a, b) not in val]
+        rng.shuffle(pool)
+        train = pool[:num_train]
+    else:
+        seen = set(val)
+        while len(train) < num_train:
+            pair = (rng.randrange(limit), rng.randrange(limit))
+            if pair not in seen:
+                seen.add(pair)
+                train.append(pair)
+    return train, sorted(val, key=lambda p: rng.random())
+
+
+def arithmetic_row(a: int, b: int, num_digits: int) -> dict:
+    """Fixed-width, zero-padded addition: `07+85=` -> `092` (all prompts share one length)."""
+    answer = f"{a + b:0{num_digits + 1}d}"
+    return {"prompt": f"{a:0{num_digits}d}+{b:0{num_digits}d}=", "response": answer, "answer": answer,
+            "task_name": "arithmetic"}
+
+
+def wrong_answer(a: int, b: int, num_digits: int, rng: random.Random) -> str:
+    """A plausible wrong sum: off by 1..9 (or 10), same width, never negative."""
+    offset = rng.choice([d for d in range(-9, 11) if d and a + b + d >= 0 and a + b + d < 10 ** (num_digits + 1)])
+    return f"{a + b + offset:0{num_digits + 1}d}"
+
+
+def builtin_rows(name: str, num_train: int | None, num_val: int | None, seed: int, num_digits: int = 2,
+                 puzzle_size: int = 2, scramble_moves: int = 2) -> tuple[list[dict], list[dict]]:
+    """(train rows, validation rows) of a built-in task."""
+    if name not in BUILTIN_TASKS:
+        raise KeyError(f"unknown built-in task {name!r}; built-in tasks: {BUILTIN_TASKS}")
+    num_train = 4096 if num_train is None else num_train
+    num_val = 256 if num_val is None else num_val
+    if name == "sliding_puzzle":
+        make = lambda i: puzzle_row(puzzle_size, scramble_moves, seed * 1_000_003 + i)  # noqa: E731
+        return [make(i) for i in range(num_train)], [make(-1 - i) for i in range(num_val)]
+    train, val = addition_pairs(num_digits, num_train, num_val, seed)
+    if name == "arithmetic":
+        return [arithmetic_row(a, b, num_digits) for a, b in train], [arithmetic_row(a, b, num_digits) for a, b in val]
+    rng = random.Random(seed + 1)
+    rows = lambda pairs: [  # noqa: E731
+        {"prompt": arithmetic_row(a, b, num_digits)["prompt"], "chosen": arithmetic_row(a, b, num_digits)["answer"],
+         "rejected": wrong_answer(a, b, num_digits, rng)} for a, b in pairs
+    ]
+    return rows(train), rows(val)
+
+
+def puzzle_row(size: int, scramble_moves: int, seed: int) -> dict:
+    """A scrambled (never already solved) board; the first attempt that is not solved wins."""
+    attempt = 0
+    while (board := scrambled_board(size, scramble_moves, seed * 31 + attempt)) == solved_board(size):
+        attempt += 1
+    return {"prompt": puzzle_prompt(board), "answer": None, "task_name": "sliding_puzzle",
+            "metadata": {"board": board}}
