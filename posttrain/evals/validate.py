@@ -1,0 +1,77 @@
+"""Validation and evaluation share this: roll out prompts with a generation backend, score them with
+their environments, and report accuracy, pass@k and lengths plus per-sample results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.evals.metrics import eval_pass_k
+from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
+
+
+@dataclass
+class ValidationResult:
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]  # prompt, response, message_log, reward, answer, ground truth
+    rewards: torch.Tensor  # [num_prompts * num_generations], each prompt's samples contiguous
+
+
+def sample_records(rollouts: Any) -> list[dict[str, Any]]:
+    """Per-sample results of a finished rollout batch (JSON-friendly)."""
+    samples = []
+    for i, log in enumerate(rollouts["message_log"]):
+        first_assistant = next((j for j, m in enumerate(log) if m["role"] == "assistant"), len(log))
+        samples.append({
+            "idx": rollouts["idx"][i],
+            "task_name": rollouts["task_name"][i],
+            "prompt": "".join(m["content"] for m in log[:first_assistant]),
+            "response": "".join(m["content"] for m in log[first_assistant:]),
+            "message_log": [{"role": m["role"], "content": m["content"]} for m in log],
+            "reward": float(rollouts["total_reward"][i]),
+            "answer": rollouts["answer"][i],
+            "ground_truth": rollouts["extra_env_info"][i].get("ground_truth"),
+            "truncated": bool(rollouts["truncated"][i]),
+        })
+    return samples
+
+
+def run_validation(
+    generation: Any,
+    records: list[dict],
+    tokenizer: Any,
+    task_to_env: dict,
+    max_seq_len: int,
+    max_rollout_turns: int = 1,
+    num_generations: int = 1,
+    greedy: bool = True,
+    k: int = 1,
+    batch_size: int = 256,
+    seed: int = 0,
+) -> ValidationResult:
+    """Roll out every record `num_generations` times (in batches of `batch_size` prompts).
+
+    `accuracy` is the mean reward (the fraction correct for 0/1 rewards); `pass@k` is the unbiased
+    estimator over each prompt's samples.
+    """
+    rewards, samples, lengths = [], [], []
+    for start in range(0, len(records), batch_size):
+        batch = records_to_rollout_batch(records[start:start + batch_size], num_generations)
+        rollouts, metrics = run_multi_turn_rollout(
+            generation, batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns, greedy=greedy,
+            seed=seed + start,
+        )
+        rewards.append(rollouts["total_reward"])
+        samples.extend(sample_records(rollouts))
+        lengths.append(metrics["mean_generated_length"] * len(batch["message_log"]))
+    all_rewards = torch.cat(rewards)
+    metrics = {
+        "accuracy": float(all_rewards.mean()),
+        f"pass@{k}": eval_pass_k(all_rewards.tolist(), num_generations, k),
+        "mean_generated_length": sum(lengths) / len(all_rewards),
+        "truncation_rate": sum(s["truncated"] for s in samples) / len(samples),
+        "num_samples": float(len(samples)),
+    }
+    return ValidationResult(metrics, samples, all_rewards)

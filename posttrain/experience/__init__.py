@@ -1,0 +1,1 @@
+"""Experience collection: single- and multi-turn rollouts against environments."""

@@ -1,0 +1,72 @@
+"""Typed configuration of the generation backends (one section: `generation`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class GenerationConfig:
+    """How rollouts are sampled and where the generation workers run."""
+
+    backend: Literal["hf", "vllm"] = field(
+        default="hf", metadata={"help": "hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra)."}
+    )
+    max_new_tokens: int = field(default=64, metadata={"help": "Most tokens generated per sample."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0); logprobs use it too."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1.0 keeps all tokens."})
+    top_k: int | None = field(
+        default=None, metadata={"help": "Keep only the k most likely tokens; None keeps all (no hidden default)."}
+    )
+    stop_token_ids: list[int] | None = field(
+        default=None, metadata={"help": "Token ids that end a sample (kept in the output); None: the tokenizer's EOS."}
+    )
+    stop_strings: list[str] | None = field(
+        default=None, metadata={"help": "Strings that end every sample (kept); added to per-sample stop_strings."}
+    )
+    num_workers: int = field(default=1, metadata={"help": "Data-parallel generation workers when not colocated (colocated: one per policy bundle)."})
+    colocated: bool = field(
+        default=True, metadata={"help": "Share the policy's bundles (True) or run on a cluster of its own (False)."}
+    )
+    num_cpus_per_worker: float = field(
+        default=0.5, metadata={"help": "Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."}
+    )
+    precision: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata={"help": "dtype of the generation model's weights and compute."}
+    )
+    seed: int = field(default=0, metadata={"help": "Base seed; a call without seed uses seed + call index."})
+    vllm_gpu_memory_utilization: float = field(
+        default=0.5,
+        metadata={"help": "vLLM only: share of GPU memory the engine may take (on CPU: of CPU memory)."},
+    )
+    vllm_max_model_len: int | None = field(
+        default=None, metadata={"help": "vLLM only: context length of the engine (None: the model's)."}
+    )
+
+    def __post_init__(self) -> None:
+        validate_generation_config(self)
+
+
+def validate_generation_config(cfg: GenerationConfig) -> None:
+    """Raise ValueError naming the first impossible setting of the `generation` section."""
+    if cfg.backend not in ("hf", "vllm"):
+        raise ValueError(f"generation.backend: expected 'hf' or 'vllm', got {cfg.backend!r}")
+    if cfg.precision not in ("float32", "bfloat16"):
+        raise ValueError(f"generation.precision: expected 'float32' or 'bfloat16', got {cfg.precision!r}")
+    if cfg.max_new_tokens < 1:
+        raise ValueError(f"generation.max_new_tokens: must be >= 1, got {cfg.max_new_tokens}")
+    if cfg.temperature <= 0:
+        raise ValueError(f"generation.temperature: must be > 0 (use greedy=True for argmax), got {cfg.temperature}")
+    if not 0 < cfg.top_p <= 1:
+        raise ValueError(f"generation.top_p: must be in (0, 1], got {cfg.top_p}")
+    if cfg.top_k is not None and cfg.top_k < 1:
+        raise ValueError(f"generation.top_k: must be >= 1 or None (keep all tokens), got {cfg.top_k}")
+    if cfg.num_workers < 1:
+        raise ValueError(f"generation.num_workers: must be >= 1, got {cfg.num_workers}")
+    if cfg.num_cpus_per_worker < 0:
+        raise ValueError(f"generation.num_cpus_per_worker: must be >= 0, got {cfg.num_cpus_per_worker}")
+    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
+        raise ValueError(
+            f"generation.vllm_gpu_memory_utilization: must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}"
+        )

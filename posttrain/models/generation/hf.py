@@ -1,0 +1,297 @@
+"""Hugging Face generation backend: a hand-written batched KV-cache sampling loop in Ray workers.
+
+Logprobs are those of the *unfiltered* tempered distribution, log_softmax(logits / temperature), at
+the chosen token: top-k / top-p only decide which tokens may be drawn. This is what the trainer
+recomputes (`policy.logprob_temperature`), so the two can be compared token by token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.models.generation.config import GenerationConfig
+from posttrain.models.generation.interface import RayGeneration, sample_seed
+
+# ----------------------------------------------------------------------------------------------------
+# Pure functions: padding, filtering, sampling
+# ----------------------------------------------------------------------------------------------------
+
+
+def right_to_left_padded(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Move right-padded prompts to the right edge: returns left-padded ids and attention mask [B, T']."""
+    num_cols = int(input_lengths.max())
+    shift = num_cols - input_lengths  # [B]
+    source_cols = torch.arange(num_cols)[None, :] - shift[:, None]  # [B, T']
+    attention_mask = source_cols >= 0  # [B, T']
+    left_ids = input_ids[:, :num_cols].gather(1, source_cols.clamp(min=0))  # [B, T']
+    left_ids = left_ids.masked_fill(~attention_mask, pad_id)
+    return left_ids, attention_mask.long()
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
+    """Set logits outside the top-k / top-p (nucleus) set to -inf. logits: [B, V], already tempered.
+
+    Top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest prefix of the
+    sorted distribution whose mass reaches top_p (the most likely token is always kept).
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth_largest = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [B, V]
+        remove_sorted = mass_before >= top_p
+        remove = torch.zeros_like(remove_sorted).scatter(1, order, remove_sorted)
+        logits = logits.masked_fill(remove, float("-inf"))
+    return logits
+
+
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per row of probs [B, V] from uniforms [B] in [0, 1)."""
+    cdf = probs.double().cumsum(dim=-1)  # [B, V]
+    targets = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [B]
+    # Guard against rounding at the top end: never return a token of zero probability.
+    num_vocab = probs.shape[-1]
+    last_allowed = num_vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
+    return torch.minimum(tokens, last_allowed)
+
+
+def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) -> torch.Tensor:
+    """Uniforms [B, num_steps] drawn from one generator per sample, seeded by (seed, global index).
+
+    A sample's draws depend only on the seed and its index in the whole batch, so the result does not
+    depend on how the batch is split across workers.
+    """
+    rows = []
+    for index in sample_indices:
+        generator = torch.Generator().manual_seed(sample_seed(seed, index))
+        rows.append(torch.rand(num_steps, generator=generator, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+def choose_tokens(
+    logits: torch.Tensor, cfg: GenerationConfig, greedy: bool, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B].
+
+    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter.
+    """
+    tempered = logits.float() / cfg.temperature  # [B, V]
+    logprobs_all = tempered.log_softmax(dim=-1)  # [B, V]
+    if greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        probs = filter_logits(tempered, cfg.top_k, cfg.top_p).softmax(dim=-1)
+        tokens = sample_from_probs(probs, uniforms)
+    return tokens, logprobs_all.gather(1, tokens[:, None]).squeeze(1)
+
+
+def ends_with_stop_string(tokenizer: Any, generated_ids: list[int], stop_strings: list[str]) -> bool:
+    """True if a stop string appears in the text of the newest generated tokens (it just completed)."""
+    window = max(len(s) for s in stop_strings) + 4  # a token is at least one character (bytes: a few)
+    text = tokenizer.decode(generated_ids[-window:], skip_special_tokens=False)
+    return any(s in text for s in stop_strings)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The decoding loop
+# ----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DecodeState:
+    """Per-sample progress of one batched decode."""
+
+    generated_ids: list[list[int]]
+    generated_logprobs: list[list[float]]
+    finished: list[bool]
+    stopped: list[bool]  # ended by a stop token or stop string (not by max_new_tokens)
+
+
+def update_decode_state(
+    state: DecodeState,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    stop_token_ids: set[int],
+    stop_strings: list[list[str]],
+    tokenizer: Any,
+) -> None:
+    """Append this step's token to every unfinished sample and mark those that hit a stop."""
+    for i, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+        if state.finished[i]:
+            continue
+        state.generated_ids[i].append(token)
+        state.generated_logprobs[i].append(logprob)
+        hit_stop = token in stop_token_ids or (
+            bool(stop_strings[i]) and ends_with_stop_string(tokenizer, state.generated_ids[i], stop_strings[i])
+        )
+        if hit_stop:
+            state.finished[i] = state.stopped[i] = True
+
+
+@torch.inference_mode()
+def decode_batch(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    left_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cfg: GenerationConfig,
+    greedy: bool,
+    uniforms: torch.Tensor,
+    stop_strings: list[list[str]],
+) -> DecodeState:
+    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated."""
+    num_samples = left_ids.shape[0]
+    device = next(model.parameters()).device
+    stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
+    state = DecodeState([[] for _ in range(num_samples)], [[] for _ in range(num_samples)],
+                        [False] * num_samples, [False] * num_samples)
+    attention_mask = attention_mask.to(device)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+    out = model(input_ids=left_ids.to(device), attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=True, logits_to_keep=1)
+    next_positions = position_ids[:, -1:] + 1  # [B, 1]
+    for step in range(cfg.max_new_tokens):
+        tokens, logprobs = choose_tokens(out.logits[:, -1, :], cfg, greedy, uniforms[:, step].to(device))
+        update_decode_state(state, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer)
+        if all(state.finished) or step == cfg.max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_samples, 1)], dim=1)
+        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_positions,
+                    past_key_values=out.past_key_values, use_cache=True)
+        next_positions = next_positions + 1
+    return state
+
+
+def resolve_stop_token_ids(cfg: GenerationConfig, tokenizer: Any) -> list[int]:
+    """The configured stop token ids, or the tokenizer's EOS when none are configured."""
+    if cfg.stop_token_ids is not None:
+        return list(cfg.stop_token_ids)
+    return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
+
+
+def merge_stop_strings(cfg: GenerationConfig, per_sample: list[list[str] | None] | None, num_samples: int
+                       ) -> list[list[str]]:
+    """Per sample: the config's stop strings plus the sample's own (empty strings are ignored)."""
+    common = [s for s in cfg.stop_strings or [] if s]
+    if per_sample is None:
+        return [common] * num_samples
+    if len(per_sample) != num_samples:
+        raise ValueError(f"stop_strings: {len(per_sample)} entries for a batch of {num_samples} samples")
+    return [common + [s for s in own or [] if s] for own in per_sample]
+
+
+def assemble_outputs(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, state: DecodeState, pad_id: int
+) -> dict[str, torch.Tensor]:
+    """Prompt + generation per sample, right-padded, with the output keys of the interface."""
+    generation_lengths = torch.tensor([len(ids) for ids in state.generated_ids], dtype=torch.long)  # [B]
+    sequence_lengths = input_lengths.long() + generation_lengths  # [B]
+    num_cols = int(sequence_lengths.max())
+    output_ids = torch.full((len(sequence_lengths), num_cols), pad_id, dtype=torch.long)  # [B, T_out]
+    logprobs = torch.zeros(len(sequence_lengths), num_cols, dtype=torch.float32)  # [B, T_out]
+    for i, (prompt_len, total_len) in enumerate(zip(input_lengths.tolist(), sequence_lengths.tolist())):
+        output_ids[i, :prompt_len] = input_ids[i, :prompt_len]
+        output_ids[i, prompt_len:total_len] = torch.tensor(state.generated_ids[i], dtype=torch.long)
+        logprobs[i, prompt_len:total_len] = torch.tensor(state.generated_logprobs[i], dtype=torch.float32)
+    return {
+        "output_ids": output_ids,
+        "logprobs": logprobs,
+        "generation_lengths": generation_lengths,
+        "unpadded_sequence_lengths": sequence_lengths,
+        "truncated": torch.tensor([not s for s in state.stopped], dtype=torch.bool),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Worker (one per Ray actor) and driver-side handle
+# ----------------------------------------------------------------------------------------------------
+
+
+def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
+    """A state dict, fetching it from the object store if given a Ray ObjectRef."""
+    import ray
+
+    return ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
+
+
+class HFGenerationWorker:
+    """Holds one copy of the model and tokenizer and decodes shards of batches."""
+
+    def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
+        from posttrain.models.build import load_model, load_tokenizer
+
+        self.cfg = cfg
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
+        self.model = load_model(model_name, dtype=dtype).to(self.device).eval()
+        self.tokenizer = load_tokenizer(tokenizer_name or model_name)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+
+    def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
+                 ) -> dict[str, torch.Tensor]:
+        """Decode a shard; `sample_offset` is the global index of its first sample (seeds per sample)."""
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"].long().cpu()
+        num_samples = input_ids.shape[0]
+        self.check_context_fits(int(input_lengths.max()))
+        stop_strings = merge_stop_strings(self.cfg, data.get("stop_strings"), num_samples)
+        left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
+        uniforms = per_sample_uniforms(seed, list(range(sample_offset, sample_offset + num_samples)),
+                                       self.cfg.max_new_tokens)
+        state = decode_batch(self.model, self.tokenizer, left_ids, attention_mask, self.cfg, greedy, uniforms,
+                             stop_strings)
+        return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
+
+    def check_context_fits(self, longest_prompt: int) -> None:
+        """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""
+        if self.max_positions is not None and longest_prompt + self.cfg.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"generation.max_new_tokens={self.cfg.max_new_tokens} plus the longest prompt ({longest_prompt}"
+                f" tokens) exceeds the model's max_position_embeddings={self.max_positions}"
+            )
+
+    def update_weights(self, weights: Any) -> float:
+        """Copy the given tensors (all or only the changed ones) into the model in place; return seconds."""
+        start = time.perf_counter()
+        state_dict = resolve_weights(weights)
+        targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
+        unknown = sorted(set(state_dict) - set(targets))
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if targets[name].shape != tensor.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(targets[name].shape)}")
+                targets[name].copy_(tensor)
+        return time.perf_counter() - start
+
+    def prepare_for_generation(self) -> None:
+        """Move the model back onto the accelerator (no-op on CPU)."""
+        self.model.to(self.device)
+
+    def finish_generation(self) -> None:
+        """Move the model off the accelerator so that colocated training has the memory (no-op on CPU)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def get_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Copies of the model's tensors (all, or the named ones), for checks."""
+        state_dict = self.model.state_dict()
+        return {k: v.detach().cpu().clone() for k, v in state_dict.items() if names is None or k in names}
+
+
+class HFGeneration(RayGeneration):
+    """Driver-side handle: data-parallel Hugging Face generation over `cfg.num_workers` Ray actors."""
+
+    worker_cls = HFGenerationWorker

