@@ -29,13 +29,18 @@ def default_log_dir(algorithm: str) -> str:
     return f"results/{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare_run_dir(cfg: Any, algorithm: str) -> Path:
-    """Fill in defaults that depend on the run directory, create it, and save the resolved config there."""
+def prepare_run_dir(cfg: Any, algorithm: str, metric: tuple[str, bool] = ("val_loss", False)) -> Path:
+    """Fill in defaults that depend on the run (log and checkpoint directories, the checkpoint ranking
+    metric and its direction), create the run directory, and save the resolved config there."""
     if not cfg.logger.log_dir:
         cfg.logger.log_dir = default_log_dir(algorithm)
     log_dir = Path(cfg.logger.log_dir)
     if not cfg.checkpointing.checkpoint_dir:
         cfg.checkpointing.checkpoint_dir = str(log_dir / "checkpoints")
+    if cfg.checkpointing.metric_name == "auto":
+        cfg.checkpointing.metric_name = metric[0]
+    if cfg.checkpointing.higher_is_better is None:
+        cfg.checkpointing.higher_is_better = metric[1]
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, log_dir / "config.yaml")
     return log_dir

@@ -62,10 +62,9 @@ class SFTConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "training and validation data"})
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
-    logger: LoggerConfig = field(default_factory=lambda: LoggerConfig(log_dir=""), metadata={"help": "logging"})
+    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
     checkpointing: CheckpointingConfig = field(
-        default_factory=lambda: CheckpointingConfig(checkpoint_dir="", metric_name="val_loss"),
-        metadata={"help": "checkpoints (ranked by val_loss)"},
+        default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
     )
 
 

@@ -34,13 +34,17 @@ class CheckpointingConfig:
     """Where checkpoints go, how often, and which ones are kept."""
 
     enabled: bool = field(default=True, metadata={"help": "Save checkpoints at all."})
-    checkpoint_dir: str = field(
-        default="results/checkpoints", metadata={"help": "Directory holding step_N/ checkpoint folders."}
+    checkpoint_dir: str | None = field(
+        default=None, metadata={"help": "Directory holding step_N/ checkpoint folders; None: <logger.log_dir>/checkpoints."}
     )
     metric_name: str | None = field(
-        default="val_loss", metadata={"help": "training_info key that ranks checkpoints; None ranks by step only."}
+        default="auto",
+        metadata={"help": "training_info key that ranks checkpoints; auto: the algorithm's validation metric "
+                          "(val_loss; GRPO: val_accuracy); None ranks by step only."},
     )
-    higher_is_better: bool = field(default=False, metadata={"help": "True if a larger metric is better."})
+    higher_is_better: bool | None = field(
+        default=None, metadata={"help": "True if a larger metric is better; None: the algorithm's choice."}
+    )
     keep_top_k: int | None = field(
         default=None, metadata={"help": "Keep the k best checkpoints (plus the latest); None keeps all."}
     )
@@ -117,6 +121,12 @@ class CheckpointManager:
 
     def __init__(self, config: CheckpointingConfig | dict[str, Any]):
         self.config = checkpointing_config_from(config)
+        if self.config.checkpoint_dir is None:
+            raise ValueError("checkpointing.checkpoint_dir is not set")
+        if self.config.metric_name == "auto":  # nothing chose: the library's default ranking
+            self.config.metric_name = "val_loss"
+        if self.config.higher_is_better is None:
+            self.config.higher_is_better = False
         self.checkpoint_dir = Path(self.config.checkpoint_dir)
 
     # ---------------------------------------------------------------- writing

@@ -64,7 +64,9 @@ class GPUMonitoringConfig:
 class LoggerConfig:
     """Where a run's metrics go: JSONL always, plus the enabled backends, all under `log_dir`."""
 
-    log_dir: str = field(default="results/run", metadata={"help": "Run directory; every backend writes under it."})
+    log_dir: str | None = field(
+        default=None, metadata={"help": "Run directory; every backend writes under it (None: results/<algorithm>-<time>)."}
+    )
     wandb_enabled: bool = field(default=False, metadata={"help": "Log to Weights & Biases (offline by default)."})
     tensorboard_enabled: bool = field(default=True, metadata={"help": "Write TensorBoard event files."})
     mlflow_enabled: bool = field(default=False, metadata={"help": "Log to MLflow (local store by default)."})
@@ -411,6 +413,8 @@ class Logger(LoggerInterface):
 
     def __init__(self, cfg: LoggerConfig | Mapping[str, Any]):
         self.cfg = logger_config_from(cfg)
+        if not self.cfg.log_dir:
+            raise ValueError("logger.log_dir is not set")
         self._log_dir = Path(self.cfg.log_dir)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.backends: list[LoggerInterface] = [JsonlLogger(self._log_dir), *self._make_backends()]

@@ -197,7 +197,7 @@ def test_resume_from_points_at_an_explicit_checkpoint(tmp_path):
 def test_dict_config_with_unknown_key_names_it(tmp_path):
     with pytest.raises(ValueError, match="keep_topk"):
         CheckpointManager({"checkpoint_dir": str(tmp_path), "keep_topk": 3})
-    assert CheckpointManager(CheckpointingConfig(keep_top_k=2)).config.keep_top_k == 2
+    assert CheckpointManager(CheckpointingConfig(checkpoint_dir=str(tmp_path), keep_top_k=2)).config.keep_top_k == 2
 
 
 def test_disk_full_during_write_raises_naming_the_path_and_keeps_earlier_checkpoints(tmp_path):

@@ -1,0 +1,358 @@
+"""Group Relative Policy Optimization (GRPO) with verifiable rewards, and its DAPO/GSPO variants.
+
+Algorithm as implemented: each step takes `num_prompts_per_step` prompts, samples
+`num_generations_per_prompt` responses per prompt (single- or multi-turn, scored by each task's
+environment), computes group-relative advantages (mean or leave-one-out baseline, optionally divided by
+the group's std where it is non-zero), and takes one optimizer step per global batch of the clipped
+policy-gradient loss against the logprobs of the policy that generated the data (`prev_logprobs`,
+recomputed by the trainer), optionally with a KL penalty to the frozen initial policy. Then the new
+weights are sent to the generation workers (refit). Departures from the paper: KL is off by default
+(beta = 0, as in DAPO); DAPO's dynamic sampling, clip-higher, overlong shaping/filtering and GSPO's
+sequence-level ratios are options of the config.
+
+Run: posttrain grpo --config configs/grpo_tiny.yaml
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.common import (
+    load_run_config,
+    mean_over_global_batches,
+    prepare_run_dir,
+    resolve_model_dir,
+    restore_run,
+    save_run_checkpoint,
+)
+from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
+from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
+from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
+from posttrain.evals.validate import run_validation
+from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
+from posttrain.models.build import load_tokenizer
+from posttrain.models.generation import GenerationConfig, GenerationInterface, make_generation
+from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.progress import StepProgress
+from posttrain.utils.timer import Timer
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more to fill the step."""
+
+    enabled: bool = field(default=False, metadata={"help": "drop zero-signal groups"})
+    max_num_gen_batches: int = field(default=4, metadata={"help": "most generation rounds per step"})
+
+
+@dataclass
+class OverlongShapingConfig:
+    """DAPO soft overlong punishment added to the reward of long responses."""
+
+    enabled: bool = field(default=False, metadata={"help": "penalise responses near max_new_tokens"})
+    buffer_length: int = field(default=16, metadata={"help": "tokens before the limit where the penalty ramps up"})
+    penalty_factor: float = field(default=1.0, metadata={"help": "penalty at the limit"})
+
+
+@dataclass
+class RewardScalingConfig:
+    """Affine reward shaping: reward * scale + shift."""
+
+    enabled: bool = field(default=False, metadata={"help": "apply scale and shift"})
+    scale: float = field(default=1.0, metadata={"help": "multiplier"})
+    shift: float = field(default=0.0, metadata={"help": "offset"})
+
+
+@dataclass
+class GRPOLoopConfig:
+    """The GRPO loop's own knobs."""
+
+    num_prompts_per_step: int = field(default=32, metadata={"help": "prompts per step"})
+    num_generations_per_prompt: int = field(default=8, metadata={"help": "samples per prompt (the group)"})
+    max_num_steps: int = field(default=100, metadata={"help": "training steps"})
+    max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
+    max_seq_len: int = field(default=256, metadata={"help": "most tokens of a conversation; longer is truncated"})
+    normalize_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
+    use_leave_one_out_baseline: bool = field(default=False, metadata={"help": "RLOO baseline instead of the mean"})
+    overlong_filtering: bool = field(default=False, metadata={"help": "DAPO: no loss on truncated samples"})
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig, metadata={"help": "DAPO"})
+    overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig, metadata={"help": "DAPO"})
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig, metadata={"help": "shaping"})
+    val_period: int = field(default=10, metadata={"help": "validate every this many steps (0: never)"})
+    val_at_start: bool = field(default=True, metadata={"help": "validate before the first step"})
+    max_val_samples: int = field(default=256, metadata={"help": "validation prompts used"})
+    val_num_generations: int = field(default=1, metadata={"help": "samples per validation prompt"})
+    val_greedy: bool = field(default=True, metadata={"help": "greedy validation (needs val_num_generations 1)"})
+    val_pass_k: int = field(default=1, metadata={"help": "k of the reported validation pass@k"})
+    early_stop_val_accuracy: float | None = field(default=None, metadata={"help": "stop when val accuracy >= this"})
+    seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
+
+    def validate(self) -> None:
+        if self.val_greedy and self.val_num_generations > 1:
+            raise ValueError("val_greedy with val_num_generations > 1 gives identical samples; pick one")
+        if self.val_pass_k > self.val_num_generations:
+            raise ValueError(f"val_pass_k={self.val_pass_k} needs val_num_generations >= it")
+
+
+@dataclass
+class GRPOConfig:
+    """`posttrain grpo` configuration."""
+
+    grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
+    loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
+    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    generation: GenerationConfig = field(default_factory=GenerationConfig, metadata={"help": "rollout sampling"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "prompts (rl format)"})
+    env: dict[str, EnvironmentConfig] = field(
+        default_factory=lambda: {"arithmetic": EnvironmentConfig()}, metadata={"help": "task name -> environment"}
+    )
+    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
+    checkpointing: CheckpointingConfig = field(
+        default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_accuracy by default)"}
+    )
+
+    def validate(self) -> None:
+        batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
+        if batch % self.policy.train_global_batch_size:
+            raise ValueError(
+                f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
+                f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
+            )
+
+
+@dataclass
+class GRPORun:
+    """Everything one GRPO run holds; `grpo_train` advances it."""
+
+    cfg: GRPOConfig
+    log_dir: Path
+    tokenizer: Any
+    policy: Policy
+    generation: GenerationInterface
+    clusters: list[RayVirtualCluster]
+    envs: dict[str, EnvironmentPool]
+    train_loader: StatefulDataLoader
+    val_records: list[dict]
+    logger: Logger
+    checkpoints: CheckpointManager
+    step: int = 0
+    last_val: dict[str, float] = field(default_factory=dict)
+    weights_stale: bool = False
+
+    def shutdown(self) -> None:
+        self.logger.finish()
+        for env in self.envs.values():
+            env.shutdown()
+        self.generation.shutdown()
+        self.policy.shutdown()
+        for cluster in self.clusters:
+            cluster.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ setup
+def setup(cfg: GRPOConfig) -> GRPORun:
+    """Data, policy, generation workers, environments, logger, checkpoints; resumes when it can."""
+    log_dir = prepare_run_dir(cfg, "grpo", metric=("val_accuracy", True))
+    resolve_model_dir(cfg.policy, log_dir)
+    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
+    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
+    missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
+    if missing:
+        raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")
+    loader = StatefulDataLoader(train_records, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    cluster = RayVirtualCluster(cfg.cluster)
+    policy = Policy(cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0)
+    generation = make_generation(cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name)
+    run = GRPORun(
+        cfg, log_dir, tokenizer, policy, generation, [cluster], create_environments(cfg.env), loader,
+        val_records[: cfg.grpo.max_val_samples], Logger(cfg.logger), CheckpointManager(cfg.checkpointing),
+    )
+    restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
+    if restored is not None:
+        run.step = int(restored.training_info["step"])
+        loader.load_state_dict(restored.loader_state)
+        run.weights_stale = True
+    run.logger.log_hyperparams({"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation})
+    run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
+    return run
+
+
+# ----------------------------------------------------------------------------------------------- stages
+def shaped_rewards(cfg: GRPOLoopConfig, rollouts: BatchedDataDict, max_new_tokens: int) -> torch.Tensor:
+    """Environment rewards with the configured DAPO shaping applied. [N]"""
+    rewards = rollouts["total_reward"].float()
+    if cfg.overlong_shaping.enabled:
+        lengths = torch.tensor([
+            float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in rollouts["message_log"]
+        ])
+        rewards = rewards + adv.overlong_reward_penalty(
+            lengths, max_new_tokens, cfg.overlong_shaping.buffer_length, cfg.overlong_shaping.penalty_factor
+        )
+    if cfg.reward_scaling.enabled:
+        rewards = adv.scale_rewards(rewards, cfg.reward_scaling.scale, cfg.reward_scaling.shift)
+    return rewards
+
+
+def select_groups(batch: BatchedDataDict, keep_rows: torch.Tensor) -> BatchedDataDict:
+    return batch.select_indices(torch.nonzero(keep_rows).flatten().tolist())
+
+
+def collect_rollouts(run: GRPORun, step: int) -> tuple[BatchedDataDict, dict[str, float]]:
+    """Prompts x generations -> rollouts with `rewards`; with dynamic sampling, only groups with signal,
+    generating more rounds (up to the limit) until the step is full."""
+    cfg, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
+    target = cfg.num_prompts_per_step * n
+    rounds = cfg.dynamic_sampling.max_num_gen_batches if cfg.dynamic_sampling.enabled else 1
+    kept, metrics = [], {}
+    for round_index in range(rounds):
+        prompts = run.train_loader.next_batch()
+        batch = records_to_rollout_batch(prompts, n)
+        rollouts, metrics_round = run_multi_turn_rollout(
+            run.generation, batch, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
+            seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100,
+        )
+        rollouts["rewards"] = shaped_rewards(cfg, rollouts, run.cfg.generation.max_new_tokens)
+        metrics = metrics or metrics_round  # the first round describes the policy's samples
+        if cfg.dynamic_sampling.enabled:
+            signal = adv.groups_with_signal(rollouts["rewards"], n).repeat_interleave(n)
+            metrics[f"dynamic_sampling/kept_fraction_round{round_index}"] = float(signal.float().mean())
+            rollouts = select_groups(rollouts, signal)
+        kept.append(rollouts)
+        if sum(r.size for r in kept) >= target:
+            break
+    rollouts = BatchedDataDict.from_batches(kept)
+    if rollouts.size > target:
+        rollouts = rollouts.slice(0, target)
+    metrics["num_generation_rounds"] = float(len(kept))
+    return rollouts, metrics
+
+
+def build_train_data(rollouts: BatchedDataDict, advantages: torch.Tensor, pad_token_id: int,
+                     overlong_filtering: bool) -> BatchedDataDict:
+    """input_ids, input_lengths, token_mask (generated tokens), sample_mask, advantages [B,T] and
+    generation_logprobs [B,T] aligned with input_ids."""
+    logs = rollouts["message_log"]
+    train_data = message_log_to_flat(logs, pad_token_id, train_on="assistant")
+    generation_logprobs = torch.zeros(train_data["input_ids"].shape, dtype=torch.float32)
+    for i, log in enumerate(logs):
+        per_token = [
+            torch.as_tensor(m["generation_logprobs"], dtype=torch.float32) if "generation_logprobs" in m
+            else torch.zeros(len(m["token_ids"])) for m in log
+        ]
+        flat = torch.cat(per_token)
+        generation_logprobs[i, : len(flat)] = flat
+    train_data["generation_logprobs"] = generation_logprobs
+    train_data["advantages"] = adv.broadcast_advantages(advantages, train_data["token_mask"])
+    sample_mask = torch.ones(len(logs))
+    if overlong_filtering:
+        sample_mask = adv.overlong_filter_mask(rollouts["truncated"])
+    train_data["sample_mask"] = sample_mask
+    return train_data
+
+
+def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tensor:
+    baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
+    return adv.group_relative_advantages(rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards)
+
+
+def refit(run: GRPORun) -> float:
+    """Send the policy's changed weights to the generation workers; returns seconds."""
+    return run.generation.update_weights(run.policy.get_weights_ref(only_changed=not run.weights_stale))
+
+
+def validate(run: GRPORun, step: int) -> dict[str, float]:
+    cfg = run.cfg.grpo
+    result = run_validation(
+        run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
+        num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
+    )
+    run.logger.log_metrics(result.metrics, step, prefix="val")
+    run.logger.log_val_samples(result.samples, step)
+    run.last_val = result.metrics
+    return result.metrics
+
+
+def maybe_checkpoint(run: GRPORun, force: bool = False) -> None:
+    cfg = run.cfg.checkpointing
+    if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
+        return
+    info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}}
+    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
+
+
+# ------------------------------------------------------------------------------------------------- loop
+def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
+    """One GRPO step, stage by stage (DESIGN.md)."""
+    cfg = run.cfg.grpo
+    if run.weights_stale:
+        with timer.time("refit"):
+            refit(run)
+        run.weights_stale = False
+    with timer.time("generation"):
+        rollouts, rollout_metrics = collect_rollouts(run, run.step + 1)
+    with timer.time("advantages"):
+        advantages = compute_advantages(cfg, rollouts["rewards"])
+        train_data = build_train_data(rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering)
+    with timer.time("logprobs"):
+        train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
+    if run.cfg.loss.reference_policy_kl_penalty > 0:
+        with timer.time("reference_logprobs"):
+            reference = run.policy.get_reference_policy_logprobs(train_data)
+            train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
+    with timer.time("training"):
+        metrics = mean_over_global_batches(run.policy.train(train_data, ClippedPGLoss(run.cfg.loss)))
+    with timer.time("refit"):
+        refit(run)
+    metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
+    metrics["reward_mean"] = float(rollouts["total_reward"].mean())
+    metrics["advantage_abs_mean"] = float(advantages.abs().mean())
+    return metrics
+
+
+def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
+    """Train to `grpo.max_num_steps` (or `num_steps` more); returns the last validation metrics."""
+    cfg = run.cfg.grpo
+    last_step = cfg.max_num_steps if num_steps is None else min(cfg.max_num_steps, run.step + num_steps)
+    timer = Timer()
+    if cfg.val_at_start and run.step == 0 and cfg.val_period:
+        validate(run, 0)
+    with StepProgress("grpo", last_step, start=run.step) as progress:
+        while run.step < last_step:
+            start = time.perf_counter()
+            metrics = grpo_step(run, timer)
+            run.step += 1
+            metrics["step_time"] = time.perf_counter() - start
+            run.logger.log_metrics(metrics, run.step, prefix="train")
+            run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
+            timer.reset()
+            if cfg.val_period and (run.step % cfg.val_period == 0 or run.step == last_step):
+                validate(run, run.step)
+            maybe_checkpoint(run, force=run.step == last_step)
+            progress.advance(run.step, {"reward": metrics["reward_mean"], **{f"val_{k}": v for k, v in run.last_val.items() if k == "accuracy"}})
+            if cfg.early_stop_val_accuracy is not None and run.last_val.get("accuracy", -1.0) >= cfg.early_stop_val_accuracy:
+                print(f"early stop at step {run.step}: val accuracy {run.last_val['accuracy']:.3f}")
+                break
+    return run.last_val
+
+
+def main(args: Any) -> int:
+    cfg = load_run_config(GRPOConfig, args)
+    run = setup(cfg)
+    try:
+        val = grpo_train(run)
+        run.policy.export_hf(str(run.log_dir / "hf_model"))
+    finally:
+        run.shutdown()
+    print(f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run directory {run.log_dir}")
+    return 0
