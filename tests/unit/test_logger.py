@@ -282,7 +282,10 @@ def test_failed_scrape_warns_once_and_returns_nothing(caplog):
     assert len([r for r in caplog.records if "127.0.0.1:1" in r.getMessage()]) == 1
 
 
-def test_monitor_gpus_without_ray_warns_and_runs_without_monitor(tmp_path, caplog):
+def test_monitor_gpus_without_ray_warns_and_runs_without_monitor(tmp_path, caplog, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # the integration tests' Ray may be up
     with caplog.at_level(logging.WARNING, logger="posttrain.utils.logger"):
         logger = jsonl_only(tmp_path, monitor_gpus=True)
     logger.finish()
