@@ -284,9 +284,12 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> LoadedConfig:
-    """Load `path` with its `defaults:` parents, apply command-line `overrides`, then resolve `${...}`."""
+def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: dict[str, Any] | None = None) -> LoadedConfig:
+    """Load `path` with its `defaults:` parents (over `defaults`, e.g. a schema's), apply command-line
+    `overrides`, then resolve `${...}`."""
     tree, sources = _load_tree(str(path))
+    if defaults:
+        tree = _merge(defaults, tree)
     cfg = OmegaConf.create(tree)
     apply_overrides(cfg, parse_overrides(overrides), sources)
     resolve_config(cfg, sources)
@@ -466,9 +469,31 @@ def validate_config(schema_cls: type[T], cfg: DictConfig | Mapping[str, Any],
 
 
 def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
-    """`load_config` then `validate_config`: the typed config of a YAML file plus command-line overrides."""
-    loaded = load_config(path, overrides)
+    """`load_config` then `validate_config`: the typed config of a YAML file plus command-line overrides.
+
+    The schema's scalar defaults sit under the file, so `a.b=v` may set any key the schema knows even when
+    the file does not mention it (open mappings and lists are not filled in: a file's `optimizer.kwargs`
+    or `env` replaces the default one instead of merging into it).
+    """
+    loaded = load_config(path, overrides, defaults=schema_defaults(schema_cls))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)
+
+
+def schema_defaults(schema_cls: type) -> dict[str, Any]:
+    """The scalar defaults of a dataclass schema as a nested dict (nested dataclasses recursed)."""
+    tree: dict[str, Any] = {}
+    for item in dataclasses.fields(schema_cls):
+        if item.default is not dataclasses.MISSING:
+            value = item.default
+        elif item.default_factory is not dataclasses.MISSING:
+            value = item.default_factory()
+        else:
+            continue  # mandatory: the file or the command line must give it
+        if dataclasses.is_dataclass(value):
+            tree[item.name] = schema_defaults(type(value))
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            tree[item.name] = value
+    return tree
 
 
 def _type_name(tp: Any) -> str:
