@@ -1,0 +1,363 @@
+"""`posttrain eval`: score a model (Hugging Face directory or hub name, exported or posttrain checkpoint, or
+a from-config model) on a dataset's validation records with pass@k or cons@k. Rollouts and scoring go
+through `run_validation`, the code GRPO validates with, so both report the same accuracy.
+
+Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-eval
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from posttrain.algorithms.common import load_run_config
+from posttrain.config import ConfigError, save_config
+from posttrain.data import DataConfig, load_datasets
+from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
+from posttrain.environments import EnvironmentConfig, create_environments
+from posttrain.evals.metrics import eval_cons_k, eval_pass_k
+from posttrain.evals.validate import ValidationResult, run_validation
+from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
+from posttrain.models.generation import GenerationConfig, make_generation
+from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
+from posttrain.utils.progress import StepProgress
+
+# ------------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class EvalSettings:
+    """What is measured and where the results go (section `eval`)."""
+
+    metric: Literal["pass@k", "cons@k"] = field(
+        default="pass@k", metadata={"help": "pass@k (unbiased estimator) or cons@k (majority vote over k samples)"}
+    )
+    k_value: int = field(default=1, metadata={"help": "k of pass@k / cons@k (>= 1, <= num_tests_per_prompt)"})
+    num_tests_per_prompt: int = field(default=1, metadata={"help": "n: samples generated per prompt"})
+    greedy: bool = field(
+        default=True, metadata={"help": "argmax decoding (needs num_tests_per_prompt 1); false: sample"}
+    )
+    seed: int = field(default=42, metadata={"help": "seed of the sampling (and of cons@k's subset draws)"})
+    save_path: str = field(default="", metadata={"help": "output directory ('' : results/eval-<time>)"})
+    max_samples: int | None = field(default=None, metadata={"help": "evaluate only the first this many prompts"})
+    batch_size: int = field(default=256, metadata={"help": "prompts per generation round (one progress step)"})
+    max_seq_len: int = field(default=256, metadata={"help": "most tokens of a conversation; longer is truncated"})
+    max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
+
+    def validate(self) -> None:
+        if self.k_value < 1:
+            raise ConfigError.at("k_value", f"must be >= 1, got {self.k_value}")
+        if self.num_tests_per_prompt < self.k_value:
+            raise ConfigError.at(
+                "num_tests_per_prompt", f"must be >= eval.k_value={self.k_value}, got {self.num_tests_per_prompt}"
+            )
+        if self.greedy and self.num_tests_per_prompt > 1:
+            raise ConfigError.at(
+                "greedy",
+                f"greedy decoding gives num_tests_per_prompt={self.num_tests_per_prompt} identical samples; "
+                "set eval.greedy=false to sample, or eval.num_tests_per_prompt=1",
+            )
+        for name in ("max_samples", "batch_size", "max_seq_len", "max_rollout_turns"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError.at(name, f"must be >= 1, got {value}")
+
+
+@dataclass
+class EvalModelConfig:
+    """The evaluated model (section `model`): exactly one of model_name and from_config."""
+
+    model_name: str | None = field(
+        default=None,
+        metadata={"help": "HF model directory or hub name, exported checkpoint, or a run's checkpoints/step_N"},
+    )
+    tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer (None: the model's own)"})
+    from_config: ModelFromConfig | None = field(
+        default=None, metadata={"help": "a seeded random model with the character tokenizer (offline)"}
+    )
+
+    def validate(self) -> None:
+        if (self.model_name is None) == (self.from_config is None):
+            raise ConfigError.at("model_name", "set exactly one of model.model_name and model.from_config")
+
+
+@dataclass
+class EvalConfig:
+    """`posttrain eval` configuration."""
+
+    eval: EvalSettings = field(default_factory=EvalSettings, metadata={"help": "metric, samples, output"})
+    model: EvalModelConfig = field(default_factory=EvalModelConfig, metadata={"help": "the evaluated model"})
+    generation: GenerationConfig = field(default_factory=GenerationConfig, metadata={"help": "sampling and backend"})
+    data: DataConfig = field(
+        default_factory=DataConfig, metadata={"help": "dataset; its validation records (val_dataset, val_split) are scored"}
+    )
+    env: dict[str, EnvironmentConfig] = field(
+        default_factory=lambda: {"arithmetic": EnvironmentConfig()}, metadata={"help": "task name -> environment"}
+    )
+    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+
+
+# ------------------------------------------------------------------------------------------------- model
+
+
+def find_policy_checkpoint(path: str | Path) -> Path | None:
+    """The policy checkpoint inside a posttrain run's `step_N/` (its `policy/`), or `path` itself when it is
+    one (holds a DCP `model/`); None for anything else (a Hugging Face directory, a hub name)."""
+    path = Path(path)
+    for candidate in (path / "policy", path):
+        if (candidate / MODEL_DIR / ".metadata").is_file():
+            return candidate
+    return None
+
+
+def check_model_source(model_cfg: EvalModelConfig) -> None:
+    """Fail before anything starts when model_name is a local path that does not exist or holds no model
+    (a name that is not a local path is a hub name, left to the loader)."""
+    if model_cfg.model_name is None:
+        return
+    path = Path(model_cfg.model_name)
+    if model_cfg.model_name.startswith(("/", "./", "../")) and not path.exists():
+        raise ConfigError("model.model_name", f"{model_cfg.model_name} does not exist")
+    if not path.is_dir():
+        return
+    if not (path / "config.json").is_file() and find_policy_checkpoint(path) is None:
+        raise ConfigError(
+            "model.model_name",
+            f"{path} is neither a Hugging Face model directory (no config.json) nor a posttrain checkpoint "
+            f"(no {MODEL_DIR}/.metadata under it or under its policy/); for a run, name one of its checkpoints/step_N",
+        )
+
+
+def materialize_model(model_cfg: EvalModelConfig, scratch_dir: Path) -> Path | str:
+    """A Hugging Face directory or hub name to load: builds a from-config model, or exports a posttrain
+    checkpoint, into `scratch_dir`; anything else is returned as given."""
+    if model_cfg.from_config is not None:
+        return build_model_dir(model_cfg.from_config, scratch_dir / "model")
+    checkpoint = find_policy_checkpoint(model_cfg.model_name)
+    if checkpoint is None:
+        return model_cfg.model_name
+    print(f"eval: exporting checkpoint {checkpoint} to a Hugging Face directory first")
+    return export_checkpoint_to_hf(checkpoint, scratch_dir / "model")
+
+
+def describe_model(model_cfg: EvalModelConfig) -> str:
+    if model_cfg.model_name is not None:
+        return model_cfg.model_name
+    arch = model_cfg.from_config
+    return f"from_config({arch.architecture}, hidden {arch.hidden_size}, {arch.num_layers} layers, seed {arch.seed})"
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+
+def load_eval_records(cfg: EvalConfig, tokenizer: Any) -> list[dict]:
+    """The validation records of `cfg.data` (the first `eval.max_samples`), checked against `cfg.env`."""
+    _, val_records, _ = load_datasets(cfg.data, tokenizer)
+    records = val_records[: cfg.eval.max_samples] if cfg.eval.max_samples else val_records
+    if not records:
+        raise ConfigError("data", "the dataset has no validation records to evaluate (see data.val_* keys)")
+    missing = sorted({r["task_name"] for r in records} - set(cfg.env))
+    if missing:
+        raise ConfigError("env", f"no environment for task(s) {missing}; configured: {sorted(cfg.env)}")
+    return records
+
+
+def merge_results(parts: list[ValidationResult]) -> ValidationResult:
+    """One result from per-batch results (rewards and samples concatenated in order, metrics re-weighted)."""
+    rewards = torch.cat([p.rewards for p in parts])
+    samples = [s for p in parts for s in p.samples]
+    num_generated = sum(p.metrics["mean_generated_length"] * p.metrics["num_samples"] for p in parts)
+    metrics = {
+        "accuracy": float(rewards.mean()),
+        "mean_generated_length": num_generated / len(samples),
+        "truncation_rate": sum(s["truncated"] for s in samples) / len(samples),
+        "num_samples": float(len(samples)),
+    }
+    return ValidationResult(metrics, samples, rewards)
+
+
+def roll_out(cfg: EvalSettings, generation: Any, records: list[dict], tokenizer: Any, envs: dict) -> ValidationResult:
+    """All records, n samples each, batch by batch with a progress display.
+
+    Batch b seeds its sampling with `seed + b * batch_size`, as one `run_validation` call over all records
+    would, so the result does not depend on being split here.
+    """
+    parts: list[ValidationResult] = []
+    starts = range(0, len(records), cfg.batch_size)
+    with StepProgress("eval", len(starts)) as progress:
+        for batch_index, start in enumerate(starts):
+            part = run_validation(
+                generation, records[start:start + cfg.batch_size], tokenizer, envs, cfg.max_seq_len,
+                cfg.max_rollout_turns, num_generations=cfg.num_tests_per_prompt, greedy=cfg.greedy,
+                k=cfg.k_value, batch_size=cfg.batch_size, seed=cfg.seed + start,
+            )
+            parts.append(part)
+            num_correct = sum(float(p.rewards.sum()) for p in parts)
+            progress.advance(batch_index + 1, {"accuracy": num_correct / sum(p.rewards.numel() for p in parts)})
+    return merge_results(parts)
+
+
+def voting_answer(answer: str | None) -> str | None:
+    """The answer a sample votes with in cons@k: stripped; an empty answer does not vote."""
+    if answer is None:
+        return None
+    return answer.strip() or None
+
+
+def compute_score(cfg: EvalSettings, rewards: list[float], answers: list[str | None]) -> float:
+    """pass@k or cons@k over flat per-sample rewards (each prompt's n samples contiguous)."""
+    n, k = cfg.num_tests_per_prompt, cfg.k_value
+    if cfg.metric == "pass@k":
+        return eval_pass_k(rewards, n, k)
+    return eval_cons_k(rewards, n, k, [voting_answer(a) for a in answers], seed=cfg.seed)
+
+
+# ------------------------------------------------------------------------------------------------- output
+
+
+def sample_rows(samples: list[dict], num_tests_per_prompt: int) -> list[dict]:
+    """The per-sample lines of samples.jsonl."""
+    return [
+        {
+            "prompt_index": i // num_tests_per_prompt,
+            "sample_index": i % num_tests_per_prompt,
+            "idx": s["idx"],
+            "task_name": s["task_name"],
+            "prompt": s["prompt"],
+            "response": s["response"],
+            "reward": s["reward"],
+            "extracted_answer": s["answer"],
+            "ground_truth": s["ground_truth"],
+            "truncated": s["truncated"],
+        }
+        for i, s in enumerate(samples)
+    ]
+
+
+def build_summary(cfg: EvalConfig, result: ValidationResult, score: float, elapsed_s: float) -> dict[str, Any]:
+    settings, gen = cfg.eval, cfg.generation
+    return {
+        "model": describe_model(cfg.model),
+        "dataset": str(cfg.data.dataset),
+        "metric": settings.metric.replace("k", str(settings.k_value)),
+        "score": score,
+        "k": settings.k_value,
+        "num_tests_per_prompt": settings.num_tests_per_prompt,
+        "num_prompts": len(result.samples) // settings.num_tests_per_prompt,
+        "num_samples": len(result.samples),
+        "accuracy": result.metrics["accuracy"],
+        "greedy": settings.greedy,
+        "temperature": gen.temperature,
+        "top_p": gen.top_p,
+        "top_k": gen.top_k,
+        "max_new_tokens": gen.max_new_tokens,
+        "backend": gen.backend,
+        "seed": settings.seed,
+        "mean_generated_length": result.metrics["mean_generated_length"],
+        "truncation_rate": result.metrics["truncation_rate"],
+        "elapsed_s": elapsed_s,
+    }
+
+
+def sampling_text(summary: dict[str, Any]) -> str:
+    if summary["greedy"]:
+        return f"greedy, max_new_tokens={summary['max_new_tokens']}"
+    return (
+        f"temperature={summary['temperature']}, top_p={summary['top_p']}, top_k={summary['top_k']}, "
+        f"max_new_tokens={summary['max_new_tokens']}, seed={summary['seed']}"
+    )
+
+
+def summary_table(summary: dict[str, Any]) -> Table:
+    """One row per field (fits a narrow terminal): model, dataset, metric, k, n, sampling, score."""
+    table = Table(title="posttrain eval", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
+    rows = {
+        "model": summary["model"],
+        "dataset": summary["dataset"],
+        "metric": summary["metric"],
+        "k": str(summary["k"]),
+        "n (samples per prompt)": str(summary["num_tests_per_prompt"]),
+        "prompts": str(summary["num_prompts"]),
+        "sampling": sampling_text(summary),
+        "backend": summary["backend"],
+        "accuracy (mean reward)": f"{summary['accuracy']:.4f}",
+        "score": f"[bold]{summary['score']:.4f}[/bold]",
+    }
+    for name, value in rows.items():
+        table.add_row(name, value)
+    return table
+
+
+def write_outputs(save_path: Path, summary: dict[str, Any], rows: list[dict]) -> None:
+    (save_path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    with open(save_path / "samples.jsonl", "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, default=str) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class EvalResult:
+    """What `run_eval` produced (also written under `save_path`)."""
+
+    summary: dict[str, Any]
+    samples: list[dict]  # the lines of samples.jsonl
+    save_path: Path
+
+
+def prepare_save_path(cfg: EvalConfig) -> Path:
+    if not cfg.eval.save_path:
+        cfg.eval.save_path = f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    save_path = Path(cfg.eval.save_path)
+    save_path.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, save_path / "config.yaml")
+    return save_path
+
+
+def run_eval(cfg: EvalConfig) -> EvalResult:
+    """Evaluate `cfg.model` on the validation records of `cfg.data`; write summary.json and samples.jsonl."""
+    check_model_source(cfg.model)
+    save_path = prepare_save_path(cfg)
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        scratch_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=".model-", dir=save_path)))
+        model_dir = materialize_model(cfg.model, scratch_dir)
+        tokenizer_name = cfg.model.tokenizer_name or model_dir
+        tokenizer = load_tokenizer(tokenizer_name)
+        records = load_eval_records(cfg, tokenizer)
+        cluster = RayVirtualCluster(cfg.cluster)
+        stack.callback(cluster.shutdown)
+        generation = make_generation(
+            cluster if cfg.generation.colocated else None, cfg.generation, str(model_dir), str(tokenizer_name)
+        )
+        stack.callback(generation.shutdown)
+        envs = create_environments(cfg.env)
+        for env in envs.values():
+            stack.callback(env.shutdown)
+        result = roll_out(cfg.eval, generation, records, tokenizer, envs)
+    rows = sample_rows(result.samples, cfg.eval.num_tests_per_prompt)
+    score = compute_score(cfg.eval, result.rewards.tolist(), [row["extracted_answer"] for row in rows])
+    summary = build_summary(cfg, result, score, time.perf_counter() - start)
+    write_outputs(save_path, summary, rows)
+    Console().print(summary_table(summary))
+    return EvalResult(summary, rows, save_path)
+
+
+def main(args: Any) -> int:
+    cfg = load_run_config(EvalConfig, args)
+    result = run_eval(cfg)
+    print(f"eval {result.summary['metric']} = {result.summary['score']:.4f}; results in {result.save_path}")
+    return 0
