@@ -12,6 +12,7 @@ untrained model, after SFT and after GRPO, and the wall time of each stage).
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,7 +160,9 @@ def plot_demo(out: Path, sft_curve: list) -> Path:
 def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = not ray.is_initialized()
-    if started:
+    if started and os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    elif started:
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     summary: dict[str, Any] = {}
     try:
