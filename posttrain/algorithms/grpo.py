@@ -209,15 +209,15 @@ def select_groups(batch: BatchedDataDict, keep_rows: torch.Tensor) -> BatchedDat
 
 
 def collect_rollouts(run: GRPORun, step: int) -> tuple[BatchedDataDict, dict[str, float]]:
-    """Prompts x generations -> rollouts with `rewards`; with dynamic sampling, only groups with signal,
-    generating more rounds (up to the limit) until the step is full."""
+    """Prompts x generations -> rollouts with `rewards`. With DAPO dynamic sampling, groups whose rewards
+    are all equal are set aside and more rounds are generated (up to the limit) until the step is full;
+    a step still short after the last round is filled with set-aside groups (their advantages are 0)."""
     cfg, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     target = cfg.num_prompts_per_step * n
     rounds = cfg.dynamic_sampling.max_num_gen_batches if cfg.dynamic_sampling.enabled else 1
-    kept, metrics = [], {}
+    kept, set_aside, metrics = [], [], {}
     for round_index in range(rounds):
-        prompts = run.train_loader.next_batch()
-        batch = records_to_rollout_batch(prompts, n)
+        batch = records_to_rollout_batch(run.train_loader.next_batch(), n)
         rollouts, metrics_round = run_multi_turn_rollout(
             run.generation, batch, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
             seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100,
@@ -226,15 +226,18 @@ def collect_rollouts(run: GRPORun, step: int) -> tuple[BatchedDataDict, dict[str
         metrics = metrics or metrics_round  # the first round describes the policy's samples
         if cfg.dynamic_sampling.enabled:
             signal = adv.groups_with_signal(rollouts["rewards"], n).repeat_interleave(n)
-            metrics[f"dynamic_sampling/kept_fraction_round{round_index}"] = float(signal.float().mean())
-            rollouts = select_groups(rollouts, signal)
-        kept.append(rollouts)
+            kept.append(select_groups(rollouts, signal))
+            set_aside.append(select_groups(rollouts, ~signal))
+        else:
+            kept.append(rollouts)
         if sum(r.size for r in kept) >= target:
             break
-    rollouts = BatchedDataDict.from_batches(kept)
-    if rollouts.size > target:
-        rollouts = rollouts.slice(0, target)
-    metrics["num_generation_rounds"] = float(len(kept))
+    num_with_signal = sum(r.size for r in kept)
+    rollouts = BatchedDataDict.from_batches(kept + set_aside).slice(0, target)
+    metrics["num_generation_rounds"] = float(round_index + 1)
+    if cfg.dynamic_sampling.enabled:
+        metrics["dynamic_sampling/samples_with_signal"] = float(min(num_with_signal, target))
+        metrics["dynamic_sampling/filled_without_signal"] = float(max(0, target - num_with_signal))
     return rollouts, metrics
 
 

@@ -150,3 +150,19 @@ def test_a_rollout_that_would_exceed_max_seq_len_is_truncated(ray_session):
     assert rollouts["truncated"].tolist() == [True, True] and metrics["truncation_rate"] == 1.0
     for log in rollouts["message_log"]:
         assert sum(len(m["token_ids"]) for m in log) <= prompt_length + 10
+
+
+def test_dynamic_sampling_generates_more_rounds_and_fills_a_short_step(ray_session, tmp_path):
+    """Exact match on an untrained model: every group has reward 0 (no signal), so all 3 rounds run and
+    the step is filled with zero-signal groups; with the share-of-digits reward, extra rounds find enough
+    groups with signal to fill the step."""
+    settings = {"grpo.max_num_steps": 1, "checkpointing.enabled": "false", "grpo.val_period": 0,
+                "grpo.dynamic_sampling.enabled": "true", "grpo.dynamic_sampling.max_num_gen_batches": 3}
+    no_signal = run_grpo(tmp_path / "exact", **settings, **{"env.arithmetic.cls": "exact_match"})[1]
+    assert no_signal["train/rollout/num_generation_rounds"] == 3.0
+    assert no_signal["train/rollout/dynamic_sampling/filled_without_signal"] == 16.0
+    assert no_signal["train/advantage_abs_mean"] == 0.0
+    signal = run_grpo(tmp_path / "digits", **settings)[1]
+    assert signal["train/rollout/dynamic_sampling/samples_with_signal"] == 16.0
+    assert signal["train/rollout/dynamic_sampling/filled_without_signal"] == 0.0
+    assert signal["train/advantage_abs_mean"] > 0.0
