@@ -284,10 +284,13 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (), defaults: dict[str, Any] | None = None) -> LoadedConfig:
-    """Load `path` with its `defaults:` parents (over `defaults`, e.g. a schema's), apply command-line
-    `overrides`, then resolve `${...}`."""
+def load_config(path: str | Path, overrides: Sequence[str] = (),
+                defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> LoadedConfig:
+    """Load `path` with its `defaults:` parents (over `defaults`, e.g. a schema's, or a function of the
+    file's tree that returns them), apply command-line `overrides`, then resolve `${...}`."""
     tree, sources = _load_tree(str(path))
+    if callable(defaults):
+        defaults = defaults(tree)
     if defaults:
         tree = _merge(defaults, tree)
     cfg = OmegaConf.create(tree)
@@ -475,13 +478,16 @@ def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence
     the file does not mention it (open mappings and lists are not filled in: a file's `optimizer.kwargs`
     or `env` replaces the default one instead of merging into it).
     """
-    loaded = load_config(path, overrides, defaults=schema_defaults(schema_cls))
+    loaded = load_config(path, overrides, defaults=lambda tree: schema_defaults(schema_cls, tree))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)
 
 
-def schema_defaults(schema_cls: type) -> dict[str, Any]:
-    """The scalar defaults of a dataclass schema as a nested dict (nested dataclasses recursed)."""
+def schema_defaults(schema_cls: type, present: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The scalar defaults of a dataclass schema as a nested dict (nested dataclasses recursed). An
+    optional section (`X | None`, default None) gets X's defaults where the tree `present` has it."""
     tree: dict[str, Any] = {}
+    present = present if isinstance(present, Mapping) else {}
+    hints = typing.get_type_hints(schema_cls)
     for item in dataclasses.fields(schema_cls):
         if item.default is not dataclasses.MISSING:
             value = item.default
@@ -489,8 +495,11 @@ def schema_defaults(schema_cls: type) -> dict[str, Any]:
             value = item.default_factory()
         else:
             continue  # mandatory: the file or the command line must give it
+        optional_section = _dataclass_in(hints[item.name])
         if dataclasses.is_dataclass(value):
-            tree[item.name] = schema_defaults(type(value))
+            tree[item.name] = schema_defaults(type(value), present.get(item.name))
+        elif value is None and optional_section and isinstance(present.get(item.name), Mapping):
+            tree[item.name] = schema_defaults(optional_section, present[item.name])
         elif value is None or isinstance(value, (bool, int, float, str)):
             tree[item.name] = value
     return tree

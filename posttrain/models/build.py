@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import yaml
@@ -21,14 +21,14 @@ from transformers import (
     Qwen2Config,
 )
 
-from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.models.tokenizer import TOKENIZERS
 
 ARCHITECTURES: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 
 
 @dataclass
 class ModelFromConfig:
-    """A decoder-only model with seeded random weights and the built-in character tokenizer."""
+    """A decoder-only model with seeded random weights and a built-in tokenizer (character or byte-level)."""
 
     architecture: str = field(default="qwen2", metadata={"help": "Model family: 'qwen2' or 'llama'."})
     hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
@@ -46,8 +46,16 @@ class ModelFromConfig:
         default=True, metadata={"help": "Share the input embedding and the output projection."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random initial weights."})
+    tokenizer: Literal["char", "byte"] = field(
+        default="char",
+        metadata={"help": "Built-in tokenizer: 'char' (one token per character, ~105) or 'byte' (byte-level BPE, 300)."},
+    )
 
     def __post_init__(self) -> None:
+        if self.tokenizer not in TOKENIZERS:
+            raise ValueError(
+                f"model.from_config.tokenizer={self.tokenizer!r} is not one of {sorted(TOKENIZERS)}"
+            )
         if self.architecture not in ARCHITECTURES:
             raise ValueError(
                 f"model.from_config.architecture={self.architecture!r} is not one of {sorted(ARCHITECTURES)}"
@@ -89,7 +97,7 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     The same `cfg` (seed included) always gives identical weights. Returns the directory.
     """
     out_dir = Path(out_dir)
-    tokenizer = build_char_tokenizer()
+    tokenizer = TOKENIZERS[cfg.tokenizer]()
     hf_config = make_hf_config(cfg, tokenizer)
     # Seed a private generator state so the caller's global RNG stream is left as it was.
     with torch.random.fork_rng(devices=[]):

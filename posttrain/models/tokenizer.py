@@ -1,10 +1,11 @@
-"""The project's own character-level tokenizer: offline, tiny, with special tokens and a chat template."""
+"""The project's own offline tokenizers, with special tokens and a chat template: character-level (~105
+tokens) and byte-level BPE (300 tokens, trained here on a small built-in corpus)."""
 
 from __future__ import annotations
 
 import string
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
@@ -51,3 +52,52 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+BYTE_VOCAB_SIZE = 300  # 9 special tokens + 256 bytes + 35 merges
+
+
+def byte_tokenizer_corpus() -> list[str]:
+    """The fixed text the byte-level BPE is trained on: sums like the built-in tasks, prose, and code."""
+    sums = [f"{a:02d}+{b:02d}={a + b:03d}" for a in range(0, 100, 7) for b in range(0, 100, 11)]
+    prose = [
+        "The answer is the sum of the two numbers.",
+        "Think step by step, then give the answer on the last line.",
+        "Move the tile left, right, up or down until the board is solved.",
+        "def add(a, b):\n    return a + b\n",
+        "print(add(2, 3))  # prints 5\n",
+    ]
+    return sums + prose * 4
+
+
+def build_byte_tokenizer(vocab_size: int = BYTE_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (`vocab_size` tokens: special tokens, the 256 bytes, merges learnt from
+    `byte_tokenizer_corpus`), with the special tokens and chat template of the character tokenizer.
+
+    Any text round-trips (every byte has a token). Training is deterministic: the same call gives the
+    same vocabulary and merges.
+    """
+    backend = Tokenizer(models.BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,  # ids 0..8, in the order of the character tokenizer
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(byte_tokenizer_corpus(), trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        padding_side="right",
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+TOKENIZERS = {"char": build_char_tokenizer, "byte": build_byte_tokenizer}

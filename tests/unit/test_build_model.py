@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.models.tokenizer import build_byte_tokenizer, build_char_tokenizer
 
 TINY = dict(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
 
@@ -88,3 +88,41 @@ def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path):
 def test_invalid_architecture_is_named_in_the_error():
     with pytest.raises(ValueError, match="architecture='gpt9'"):
         ModelFromConfig(architecture="gpt9")
+
+
+def test_byte_tokenizer_option_sets_the_vocabulary_and_is_saved_with_the_model(tmp_path):
+    model_dir = build_model_dir(ModelFromConfig(**TINY, tokenizer="byte"), tmp_path / "m")
+    model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    assert model.config.vocab_size == len(tokenizer) == len(build_byte_tokenizer()) == 300
+    assert (model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id) == (0, 1, 2)
+    assert tokenizer.get_vocab() == build_byte_tokenizer().get_vocab()
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "héllo"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert tokenizer.decode(ids) == "<|user|>héllo<|assistant|>"
+
+
+def test_invalid_tokenizer_is_named_in_the_error():
+    with pytest.raises(ValueError, match="tokenizer='word'"):
+        ModelFromConfig(tokenizer="word")
+
+
+def test_create_model_command_takes_the_tokenizer_option(tmp_path, capsys):
+    from posttrain.cli import main
+
+    assert main(["create-model", str(tmp_path / "m"), "hidden_size=32", "num_layers=1", "tokenizer=byte"]) == 0
+    assert len(load_tokenizer(tmp_path / "m")) == 300
+    assert main(["create-model", str(tmp_path / "x"), "tokenizer=word"]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+
+
+def test_policy_from_config_takes_the_tokenizer_override():
+    from posttrain.algorithms.sft import SFTConfig
+    from posttrain.config import ConfigError, load_typed_config
+
+    config = Path(__file__).parents[2] / "configs" / "sft_tiny.yaml"
+    assert load_typed_config(SFTConfig, config, []).policy.model.from_config.tokenizer == "char"
+    cfg = load_typed_config(SFTConfig, config, ["policy.model.from_config.tokenizer=byte"])
+    assert cfg.policy.model.from_config.tokenizer == "byte"
+    with pytest.raises(ConfigError, match="policy.model.from_config.tokenizer"):
+        load_typed_config(SFTConfig, config, ["policy.model.from_config.tokenizer=word"])

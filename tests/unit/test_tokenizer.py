@@ -1,8 +1,8 @@
-"""The project's character tokenizer: round trips, special tokens and its chat template."""
+"""The project's tokenizers (character and byte-level BPE): round trips, special tokens and the chat template."""
 
 import pytest
 
-from posttrain.models.tokenizer import build_char_tokenizer
+from posttrain.models.tokenizer import build_byte_tokenizer, build_char_tokenizer
 
 
 def test_text_round_trips_character_by_character():
@@ -39,3 +39,52 @@ def test_tokenizer_saves_and_reloads(tmp_path):
     reloaded = AutoTokenizer.from_pretrained(tmp_path)
     assert reloaded.decode(reloaded("x y=1")["input_ids"]) == "x y=1"
     assert reloaded.eos_token == "<eos>" and reloaded.pad_token == "<pad>"
+
+
+# ------------------------------------------------------------------------------------- byte-level BPE
+def test_byte_tokenizer_has_300_tokens_and_the_char_tokenizers_special_ids():
+    byte, char = build_byte_tokenizer(), build_char_tokenizer()
+    assert len(byte) == 300
+    for name in ("pad", "bos", "eos", "unk"):
+        assert getattr(byte, f"{name}_token") == getattr(char, f"{name}_token")
+        assert getattr(byte, f"{name}_token_id") == getattr(char, f"{name}_token_id")
+    assert byte.convert_tokens_to_ids(["<|user|>", "<|assistant|>"]) == [5, 6]
+
+
+@pytest.mark.parametrize("text", ["07+85=092", "Hello, wörld ✓\n\tdef f(x):  return x", ""])
+def test_byte_tokenizer_round_trips_any_text(text):
+    tokenizer = build_byte_tokenizer()
+    ids = tokenizer(text)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    assert len(ids) <= len(text.encode())  # merges only ever shorten the byte sequence
+
+
+def test_byte_tokenizer_merges_frequent_pairs_of_its_corpus():
+    tokenizer = build_byte_tokenizer()
+    assert len(tokenizer("07+85=092")["input_ids"]) < len("07+85=092")
+
+
+def test_byte_tokenizer_training_is_deterministic():
+    assert build_byte_tokenizer().backend_tokenizer.to_str() == build_byte_tokenizer().backend_tokenizer.to_str()
+
+
+def test_byte_tokenizer_chat_template_matches_the_char_tokenizer():
+    tokenizer = build_byte_tokenizer()
+    messages = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "3"}]
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert tokenizer.decode(ids) == "<|user|>1+2=<|assistant|>3<eos>"
+    assert ids[0] == 5 and ids[-1] == tokenizer.eos_token_id == 2
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == build_char_tokenizer().apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+
+
+def test_byte_tokenizer_saves_and_reloads(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = build_byte_tokenizer()
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    text = "<|user|>héllo 12+3=<|assistant|>015<eos>"
+    assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert reloaded.decode(reloaded(text)["input_ids"]) == text
+    assert len(reloaded) == 300 and reloaded.chat_template == tokenizer.chat_template
