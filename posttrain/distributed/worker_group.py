@@ -39,14 +39,29 @@ def find_free_port(low: int, high: int) -> int:
     raise RuntimeError(f"no free port in cluster.master_port_range [{low}, {high}]")
 
 
+def assigned_device() -> Any:
+    """The torch device this process computes on: its GPU when it was given one, else the CPU.
+
+    Inside a Ray actor that is what Ray assigned (a GPU share in its bundle): an actor without one stays
+    on the CPU even on a GPU machine, where CUDA is still visible to it. Outside Ray: CUDA if available.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+    if in_actor and not ray.get_gpu_ids():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def init_torch_distributed(backend: str | None = None) -> None:
     """Join the group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (gloo on CPU, NCCL on GPU)."""
-    import torch
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or ("nccl" if assigned_device().type == "cuda" else "gloo")
     dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
 
 

@@ -271,3 +271,8 @@ def test_reward_model_scores_ignore_padding_and_order_and_bradley_terry_training
     finally:
         policy.shutdown()
         cluster.shutdown()
+
+
+def test_cpu_workers_describe_their_device_and_backend(runs):
+    ranks = runs["two_workers_2x4"].policy.describe()
+    assert [(r["device"], r["backend"], r["world_size"]) for r in ranks] == [("cpu", "gloo", 2)] * 2

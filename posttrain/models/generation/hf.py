@@ -230,7 +230,9 @@ class HFGenerationWorker:
         from posttrain.models.build import load_model, load_tokenizer
 
         self.cfg = cfg
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from posttrain.distributed.worker_group import assigned_device
+
+        self.device = assigned_device()
         dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
         self.model = load_model(model_name, dtype=dtype).to(self.device).eval()
         self.tokenizer = load_tokenizer(tokenizer_name or model_name)

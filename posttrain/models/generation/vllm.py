@@ -106,7 +106,9 @@ class VllmGenerationWorker:
         from vllm import LLM
 
         self.cfg = cfg
-        self.on_gpu = torch.cuda.is_available()
+        from posttrain.distributed.worker_group import assigned_device
+
+        self.on_gpu = assigned_device().type == "cuda"
         # On CPU vLLM reads gpu_memory_utilization as the share of CPU memory it reserves.
         engine_kwargs: dict[str, Any] = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
         if cfg.temperature != 1.0:

@@ -134,6 +134,10 @@ class Policy:
         """Bring weights and optimizer state back before training."""
         self.worker_group.run_all("onload")
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Per rank: device, process-group backend (gloo/nccl), world size and CPU threads."""
+        return self.worker_group.run_all("describe")
+
     def shutdown(self) -> None:
         """Leave the process groups and kill the workers."""
         self.worker_group.run_all("shutdown")

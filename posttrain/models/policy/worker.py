@@ -28,6 +28,7 @@ from posttrain.distributed.batched_data_dict import (
     dynamic_microbatch_indices,
     pack_sequences,
 )
+from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig
 
@@ -151,7 +152,7 @@ def ensure_process_group() -> None:
     """Join the process group from RANK/WORLD_SIZE/MASTER_* env vars, or form a 1-rank group when absent."""
     if dist.is_initialized():
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "nccl" if assigned_device().type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, init_method="env://")
     else:
@@ -170,6 +171,7 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     if cfg.model_kind == "causal_lm":
         return AutoModelForCausalLM.from_pretrained(cfg.model_name, **kwargs)
     model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
+    model.config.architectures = [type(model).__name__]  # exports and checkpoints rebuild this class
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
     return model
@@ -294,11 +296,7 @@ class DTensorPolicyWorker:
         self.cfg = cfg
         ensure_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        self.device = assigned_device()
         tp = cfg.tensor_parallel_size
         if self.world_size % tp:
             raise ValueError(
@@ -634,6 +632,11 @@ class DTensorPolicyWorker:
         """Bring weights and optimizer state back to the worker's device."""
         if self.device.type != "cpu" and not self.cfg.cpu_offload:
             self._move_training_state(self.device)
+
+    def describe(self) -> dict[str, Any]:
+        """Where this rank runs: device, process-group backend, world size, CPU threads."""
+        return {"device": str(self.device), "backend": str(dist.get_backend()), "world_size": self.world_size,
+                "num_threads": torch.get_num_threads()}
 
     def shutdown(self) -> bool:
         """Leave the process group; the actor can then be killed."""
