@@ -117,3 +117,29 @@ def test_a_short_grpo_run_on_the_gpu_keeps_logprobs_consistent(ray_session, tmp_
     for step in (1, 2, 3):
         assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01
         assert steps[step]["timing/generation"] > 0 and steps[step]["timing/training"] > 0
+
+
+def test_offload_frees_the_gpu_and_onload_resumes_training_unchanged(ray_session, model_dir):
+    """Colocated generation needs the memory: offload moves weights and optimizer state to the CPU; after
+    onload the next steps equal those of a policy that never left the GPU."""
+    _, reference_losses, _ = train_losses(model_dir, num_gpus=1.0)
+    cluster, policy = make_policy(model_dir, num_gpus=1.0)
+    try:
+        data = make_train_data()
+        losses = [policy.train(data, NLLLoss())["loss"][0]]
+        on_device = policy.describe()[0]["memory_allocated"]
+        policy.offload()
+        assert policy.describe()[0]["memory_allocated"] < on_device / 10
+        policy.onload()
+        losses += [policy.train(data, NLLLoss())["loss"][0] for _ in range(NUM_STEPS - 1)]
+        assert losses == pytest.approx(reference_losses, rel=1e-5)
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.parametrize("option", ["cpu_offload", "activation_checkpointing"])
+def test_memory_saving_options_train_like_the_default(ray_session, model_dir, option):
+    _, reference_losses, _ = train_losses(model_dir, num_gpus=1.0)
+    _, losses, _ = train_losses(model_dir, num_gpus=1.0, **{option: True})
+    assert losses == pytest.approx(reference_losses, rel=1e-5)

@@ -147,6 +147,7 @@ def runs(ray_session, model_dir):
         "one_worker_packed": Run(model_dir, 1, sequence_packing=packing),
         "two_workers_tensor_parallel": Run(model_dir, 2, tensor_parallel_size=2),
         "two_workers_dynamic": Run(model_dir, 2, dynamic_batching=dynamic),
+        "one_worker_activation_checkpointing": Run(model_dir, 1, activation_checkpointing=True),
     }
     for run in built.values():
         run.train(ray_session)
@@ -271,6 +272,10 @@ def test_reward_model_scores_ignore_padding_and_order_and_bradley_terry_training
     finally:
         policy.shutdown()
         cluster.shutdown()
+
+
+def test_activation_checkpointing_recomputes_to_the_same_update(runs):
+    assert_same_training(runs["one_worker_activation_checkpointing"], runs["one_worker_2x4"])
 
 
 def test_cpu_workers_describe_their_device_and_backend(runs):

@@ -634,9 +634,12 @@ class DTensorPolicyWorker:
             self._move_training_state(self.device)
 
     def describe(self) -> dict[str, Any]:
-        """Where this rank runs: device, process-group backend, world size, CPU threads."""
+        """Where this rank runs: device, process-group backend, world size, CPU threads, and the
+        accelerator memory its tensors hold (0 on CPU)."""
+        on_gpu = self.device.type == "cuda"
         return {"device": str(self.device), "backend": str(dist.get_backend()), "world_size": self.world_size,
-                "num_threads": torch.get_num_threads()}
+                "num_threads": torch.get_num_threads(),
+                "memory_allocated": torch.cuda.memory_allocated(self.device) if on_gpu else 0}
 
     def shutdown(self) -> bool:
         """Leave the process group; the actor can then be killed."""
