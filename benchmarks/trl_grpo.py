@@ -1,0 +1,109 @@
+"""TRL's `GRPOTrainer` on the work of benchmarks/grpo_step.py, timed step by step (run by that script).
+
+Runs in its own environment (`make install-trl` makes `.venv-trl`); it only uses TRL, which is not a
+dependency of posttrain. Usage: `.venv-trl/bin/python benchmarks/trl_grpo.py JOB.json OUT.json`, where
+the job (written by grpo_step.py) names the model directory, the prompts file and the settings.
+
+Per step: wall time from the trainer's step-begin to step-end callbacks, and TRL's own profiling
+timings (`ProfilingContext`, normally sent to W&B / MLflow / Trackio, recorded here instead):
+`transformers.generate` -> generation, `_calculate_rewards` -> rewards, the rest of `_prepare_inputs`
+-> advantages (tokenising, padding, advantages), the rest of the step -> training (forward, backward,
+optimizer). TRL has no logprob recomputation here (generation and optimisation are aligned, so the old
+logprobs are the current ones) and no refit (one model generates and trains).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from importlib.metadata import version
+
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+from trl.extras import profiling
+
+
+def exact_match(completions: list, answer: list[str], **kwargs) -> list[float]:
+    """1.0 when the response, stripped, equals the answer (the posttrain `exact_match` environment)."""
+    return [float(completion[0]["content"].strip() == str(truth).strip()) for completion, truth in zip(completions, answer)]
+
+
+class StepTimes(TrainerCallback):
+    """Wall time of every step, the profiling timings inside it, and the logged completion lengths."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict] = []
+        self.start = 0.0
+        self.profile: dict[str, float] = {}
+
+    def record_profile(self, name: str, seconds: float) -> None:
+        name = name.split(".", 1)[1]  # "GRPOTrainer.transformers.generate" -> "transformers.generate"
+        self.profile[name] = self.profile.get(name, 0.0) + seconds
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.profile = {}
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step_time = time.perf_counter() - self.start
+        self.steps.append({"step": step_time, "profile": dict(self.profile)})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "completions/mean_length" in logs and self.steps:
+            self.steps[-1]["mean_response_length"] = float(logs["completions/mean_length"])
+
+
+def stage_times(record: dict) -> dict[str, float]:
+    profile, step = record["profile"], record["step"]
+    generation = profile.get("transformers.generate", 0.0)
+    rewards = profile.get("_calculate_rewards", 0.0)
+    prepare = profile.get("_prepare_inputs", generation + rewards)
+    stages = {"generation": generation, "rewards": rewards, "advantages": prepare - generation - rewards,
+              "logprobs": 0.0, "training": step - prepare, "refit": 0.0}
+    stages["other"] = step - sum(stages.values())
+    return stages
+
+
+def main(job_file: str, out_file: str) -> int:
+    job = json.loads(open(job_file).read())
+    torch.set_num_threads(job["torch_threads"])  # as many as each posttrain worker has
+    batch = job["num_prompts"] * job["num_generations"]
+    rows = [json.loads(line) for line in open(job["data_file"])]
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
+    optimizer = job["optimizer"]
+    config = GRPOConfig(
+        output_dir=job["output_dir"], use_cpu=job["device"] == "cpu", seed=job["seed"],
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=job["num_generations"],
+        max_completion_length=job["max_completion_length"], temperature=job["temperature"], top_p=1.0, top_k=0,
+        beta=0.0, epsilon=job["epsilon"], num_iterations=1, shuffle_dataset=False, use_vllm=False,
+        learning_rate=optimizer["lr"], weight_decay=optimizer["weight_decay"], adam_beta1=optimizer["betas"][0],
+        adam_beta2=optimizer["betas"][1], adam_epsilon=optimizer["eps"], optim="adamw_torch",
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=job["max_grad_norm"],
+        max_steps=job["warmup"] + job["steps"], logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, bf16=False, fp16=False, dataloader_num_workers=0,
+    )
+    timer = StepTimes()
+    profiling.ProfilingContext._log_metrics = lambda self, seconds: timer.record_profile(self.name, seconds)
+    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=exact_match, args=config,
+                          train_dataset=dataset, callbacks=[timer])
+    trainer.train()
+    for record in timer.steps:
+        record["stages"] = stage_times(record)
+        record["generated_tokens"] = record.get("mean_response_length", float("nan")) * batch
+    result = {
+        "steps": timer.steps,
+        "versions": {name: version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")},
+        "torch_threads": torch.get_num_threads(),
+    }
+    with open(out_file, "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
