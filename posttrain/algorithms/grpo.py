@@ -5,8 +5,9 @@ Algorithm as implemented: each step takes `num_prompts_per_step` prompts, sample
 environment), computes group-relative advantages (mean or leave-one-out baseline, optionally divided by
 the group's std where it is non-zero), and takes one optimizer step per global batch of the clipped
 policy-gradient loss against the logprobs of the policy that generated the data (`prev_logprobs`,
-recomputed by the trainer), optionally with a KL penalty to the frozen initial policy. Then the new
-weights are sent to the generation workers (refit). Departures from the paper: KL is off by default
+recomputed by the trainer), optionally with a KL penalty to the frozen initial policy. The new weights
+reach the generation workers (refit) when they next generate; colocated on an accelerator, the policy's
+training state leaves the device while they do (`generation_phase`). Departures from the paper: KL is off by default
 (beta = 0, as in DAPO); DAPO's dynamic sampling, clip-higher, overlong shaping/filtering and GSPO's
 sequence-level ratios are options of the config.
 
@@ -16,6 +17,8 @@ Run: posttrain grpo --config configs/grpo_tiny.yaml
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,7 +151,7 @@ class GRPORun:
     checkpoints: CheckpointManager
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
-    weights_stale: bool = False
+    weights_stale: bool = False  # the policy has trained since the generation workers' last refit
 
     def shutdown(self) -> None:
         self.logger.finish()
@@ -270,17 +273,38 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tens
     return adv.group_relative_advantages(rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards)
 
 
-def refit(run: GRPORun) -> float:
-    """Send the policy's changed weights to the generation workers; returns seconds."""
-    return run.generation.update_weights(run.policy.get_weights_ref(only_changed=not run.weights_stale))
+@contextmanager
+def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
+    """The generation workers hold the accelerator: when the policy has trained since their last refit its
+    new weights are gathered (while still on the device); colocated, the policy's training state leaves
+    the device; the generation workers wake up and take the weights (refit). Afterwards they release the
+    device and the policy comes back. On a CPU only the refit does any work."""
+    weights = None
+    if run.weights_stale:
+        with timer.time("refit"):
+            weights = run.policy.get_weights_ref()  # only the tensors changed since the last refit
+    if run.cfg.generation.colocated:
+        run.policy.offload()
+    run.generation.prepare_for_generation()
+    if weights is not None:
+        with timer.time("refit"):
+            run.generation.update_weights(weights)
+        run.weights_stale = False
+    try:
+        yield
+    finally:
+        run.generation.finish_generation()
+        if run.cfg.generation.colocated:
+            run.policy.onload()
 
 
-def validate(run: GRPORun, step: int) -> dict[str, float]:
+def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
     cfg = run.cfg.grpo
-    result = run_validation(
-        run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
-        num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
-    )
+    with generation_phase(run, timer or Timer()):
+        result = run_validation(
+            run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
+            num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
+        )
     run.logger.log_metrics(result.metrics, step, prefix="val")
     run.logger.log_val_samples(result.samples, step)
     run.last_val = result.metrics
@@ -299,11 +323,7 @@ def maybe_checkpoint(run: GRPORun, force: bool = False) -> None:
 def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     """One GRPO step, stage by stage (DESIGN.md)."""
     cfg = run.cfg.grpo
-    if run.weights_stale:
-        with timer.time("refit"):
-            refit(run)
-        run.weights_stale = False
-    with timer.time("generation"):
+    with generation_phase(run, timer), timer.time("generation"):
         rollouts, rollout_metrics = collect_rollouts(run, run.step + 1, timer)  # "rewards" timed inside
     with timer.time("advantages"):
         advantages = compute_advantages(cfg, rollouts["rewards"])
@@ -316,8 +336,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
         metrics = mean_over_global_batches(run.policy.train(train_data, ClippedPGLoss(run.cfg.loss)))
-    with timer.time("refit"):
-        refit(run)
+    run.weights_stale = True  # the next generation phase refits
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
     metrics["advantage_abs_mean"] = float(advantages.abs().mean())
@@ -341,7 +360,7 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
             run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
             timer.reset()
             if cfg.val_period and (run.step % cfg.val_period == 0 or run.step == last_step):
-                validate(run, run.step)
+                validate(run, run.step, timer)
             maybe_checkpoint(run, force=run.step == last_step)
             progress.advance(run.step, {"reward": metrics["reward_mean"], **{f"val_{k}": v for k, v in run.last_val.items() if k == "accuracy"}})
             if cfg.early_stop_val_accuracy is not None and run.last_val.get("accuracy", -1.0) >= cfg.early_stop_val_accuracy:

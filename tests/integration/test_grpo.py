@@ -62,8 +62,10 @@ def test_a_short_run_logs_every_stage_and_keeps_logprobs_consistent(ray_session,
     steps = run_grpo(tmp_path, **{"grpo.max_num_steps": 3})
     for step in (1, 2, 3):
         metrics = steps[step]
-        for stage in ("generation", "advantages", "logprobs", "training", "refit"):
+        for stage in ("generation", "rewards", "advantages", "logprobs", "training"):
             assert metrics[f"timing/{stage}"] > 0
+        # The generation workers start with the policy's weights: the first refit comes with step 2.
+        assert ("timing/refit" in metrics) == (step > 1)
         assert 1.0 <= metrics["train/token_mult_prob_error"] <= 1.01
         assert 0.0 <= metrics["train/reward_mean"] <= 1.0
     assert "val/accuracy" in steps[2] and (tmp_path / "val_samples" / "step_2.jsonl").exists()
