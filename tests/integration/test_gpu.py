@@ -129,7 +129,9 @@ def test_offload_frees_the_gpu_and_onload_resumes_training_unchanged(ray_session
         losses = [policy.train(data, NLLLoss())["loss"][0]]
         on_device = policy.describe()[0]["memory_allocated"]
         policy.offload()
-        assert policy.describe()[0]["memory_allocated"] < on_device / 10
+        # fp32 weights + Adam's two moments leave (gradients are already freed); cuBLAS workspaces stay.
+        state_bytes = 3 * 4 * sum(p.numel() for p in load_model(model_dir).parameters())
+        assert on_device - policy.describe()[0]["memory_allocated"] >= state_bytes
         policy.onload()
         losses += [policy.train(data, NLLLoss())["loss"][0] for _ in range(NUM_STEPS - 1)]
         assert losses == pytest.approx(reference_losses, rel=1e-5)
