@@ -4,12 +4,13 @@ Algorithm as implemented: each step takes `num_prompts_per_step` prompts, sample
 `num_generations_per_prompt` responses per prompt (single- or multi-turn, scored by each task's
 environment), computes group-relative advantages (mean or leave-one-out baseline, optionally divided by
 the group's std where it is non-zero), and takes one optimizer step per global batch of the clipped
-policy-gradient loss against the logprobs of the policy that generated the data (`prev_logprobs`,
-recomputed by the trainer), optionally with a KL penalty to the frozen initial policy. The new weights
-reach the generation workers (refit) when they next generate; colocated on an accelerator, the policy's
-training state leaves the device while they do (`generation_phase`). Departures from the paper: KL is off by default
-(beta = 0, as in DAPO); DAPO's dynamic sampling, clip-higher, overlong shaping/filtering and GSPO's
-sequence-level ratios are options of the config.
+policy-gradient loss against the logprobs of the policy that generated the data (`prev_logprobs`:
+recomputed by the trainer before the first step, or, when the whole batch is one step, the trained
+forward's own logprobs with the gradient stopped), optionally with a KL penalty to the frozen initial
+policy. The new weights reach the generation workers (refit) when they next generate; colocated on an
+accelerator, the policy's training state leaves the device while they do (`generation_phase`).
+Departures from the paper: KL is off by default (beta = 0, as in DAPO); DAPO's dynamic sampling,
+clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are options of the config.
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
 """
@@ -328,14 +329,19 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("advantages"):
         advantages = compute_advantages(cfg, rollouts["rewards"])
         train_data = build_train_data(rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering)
-    with timer.time("logprobs"):
-        train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
+    # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
+    # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first.
+    single_update = train_data.size == run.cfg.policy.train_global_batch_size
+    if not single_update:
+        with timer.time("logprobs"):
+            train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
     if run.cfg.loss.reference_policy_kl_penalty > 0:
         with timer.time("reference_logprobs"):
             reference = run.policy.get_reference_policy_logprobs(train_data)
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
-        metrics = mean_over_global_batches(run.policy.train(train_data, ClippedPGLoss(run.cfg.loss)))
+        loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
+        metrics = mean_over_global_batches(run.policy.train(train_data, loss_fn))
     run.weights_stale = True  # the next generation phase refits
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())

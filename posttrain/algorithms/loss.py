@@ -203,10 +203,15 @@ class ClippedPGLoss:
     clip range); kl (mean KL estimate); kl_penalty (beta * kl); approx_entropy (-mean logprob of the
     sampled tokens); is_weight_mean; token_mult_prob_error (mean exp(|prev - generation logprobs|), 1.0
     when the micro-batch has no generation_logprobs).
+
+    `prev_is_current`: the batch is trained in a single optimizer step, so pi_prev is the policy being
+    trained, before its update: prev_logprobs are this forward's logprobs with the gradient stopped,
+    and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch).
     """
 
-    def __init__(self, cfg: ClippedPGLossConfig | None = None) -> None:
+    def __init__(self, cfg: ClippedPGLossConfig | None = None, prev_is_current: bool = False) -> None:
         self.cfg = cfg or ClippedPGLossConfig()
+        self.prev_is_current = prev_is_current
 
     def __call__(
         self,
@@ -218,27 +223,34 @@ class ClippedPGLoss:
         logprobs = logprobs.float()  # [B, T]
         mask = _valid_token_mask(data, logprobs, "ClippedPGLoss")  # [B, T]
         advantages = _require(data, "advantages", "ClippedPGLoss").to(logprobs.device).float()  # [B, T]
-        ratio = self._ratio(logprobs, data, mask)  # [B, T]
+        prev_logprobs = self._prev_logprobs(logprobs, data)  # [B, T]
+        ratio = self._ratio(logprobs, prev_logprobs, mask)  # [B, T]
         clipped_ratio = ratio.clamp(1.0 - self.cfg.ratio_clip_min, 1.0 + self.cfg.ratio_clip_max)
         pg_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)  # [B, T]
         if self.cfg.ratio_clip_c is not None:
             dual_clipped = torch.minimum(pg_loss, -advantages * self.cfg.ratio_clip_c)
             pg_loss = torch.where(advantages < 0, dual_clipped, pg_loss)
         kl = self._kl(logprobs, data)  # [B, T]
-        is_weight = self._importance_weight(data, logprobs)  # [B, T]
+        is_weight = self._importance_weight(data, prev_logprobs)  # [B, T]
         token_loss = is_weight * (pg_loss + self.cfg.reference_policy_kl_penalty * kl)  # [B, T]
         loss = self._reduce(token_loss, mask, data, global_valid_seqs, global_valid_toks)
         num_toks = _count(global_valid_toks, logprobs)
         metrics = self._ratio_metrics(ratio.detach(), mask, num_toks)
-        metrics.update(self._other_metrics(logprobs.detach(), kl.detach(), is_weight, data, mask, num_toks))
+        metrics.update(self._other_metrics(logprobs.detach(), prev_logprobs, kl.detach(), is_weight, data, mask,
+                                           num_toks))
         metrics["loss"] = float(loss.detach())
         return loss, metrics
 
-    def _ratio(self, logprobs: torch.Tensor, data: Mapping[str, Any], mask: torch.Tensor) -> torch.Tensor:
+    def _prev_logprobs(self, logprobs: torch.Tensor, data: Mapping[str, Any]) -> torch.Tensor:
+        """The sampling policy's logprobs as the trainer computes them [B, T] (no gradient)."""
+        if self.prev_is_current or (self.cfg.force_on_policy_ratio and "prev_logprobs" not in data):
+            return logprobs.detach()
+        return _require(data, "prev_logprobs", "ClippedPGLoss").to(logprobs.device).float()
+
+    def _ratio(self, logprobs: torch.Tensor, prev_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Importance ratio pi / pi_prev per token [B, T] (per sequence, broadcast, for GSPO)."""
         if self.cfg.force_on_policy_ratio:
             return torch.exp(logprobs - logprobs.detach())  # [B, T], == 1 with the policy's gradient
-        prev_logprobs = _require(data, "prev_logprobs", "ClippedPGLoss").to(logprobs.device).float()
         log_ratio = logprobs - prev_logprobs  # [B, T]
         if self.cfg.sequence_level_importance_ratios:
             num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]
@@ -259,12 +271,11 @@ class ClippedPGLoss:
             self.cfg.kl_output_clamp_value,
         )
 
-    def _importance_weight(self, data: Mapping[str, Any], like: torch.Tensor) -> torch.Tensor:
+    def _importance_weight(self, data: Mapping[str, Any], prev_logprobs: torch.Tensor) -> torch.Tensor:
         """Detached exp(prev - generation logprobs), truncated above [B, T]; ones when the correction is off."""
         if not self.cfg.use_importance_sampling_correction:
-            return torch.ones_like(like)
-        prev_logprobs = _require(data, "prev_logprobs", "ClippedPGLoss").to(like.device).float()
-        generation_logprobs = _require(data, "generation_logprobs", "ClippedPGLoss").to(like.device).float()
+            return torch.ones_like(prev_logprobs)
+        generation_logprobs = _require(data, "generation_logprobs", "ClippedPGLoss").to(prev_logprobs.device).float()
         weight = torch.exp(prev_logprobs - generation_logprobs).detach()  # [B, T]
         if self.cfg.truncated_importance_sampling_ratio is not None:
             weight = weight.clamp(max=self.cfg.truncated_importance_sampling_ratio)
@@ -302,6 +313,7 @@ class ClippedPGLoss:
     def _other_metrics(
         self,
         logprobs: torch.Tensor,
+        prev_logprobs: torch.Tensor,
         kl: torch.Tensor,
         is_weight: torch.Tensor,
         data: Mapping[str, Any],
@@ -315,18 +327,16 @@ class ClippedPGLoss:
             "approx_entropy": float(-_masked_sum(logprobs, mask) / num_toks),
             "is_weight_mean": float(_masked_sum(is_weight, mask) / num_toks),
             "token_mult_prob_error": float(
-                _masked_sum(token_mult_prob_error(data, logprobs), mask) / num_toks
+                _masked_sum(token_mult_prob_error(prev_logprobs, data.get("generation_logprobs")), mask) / num_toks
             ),
         }
 
 
-def token_mult_prob_error(data: Mapping[str, Any], like: torch.Tensor) -> torch.Tensor:
-    """exp(|prev_logprobs - generation_logprobs|) per token [B, T]; ones where either is missing."""
-    if "prev_logprobs" not in data or "generation_logprobs" not in data:
-        return torch.ones_like(like)
-    difference = (
-        data["prev_logprobs"].to(like.device).float() - data["generation_logprobs"].to(like.device).float()
-    )
+def token_mult_prob_error(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor | None) -> torch.Tensor:
+    """exp(|prev_logprobs - generation_logprobs|) per token [B, T]; ones without generation logprobs."""
+    if generation_logprobs is None:
+        return torch.ones_like(prev_logprobs)
+    difference = prev_logprobs - generation_logprobs.to(prev_logprobs.device).float()
     return torch.exp(difference.abs())  # [B, T]
 
 

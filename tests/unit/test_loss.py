@@ -345,3 +345,31 @@ def test_two_micro_batches_sum_to_whole_batch_loss_metrics_and_gradient(name):
     torch.testing.assert_close(summed_grad, whole_grad)
     summed_metrics = reduce_loss_metrics([parts[0][1], parts[1][1]])
     assert summed_metrics == pytest.approx(whole_metrics, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
+    {"token_level_loss": False, "sequence_level_importance_ratios": True},
+])
+def test_prev_is_current_equals_recorded_prev_logprobs_of_the_same_weights(options):
+    """A single optimizer step per batch: taking pi_prev from the trained forward (gradient stopped) gives
+    the loss, gradient and metrics of recording the same numbers beforehand as prev_logprobs."""
+    generator = torch.Generator().manual_seed(0)
+    current = -torch.rand(3, 5, generator=generator) * 2  # [B, T]
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 1, 1, 1]]),
+        "advantages": torch.randn(3, 5, generator=generator),
+        "generation_logprobs": current + 0.05 * torch.randn(3, 5, generator=generator),
+    }
+    cfg = ClippedPGLossConfig(**options)
+    recorded = current.clone().requires_grad_(True)
+    loss, metrics = ClippedPGLoss(cfg)(recorded, data | {"prev_logprobs": current.clone()}, 3, 10)
+    loss.backward()
+    shortcut = current.clone().requires_grad_(True)
+    shortcut_loss, shortcut_metrics = ClippedPGLoss(cfg, prev_is_current=True)(shortcut, data, 3, 10)
+    shortcut_loss.backward()
+    assert shortcut_loss.item() == pytest.approx(loss.item(), abs=1e-7)
+    torch.testing.assert_close(shortcut.grad, recorded.grad, atol=1e-7, rtol=0)
+    assert shortcut_metrics == pytest.approx(metrics, abs=1e-7)
+    assert metrics["token_mult_prob_error"] > 1.0
