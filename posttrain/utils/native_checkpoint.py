@@ -245,11 +245,15 @@ def load_rng_state(path: str | Path, rank: int) -> None:
 
 
 def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """An HF causal LM of `model_config` with uninitialised CPU weights in `dtype` (no random init cost)."""
-    from transformers import AutoModelForCausalLM
+    """An HF model of `model_config` with uninitialised CPU weights in `dtype` (no random init cost): a
+    sequence classifier when the config's architecture names one (a reward model), else a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    architectures = getattr(model_config, "architectures", None) or [""]
+    is_classifier = architectures[0].endswith("ForSequenceClassification")
+    auto_class = AutoModelForSequenceClassification if is_classifier else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+        model = auto_class.from_config(model_config, dtype=dtype)
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty un-ties shared parameters
     return model
