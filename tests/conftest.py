@@ -34,3 +34,34 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def arithmetic_sft_model(ray_session, tmp_path_factory):
+    """A small model SFT'd on the built-in 2-digit addition until its validation loss falls below 0.4
+    (it takes off after ~250 steps, ~25 s): the starting point of the DPO, reward-model and RLHF tests.
+    Returns its Hugging Face directory."""
+    from pathlib import Path
+
+    from posttrain.algorithms import sft
+    from posttrain.config import load_typed_config
+
+    log_dir = tmp_path_factory.mktemp("arithmetic_sft")
+    config = Path(__file__).resolve().parents[1] / "configs" / "sft_tiny.yaml"
+    cfg = load_typed_config(sft.SFTConfig, str(config), [
+        f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false", "checkpointing.enabled=false",
+        "policy.model.from_config.hidden_size=64", "policy.model.from_config.num_layers=2",
+        "policy.model.from_config.intermediate_size=256", "policy.optimizer.kwargs.lr=3e-3",
+        "sft.max_num_steps=600", "sft.val_max_samples=64", "sft.export_final_model=false",
+        "cluster.num_cpus_per_worker=0.5",
+    ])
+    run = sft.setup(cfg)
+    try:
+        val_loss = float("inf")
+        while val_loss >= 0.4 and run.step < run.total_steps:
+            val_loss = sft.sft_train(run, num_steps=25)["loss"]
+        assert val_loss < 0.4, f"the SFT start model did not take off in {run.step} steps (val loss {val_loss:.3f})"
+        run.policy.export_hf(str(log_dir / "hf_model"))
+    finally:
+        run.shutdown()
+    return log_dir / "hf_model"

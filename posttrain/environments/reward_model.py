@@ -1,0 +1,113 @@
+"""Reward-model environment: a trained scalar-head model scores each finished conversation and the score
+is the reward (single turn: every sample terminates). Lets GRPO run RLHF with a learned reward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+
+# End-of-turn markers a generation backend may leave in the decoded assistant text; the chat template
+# adds the reward model's own end marker, so a kept one would appear twice.
+END_MARKERS = ("<eos>", "</s>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>")
+
+
+def strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
+    """`text` without trailing end-of-turn markers (only at the end; the rest is left as generated)."""
+    stripped = True
+    while stripped:
+        stripped = False
+        for marker in markers:
+            if marker and text.endswith(marker):
+                text, stripped = text[: -len(marker)], True
+    return text
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class RewardModelEnvironment(EnvironmentInterface):
+    """Scores conversations with a Hugging Face sequence classifier with one label (e.g. `posttrain rm`'s
+    `hf_model`): each conversation is rendered with the reward model's chat template, tokenized, and the
+    score at its last token is the reward. Loaded once, inside the environment's Ray actor."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        batch_size: int = 32,
+        max_length: int | None = None,
+        device: str = "auto",
+    ) -> None:
+        from transformers import AutoModelForSequenceClassification
+
+        from posttrain.models.build import load_tokenizer
+
+        if batch_size < 1:
+            raise ValueError(f"reward_model environment: batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.max_length = max_length
+        self.device = pick_device(device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, num_labels=1, dtype=torch.float32
+        )
+        if self.model.config.num_labels != 1:
+            raise ValueError(
+                f"reward_model environment: {model_dir} has {self.model.config.num_labels} labels, expected 1"
+            )
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model.to(self.device).eval()
+        self.end_markers = tuple({*END_MARKERS, self.tokenizer.eos_token or ""} - {""})
+
+    def tokenize(self, message_log: list[Message]) -> list[int]:
+        """The conversation as the reward model saw it in training: its chat template, then its tokenizer."""
+        messages = [
+            {
+                "role": m["role"],
+                "content": strip_end_markers(m["content"], self.end_markers)
+                if m["role"] == "assistant"
+                else m["content"],
+            }
+            for m in message_log
+        ]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if self.max_length is not None:
+            token_ids = token_ids[-self.max_length :]  # keep the end: the response is what is scored
+        return token_ids
+
+    @torch.no_grad()
+    def score(self, message_logs: list[list[Message]]) -> torch.Tensor:
+        """Scalar scores [B] (fp32, on CPU), computed `batch_size` conversations at a time."""
+        sequences = [self.tokenize(log) for log in message_logs]
+        scores = [self._score_batch(sequences[i : i + self.batch_size]) for i in range(0, len(sequences), self.batch_size)]
+        return torch.cat(scores) if scores else torch.zeros(0)
+
+    def _score_batch(self, sequences: list[list[int]]) -> torch.Tensor:
+        pad_id = self.model.config.pad_token_id
+        lengths = torch.tensor([len(s) for s in sequences])  # [b]
+        input_ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)  # [b, T]
+        for i, sequence in enumerate(sequences):
+            input_ids[i, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
+        attention_mask = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [b, T]
+        logits = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+        ).logits  # [b, 1]
+        return logits.float().squeeze(-1).cpu()  # [b]
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        batch_size = len(message_logs)
+        return EnvironmentReturn(
+            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
+            metadata=metadata,
+            next_stop_strings=[None] * batch_size,
+            rewards=self.score(message_logs),
+            terminateds=torch.ones(batch_size, dtype=torch.bool),
+            answers=[None] * batch_size,
+        )
