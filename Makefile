@@ -57,8 +57,9 @@ demo: install
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks
 
-bench: install install-trl
-	RAY_AUTH_MODE=disabled $(PY) benchmarks/train_generate.py
+# train_generate.py runs in the vLLM environment so that both generation backends are measured.
+bench: install install-vllm install-trl
+	RAY_AUTH_MODE=disabled $(VLLM_VENV)/bin/python benchmarks/train_generate.py
 	RAY_AUTH_MODE=disabled $(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python
 
 clean:
