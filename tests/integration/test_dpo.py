@@ -40,7 +40,7 @@ def run_dpo(log_dir, model_dir, **extra) -> dict[int, dict]:
 
 def metrics_by_step(log_dir) -> dict[int, dict]:
     steps: dict[int, dict] = {}
-    for line in open(Path(log_dir) / "metrics.jsonl"):
+    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         steps.setdefault(record["step"], {}).update(record)
     return steps

@@ -32,7 +32,7 @@ def overrides(log_dir, model_dir, **extra):
 
 def metrics_by_step(log_dir) -> dict[int, dict]:
     steps: dict[int, dict] = {}
-    for line in open(Path(log_dir) / "metrics.jsonl"):
+    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         steps.setdefault(record["step"], {}).update(record)
     return steps
@@ -94,14 +94,15 @@ def test_grpo_with_the_reward_model_environment_is_rewarded_with_its_scores(
         "policy.train_micro_batch_size": 16, "generation.max_new_tokens": 6, "data.num_train": 64,
         "data.num_val": 8, "cluster.num_cpus_per_worker": 0.5, "checkpointing.enabled": "false",
     }
-    cfg = load_typed_config(grpo.GRPOConfig, str(REPO / "configs" / "grpo_tiny.yaml"), [f"{k}={v}" for k, v in values.items()])
+    grpo_config = str(REPO / "configs" / "grpo_tiny.yaml")
+    cfg = load_typed_config(grpo.GRPOConfig, grpo_config, [f"{k}={v}" for k, v in values.items()])
     run = grpo.setup(cfg)
     try:
         grpo.grpo_train(run)
     finally:
         run.shutdown()
     steps = metrics_by_step(tmp_path)
-    samples = [json.loads(line) for line in open(tmp_path / "val_samples" / "step_1.jsonl")]
+    samples = [json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()]
     logged = [s["reward"] for s in samples]
     assert len(logged) == 8
     assert logged == pytest.approx(direct_scores(reward_model_dir, [s["message_log"] for s in samples]), abs=1e-4)
