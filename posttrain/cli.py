@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module with a `main(args)` function, one-line help). Modules are imported only when
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as error:  # bad input: say what and where, without a traceback
         print(f"posttrain {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into a reader that stopped early (`--help-config | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

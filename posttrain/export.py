@@ -17,6 +17,11 @@ def policy_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
 
 
 def main(args: Any) -> int:
+    from transformers import AutoConfig
+
     out_dir = export_checkpoint_to_hf(policy_checkpoint_dir(args.checkpoint_dir), args.out_dir)
-    print(f"exported {args.checkpoint_dir} -> {out_dir} (load it with AutoModelForCausalLM.from_pretrained)")
+    architecture = (AutoConfig.from_pretrained(out_dir).architectures or [""])[0]
+    auto_class = "AutoModelForSequenceClassification" if architecture.endswith("ForSequenceClassification") \
+        else "AutoModelForCausalLM"
+    print(f"exported {args.checkpoint_dir} -> {out_dir} (load it with {auto_class}.from_pretrained)")
     return 0

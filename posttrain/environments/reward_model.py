@@ -26,8 +26,11 @@ def strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
 
 
 def pick_device(device: str) -> torch.device:
+    """"auto": the GPU this actor was given, else the CPU (an actor without a GPU share stays off the GPU)."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        from posttrain.distributed.worker_group import assigned_device
+
+        return assigned_device()
     return torch.device(device)
 
 
