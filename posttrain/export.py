@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from posttrain.utils.native_checkpoint import export_checkpoint_to_hf
+from posttrain.utils.native_checkpoint import export_checkpoint_to_hf, is_sequence_classifier
 
 
 def policy_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
@@ -20,8 +20,7 @@ def main(args: Any) -> int:
     from transformers import AutoConfig
 
     out_dir = export_checkpoint_to_hf(policy_checkpoint_dir(args.checkpoint_dir), args.out_dir)
-    architecture = (AutoConfig.from_pretrained(out_dir).architectures or [""])[0]
-    auto_class = "AutoModelForSequenceClassification" if architecture.endswith("ForSequenceClassification") \
-        else "AutoModelForCausalLM"
+    reward_model = is_sequence_classifier(AutoConfig.from_pretrained(out_dir))
+    auto_class = "AutoModelForSequenceClassification" if reward_model else "AutoModelForCausalLM"
     print(f"exported {args.checkpoint_dir} -> {out_dir} (load it with {auto_class}.from_pretrained)")
     return 0

@@ -279,14 +279,17 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     """The generation workers hold the accelerator: when the policy has trained since their last refit its
     new weights are gathered (while still on the device); colocated, the policy's training state leaves
     the device; the generation workers wake up and take the weights (refit). Afterwards they release the
-    device and the policy comes back. On a CPU only the refit does any work."""
+    device and the policy comes back. On CPUs only the refit does any work (the moves are skipped)."""
     weights = None
     if run.weights_stale:
         with timer.time("refit"):
             weights = run.policy.get_weights_ref()  # only the tensors changed since the last refit
-    if run.cfg.generation.colocated:
+    move_memory = run.cfg.cluster.num_gpus_per_worker > 0
+    offload_policy = move_memory and run.cfg.generation.colocated
+    if offload_policy:
         run.policy.offload()
-    run.generation.prepare_for_generation()
+    if move_memory:
+        run.generation.prepare_for_generation()
     if weights is not None:
         with timer.time("refit"):
             run.generation.update_weights(weights)
@@ -294,8 +297,9 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     try:
         yield
     finally:
-        run.generation.finish_generation()
-        if run.cfg.generation.colocated:
+        if move_memory:
+            run.generation.finish_generation()
+        if offload_policy:
             run.policy.onload()
 
 

@@ -244,14 +244,18 @@ def load_rng_state(path: str | Path, rank: int) -> None:
 # -- Hugging Face export ----------------------------------------------------------------------------
 
 
+def is_sequence_classifier(model_config: Any) -> bool:
+    """True when an HF config's architecture is a sequence classifier (a reward model)."""
+    architectures = getattr(model_config, "architectures", None) or [""]
+    return architectures[0].endswith("ForSequenceClassification")
+
+
 def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """An HF model of `model_config` with uninitialised CPU weights in `dtype` (no random init cost): a
     sequence classifier when the config's architecture names one (a reward model), else a causal LM."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    architectures = getattr(model_config, "architectures", None) or [""]
-    is_classifier = architectures[0].endswith("ForSequenceClassification")
-    auto_class = AutoModelForSequenceClassification if is_classifier else AutoModelForCausalLM
+    auto_class = AutoModelForSequenceClassification if is_sequence_classifier(model_config) else AutoModelForCausalLM
     with torch.device("meta"):
         model = auto_class.from_config(model_config, dtype=dtype)
     model.to_empty(device="cpu")
