@@ -12,10 +12,11 @@ each step, so posttrain's refit ships the whole model as it would after a real u
 
 posttrain's stages come from the step's own Timer (`grpo.grpo_step`): generation (rollouts less the
 environments' time), rewards (environment actors), advantages (and building the training batch),
-logprobs (the trainer's recomputation of the sampling policy's logprobs), training, refit (weights to
-the generation workers). TRL's come from its own profiling contexts (`transformers.generate`,
-`_calculate_rewards`, `_prepare_inputs`) and step callbacks; TRL skips the logprob recomputation when
-generation and optimisation are aligned (as here) and has no refit (one model does both).
+logprobs (the trainer's recomputation of the sampling policy's logprobs, only when a step trains
+several global batches: not here), training, refit (weights to the generation workers). TRL's come from
+its own profiling contexts (`transformers.generate`, `_calculate_rewards`, `_prepare_inputs`) and step
+callbacks; TRL skips the logprob recomputation when generation and optimisation are aligned (as here)
+and has no refit (one model does both).
 
 On CPU both sides run with the same number of torch threads per process (`--threads`, default 1: Ray
 gives each posttrain worker one thread per CPU it holds). More threads than free cores make OpenMP's

@@ -285,7 +285,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
         with timer.time("refit"):
             weights = run.policy.get_weights_ref()  # only the tensors changed since the last refit
     move_memory = run.cfg.cluster.num_gpus_per_worker > 0
-    offload_policy = move_memory and run.cfg.generation.colocated
+    offload_policy = move_memory and run.cfg.generation.colocated and run.cfg.generation.colocated_offload
     if offload_policy:
         run.policy.offload()
     if move_memory:

@@ -29,6 +29,11 @@ class GenerationConfig:
     colocated: bool = field(
         default=True, metadata={"help": "Share the policy's bundles (True) or run on a cluster of its own (False)."}
     )
+    colocated_offload: bool = field(
+        default=True,
+        metadata={"help": "Colocated on GPUs: the policy's weights and optimizer state leave the GPU while "
+                          "generating (False: both stay, when they fit together)."},
+    )
     num_cpus_per_worker: float = field(
         default=0.5, metadata={"help": "Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."}
     )
