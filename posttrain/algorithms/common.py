@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -62,6 +62,18 @@ def resolve_model_dir(policy_cfg: Any, log_dir: Path) -> None:
     policy_cfg.model_name = str(model_dir)
 
 
+def checkpoint_if_due(run: Any, val_loss: float | None, force: bool = False) -> None:
+    """Every `checkpointing.save_period` steps (or when forced): the run's state at `run.step`, with its
+    epoch and the latest validation loss (the default ranking metric) as training info."""
+    cfg = run.cfg.checkpointing
+    if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
+        return
+    info = {"step": run.step, "epoch": run.train_loader.epoch}
+    if val_loss is not None:
+        info["val_loss"] = val_loss
+    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
+
+
 @dataclass
 class RunCheckpoint:
     """What a restored run needs besides the policy state: the step counters and the loader position."""
@@ -102,6 +114,24 @@ def restore_run(manager: CheckpointManager, policy: Any) -> RunCheckpoint | None
 # pairwise losses expect inside every micro-batch. Policy.train deals each global batch to the dp ranks in
 # contiguous blocks of gbs/dp rows and cuts those into contiguous micro-batches of mbs rows, so pairs stay
 # whole when gbs/dp and mbs are even and rows are not reordered (no dynamic batching or packing).
+
+
+@dataclass
+class PairLoopConfig:
+    """The loop knobs of the algorithms that train on preference pairs (the `dpo` and `rm` sections)."""
+
+    max_num_epochs: int = field(default=1, metadata={"help": "passes over the training pairs"})
+    max_num_steps: int | None = field(default=None, metadata={"help": "optimizer steps (None: epochs decide)"})
+    val_period: int = field(default=25, metadata={"help": "validation every this many steps (and at the end)"})
+    val_global_batch_size: int = field(default=64, metadata={"help": "pairs per validation batch"})
+    val_max_samples: int | None = field(default=256, metadata={"help": "validation pairs used (None: all)"})
+    export_final_model: bool = field(default=True, metadata={"help": "write <log_dir>/hf_model at the end"})
+
+    def validate(self) -> None:
+        if self.val_period < 1:
+            raise ValueError(f"val_period must be >= 1, got {self.val_period}")
+        if self.val_global_batch_size < 1:
+            raise ValueError(f"val_global_batch_size must be >= 1, got {self.val_global_batch_size}")
 
 
 def check_pair_batching(policy_cfg: Any, cluster_cfg: Any) -> None:

@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms.common import (
+    PairLoopConfig,
     check_pair_batching,
+    checkpoint_if_due,
     evaluate_pairs,
     load_run_config,
     pair_batches,
@@ -34,7 +36,6 @@ from posttrain.algorithms.common import (
     prepare_run_dir,
     resolve_model_dir,
     restore_run,
-    save_run_checkpoint,
     single_step_metrics,
 )
 from posttrain.algorithms.loss import DPOLoss, DPOLossConfig
@@ -51,28 +52,10 @@ from posttrain.utils.timer import Timer
 
 
 @dataclass
-class DPOLoopConfig:
-    """The DPO loop's own knobs."""
-
-    max_num_epochs: int = field(default=1, metadata={"help": "passes over the training pairs"})
-    max_num_steps: int | None = field(default=None, metadata={"help": "optimizer steps (None: epochs decide)"})
-    val_period: int = field(default=25, metadata={"help": "validation every this many steps (and at the end)"})
-    val_global_batch_size: int = field(default=64, metadata={"help": "pairs per validation batch"})
-    val_max_samples: int | None = field(default=256, metadata={"help": "validation pairs used (None: all)"})
-    export_final_model: bool = field(default=True, metadata={"help": "write <log_dir>/hf_model at the end"})
-
-    def validate(self) -> None:
-        if self.val_period < 1:
-            raise ValueError(f"val_period must be >= 1, got {self.val_period}")
-        if self.val_global_batch_size < 1:
-            raise ValueError(f"val_global_batch_size must be >= 1, got {self.val_global_batch_size}")
-
-
-@dataclass
 class DPOConfig:
     """`posttrain dpo` configuration."""
 
-    dpo: DPOLoopConfig = field(default_factory=DPOLoopConfig, metadata={"help": "the DPO loop"})
+    dpo: PairLoopConfig = field(default_factory=PairLoopConfig, metadata={"help": "the DPO loop"})
     loss: DPOLossConfig = field(default_factory=DPOLossConfig, metadata={"help": "DPO loss (beta, SFT term)"})
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
     data: DataConfig = field(
@@ -167,16 +150,6 @@ def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
-def maybe_checkpoint(run: DPORun, val_loss: float | None, force: bool = False) -> None:
-    cfg = run.cfg.checkpointing
-    if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
-        return
-    info = {"step": run.step, "epoch": run.train_loader.epoch}
-    if val_loss is not None:
-        info["val_loss"] = val_loss
-    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
-
-
 def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
     last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
@@ -197,7 +170,7 @@ def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:
                 val_metrics = validate(run)
                 val_loss = val_metrics["loss"]
                 run.logger.log_metrics(val_metrics, run.step, prefix="val")
-            maybe_checkpoint(run, val_loss, force=at_end and run.step == run.total_steps)
+            checkpoint_if_due(run, val_loss, force=at_end and run.step == run.total_steps)
             shown = {"loss": metrics["loss"], "acc": metrics["accuracy"]}
             progress.advance(run.step, shown | ({"val_acc": val_metrics["accuracy"]} if val_loss is not None else {}))
     if run.step == run.total_steps and run.cfg.dpo.export_final_model:

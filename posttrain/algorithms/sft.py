@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms.common import (
+    checkpoint_if_due,
     load_run_config,
     mean_over_global_batches,
     prepare_run_dir,
     resolve_model_dir,
     restore_run,
-    save_run_checkpoint,
 )
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
@@ -152,16 +152,6 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
-def maybe_checkpoint(run: SFTRun, val_loss: float | None, force: bool = False) -> None:
-    cfg = run.cfg.checkpointing
-    if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
-        return
-    info = {"step": run.step, "epoch": run.train_loader.epoch}
-    if val_loss is not None:
-        info["val_loss"] = val_loss
-    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
-
-
 def sft_train(run: SFTRun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
     last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
@@ -182,7 +172,7 @@ def sft_train(run: SFTRun, num_steps: int | None = None) -> dict[str, float]:
                 val_metrics = validate(run)
                 val_loss = val_metrics["loss"]
                 run.logger.log_metrics(val_metrics, run.step, prefix="val")
-            maybe_checkpoint(run, val_loss, force=at_end and run.step == run.total_steps)
+            checkpoint_if_due(run, val_loss, force=at_end and run.step == run.total_steps)
             progress.advance(run.step, {"loss": metrics["loss"], **({"val_loss": val_loss} if val_loss else {})})
     if run.step == run.total_steps and run.cfg.sft.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
