@@ -23,7 +23,7 @@ class ClusterConfig:
     address: str | None = field(default=None, metadata={"help": "Ray address to join (auto, ray://...); None: RAY_ADDRESS or a local instance"})
     num_nodes: int = field(default=1, metadata={"help": "nodes the workers span"})
     workers_per_node: int = field(default=1, metadata={"help": "training workers per node (one per GPU, or per CPU bundle)"})
-    num_cpus_per_worker: float = field(default=1.0, metadata={"help": "CPUs in each worker bundle"})
+    num_cpus_per_worker: float | None = field(default=None, metadata={"help": "CPUs in each worker bundle (None: a local instance's cores shared by workers_per_node, at least 1; 1 on a running cluster)"})
     num_gpus_per_worker: float = field(default=0.0, metadata={"help": "GPUs in each worker bundle"})
     num_cpus: int | None = field(default=None, metadata={"help": "logical CPUs of a local Ray start (None: enough for the bundles)"})
     placement_strategy: str | None = field(default=None, metadata={"help": "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"})
@@ -41,6 +41,16 @@ class ClusterConfig:
             raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
 
 
+def cpus_per_worker(cfg: ClusterConfig) -> float:
+    """`cfg.num_cpus_per_worker`, or when unset: this machine's cores shared by the workers of a node on a
+    local instance (so a single-worker run computes on every core), 1 on a running cluster."""
+    if cfg.num_cpus_per_worker is not None:
+        return cfg.num_cpus_per_worker
+    if cfg.address or os.environ.get("RAY_ADDRESS"):
+        return 1.0
+    return float(max(1, (os.cpu_count() or 1) // cfg.workers_per_node))
+
+
 def init_ray(cfg: ClusterConfig) -> bool:
     """Join `cfg.address` / RAY_ADDRESS, or start a local instance; returns True if this call started Ray."""
     if ray.is_initialized():
@@ -49,7 +59,7 @@ def init_ray(cfg: ClusterConfig) -> bool:
     if address:
         ray.init(address=address, log_to_driver=True)
         return True
-    needed = cfg.num_nodes * cfg.workers_per_node * cfg.num_cpus_per_worker
+    needed = cfg.num_nodes * cfg.workers_per_node * cpus_per_worker(cfg)
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999) + 1)
     kwargs = {"num_cpus": num_cpus, "include_dashboard": cfg.include_dashboard}  # GPUs: Ray detects them
     if cfg.include_dashboard:
@@ -63,8 +73,9 @@ class RayVirtualCluster:
 
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
+        self.num_cpus_per_worker = cpus_per_worker(cfg)
         self.owns_ray = init_ray(cfg)
-        bundle = {"CPU": cfg.num_cpus_per_worker}
+        bundle = {"CPU": self.num_cpus_per_worker}
         if cfg.num_gpus_per_worker:
             bundle["GPU"] = cfg.num_gpus_per_worker
         self.bundles = [dict(bundle) for _ in range(self.world_size)]
@@ -83,7 +94,7 @@ class RayVirtualCluster:
     def _resource_message(self, strategy: str) -> str:
         total = ray.cluster_resources()
         available = ray.available_resources()
-        asked_cpus = self.cfg.num_cpus_per_worker * self.world_size
+        asked_cpus = self.num_cpus_per_worker * self.world_size
         asked_gpus = self.cfg.num_gpus_per_worker * self.world_size
         return (
             f"could not reserve {self.world_size} bundles of {self.bundles[0]} ({strategy}; {asked_cpus:g} CPUs, "

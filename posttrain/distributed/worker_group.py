@@ -110,16 +110,20 @@ class RayWorkerGroup:
         if self.sharding.size != self.world_size:
             raise ValueError(f"sharding has {self.sharding.size} ranks but the cluster {self.world_size} bundles")
         # Half a bundle by default, so a colocated generation group fits beside a training group.
-        num_cpus = cluster.cfg.num_cpus_per_worker / 2 if num_cpus_per_worker is None else num_cpus_per_worker
+        num_cpus = cluster.num_cpus_per_worker / 2 if num_cpus_per_worker is None else num_cpus_per_worker
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
         node_ips = cluster.bundle_node_ips()
         port = find_free_port(*cluster.cfg.master_port_range)
         remote_cls = ray.remote(_with_group_methods(worker_cls))
         suffix = uuid.uuid4().hex[:6]
         self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
+        # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
+        # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
+        threads = str(max(1, int(cluster.num_cpus_per_worker)))
         self.workers = []
         for rank in range(self.world_size):
             env = {
+                "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                 "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
                 "LOCAL_RANK": str(rank % cluster.cfg.workers_per_node),
                 "NODE_RANK": str(rank // cluster.cfg.workers_per_node),

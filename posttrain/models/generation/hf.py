@@ -118,16 +118,15 @@ class DecodeState:
 
 def update_decode_state(
     state: DecodeState,
+    rows: list[int],
     tokens: torch.Tensor,
     logprobs: torch.Tensor,
     stop_token_ids: set[int],
     stop_strings: list[list[str]],
     tokenizer: Any,
 ) -> None:
-    """Append this step's token to every unfinished sample and mark those that hit a stop."""
-    for i, (token, logprob) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-        if state.finished[i]:
-            continue
+    """Append this step's token of each decoded row (sample `rows[j]`) and mark those that hit a stop."""
+    for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
         state.generated_ids[i].append(token)
         state.generated_logprobs[i].append(logprob)
         hit_stop = token in stop_token_ids or (
@@ -135,6 +134,20 @@ def update_decode_state(
         )
         if hit_stop:
             state.finished[i] = state.stopped[i] = True
+
+
+def prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+    """The prompts' KV cache and last-position logits [B, V], computing each distinct prompt once: the
+    samples of a GRPO group share their prompt, so a group of n costs one prompt's prefill, not n."""
+    # torch.unique sorts the rows; `inverse` maps each sample back to its distinct prompt.
+    distinct, inverse = torch.unique(torch.cat([left_ids, attention_mask], dim=1), dim=0, return_inverse=True)
+    width = left_ids.shape[1]
+    distinct_ids, distinct_mask = distinct[:, :width], distinct[:, width:]
+    position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # [U, T]
+    out = model(input_ids=distinct_ids, attention_mask=distinct_mask, position_ids=position_ids,
+                use_cache=True, logits_to_keep=1)
+    out.past_key_values.reorder_cache(inverse.to(distinct.device))  # one cache row per sample, in order
+    return out.past_key_values, out.logits[inverse, -1, :]
 
 
 @torch.inference_mode()
@@ -148,25 +161,32 @@ def decode_batch(
     uniforms: torch.Tensor,
     stop_strings: list[list[str]],
 ) -> DecodeState:
-    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated."""
+    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
+    Finished samples leave the batch (and the cache), so a step costs only the samples still running."""
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
     state = DecodeState([[] for _ in range(num_samples)], [[] for _ in range(num_samples)],
                         [False] * num_samples, [False] * num_samples)
     attention_mask = attention_mask.to(device)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
-    out = model(input_ids=left_ids.to(device), attention_mask=attention_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1)
-    next_positions = position_ids[:, -1:] + 1  # [B, 1]
+    cache, logits = prefill(model, left_ids.to(device), attention_mask)
+    next_positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]
+    rows = list(range(num_samples))  # the samples of the decoded batch, in its row order
     for step in range(cfg.max_new_tokens):
-        tokens, logprobs = choose_tokens(out.logits[:, -1, :], cfg, greedy, uniforms[:, step].to(device))
-        update_decode_state(state, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer)
-        if all(state.finished) or step == cfg.max_new_tokens - 1:
+        tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device))
+        update_decode_state(state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer)
+        running = [j for j, i in enumerate(rows) if not state.finished[i]]
+        if not running or step == cfg.max_new_tokens - 1:
             break
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(num_samples, 1)], dim=1)
+        if len(running) < len(rows):
+            keep = torch.tensor(running, device=device)
+            cache.reorder_cache(keep)
+            tokens, attention_mask, next_positions = tokens[keep], attention_mask[keep], next_positions[keep]
+            rows = [rows[j] for j in running]
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
         out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_positions,
-                    past_key_values=out.past_key_values, use_cache=True)
+                    past_key_values=cache, use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_positions = next_positions + 1
     return state
 

@@ -120,7 +120,7 @@ class RayGeneration(GenerationInterface):
             self.cluster, self.worker_cls, name_prefix=f"{cfg.backend}_generation",
             init_kwargs={"cfg": cfg, "model_name": str(model_name),
                          "tokenizer_name": None if tokenizer_name is None else str(tokenizer_name)},
-            num_cpus_per_worker=self.cluster.cfg.num_cpus_per_worker if whole_bundle else None,
+            num_cpus_per_worker=self.cluster.num_cpus_per_worker if whole_bundle else None,
             num_gpus_per_worker=self.cluster.cfg.num_gpus_per_worker if whole_bundle else None,
         )
 

@@ -1,0 +1,51 @@
+"""The HF decoding loop's shortcuts change no sample: a group's shared prompt is prefilled once, and
+finished samples leave the batch, yet every sample gets the tokens and logprobs it gets decoded alone."""
+
+import pytest
+import torch
+
+from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
+from posttrain.models.generation import hf
+from posttrain.models.generation.config import GenerationConfig
+
+MAX_NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tmp_path_factory):
+    spec = ModelFromConfig(architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, seed=3)
+    model_dir = build_model_dir(spec, tmp_path_factory.mktemp("decode_model"))
+    return load_model(str(model_dir)).eval(), load_tokenizer(str(model_dir))
+
+
+def decode(model, tokenizer, prompts: list[str], sample_indices: list[int], cfg: GenerationConfig):
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    lengths = torch.tensor([len(i) for i in ids])
+    padded = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
+    for row, sequence in enumerate(ids):
+        padded[row, : len(sequence)] = torch.tensor(sequence)
+    left_ids, mask = hf.right_to_left_padded(padded, lengths, tokenizer.pad_token_id)
+    uniforms = hf.per_sample_uniforms(7, sample_indices, cfg.max_new_tokens)
+    return hf.decode_batch(model, tokenizer, left_ids, mask, cfg, False, uniforms, [[]] * len(prompts))
+
+
+def test_groups_and_early_stops_decode_like_single_samples(model_and_tokenizer):
+    """4 prompts x 3 samples (one prefill per prompt), a stop token that ends some samples early: each
+    sample's tokens equal decoding it alone with the same uniforms, logprobs within 1e-5."""
+    model, tokenizer = model_and_tokenizer
+    prompts = [p for p in ["12+34=", "7+8=", "99+1=", "5+55="] for _ in range(3)]
+    probe = decode(model, tokenizer, prompts, list(range(12)), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS,
+                                                                                 stop_token_ids=[]))
+    # A token that some samples draw early: with it as the stop token, those samples finish first.
+    stop = probe.generated_ids[0][2]
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[stop])
+    batched = decode(model, tokenizer, prompts, list(range(12)), cfg)
+    lengths = [len(ids) for ids in batched.generated_ids]
+    assert min(lengths) < MAX_NEW_TOKENS == max(lengths), "the test needs samples that stop early and late"
+    for i, prompt in enumerate(prompts):
+        alone = decode(model, tokenizer, [prompt], [i], cfg)
+        assert batched.generated_ids[i] == alone.generated_ids[0]
+        assert batched.stopped[i] == alone.stopped[0]
+        torch.testing.assert_close(torch.tensor(batched.generated_logprobs[i]),
+                                   torch.tensor(alone.generated_logprobs[0]), atol=1e-5, rtol=0)
