@@ -1,29 +1,33 @@
-"""GRPO step benchmark (issue #6): the time of every stage of a posttrain GRPO step, and the same work done
-by TRL's `GRPOTrainer` (run in its own environment, `.venv-trl`: TRL is not a dependency), side by side.
+"""GRPO step benchmark: the time of every stage of a posttrain GRPO step, and the same work done by TRL's
+`GRPOTrainer` (run in its own environment, `.venv-trl`: TRL is not a dependency), side by side, each as
+its users run it: posttrain at its defaults, TRL at its defaults (torch's own thread count), except that
+TRL runs in fp32 on a CPU (its bf16 default runs 2x slower there) and both share the same work.
 
-Model: Qwen2 architecture, hidden 256, 4 layers, 8 heads, 4 KV heads, MLP 768, the byte-level BPE
-tokenizer (300 tokens): 3.23M parameters, seeded, fp32. Work per step: 2 prompts x 8 generations of up to
-64 new tokens (temperature 1, no top-k / top-p), exact-match rewards on 2-digit additions, one AdamW step
-over the 16 samples (lr 1e-5, weight decay 0.01, grad-norm clip 1), clipped policy-gradient loss, no KL.
-
-An untrained model never answers exactly, so every reward and advantage is 0: the work is the same as
-in a real run (the loss is still computed and back-propagated), and the weight decay changes every weight
-each step, so posttrain's refit ships the whole model as it would after a real update.
+Workloads (`--model`):
+- `tiny`: Qwen2 architecture, hidden 256, 4 layers, 8 heads, 4 KV heads, MLP 768, the byte-level BPE
+  tokenizer (300 tokens): 3.23M parameters, seeded, fp32. 2 prompts x 8 generations of up to 64 new
+  tokens, exact-match rewards on 2-digit additions.
+- `smollm2`: SmolLM2-135M-Instruct (the directory `make real-model` writes, or `--model-dir`), its own
+  49k-token tokenizer and ChatML template; 8 prompts x 4 generations of up to 32 new tokens ("What is
+  51 - 29? Reply with the number only."), math-verify rewards, stop at `<|im_end|>`.
+- `0.5b`: a seeded Qwen2 of 477M parameters (hidden 896, 32 layers, 14 heads, 2 KV heads, MLP 4864, the
+  byte tokenizer), 8 prompts x 8 generations of up to 128 new tokens: generation dominates (for GPUs).
+Every step: temperature 1 (no top-k / top-p), one AdamW step over all samples (weight decay 0.01, grad-
+norm clip 1), clipped policy-gradient loss, no KL. Rewards of an untrained model are mostly 0: the loss
+is still computed and back-propagated, and weight decay changes every weight, so refit ships the model.
 
 posttrain's stages come from the step's own Timer (`grpo.grpo_step`): generation (rollouts less the
 environments' time), rewards (environment actors), advantages (and building the training batch),
 logprobs (the trainer's recomputation of the sampling policy's logprobs, only when a step trains
-several global batches: not here), training, refit (weights to the generation workers). TRL's come from
-its own profiling contexts (`transformers.generate`, `_calculate_rewards`, `_prepare_inputs`) and step
-callbacks; TRL skips the logprob recomputation when generation and optimisation are aligned (as here)
-and has no refit (one model does both).
+several global batches or on stale data), training, refit (weights to the generation workers), other
+(memory moves on GPUs, waiting). TRL's come from its profiling contexts (`transformers.generate`,
+`_calculate_rewards`, `_prepare_inputs`) and step callbacks; TRL has no refit (one model does both).
+Idle time of a worker group: the part of the step it does not compute (trainer: step - training -
+logprobs; generation: step - generation), as the fraction of the step.
 
-On CPU both sides run with the same number of torch threads per process (`--threads`, default 1: Ray
-gives each posttrain worker one thread per CPU it holds). More threads than free cores make OpenMP's
-spinning thread pools fight each other (posttrain's colocated workers, or TRL on a loaded machine).
-
-Run:  make bench    or    .venv/bin/python benchmarks/grpo_step.py [--device cuda] [--runs 3] [--skip-trl]
-Writes benchmarks/results/grpo_step.json: medians over the timed steps of every run (warm-up steps
+Run:  make bench    or    .venv/bin/python benchmarks/grpo_step.py [--model tiny|smollm2|0.5b]
+      [--device cuda] [--runs 3] [--skip-trl] [--threads N]
+Writes benchmarks/results/grpo_step[_MODEL].json: medians over the timed steps of every run (warm-up steps
 excluded); with --runs N the sides alternate, N runs each, so a change of machine load hits both.
 """
 
@@ -34,11 +38,13 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -50,50 +56,81 @@ from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
 from posttrain.utils.timer import Timer
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = ModelFromConfig(
-    architecture="qwen2", hidden_size=256, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
-    intermediate_size=768, max_position_embeddings=512, tokenizer="byte", seed=0,
-)
-NUM_PROMPTS, NUM_GENERATIONS, MAX_NEW_TOKENS = 2, 8, 64
-OPTIMIZER = {"lr": 1.0e-5, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1.0e-8}
 STAGES = ("generation", "rewards", "advantages", "logprobs", "training", "refit", "other")
 
 
+@dataclass
+class Workload:
+    """One model and the work of one GRPO step on it."""
+
+    name: str
+    num_prompts: int
+    num_generations: int
+    max_new_tokens: int
+    env: str  # posttrain environment: exact_match (answers compared as text) or math (math-verify)
+    model: ModelFromConfig | None = None  # built from config; None: a model directory (--model-dir)
+    optimizer: dict = field(default_factory=lambda: {"lr": 1.0e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
+                                                      "eps": 1.0e-8})
+
+
+WORKLOADS = {
+    "tiny": Workload("tiny", 2, 8, 64, "exact_match", ModelFromConfig(
+        architecture="qwen2", hidden_size=256, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        intermediate_size=768, max_position_embeddings=512, tokenizer="byte", seed=0)),
+    "smollm2": Workload("smollm2", 8, 4, 32, "math"),
+    "0.5b": Workload("0.5b", 8, 8, 128, "exact_match", ModelFromConfig(
+        architecture="qwen2", hidden_size=896, num_layers=32, num_attention_heads=14, num_key_value_heads=2,
+        intermediate_size=4864, max_position_embeddings=1024, tokenizer="byte", seed=0)),
+}
+
+
 # ---------------------------------------------------------------------------------------------- inputs
-def write_prompts(path: Path, num_prompts: int) -> None:
-    """2-digit additions (`07+85=` -> `092`) as rl rows, the same file for both frameworks, used in order."""
-    rows, _ = builtin_rows("arithmetic", num_prompts, 0, seed=0)
+def write_prompts(path: Path, workload: Workload, num_prompts: int) -> None:
+    """rl rows, the same file for both frameworks, used in order: 2-digit additions (`07+85=` -> `092`)
+    for the built models, questions in words for the chat model."""
+    if workload.name == "smollm2":
+        rng = random.Random(0)
+        rows = []
+        for _ in range(num_prompts):
+            a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
+            rows.append({"prompt": f"What is {a} {op} {b}? Reply with the number only.",
+                         "answer": str(a + b if op == "+" else a - b)})
+    else:
+        rows, _ = builtin_rows("arithmetic", num_prompts, 0, seed=0)
     with open(path, "w") as f:
         for row in rows:
             f.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"], "task_name": "arithmetic"}) + "\n")
 
 
-def posttrain_config(model_dir: Path, data_file: Path, log_dir: Path, device: str, threads: int) -> grpo.GRPOConfig:
-    batch = NUM_PROMPTS * NUM_GENERATIONS
-    # The policy worker and the colocated generation worker each take half of the bundle's CPUs, and Ray
-    # gives an actor of N CPUs N torch threads (OMP_NUM_THREADS).
-    cluster = {"workers_per_node": 1, "num_cpus_per_worker": 2.0 * threads}
+def posttrain_config(workload: Workload, model_dir: Path, data_file: Path, log_dir: Path, device: str,
+                     threads: int | None) -> grpo.GRPOConfig:
+    batch = workload.num_prompts * workload.num_generations
+    cluster: dict = {"workers_per_node": 1}  # posttrain's default bundle: the machine's cores
+    if threads is not None:  # the policy and the colocated generation worker each compute with the bundle's
+        cluster["num_cpus_per_worker"] = float(threads)
     if device == "cuda":  # the policy and the colocated generation worker each take half of the GPU bundle
         cluster["num_gpus_per_worker"] = 1.0
     tree = {
         "grpo": {
-            "num_prompts_per_step": NUM_PROMPTS, "num_generations_per_prompt": NUM_GENERATIONS,
-            "max_num_steps": 1000, "max_seq_len": 128, "val_period": 0, "val_at_start": False, "seed": 0,
+            "num_prompts_per_step": workload.num_prompts, "num_generations_per_prompt": workload.num_generations,
+            "max_num_steps": 1000, "max_seq_len": 512, "val_period": 0, "val_at_start": False, "seed": 0,
         },
         "loss": {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "reference_policy_kl_penalty": 0.0},
         "policy": {
             "model_name": str(model_dir), "train_global_batch_size": batch, "train_micro_batch_size": batch,
             "logprob_batch_size": batch, "max_grad_norm": 1.0,
-            "optimizer": {"name": "AdamW", "kwargs": OPTIMIZER},
+            "optimizer": {"name": "AdamW", "kwargs": workload.optimizer},
         },
-        "generation": {"backend": "hf", "max_new_tokens": MAX_NEW_TOKENS, "temperature": 1.0, "top_p": 1.0,
-                       "top_k": None, "colocated": True},
-        "data": {"dataset": str(data_file), "format": "rl", "shuffle": False, "val_fraction": 0.0, "max_length": 64},
-        "env": {"arithmetic": {"cls": "exact_match", "num_workers": 1}},
+        "generation": {"backend": "hf", "max_new_tokens": workload.max_new_tokens, "temperature": 1.0,
+                       "top_p": 1.0, "top_k": None, "colocated": True},
+        "data": {"dataset": str(data_file), "format": "rl", "shuffle": False, "val_fraction": 0.0, "max_length": 256},
+        "env": {"arithmetic": {"cls": workload.env, "num_workers": 1}},
         "cluster": cluster,
         "logger": {"log_dir": str(log_dir), "tensorboard_enabled": False},
         "checkpointing": {"enabled": False},
     }
+    if device == "cuda":  # the fastest sensible setting on a GPU, as TRL's bf16 default
+        tree["policy"]["precision"] = tree["generation"]["precision"] = "bfloat16"
     return validate_config(grpo.GRPOConfig, tree)
 
 
@@ -107,10 +144,11 @@ def posttrain_stage_times(timer: Timer, step_time: float) -> dict[str, float]:
     return stages
 
 
-def run_posttrain(args: argparse.Namespace, model_dir: Path, data_file: Path, work_dir: Path) -> list[dict]:
+def run_posttrain(args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path,
+                  work_dir: Path) -> tuple[list[dict], dict]:
     """posttrain GRPO steps through the public API (`grpo.setup`, `grpo.grpo_step`); the timed steps."""
     log_dir = Path(tempfile.mkdtemp(prefix="posttrain_run_", dir=work_dir))
-    cfg = posttrain_config(model_dir, data_file, log_dir, args.device, args.threads)
+    cfg = posttrain_config(workload, model_dir, data_file, log_dir, args.device, args.threads)
     run = grpo.setup(cfg)
     steps = []
     try:
@@ -123,22 +161,24 @@ def run_posttrain(args: argparse.Namespace, model_dir: Path, data_file: Path, wo
             mean_length = metrics["rollout/mean_generated_length"]
             steps.append({"step": step_time, "stages": posttrain_stage_times(timer, step_time),
                           "mean_response_length": mean_length,
-                          "generated_tokens": mean_length * NUM_PROMPTS * NUM_GENERATIONS,
+                          "generated_tokens": mean_length * workload.num_prompts * workload.num_generations,
                           "reward_mean": metrics["reward_mean"]})
+        threads = run.policy.describe()[0]["num_threads"]
     finally:
         run.shutdown()
-    return steps[args.warmup:]
+    return steps[args.warmup:], {"torch_threads": threads}
 
 
 # ------------------------------------------------------------------------------------------------- TRL
-def run_trl(args: argparse.Namespace, model_dir: Path, data_file: Path, work_dir: Path) -> tuple[list[dict], dict]:
+def run_trl(args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path,
+            work_dir: Path) -> tuple[list[dict], dict]:
     """`.venv-trl/bin/python benchmarks/trl_grpo.py JOB.json OUT.json`: the timed steps and the versions."""
     job = {
         "model_dir": str(model_dir), "data_file": str(data_file), "output_dir": str(work_dir / "trl_run"),
-        "device": args.device, "num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS,
-        "max_completion_length": MAX_NEW_TOKENS, "temperature": 1.0, "optimizer": OPTIMIZER,
+        "device": args.device, "num_prompts": workload.num_prompts, "num_generations": workload.num_generations,
+        "max_completion_length": workload.max_new_tokens, "temperature": 1.0, "optimizer": workload.optimizer,
         "max_grad_norm": 1.0, "epsilon": 0.2, "warmup": args.warmup, "steps": args.steps, "seed": 0,
-        "torch_threads": args.threads,
+        "torch_threads": args.threads, "numeric_answers": workload.env == "math",
     }
     job_file, out_file = work_dir / "trl_job.json", work_dir / "trl_result.json"
     job_file.write_text(json.dumps(job))
@@ -149,6 +189,13 @@ def run_trl(args: argparse.Namespace, model_dir: Path, data_file: Path, work_dir
 
 
 # --------------------------------------------------------------------------------------------- report
+def idle_fractions(step: dict) -> dict[str, float]:
+    """The share of the step each worker group does not compute (trainer, generation)."""
+    stages = step["stages"]
+    busy = {"trainer": stages["training"] + stages["logprobs"], "generation": stages["generation"]}
+    return {group: max(0.0, 1.0 - seconds / step["step"]) for group, seconds in busy.items()}
+
+
 def summarize(runs: list[list[dict]]) -> dict:
     """Medians over the timed steps of every run; tokens/s = generated tokens / generation seconds."""
     median = statistics.median
@@ -159,6 +206,8 @@ def summarize(runs: list[list[dict]]) -> dict:
         "step_time_median_s": median(s["step"] for s in steps),
         "step_time_median_s_per_run": [median(s["step"] for s in run) for run in runs],
         "stage_time_median_s": {name: median(s["stages"][name] for s in steps) for name in STAGES},
+        "idle_fraction_median": {group: median(idle_fractions(s)[group] for s in steps)
+                                 for group in ("trainer", "generation")},
         "mean_response_length": statistics.fmean(s["mean_response_length"] for s in steps),
         "generated_tokens_per_s": median(s["generated_tokens"] / s["stages"]["generation"] for s in steps),
         "steps": steps,
@@ -171,15 +220,19 @@ def print_table(results: dict) -> None:
     for stage in STAGES:
         print(f"  {stage:<24}" + "".join(f"{results[s]['stage_time_median_s'][stage]:>12.3f}" for s in sides))
     print(f"{'step':<26}" + "".join(f"{results[s]['step_time_median_s']:>12.3f}" for s in sides))
+    for group in ("trainer", "generation"):
+        print(f"{group + ' idle (share)':<26}" + "".join(
+            f"{results[s]['idle_fraction_median'][group]:>12.2f}" for s in sides))
     print(f"{'generated tokens / s':<26}" + "".join(f"{results[s]['generated_tokens_per_s']:>12.0f}" for s in sides))
     print(f"{'mean response length':<26}" + "".join(f"{results[s]['mean_response_length']:>12.1f}" for s in sides))
+    print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>12}" for s in sides))
     for side in sides:
         per_run = ", ".join(f"{t:.3f}" for t in results[side]["step_time_median_s_per_run"])
         print(f"{side} step, median of each run: {per_run}")
     load = results["machine"]
     print(f"load average (1 min) at start / end: {load['load_average_start'][0]:.1f} / {load['load_average_end'][0]:.1f}")
-    if "ratio_trl_over_posttrain" in results:
-        print(f"\nTRL step time / posttrain step time = {results['ratio_trl_over_posttrain']:.2f}")
+    if "ratio_posttrain_over_trl" in results:
+        print(f"\nposttrain step time / TRL step time = {results['ratio_posttrain_over_trl']:.2f}")
 
 
 def cpu_model() -> str:
@@ -199,8 +252,20 @@ def machine_description(device: str) -> dict:
     return info
 
 
-def main(argv: list[str] | None = None) -> int:
+def prepare_model(args: argparse.Namespace, workload: Workload, work_dir: Path) -> Path:
+    if workload.model is not None:
+        return build_model_dir(workload.model, work_dir / "model")
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").exists():
+        raise SystemExit(f"--model smollm2: no model in {model_dir}; run `make real-model` (or pass --model-dir)")
+    return model_dir
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(WORKLOADS), default="tiny", help="workload (see above)")
+    parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"),
+                        help="--model smollm2: the model directory")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both frameworks run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (each side)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (each side)")
@@ -208,44 +273,56 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-trl", action="store_true", help="time posttrain only")
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
                         help="python of the TRL environment (make install-trl)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads of each posttrain worker and of the TRL process")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "grpo_step.json"), help="JSON result")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="pin torch threads (posttrain: CPUs per bundle; TRL: torch.set_num_threads); "
+                             "default: each framework's own default")
+    parser.add_argument("--out", default=None, help="JSON result (default benchmarks/results/grpo_step[_MODEL].json)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    suffix = "" if args.model == "tiny" else f"_{args.model}"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / f"grpo_step{suffix}.json")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    workload = WORKLOADS[args.model]
     with tempfile.TemporaryDirectory(prefix="grpo_step_bench_") as tmp:
         work_dir = Path(tmp)
-        model_dir = build_model_dir(MODEL, work_dir / "model")
-        num_params = sum(p.numel() for p in load_model(model_dir).parameters())
+        model_dir = prepare_model(args, workload, work_dir)
+        model = load_model(str(model_dir))
+        num_params = sum(p.numel() for p in model.parameters())
+        config = model.config
+        del model
         data_file = work_dir / "prompts.jsonl"
-        write_prompts(data_file, NUM_PROMPTS * (args.warmup + args.steps))  # each run uses them in order
+        write_prompts(data_file, workload, workload.num_prompts * (args.warmup + args.steps))  # used in order
         results: dict = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine_description(args.device),
-            "model": {"architecture": MODEL.architecture, "num_parameters": num_params, "hidden_size": MODEL.hidden_size,
-                      "num_layers": MODEL.num_layers, "num_attention_heads": MODEL.num_attention_heads,
-                      "num_key_value_heads": MODEL.num_key_value_heads, "intermediate_size": MODEL.intermediate_size,
-                      "tokenizer": MODEL.tokenizer, "vocab_size": 300},
-            "work": {"num_prompts": NUM_PROMPTS, "num_generations": NUM_GENERATIONS, "max_new_tokens": MAX_NEW_TOKENS,
-                     "temperature": 1.0, "reward": "exact match", "optimizer": {"name": "AdamW", **OPTIMIZER},
-                     "kl": 0.0},
+            "model": {"workload": workload.name, "architecture": config.model_type, "num_parameters": num_params,
+                      "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
+                      "num_attention_heads": config.num_attention_heads,
+                      "num_key_value_heads": config.num_key_value_heads,
+                      "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size},
+            "work": {"num_prompts": workload.num_prompts, "num_generations": workload.num_generations,
+                     "max_new_tokens": workload.max_new_tokens, "temperature": 1.0, "reward": workload.env,
+                     "optimizer": {"name": "AdamW", **workload.optimizer}, "kl": 0.0},
         }
-        print(f"model: {num_params / 1e6:.2f}M parameters; {args.runs} run(s) of {args.warmup} warm-up + "
-              f"{args.steps} timed steps per side")
-        posttrain_runs, trl_runs, trl_info = [], [], {}
+        print(f"model: {workload.name}, {num_params / 1e6:.2f}M parameters; {args.runs} run(s) of {args.warmup} "
+              f"warm-up + {args.steps} timed steps per side")
+        posttrain_runs, trl_runs, posttrain_info, trl_info = [], [], {}, {}
         for _ in range(args.runs):  # alternate the sides, so that a change of machine load hits both
-            posttrain_runs.append(run_posttrain(args, model_dir, data_file, work_dir))
+            steps, posttrain_info = run_posttrain(args, workload, model_dir, data_file, work_dir)
+            posttrain_runs.append(steps)
             if not args.skip_trl:
-                steps, trl_info = run_trl(args, model_dir, data_file, work_dir)
+                steps, trl_info = run_trl(args, workload, model_dir, data_file, work_dir)
                 trl_runs.append(steps)
-        results["posttrain"] = {**summarize(posttrain_runs), "torch_threads": args.threads}
+        results["posttrain"] = {**summarize(posttrain_runs), **posttrain_info}
         if trl_runs:
             results["trl"] = {**summarize(trl_runs), **trl_info}
-            results["ratio_trl_over_posttrain"] = (
-                results["trl"]["step_time_median_s"] / results["posttrain"]["step_time_median_s"]
+            results["ratio_posttrain_over_trl"] = (
+                results["posttrain"]["step_time_median_s"] / results["trl"]["step_time_median_s"]
             )
         results["machine"]["load_average_end"] = os.getloadavg()
     print_table(results)

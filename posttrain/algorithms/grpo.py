@@ -153,6 +153,7 @@ class GRPORun:
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
     weights_stale: bool = False  # the policy has trained since the generation workers' last refit
+    offload_policy: bool | None = None  # colocated_offload "auto", once decided (see offload_needed)
 
     def shutdown(self) -> None:
         self.logger.finish()
@@ -274,21 +275,36 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tens
     return adv.group_relative_advantages(rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards)
 
 
+def offload_needed(run: GRPORun) -> bool:
+    """Colocated on GPUs, does the policy's training state leave the device while the generation workers
+    hold it? `generation.colocated_offload`: True / False, or "auto": only when 4 x the policy's parameter
+    bytes (weights, gradients, two Adam moments) plus the generation weights exceed half of the device
+    (the other half is left for activations and the KV cache). Decided once per run."""
+    setting = run.cfg.generation.colocated_offload
+    if setting != "auto":
+        return bool(setting)
+    if run.offload_policy is None:
+        footprint = max(run.policy.memory_footprint(), key=lambda rank: rank["param_bytes"])
+        generation_bytes = footprint["param_bytes"] * (0.5 if run.cfg.generation.precision == "bfloat16" else 1.0)
+        need = 4 * footprint["param_bytes"] + generation_bytes
+        run.offload_policy = need > 0.5 * footprint["device_total_bytes"]
+    return run.offload_policy
+
+
 @contextmanager
 def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     """The generation workers hold the accelerator: when the policy has trained since their last refit its
     new weights are gathered (while still on the device); colocated, the policy's training state leaves
     the device; the generation workers wake up and take the weights (refit). Afterwards they release the
-    device and the policy comes back. On CPUs only the refit does any work (the moves are skipped)."""
+    device and the policy comes back. On CPUs, apart on GPUs, or when both fit (`offload_needed`), only the
+    refit does any work."""
     weights = None
     if run.weights_stale:
         with timer.time("refit"):
             weights = run.policy.get_weights_ref()  # only the tensors changed since the last refit
-    move_memory = run.cfg.cluster.num_gpus_per_worker > 0
-    offload_policy = move_memory and run.cfg.generation.colocated and run.cfg.generation.colocated_offload
-    if offload_policy:
-        run.policy.offload()
+    move_memory = run.cfg.cluster.num_gpus_per_worker > 0 and run.cfg.generation.colocated and offload_needed(run)
     if move_memory:
+        run.policy.offload()
         run.generation.prepare_for_generation()
     if weights is not None:
         with timer.time("refit"):
@@ -299,7 +315,6 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     finally:
         if move_memory:
             run.generation.finish_generation()
-        if offload_policy:
             run.policy.onload()
 
 

@@ -10,8 +10,10 @@ from typing import Literal
 class GenerationConfig:
     """How rollouts are sampled and where the generation workers run."""
 
-    backend: Literal["hf", "vllm"] = field(
-        default="hf", metadata={"help": "hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra)."}
+    backend: Literal["auto", "hf", "vllm"] = field(
+        default="auto",
+        metadata={"help": "hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra); auto: vllm when it is "
+                          "importable and the workers have GPUs, else hf."},
     )
     max_new_tokens: int = field(default=64, metadata={"help": "Most tokens generated per sample."})
     temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0); logprobs use it too."})
@@ -29,10 +31,12 @@ class GenerationConfig:
     colocated: bool = field(
         default=True, metadata={"help": "Share the policy's bundles (True) or run on a cluster of its own (False)."}
     )
-    colocated_offload: bool = field(
-        default=True,
+    colocated_offload: bool | Literal["auto"] = field(
+        default="auto",
         metadata={"help": "Colocated on GPUs: the policy's weights and optimizer state leave the GPU while "
-                          "generating (False: both stay, when they fit together)."},
+                          "generating (True), never (False), or only when policy and generation would not fit "
+                          "together (auto: 4 x the policy's parameter bytes + the generation weights over half "
+                          "of the GPU)."},
     )
     num_cpus_per_worker: float = field(
         default=0.5, metadata={"help": "Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."}
@@ -55,8 +59,8 @@ class GenerationConfig:
 
 def validate_generation_config(cfg: GenerationConfig) -> None:
     """Raise ValueError naming the first impossible setting of the `generation` section."""
-    if cfg.backend not in ("hf", "vllm"):
-        raise ValueError(f"generation.backend: expected 'hf' or 'vllm', got {cfg.backend!r}")
+    if cfg.backend not in ("auto", "hf", "vllm"):
+        raise ValueError(f"generation.backend: expected 'auto', 'hf' or 'vllm', got {cfg.backend!r}")
     if cfg.precision not in ("float32", "bfloat16"):
         raise ValueError(f"generation.precision: expected 'float32' or 'bfloat16', got {cfg.precision!r}")
     if cfg.max_new_tokens < 1:

@@ -317,3 +317,4 @@ class HFGeneration(RayGeneration):
     """Driver-side handle: data-parallel Hugging Face generation over `cfg.num_workers` Ray actors."""
 
     worker_cls = HFGenerationWorker
+    backend_name = "hf"

@@ -103,6 +103,7 @@ class RayGeneration(GenerationInterface):
     """
 
     worker_cls: type = object
+    backend_name: str = "generation"
 
     def __init__(self, cluster: Any, cfg: Any, model_name: str, tokenizer_name: str | None = None) -> None:
         from posttrain.distributed import RayWorkerGroup
@@ -117,7 +118,7 @@ class RayGeneration(GenerationInterface):
         # Colocated: None lets the group take half of each policy bundle; separate: the whole bundle.
         whole_bundle = self.owned_cluster
         self.worker_group = RayWorkerGroup(
-            self.cluster, self.worker_cls, name_prefix=f"{cfg.backend}_generation",
+            self.cluster, self.worker_cls, name_prefix=f"{self.backend_name}_generation",
             init_kwargs={"cfg": cfg, "model_name": str(model_name),
                          "tokenizer_name": None if tokenizer_name is None else str(tokenizer_name)},
             num_cpus_per_worker=self.cluster.num_cpus_per_worker if whole_bundle else None,

@@ -180,6 +180,7 @@ class VllmGeneration(RayGeneration):
     """Driver-side handle: data-parallel vLLM generation over `cfg.num_workers` Ray actors."""
 
     worker_cls = VllmGenerationWorker
+    backend_name = "vllm"
 
     def __init__(self, cluster: Any, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
                  ) -> None:

@@ -134,6 +134,10 @@ class Policy:
         """Bring weights and optimizer state back before training."""
         self.worker_group.run_all("onload")
 
+    def memory_footprint(self) -> list[dict[str, int]]:
+        """Per rank: bytes of its parameter shards and its accelerator's total memory (0 on CPU)."""
+        return self.worker_group.run_all("memory_footprint")
+
     def describe(self) -> list[dict[str, Any]]:
         """Per rank: device, process-group backend (gloo/nccl), world size and CPU threads."""
         return self.worker_group.run_all("describe")

@@ -51,6 +51,14 @@ def compute_token_logprobs(
     return torch.nn.functional.pad(next_logprobs, (1, 0), value=0.0)  # [B, T]
 
 
+def first_trained_position(token_mask: torch.Tensor | None) -> int:
+    """The first position any row trains on (>= 1), or 1 without a token_mask: logprobs before it are
+    left 0, since no loss reads them."""
+    if token_mask is None or not bool(token_mask.any()):
+        return 1
+    return max(1, int(token_mask.any(dim=0).nonzero()[0]))
+
+
 def length_mask(input_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
     """1 where position < length: [B] lengths -> [B, seq_len] long mask."""
     positions = torch.arange(seq_len, device=input_lengths.device)  # [T]
@@ -252,6 +260,9 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None)
     return total_norm
 
 
+FUSED_OPTIMIZERS = ("Adam", "AdamW")
+
+
 def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Optimizer:
     """Any torch.optim class by name, over the trainable parameters."""
     optimizer_cls = getattr(torch.optim, cfg.optimizer.name, None)
@@ -260,6 +271,8 @@ def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Op
     kwargs = dict(cfg.optimizer.kwargs)
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
+    if cfg.optimizer.name in FUSED_OPTIMIZERS and not {"fused", "foreach"} & set(kwargs):
+        kwargs["fused"] = True  # one vectorised kernel per step (on a CPU too): the same update, ~4x faster
     return optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
 
@@ -397,8 +410,13 @@ class DTensorPolicyWorker:
             input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, pad_id))
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
             return logits.float().squeeze(-1)  # [b]
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, T_mb, V]
-        logprobs = compute_token_logprobs(logits, input_ids, self.cfg.logprob_temperature)  # [b, T_mb]
+        # Logits only from the position before the first trained token: a GRPO prompt's logits are never
+        # read, and at a real vocabulary they are most of the memory and a good share of the time.
+        num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            logits_to_keep=num_kept).logits  # [b, K, V]
+        logprobs = compute_token_logprobs(logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature)  # [b, K]
+        logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
         return logprobs * attention_mask
 
     def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
@@ -632,6 +650,14 @@ class DTensorPolicyWorker:
         """Bring weights and optimizer state back to the worker's device."""
         if self.device.type != "cpu" and not self.cfg.cpu_offload:
             self._move_training_state(self.device)
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes of this rank's parameter shards, and the accelerator's total memory (0 on CPU)."""
+        param_bytes = sum(
+            (p.to_local() if isinstance(p, DTensor) else p).nbytes for p in self.model.parameters()
+        )
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
 
     def describe(self) -> dict[str, Any]:
         """Where this rank runs: device, process-group backend, world size, CPU threads, and the
