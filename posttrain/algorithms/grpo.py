@@ -301,7 +301,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     weights = None
     if run.weights_stale:
         with timer.time("refit"):
-            weights = run.policy.get_weights_ref()  # only the tensors changed since the last refit
+            weights = run.policy.get_weights_ref(dtype=run.cfg.generation.precision)  # in the receiver's dtype
     move_memory = run.cfg.cluster.num_gpus_per_worker > 0 and run.cfg.generation.colocated and offload_needed(run)
     if move_memory:
         run.policy.offload()

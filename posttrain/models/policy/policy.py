@@ -121,9 +121,10 @@ class Policy:
         """Write a Hugging Face directory (safetensors, config, tokenizer) with the current weights."""
         self.worker_group.run_all("export_hf", out_dir=str(out_dir))
 
-    def get_weights_ref(self, only_changed: bool = True) -> ray.ObjectRef:
-        """ObjectRef of rank 0's dict name -> full CPU tensor (only tensors changed since the last call)."""
-        refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed)
+    def get_weights_ref(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
+        """ObjectRef of rank 0's dict name -> full CPU tensor: {} when `only_changed` and no optimizer step
+        or checkpoint load happened since the last call; floating tensors cast to `dtype` when given."""
+        refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
         return refs[0]
 
     def offload(self) -> None:

@@ -326,7 +326,8 @@ class DTensorPolicyWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg)
         self.tokenizer = self._load_tokenizer()
         self.reference_weights: dict[str, torch.Tensor] | None = None
-        self.last_sent_weights: dict[str, torch.Tensor] = {}
+        self.weights_version = 0  # optimizer steps and checkpoint loads so far (see get_weights)
+        self.sent_weights_version: int | None = None
         if init_reference_model:
             self.init_reference_model()
 
@@ -510,6 +511,7 @@ class DTensorPolicyWorker:
         grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.weights_version += 1
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm, float(lr)
@@ -608,6 +610,7 @@ class DTensorPolicyWorker:
         from posttrain.utils import native_checkpoint
 
         native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path)
+        self.weights_version += 1
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
@@ -615,23 +618,25 @@ class DTensorPolicyWorker:
 
         native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
 
-    def get_weights(self, only_changed: bool = True) -> dict[str, torch.Tensor]:
-        """Full (gathered) CPU weights on rank 0, only those changed since the last call when asked; {} elsewhere."""
+    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """Full (gathered) CPU weights on rank 0, {} elsewhere; with `only_changed`, {} when no optimizer
+        step or checkpoint load changed them since the last call (weights change only through those, so no
+        copy is kept to compare with). `dtype` ("bfloat16", "float32") casts floating tensors for the
+        receiver, halving what travels to a bf16 generation model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+        unchanged = only_changed and self.sent_weights_version == self.weights_version  # same on every rank
+        self.sent_weights_version = self.weights_version
+        if unchanged:
+            return {}
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full_weights = get_model_state_dict(self.model, options=options)
+        full_weights = get_model_state_dict(self.model, options=options)  # collective
         if self.rank != 0:
             return {}
-        changed = {
-            name: tensor
-            for name, tensor in full_weights.items()
-            if not only_changed
-            or name not in self.last_sent_weights
-            or not torch.equal(tensor, self.last_sent_weights[name])
-        }
-        self.last_sent_weights = {name: tensor.clone() for name, tensor in full_weights.items()}
-        return changed
+        if dtype is not None:
+            target = getattr(torch, dtype)
+            full_weights = {name: t.to(target) if t.is_floating_point() else t for name, t in full_weights.items()}
+        return full_weights
 
     def _move_training_state(self, device: torch.device) -> None:
         self.model.to(device)
