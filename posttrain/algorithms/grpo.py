@@ -275,19 +275,26 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tens
     return adv.group_relative_advantages(rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards)
 
 
+def policy_must_leave(param_bytes: int, device_total_bytes: int, generation_precision: str) -> bool:
+    """Would the policy's training state and the generation model crowd one accelerator? True when 4 x
+    the policy's parameter bytes (fp32 weights, gradients, two Adam moments) plus the generation weights
+    (the same parameters in its precision) exceed half the device; the other half is left for
+    activations and the KV cache."""
+    generation_bytes = param_bytes * (0.5 if generation_precision == "bfloat16" else 1.0)
+    return 4 * param_bytes + generation_bytes > 0.5 * device_total_bytes
+
+
 def offload_needed(run: GRPORun) -> bool:
     """Colocated on GPUs, does the policy's training state leave the device while the generation workers
-    hold it? `generation.colocated_offload`: True / False, or "auto": only when 4 x the policy's parameter
-    bytes (weights, gradients, two Adam moments) plus the generation weights exceed half of the device
-    (the other half is left for activations and the KV cache). Decided once per run."""
+    hold it? `generation.colocated_offload`: True / False, or "auto": `policy_must_leave` for the rank
+    with the largest shard, decided once per run."""
     setting = run.cfg.generation.colocated_offload
     if setting != "auto":
         return bool(setting)
     if run.offload_policy is None:
-        footprint = max(run.policy.memory_footprint(), key=lambda rank: rank["param_bytes"])
-        generation_bytes = footprint["param_bytes"] * (0.5 if run.cfg.generation.precision == "bfloat16" else 1.0)
-        need = 4 * footprint["param_bytes"] + generation_bytes
-        run.offload_policy = need > 0.5 * footprint["device_total_bytes"]
+        rank = max(run.policy.memory_footprint(), key=lambda footprint: footprint["param_bytes"])
+        run.offload_policy = policy_must_leave(rank["param_bytes"], rank["device_total_bytes"],
+                                               run.cfg.generation.precision)
     return run.offload_policy
 
 
