@@ -3,7 +3,9 @@
 1. Build a tiny Llama-architecture model (~1M parameters) with the built-in character tokenizer.
 2. SFT it on the built-in 2-digit addition task until greedy validation accuracy reaches
    `sft_target_accuracy` (checked every `sft_check_every` steps, at most `sft_max_steps`).
-3. GRPO from that model with exact-match rewards, validating every `grpo_val_period` steps.
+3. GRPO from that model with exact-match rewards, validating every `grpo_val_period` steps;
+   `grpo_async=true` runs it as asynchronous GRPO (generation on a worker of its own, overlapping
+   training, trajectories at most `grpo_max_trajectory_age` steps old, truncated IS correction).
 Writes a run directory with both runs (config, metrics.jsonl, TensorBoard, checkpoints, validation
 samples), `curves.png` (reward and accuracy over steps) and `summary.json` (validation accuracy of the
 untrained model, after SFT and after GRPO, and the wall time of each stage).
@@ -51,6 +53,8 @@ class DemoConfig:
     grpo_val_period: int = field(default=25, metadata={"help": "GRPO validation period"})
     num_prompts_per_step: int = field(default=32, metadata={"help": "GRPO prompts per step"})
     num_generations_per_prompt: int = field(default=8, metadata={"help": "GRPO samples per prompt"})
+    grpo_async: bool = field(default=False, metadata={"help": "asynchronous GRPO (generation overlaps training)"})
+    grpo_max_trajectory_age: int = field(default=1, metadata={"help": "async GRPO: most steps a trajectory is old"})
 
 
 def tiny_model() -> ModelFromConfig:
@@ -87,13 +91,17 @@ def grpo_config(cfg: DemoConfig, out: Path, model_dir: Path) -> grpo.GRPOConfig:
         logprob_batch_size=num_samples, optimizer=OptimizerConfig(kwargs={"lr": cfg.grpo_lr, "betas": [0.9, 0.98]}),
         seed=cfg.seed,
     )
+    # Async: generation on a worker of its own; stale data weighted by the truncated IS ratio.
+    async_grpo = grpo.AsyncGRPOConfig(enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age)
     return grpo.GRPOConfig(
         grpo=grpo.GRPOLoopConfig(
             num_prompts_per_step=cfg.num_prompts_per_step, num_generations_per_prompt=cfg.num_generations_per_prompt,
             max_num_steps=cfg.grpo_steps, max_seq_len=32, val_period=cfg.grpo_val_period, val_at_start=False,
-            max_val_samples=cfg.num_val, seed=cfg.seed,
+            max_val_samples=cfg.num_val, seed=cfg.seed, async_grpo=async_grpo,
         ),
-        loss=ClippedPGLossConfig(), policy=policy, generation=GenerationConfig(max_new_tokens=8, seed=cfg.seed),
+        loss=ClippedPGLossConfig(use_importance_sampling_correction=cfg.grpo_async,
+                                 truncated_importance_sampling_ratio=2.0 if cfg.grpo_async else None),
+        policy=policy, generation=GenerationConfig(max_new_tokens=8, seed=cfg.seed, colocated=not cfg.grpo_async),
         data=data_config(cfg, "rl"), env={"arithmetic": EnvironmentConfig(cls="exact_match")},
         cluster=ClusterConfig(), logger=LoggerConfig(log_dir=str(out / "grpo"), num_val_samples_to_print=4),
         checkpointing=CheckpointingConfig(save_period=50, keep_top_k=2),
@@ -145,7 +153,8 @@ def run_grpo_stage(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     final = grpo.grpo_train(run)
     run.policy.export_hf(str(out / "grpo" / "hf_model"))
     run.shutdown()
-    return {"grpo_start_accuracy": start_accuracy, "grpo_accuracy": final["accuracy"], "grpo_steps": run.step}
+    return {"grpo_start_accuracy": start_accuracy, "grpo_accuracy": final["accuracy"], "grpo_steps": run.step,
+            "grpo_async": cfg.grpo_async}
 
 
 def plot_demo(out: Path, sft_curve: list) -> Path:

@@ -12,7 +12,19 @@ accelerator, the policy's training state leaves the device while they do (`gener
 Departures from the paper: KL is off by default (beta = 0, as in DAPO); DAPO's dynamic sampling,
 clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are options of the config.
 
+Asynchronous GRPO (`grpo.async_grpo.enabled`, generation on workers of its own): the rollouts of the
+coming steps are generated while the policy trains, through a bounded buffer (`experience/
+async_rollouts.py`); the batch of step k comes from the weights of step k - 1 - max_trajectory_age_steps,
+so it is at most that many optimizer steps old (older data are dropped, never trained on). Off-policy
+correction (decoupled PPO, as in AReaL): pi_prev is the trainer's current weights, never the stale
+generating ones (prev_logprobs recomputed before the first update when a step has several; with one
+update the trained forward's own logprobs, which are the same numbers), so the clipped ratio is
+pi / pi_prev, and the loss weights each token by the truncated importance weight
+min(exp(prev - generation logprobs), loss.truncated_importance_sampling_ratio)
+(`loss.use_importance_sampling_correction`, required when the bound is > 0).
+
 Run: posttrain grpo --config configs/grpo_tiny.yaml
+     posttrain grpo --config configs/grpo_tiny.yaml grpo.async_grpo.enabled=true generation.colocated=false
 """
 
 from __future__ import annotations
@@ -35,13 +47,16 @@ from posttrain.algorithms.common import (
     restore_run,
     save_run_checkpoint,
 )
+from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
+from posttrain.config import ConfigError
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
 from posttrain.evals.validate import run_validation
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
+from posttrain.experience.trajectory_buffer import TrajectoryBatch
 from posttrain.models.build import load_tokenizer
 from posttrain.models.generation import GenerationConfig, GenerationInterface, make_generation
 from posttrain.models.policy import Policy, PolicyConfig
@@ -100,6 +115,7 @@ class GRPOLoopConfig:
     val_pass_k: int = field(default=1, metadata={"help": "k of the reported validation pass@k"})
     early_stop_val_accuracy: float | None = field(default=None, metadata={"help": "stop when val accuracy >= this"})
     seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"})
 
     def validate(self) -> None:
         if self.val_greedy and self.val_num_generations > 1:
@@ -133,6 +149,24 @@ class GRPOConfig:
                 f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
+        self.validate_async()
+
+    def validate_async(self) -> None:
+        """Async GRPO generates on workers of its own and, with stale data, needs the IS correction."""
+        async_cfg = self.grpo.async_grpo
+        if async_cfg.enabled and self.generation.colocated:
+            raise ConfigError.at(
+                "grpo.async_grpo.enabled",
+                "asynchronous GRPO generates while the policy trains, so the generation workers need bundles "
+                "of their own: set generation.colocated=false (and generation.num_workers)",
+            )
+        if async_cfg.enabled and async_cfg.max_trajectory_age_steps > 0 and not self.loss.use_importance_sampling_correction:
+            raise ConfigError.at(
+                "loss.use_importance_sampling_correction",
+                f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) old: "
+                "set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the loss weights "
+                "them by pi_prev / pi_generation, or set grpo.async_grpo.max_trajectory_age_steps=0",
+            )
 
 
 @dataclass
@@ -154,8 +188,10 @@ class GRPORun:
     last_val: dict[str, float] = field(default_factory=dict)
     weights_stale: bool = False  # the policy has trained since the generation workers' last refit
     offload_policy: bool | None = None  # colocated_offload "auto", once decided (see offload_needed)
+    rollout_source: Any = None  # SyncRollouts or AsyncRollouts: where each step's batch comes from
 
     def shutdown(self) -> None:
+        self.rollout_source.shutdown()
         self.logger.finish()
         for env in self.envs.values():
             env.shutdown()
@@ -188,6 +224,10 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         run.step = int(restored.training_info["step"])
         loader.load_state_dict(restored.loader_state)
         run.weights_stale = True
+    async_grpo = cfg.grpo.async_grpo.enabled
+    run.rollout_source = AsyncRollouts(run, lambda index: collect_rollouts(run, index)) if async_grpo else SyncRollouts()
+    if restored is not None:
+        run.rollout_source.restore(restored.training_info)
     run.logger.log_hyperparams({"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation})
     run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
     return run
@@ -327,7 +367,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
 
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
     cfg = run.cfg.grpo
-    with generation_phase(run, timer or Timer()):
+    with run.rollout_source.validation_phase(run, timer or Timer()):
         result = run_validation(
             run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
             num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
@@ -342,21 +382,51 @@ def maybe_checkpoint(run: GRPORun, force: bool = False) -> None:
     cfg = run.cfg.checkpointing
     if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
         return
-    info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}}
-    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
+    info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollout_source.accounting()}
+    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.rollout_source.loader_state(run), run.cfg)
+
+
+# ------------------------------------------------------------------------------------- rollout sources
+class SyncRollouts:
+    """Each step generates its own batch with the current weights (colocated or not)."""
+
+    def next_batch(self, run: GRPORun, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
+        with generation_phase(run, timer), timer.time("generation"):
+            rollouts, metrics = collect_rollouts(run, run.step + 1, timer)  # "rewards" timed inside
+        return TrajectoryBatch(rollouts, metrics, run.step + 1, run.step), {}
+
+    def after_update(self, run: GRPORun) -> None:
+        run.weights_stale = True  # the next generation phase refits
+
+    def validation_phase(self, run: GRPORun, timer: Timer):
+        return generation_phase(run, timer)
+
+    def loader_state(self, run: GRPORun) -> dict[str, Any]:
+        return run.train_loader.state_dict()
+
+    def accounting(self) -> dict[str, int]:
+        return {}
+
+    def restore(self, training_info: dict[str, Any]) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
 
 
 # ------------------------------------------------------------------------------------------------- loop
 def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     """One GRPO step, stage by stage (DESIGN.md)."""
     cfg = run.cfg.grpo
-    with generation_phase(run, timer), timer.time("generation"):
-        rollouts, rollout_metrics = collect_rollouts(run, run.step + 1, timer)  # "rewards" timed inside
+    batch, async_metrics = run.rollout_source.next_batch(run, timer)
+    rollouts, rollout_metrics = batch.rollouts, batch.metrics
     with timer.time("advantages"):
         advantages = compute_advantages(cfg, rollouts["rewards"])
         train_data = build_train_data(rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering)
     # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
-    # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first.
+    # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first. This holds
+    # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
+    # generated the data is the loss's importance weight against generation_logprobs.
     single_update = train_data.size == run.cfg.policy.train_global_batch_size
     if not single_update:
         with timer.time("logprobs"):
@@ -368,8 +438,9 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
         metrics = mean_over_global_batches(run.policy.train(train_data, loss_fn))
-    run.weights_stale = True  # the next generation phase refits
+    run.rollout_source.after_update(run)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
+    metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
     metrics["advantage_abs_mean"] = float(advantages.abs().mean())
     return metrics

@@ -1,0 +1,93 @@
+"""Asynchronous GRPO's config and rollout source: the GRPO loop takes each step's batch from an
+`AsyncRolloutProducer` (experience/async_rollouts.py) that generates the coming steps on the generation
+workers while the policy trains, instead of generating it itself (`grpo.SyncRollouts`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.config import ConfigError
+from posttrain.experience.async_rollouts import AsyncRolloutProducer, ProduceFn
+from posttrain.experience.trajectory_buffer import TrajectoryBatch, trajectory_age
+from posttrain.utils.timer import Timer
+
+
+@dataclass
+class AsyncGRPOConfig:
+    """Asynchronous GRPO: generate the next steps' rollouts while the policy trains (needs
+    generation.colocated=false)."""
+
+    enabled: bool = field(
+        default=False, metadata={"help": "overlap generation of the next steps with training (separate workers)"}
+    )
+    max_trajectory_age_steps: int = field(
+        default=1,
+        metadata={"help": "most optimizer steps between the weights that generated a trajectory and the weights "
+                          "trained on it (0: on-policy, equals the synchronous loop)"},
+    )
+
+    def validate(self) -> None:
+        if self.max_trajectory_age_steps < 0:
+            raise ConfigError.at("max_trajectory_age_steps", f"must be >= 0, got {self.max_trajectory_age_steps}")
+
+
+class AsyncRollouts:
+    """Batches from an `AsyncRolloutProducer` thread that generates ahead on the generation workers.
+
+    The trainer publishes every version's full weights (ObjectRefs) for the producer. A checkpoint saves
+    the loader position after the last batch trained on; on resume the batches that were in flight are
+    generated again from there (same prompts and seeds), with the restored weights."""
+
+    def __init__(self, run: Any, produce: ProduceFn) -> None:
+        cfg = run.cfg.grpo
+        self.max_age = cfg.async_grpo.max_trajectory_age_steps
+        self.consumed_loader_state = run.train_loader.state_dict()
+        self.num_trained = self.num_dropped = 0
+        self.producer = AsyncRolloutProducer(
+            produce=produce, refit=run.generation.update_weights,
+            loader_state=run.train_loader.state_dict, max_age=self.max_age, first_index=run.step + 1,
+            last_index=cfg.max_num_steps, start_version=run.step,
+            generation_version=None if run.weights_stale else run.step,
+        )
+        self.publish_weights(run, run.step)
+
+    def next_batch(self, run: Any, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
+        with timer.time("rollout_wait"):
+            taken, generator_wait_s = self.producer.take(run.step)
+        batch = taken.batch
+        self.consumed_loader_state = batch.loader_state
+        self.num_trained += batch.num_trajectories
+        self.num_dropped += taken.num_dropped
+        age = float(trajectory_age(run.step, batch.policy_version))  # one version per batch
+        return batch, {
+            "trajectory_age_mean": age, "trajectory_age_max": age, "dropped_stale_trajectories": float(taken.num_dropped),
+            "buffer_trajectories": float(taken.num_buffered), "trainer_wait_s": taken.wait_s,
+            "generator_wait_s": generator_wait_s, "generation_s": batch.metrics.pop("generation_s", 0.0),
+            "trained_trajectories_total": float(self.num_trained), "dropped_trajectories_total": float(self.num_dropped),
+        }
+
+    def after_update(self, run: Any) -> None:
+        self.publish_weights(run, run.step + 1)
+
+    def publish_weights(self, run: Any, version: int) -> None:
+        """All of the policy's weights (any version may follow any other in the generation workers), in
+        the generation dtype, as the synchronous refit sends them."""
+        weights = run.policy.get_weights_ref(only_changed=False, dtype=run.cfg.generation.precision)
+        self.producer.publish(version, weights)
+
+    def validation_phase(self, run: Any, timer: Timer):
+        return self.producer.paused_at(run.step)
+
+    def loader_state(self, run: Any) -> dict[str, Any]:
+        return self.consumed_loader_state
+
+    def accounting(self) -> dict[str, int]:
+        return {"async_trained_trajectories": self.num_trained, "async_dropped_trajectories": self.num_dropped}
+
+    def restore(self, training_info: dict[str, Any]) -> None:
+        self.num_trained = int(training_info.get("async_trained_trajectories", 0))
+        self.num_dropped = int(training_info.get("async_dropped_trajectories", 0))
+
+    def shutdown(self) -> None:
+        self.producer.stop()

@@ -1,0 +1,49 @@
+"""Config checks of asynchronous GRPO: it needs generation workers of its own and, when it may train on
+stale trajectories, the importance-sampling correction; errors name the key and where it was set."""
+
+from pathlib import Path
+
+import pytest
+
+from posttrain.algorithms.grpo import GRPOConfig
+from posttrain.config import ConfigError, load_typed_config
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml")
+
+
+def test_the_tiny_config_runs_async_with_separate_generation():
+    cfg = load_typed_config(GRPOConfig, CONFIG, ["grpo.async_grpo.enabled=true", "generation.colocated=false"])
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
+
+
+def test_async_with_colocated_generation_is_refused_naming_the_key():
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, ["grpo.async_grpo.enabled=true"])
+    assert error.value.key == "grpo.async_grpo.enabled"
+    assert "generation.colocated=false" in str(error.value) and "command line" in str(error.value)
+
+
+def test_stale_trajectories_need_the_importance_sampling_correction():
+    base = ["grpo.async_grpo.enabled=true", "generation.colocated=false",
+            "loss.use_importance_sampling_correction=false"]
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, base)
+    assert error.value.key == "loss.use_importance_sampling_correction"
+    cfg = load_typed_config(GRPOConfig, CONFIG, base + ["grpo.async_grpo.max_trajectory_age_steps=0"])
+    assert cfg.grpo.async_grpo.max_trajectory_age_steps == 0  # on-policy: no correction needed
+
+
+def test_a_negative_age_bound_is_refused():
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, ["grpo.async_grpo.max_trajectory_age_steps=-1"])
+    assert error.value.key == "grpo.async_grpo.max_trajectory_age_steps"
+
+
+def test_the_demo_switch_builds_a_valid_async_config(tmp_path):
+    from posttrain.demo import DemoConfig, grpo_config
+
+    cfg = grpo_config(DemoConfig(grpo_async=True, grpo_max_trajectory_age=2), tmp_path, tmp_path)
+    cfg.validate()
+    assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 2
+    assert not cfg.generation.colocated and cfg.loss.truncated_importance_sampling_ratio == 2.0
+    assert grpo_config(DemoConfig(), tmp_path, tmp_path).generation.colocated  # the default stays synchronous
