@@ -61,7 +61,7 @@ from posttrain.models.build import load_tokenizer
 from posttrain.models.generation import GenerationConfig, GenerationInterface, make_generation
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.logger import Logger, LoggerConfig, step_timing
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
@@ -460,7 +460,7 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
             run.logger.log_metrics(metrics, run.step, prefix="train")
-            run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
+            run.logger.log_metrics(step_timing(timer, {"policy_worker": run.policy.get_timing_metrics()}), run.step, "timing")
             timer.reset()
             if cfg.val_period and (run.step % cfg.val_period == 0 or run.step == last_step):
                 validate(run, run.step, timer)

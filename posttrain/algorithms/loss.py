@@ -70,20 +70,27 @@ def _pair_halves(values: torch.Tensor, loss_name: str) -> tuple[torch.Tensor, to
     return values[0::2], values[1::2]
 
 
-def reduce_loss_metrics(per_microbatch: list[dict[str, float]]) -> dict[str, float]:
-    """Combine metrics of several micro-batches (or ranks): sum, except `*_min` -> min and `*_max` -> max."""
-    reduced: dict[str, float] = {}
+def reduce_loss_metrics(
+    per_microbatch: list[dict[str, float]], reductions: Mapping[str, str] | None = None
+) -> dict[str, float]:
+    """Combine metrics of several micro-batches (or ranks), each by its own reduction: `reductions` names
+    it per metric (sum / mean / min / max); otherwise `*_min` -> min, `*_max` -> max, anything else sum."""
+    functions = {"sum": sum, "mean": lambda v: sum(v) / len(v), "min": min, "max": max}
+    values: dict[str, list[float]] = {}
     for metrics in per_microbatch:
         for key, value in metrics.items():
-            if key not in reduced:
-                reduced[key] = value
-            elif key.endswith("_min"):
-                reduced[key] = min(reduced[key], value)
-            elif key.endswith("_max"):
-                reduced[key] = max(reduced[key], value)
-            else:
-                reduced[key] += value
+            values.setdefault(key, []).append(value)
+    reduced = {}
+    for key, column in values.items():
+        reduction = (reductions or {}).get(key) or _suffix_reduction(key)
+        if reduction not in functions:
+            raise ValueError(f"unknown reduction {reduction!r} for metric {key!r}; use one of {sorted(functions)}")
+        reduced[key] = functions[reduction](column)
     return reduced
+
+
+def _suffix_reduction(key: str) -> str:
+    return "min" if key.endswith("_min") else "max" if key.endswith("_max") else "sum"
 
 
 # -- NLL ------------------------------------------------------------------------------------------

@@ -39,10 +39,11 @@ from posttrain.config import ConfigError
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
+from posttrain.evals.supervised_samples import log_supervised_samples
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.logger import Logger, LoggerConfig, step_timing
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
@@ -151,7 +152,7 @@ def rm_train(run: RMRun, num_steps: int | None = None) -> dict[str, float]:
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
             run.logger.log_metrics(metrics, run.step, prefix="train")
-            run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
+            run.logger.log_metrics(step_timing(timer, {"policy_worker": run.policy.get_timing_metrics()}), run.step, "timing")
             timer.reset()
             at_end = run.step == last_step
             val_loss = None
@@ -159,6 +160,7 @@ def rm_train(run: RMRun, num_steps: int | None = None) -> dict[str, float]:
                 val_metrics = validate(run)
                 val_loss = val_metrics["loss"]
                 run.logger.log_metrics(val_metrics, run.step, prefix="val")
+                log_supervised_samples(run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=True)
             checkpoint_if_due(run, val_loss, force=at_end and run.step == run.total_steps)
             shown = {"loss": metrics["loss"], "acc": metrics["accuracy"]}
             progress.advance(run.step, shown | ({"val_acc": val_metrics["accuracy"]} if val_loss is not None else {}))

@@ -28,6 +28,7 @@ from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
 from posttrain.models.generation import GenerationConfig, make_generation
+from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
 
@@ -104,6 +105,10 @@ class EvalConfig:
         default_factory=lambda: {"arithmetic": EnvironmentConfig()}, metadata={"help": "task name -> environment"}
     )
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    logger: LoggerConfig = field(
+        default_factory=LoggerConfig,
+        metadata={"help": "where the results are logged, as in training (log_dir None: eval.save_path)"},
+    )
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -322,6 +327,8 @@ def prepare_save_path(cfg: EvalConfig) -> Path:
     if not cfg.eval.save_path:
         cfg.eval.save_path = f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}"
     save_path = Path(cfg.eval.save_path)
+    if not cfg.logger.log_dir:
+        cfg.logger.log_dir = str(save_path)
     save_path.mkdir(parents=True, exist_ok=True)
     save_config(cfg, save_path / "config.yaml")
     return save_path
@@ -352,8 +359,19 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     score = compute_score(cfg.eval, result.rewards.tolist(), [row["extracted_answer"] for row in rows])
     summary = build_summary(cfg, result, score, time.perf_counter() - start)
     write_outputs(save_path, summary, rows)
+    log_results(cfg, summary, result)
     Console().print(summary_table(summary))
     return EvalResult(summary, rows, save_path)
+
+
+def log_results(cfg: EvalConfig, summary: dict[str, Any], result: ValidationResult) -> None:
+    """The summary's numbers as metrics `eval/<name>` at step 0 and the config as hyperparameters, through
+    the unified logger (JSONL, TensorBoard, W&B, MLflow as `logger` enables); samples as in validation."""
+    with Logger(cfg.logger) as logger:
+        logger.log_hyperparams({"eval": cfg.eval, "model": cfg.model, "generation": cfg.generation, "data": cfg.data})
+        numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        logger.log_metrics(numbers, step=0, prefix="eval")
+        logger.log_val_samples(result.samples, step=0)
 
 
 def main(args: Any) -> int:

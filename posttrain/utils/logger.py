@@ -50,6 +50,9 @@ class MLflowConfig:
     tracking_uri: str | None = field(
         default=None, metadata={"help": "MLflow server or store URI; None: file store <log_dir>/mlruns."}
     )
+    log_model: bool = field(
+        default=True, metadata={"help": "At the end, copy the final model directory (<log_dir>/hf_model) as an artifact."}
+    )
 
 
 @dataclass
@@ -82,6 +85,29 @@ class LoggerConfig:
     gpu_monitoring: GPUMonitoringConfig = field(
         default_factory=GPUMonitoringConfig, metadata={"help": "System monitor intervals."}
     )
+    gpu_collection_interval: float | None = field(
+        default=None, metadata={"help": "Alias of gpu_monitoring.collection_interval (the design doc's flat name)."}
+    )
+    gpu_flush_interval: float | None = field(
+        default=None, metadata={"help": "Alias of gpu_monitoring.flush_interval (the design doc's flat name)."}
+    )
+
+    def validate(self) -> None:
+        """Fold the flat GPU-monitoring aliases into `gpu_monitoring`; an alias that contradicts the nested
+        key raises, naming the nested key to keep."""
+        defaults = GPUMonitoringConfig()
+        for alias, name in (("gpu_collection_interval", "collection_interval"), ("gpu_flush_interval", "flush_interval")):
+            value = getattr(self, alias)
+            if value is None:
+                continue
+            nested = getattr(self.gpu_monitoring, name)
+            if nested != getattr(defaults, name) and nested != value:
+                raise ValueError(
+                    f"logger.{alias}={value} contradicts logger.gpu_monitoring.{name}={nested}; "
+                    f"set only logger.gpu_monitoring.{name}"
+                )
+            setattr(self.gpu_monitoring, name, float(value))
+            setattr(self, alias, None)
 
 
 def _dataclass_from_dict(cls: type, values: Mapping[str, Any], where: str) -> Any:
@@ -102,7 +128,14 @@ def logger_config_from(cfg: LoggerConfig | Mapping[str, Any]) -> LoggerConfig:
     """The typed config from itself or a plain (nested) dict; an unknown key raises, naming it."""
     if isinstance(cfg, LoggerConfig):
         return cfg
-    return _dataclass_from_dict(LoggerConfig, cfg, "logger")
+    config = _dataclass_from_dict(LoggerConfig, cfg, "logger")
+    config.validate()
+    return config
+
+
+def default_log_dir(name: str = "run") -> str:
+    """`results/<name>-<YYYYmmdd-HHMMSS>`: where a run without `logger.log_dir` writes."""
+    return f"results/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 # ---------------------------------------------------------------------------------- metric preparation
@@ -242,6 +275,15 @@ def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
     return reduce_metrics(per_rank, default="max")
 
 
+def step_timing(driver_timer: Any, worker_timings: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """One step's timing record: the driver's own stages (seconds summed over the step) as `<stage>`, and
+    each worker group's stages, already reduced over its ranks with max, as `<group>/<stage>`."""
+    timing = dict(driver_timer.get_timing_metrics(reduction="sum"))
+    for group, stages in worker_timings.items():
+        timing.update({f"{group}/{stage}": float(seconds) for stage, seconds in stages.items()})
+    return timing
+
+
 # ------------------------------------------------------------------------------------------ interface
 class LoggerInterface(ABC):
     """What every backend and the fan-out `Logger` implement."""
@@ -253,6 +295,10 @@ class LoggerInterface(ABC):
     @abstractmethod
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
         """Record the run's hyperparameters (nested dicts are flattened with "/")."""
+
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:  # noqa: B027
+        """Keep a file or directory with the run (under `artifact_path`); backends without artifact
+        storage (JSONL, TensorBoard, W&B here) ignore it."""
 
     def finish(self) -> None:  # noqa: B027 - optional hook, most backends need it
         """Flush and close; the default has nothing to close."""
@@ -402,8 +448,31 @@ class MLflowLogger(LoggerInterface):
         for start in range(0, len(entries), 100):  # MLflow takes at most 100 params per batch
             self.client.log_batch(self.run_id, params=entries[start:start + 100])
 
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        local_path = Path(local_path)
+        if local_path.is_dir():
+            self.client.log_artifacts(self.run_id, str(local_path), artifact_path)
+        else:
+            self.client.log_artifact(self.run_id, str(local_path), artifact_path)
+
     def finish(self) -> None:
         self.client.set_terminated(self.run_id)
+
+
+def run_artifacts(log_dir: Path, include_model: bool = True) -> list[tuple[Path, str | None]]:
+    """(local path, artifact directory) pairs of a run directory's lasting files: config.yaml at the top,
+    each finalized checkpoint's training_info.json and config.yaml under checkpoints/step_N, and the
+    final model directory hf_model (when `include_model`)."""
+    pairs: list[tuple[Path, str | None]] = []
+    if (log_dir / "config.yaml").is_file():
+        pairs.append((log_dir / "config.yaml", None))
+    for step_dir in sorted((log_dir / "checkpoints").glob("step_*")):
+        for name in ("training_info.json", "config.yaml"):
+            if (step_dir / name).is_file():
+                pairs.append((step_dir / name, f"checkpoints/{step_dir.name}"))
+    if include_model and (log_dir / "hf_model").is_dir():
+        pairs.append((log_dir / "hf_model", "hf_model"))
+    return pairs
 
 
 # ------------------------------------------------------------------------------------------ fan-out
@@ -414,7 +483,8 @@ class Logger(LoggerInterface):
     def __init__(self, cfg: LoggerConfig | Mapping[str, Any]):
         self.cfg = logger_config_from(cfg)
         if not self.cfg.log_dir:
-            raise ValueError("logger.log_dir is not set")
+            self.cfg.log_dir = default_log_dir()
+            log.info("logger.log_dir not set; writing to %s", self.cfg.log_dir)
         self._log_dir = Path(self.cfg.log_dir)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.backends: list[LoggerInterface] = [JsonlLogger(self._log_dir), *self._make_backends()]
@@ -467,6 +537,21 @@ class Logger(LoggerInterface):
             for backend in self.backends:
                 backend.log_hyperparams(params)
 
+    def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
+        with self._lock:
+            for backend in self.backends:
+                backend.log_artifact(local_path, artifact_path)
+
+    def log_run_artifacts(self) -> list[str]:
+        """What the run directory holds for the artifact store: `config.yaml` (the run config), every
+        checkpoint's `training_info.json` and `config.yaml` (as `checkpoints/step_N/`), and the final model
+        `hf_model/` (unless `mlflow.log_model` is off). Returns the artifact paths logged."""
+        logged = []
+        for local, artifact_dir in run_artifacts(self._log_dir, include_model=self.cfg.mlflow.log_model):
+            self.log_artifact(local, artifact_dir)
+            logged.append(artifact_dir if local.is_dir() else f"{artifact_dir or '.'}/{local.name}")
+        return logged
+
     def log_val_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> Path:
         """Write all samples to val_samples/step_N.jsonl and print the chosen ones; returns the file."""
         return self.sample_printer.log(samples, step)
@@ -478,6 +563,8 @@ class Logger(LoggerInterface):
         self._finished = True
         if self.system_monitor is not None:
             self.system_monitor.stop()
+        if self.cfg.mlflow_enabled:
+            self.log_run_artifacts()
         for backend in self.backends:
             backend.finish()
 

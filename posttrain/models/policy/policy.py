@@ -16,6 +16,7 @@ from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import RayWorkerGroup
 from posttrain.models.policy.config import PolicyConfig
 from posttrain.models.policy.worker import DTensorPolicyWorker, LossFn
+from posttrain.utils.logger import reduce_timing
 
 
 class Policy:
@@ -134,6 +135,11 @@ class Policy:
     def onload(self) -> None:
         """Bring weights and optimizer state back before training."""
         self.worker_group.run_all("onload")
+
+    def get_timing_metrics(self) -> dict[str, float]:
+        """Seconds per worker stage (train, eval, logprobs) since the last call, the max over ranks
+        (the slowest rank sets the pace); the workers' timers restart."""
+        return reduce_timing(self.worker_group.run_all("get_timing_metrics"))
 
     def memory_footprint(self) -> list[dict[str, int]]:
         """Per rank: bytes of its parameter shards and its accelerator's total memory (0 on CPU)."""

@@ -31,6 +31,7 @@ from posttrain.distributed.batched_data_dict import (
 from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig
+from posttrain.utils.timer import Timer
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 
@@ -307,6 +308,7 @@ class DTensorPolicyWorker:
 
     def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
         self.cfg = cfg
+        self.timer = Timer()  # this rank's stage times, collected by get_timing_metrics
         ensure_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = assigned_device()
@@ -437,7 +439,8 @@ class DTensorPolicyWorker:
         if self.cfg.model_kind != "causal_lm":
             raise ValueError("get_logprobs: policy.model_kind is 'reward_model'; use get_scores")
         batch_size, seq_len = data["input_ids"].shape
-        return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
+        with self.timer.time("logprobs"):
+            return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
 
     @torch.no_grad()
     def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
@@ -564,13 +567,14 @@ class DTensorPolicyWorker:
                 f"train: rank {self.rank} got {num_rows} rows, not a multiple of gbs/dp = {local_gbs}"
             )
         self.model.train(not eval_mode)
-        steps = [
-            self._run_global_batch(
-                select_rows(data, list(range(start, start + local_gbs))), loss_fn, eval_mode, mbs
-            )
-            for start in range(0, num_rows, local_gbs)
-        ]
-        return self._reduce_steps(steps, eval_mode)
+        with self.timer.time("eval" if eval_mode else "train"):
+            steps = [
+                self._run_global_batch(
+                    select_rows(data, list(range(start, start + local_gbs))), loss_fn, eval_mode, mbs
+                )
+                for start in range(0, num_rows, local_gbs)
+            ]
+            return self._reduce_steps(steps, eval_mode)
 
     def _reduce_steps(self, steps: list[StepMetrics], eval_mode: bool) -> dict[str, Any]:
         """Reduce over dp ranks: losses, micro-batch counts and loss metrics summed (`*_min` / `*_max`
@@ -655,6 +659,12 @@ class DTensorPolicyWorker:
         """Bring weights and optimizer state back to the worker's device."""
         if self.device.type != "cpu" and not self.cfg.cpu_offload:
             self._move_training_state(self.device)
+
+    def get_timing_metrics(self) -> dict[str, float]:
+        """Seconds this rank spent per stage (train, eval, logprobs) since the last call, then reset."""
+        timing = self.timer.get_timing_metrics(reduction="sum")
+        self.timer.reset()
+        return timing
 
     def memory_footprint(self) -> dict[str, int]:
         """Bytes of this rank's parameter shards, and the accelerator's total memory (0 on CPU)."""
