@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
+from posttrain.distributed.worker_group_utils import rank_env_vars
 
 LOG_TAIL_LINES = 20
 
@@ -119,16 +120,12 @@ class RayWorkerGroup:
         self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
-        threads = str(max(1, int(cluster.num_cpus_per_worker)))
+        threads = max(1, int(cluster.num_cpus_per_worker))
         self.workers = []
         for rank in range(self.world_size):
-            env = {
-                "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                "RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_RANK": str(rank % cluster.cfg.workers_per_node),
-                "NODE_RANK": str(rank // cluster.cfg.workers_per_node),
-                "MASTER_ADDR": node_ips[0], "MASTER_PORT": str(port), **(env_vars or {}),
-            }
+            env = rank_env_vars(
+                rank, self.world_size, cluster.cfg.workers_per_node, node_ips[0], port, threads, env_vars
+            )
             strategy = PlacementGroupSchedulingStrategy(cluster.placement_group, placement_group_bundle_index=rank)
             actor = remote_cls.options(
                 num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy, name=self.names[rank],
