@@ -14,7 +14,14 @@ import torch
 from posttrain.algorithms.loss import reduce_loss_metrics
 from posttrain.config import ConfigError, validate_config
 from posttrain.evals.supervised_samples import pick_rows, split_row
-from posttrain.utils.logger import Logger, LoggerConfig, logger_config_from, reduce_timing, run_artifacts, step_timing
+from posttrain.utils.logger import (
+    Logger,
+    LoggerConfig,
+    logger_config_from,
+    reduce_timing,
+    run_artifacts,
+    step_timing,
+)
 from posttrain.utils.timer import Timer
 
 
