@@ -23,7 +23,10 @@ several global batches or on stale data), training, refit (weights to the genera
 (memory moves on GPUs, waiting). TRL's come from its profiling contexts (`transformers.generate`,
 `_calculate_rewards`, `_prepare_inputs`) and step callbacks; TRL has no refit (one model does both).
 Idle time of a worker group: the part of the step it does not compute (trainer: step - training -
-logprobs; generation: step - generation), as the fraction of the step.
+logprobs; generation: step - generation, or in async mode the generator's wait for new weights), as the
+fraction of the step. `--modes sync,async` times posttrain's synchronous loop and its asynchronous one
+(generation one step ahead on workers of its own, `grpo.async_grpo`, max_trajectory_age_steps 1, each
+side with half of the machine's cores) as two columns.
 
 Run:  make bench    or    .venv/bin/python benchmarks/grpo_step.py [--model tiny|smollm2|0.5b]
       [--device cuda] [--runs 3] [--skip-trl] [--threads N]
@@ -103,7 +106,7 @@ def write_prompts(path: Path, workload: Workload, num_prompts: int) -> None:
 
 
 def posttrain_config(workload: Workload, model_dir: Path, data_file: Path, log_dir: Path, device: str,
-                     threads: int | None) -> grpo.GRPOConfig:
+                     threads: int | None, mode: str = "sync") -> grpo.GRPOConfig:
     batch = workload.num_prompts * workload.num_generations
     cluster: dict = {"workers_per_node": 1}  # posttrain's default bundle: the machine's cores
     if threads is not None:  # the policy and the colocated generation worker each compute with the bundle's
@@ -131,24 +134,36 @@ def posttrain_config(workload: Workload, model_dir: Path, data_file: Path, log_d
     }
     if device == "cuda":  # the fastest sensible setting on a GPU, as TRL's bf16 default
         tree["policy"]["precision"] = tree["generation"]["precision"] = "bfloat16"
+    if mode == "async":  # generation on workers of its own, one step ahead of training
+        tree["grpo"]["async_grpo"] = {"enabled": True, "max_trajectory_age_steps": 1}
+        tree["loss"].update(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0)
+        tree["generation"].update(colocated=False, num_workers=1)
+        if device == "cpu":  # the trainer and the generator each get half of the machine's cores
+            cores = max(1, (os.cpu_count() or 2) // 2)
+            tree["cluster"]["num_cpus_per_worker"] = float(threads or cores)
+            tree["generation"]["num_cpus_per_worker"] = float(threads or cores)
+            tree["cluster"]["num_cpus"] = 2 * (threads or cores) + 1  # logical CPUs: both groups + environments
+        else:
+            tree["generation"]["num_cpus_per_worker"] = 1.0
     return validate_config(grpo.GRPOConfig, tree)
 
 
 # --------------------------------------------------------------------------------------------- posttrain
 def posttrain_stage_times(timer: Timer, step_time: float) -> dict[str, float]:
-    """The step's Timer as the table's stages; "generation" is the rollout less the environments' time."""
+    """The step's Timer as the table's stages; "generation" is the rollout less the environments' time
+    (async: the trainer's wait for the buffer, since generation and rewards run beside training)."""
     timings = timer.get_timing_metrics(reduction="sum")
     stages = {name: timings.get(name, 0.0) for name in ("rewards", "advantages", "logprobs", "training", "refit")}
-    stages["generation"] = timings.get("generation", 0.0) - stages["rewards"]
+    stages["generation"] = timings.get("generation", timings.get("rollout_wait", 0.0)) - stages["rewards"]
     stages["other"] = step_time - sum(stages.values())
     return stages
 
 
 def run_posttrain(args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path,
-                  work_dir: Path) -> tuple[list[dict], dict]:
+                  work_dir: Path, mode: str) -> tuple[list[dict], dict]:
     """posttrain GRPO steps through the public API (`grpo.setup`, `grpo.grpo_step`); the timed steps."""
     log_dir = Path(tempfile.mkdtemp(prefix="posttrain_run_", dir=work_dir))
-    cfg = posttrain_config(workload, model_dir, data_file, log_dir, args.device, args.threads)
+    cfg = posttrain_config(workload, model_dir, data_file, log_dir, args.device, args.threads, mode)
     run = grpo.setup(cfg)
     steps = []
     try:
@@ -159,7 +174,9 @@ def run_posttrain(args: argparse.Namespace, workload: Workload, model_dir: Path,
             run.step += 1
             step_time = time.perf_counter() - start
             mean_length = metrics["rollout/mean_generated_length"]
+            generation_wait = metrics.get("async/generator_wait_s", 0.0)
             steps.append({"step": step_time, "stages": posttrain_stage_times(timer, step_time),
+                          "generation_busy": None if mode == "sync" else step_time - generation_wait,
                           "mean_response_length": mean_length,
                           "generated_tokens": mean_length * workload.num_prompts * workload.num_generations,
                           "reward_mean": metrics["reward_mean"]})
@@ -192,7 +209,9 @@ def run_trl(args: argparse.Namespace, workload: Workload, model_dir: Path, data_
 def idle_fractions(step: dict) -> dict[str, float]:
     """The share of the step each worker group does not compute (trainer, generation)."""
     stages = step["stages"]
-    busy = {"trainer": stages["training"] + stages["logprobs"], "generation": stages["generation"]}
+    generation_busy = step.get("generation_busy")
+    busy = {"trainer": stages["training"] + stages["logprobs"],
+            "generation": stages["generation"] if generation_busy is None else generation_busy}
     return {group: max(0.0, 1.0 - seconds / step["step"]) for group, seconds in busy.items()}
 
 
@@ -209,30 +228,32 @@ def summarize(runs: list[list[dict]]) -> dict:
         "idle_fraction_median": {group: median(idle_fractions(s)[group] for s in steps)
                                  for group in ("trainer", "generation")},
         "mean_response_length": statistics.fmean(s["mean_response_length"] for s in steps),
-        "generated_tokens_per_s": median(s["generated_tokens"] / s["stages"]["generation"] for s in steps),
+        "generated_tokens_per_s": median(s["generated_tokens"] / (s.get("generation_busy") or s["stages"]["generation"])
+                                         for s in steps),
         "steps": steps,
     }
 
 
 def print_table(results: dict) -> None:
-    sides = [name for name in ("posttrain", "trl") if name in results]
-    print(f"\n{'median seconds per step':<26}" + "".join(f"{side:>12}" for side in sides))
+    sides = [name for name in ("posttrain", "posttrain_async", "trl") if name in results]
+    print(f"\n{'median seconds per step':<26}" + "".join(f"{side:>16}" for side in sides))
     for stage in STAGES:
-        print(f"  {stage:<24}" + "".join(f"{results[s]['stage_time_median_s'][stage]:>12.3f}" for s in sides))
-    print(f"{'step':<26}" + "".join(f"{results[s]['step_time_median_s']:>12.3f}" for s in sides))
+        print(f"  {stage:<24}" + "".join(f"{results[s]['stage_time_median_s'][stage]:>16.3f}" for s in sides))
+    print(f"{'step':<26}" + "".join(f"{results[s]['step_time_median_s']:>16.3f}" for s in sides))
     for group in ("trainer", "generation"):
         print(f"{group + ' idle (share)':<26}" + "".join(
-            f"{results[s]['idle_fraction_median'][group]:>12.2f}" for s in sides))
-    print(f"{'generated tokens / s':<26}" + "".join(f"{results[s]['generated_tokens_per_s']:>12.0f}" for s in sides))
-    print(f"{'mean response length':<26}" + "".join(f"{results[s]['mean_response_length']:>12.1f}" for s in sides))
-    print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>12}" for s in sides))
+            f"{results[s]['idle_fraction_median'][group]:>16.2f}" for s in sides))
+    print(f"{'generated tokens / s':<26}" + "".join(f"{results[s]['generated_tokens_per_s']:>16.0f}" for s in sides))
+    print(f"{'mean response length':<26}" + "".join(f"{results[s]['mean_response_length']:>16.1f}" for s in sides))
+    print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>16}" for s in sides))
     for side in sides:
         per_run = ", ".join(f"{t:.3f}" for t in results[side]["step_time_median_s_per_run"])
         print(f"{side} step, median of each run: {per_run}")
     load = results["machine"]
     print(f"load average (1 min) at start / end: {load['load_average_start'][0]:.1f} / {load['load_average_end'][0]:.1f}")
-    if "ratio_posttrain_over_trl" in results:
-        print(f"\nposttrain step time / TRL step time = {results['ratio_posttrain_over_trl']:.2f}")
+    for side in ("posttrain", "posttrain_async"):
+        if f"ratio_{side}_over_trl" in results:
+            print(f"{side} step time / TRL step time = {results[f'ratio_{side}_over_trl']:.2f}")
 
 
 def cpu_model() -> str:
@@ -271,6 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (each side)")
     parser.add_argument("--runs", type=int, default=1, help="runs per side, alternating (medians over all)")
     parser.add_argument("--skip-trl", action="store_true", help="time posttrain only")
+    parser.add_argument("--modes", default="sync,async", help="posttrain modes to time: sync, async or both")
     parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
                         help="python of the TRL environment (make install-trl)")
     parser.add_argument("--threads", type=int, default=None,
@@ -311,19 +333,23 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"model: {workload.name}, {num_params / 1e6:.2f}M parameters; {args.runs} run(s) of {args.warmup} "
               f"warm-up + {args.steps} timed steps per side")
-        posttrain_runs, trl_runs, posttrain_info, trl_info = [], [], {}, {}
+        modes = [mode for mode in args.modes.split(",") if mode]
+        runs: dict[str, list] = {side: [] for side in [f"posttrain{'' if m == 'sync' else '_async'}" for m in modes] + ["trl"]}
+        info: dict[str, dict] = {}
         for _ in range(args.runs):  # alternate the sides, so that a change of machine load hits both
-            steps, posttrain_info = run_posttrain(args, workload, model_dir, data_file, work_dir)
-            posttrain_runs.append(steps)
+            for mode in modes:
+                side = "posttrain" if mode == "sync" else "posttrain_async"
+                steps, info[side] = run_posttrain(args, workload, model_dir, data_file, work_dir, mode)
+                runs[side].append(steps)
             if not args.skip_trl:
-                steps, trl_info = run_trl(args, workload, model_dir, data_file, work_dir)
-                trl_runs.append(steps)
-        results["posttrain"] = {**summarize(posttrain_runs), **posttrain_info}
-        if trl_runs:
-            results["trl"] = {**summarize(trl_runs), **trl_info}
-            results["ratio_posttrain_over_trl"] = (
-                results["posttrain"]["step_time_median_s"] / results["trl"]["step_time_median_s"]
-            )
+                steps, info["trl"] = run_trl(args, workload, model_dir, data_file, work_dir)
+                runs["trl"].append(steps)
+        for side, side_runs in runs.items():
+            if side_runs:
+                results[side] = {**summarize(side_runs), **info[side]}
+        for side in ("posttrain", "posttrain_async"):
+            if side in results and "trl" in results:
+                results[f"ratio_{side}_over_trl"] = results[side]["step_time_median_s"] / results["trl"]["step_time_median_s"]
         results["machine"]["load_average_end"] = os.getloadavg()
     print_table(results)
     out = Path(args.out)
