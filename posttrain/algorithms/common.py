@@ -87,15 +87,18 @@ def save_run_checkpoint(
     manager: CheckpointManager, policy: Any, step: int, training_info: dict[str, Any],
     loader_state: dict[str, Any], run_config: Any,
 ) -> Path:
-    """tmp_step_N: training info + config, policy (DCP, RNG of every rank), loader; then finalize."""
+    """tmp_step_N: training info + config, policy (DCP, RNG of every rank), loader; then finalize
+    (which writes the sha256 manifest before the rename)."""
     path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
-    policy.save_checkpoint(str(path / "policy"))
+    policy.save_checkpoint(str(path / "policy"), save_optimizer=manager.save_optimizer)
     (path / "dataloader.json").write_text(json.dumps(loader_state))
-    return manager.finalize_checkpoint(path)
+    manager.finalize_checkpoint(path)
+    return path.with_name(f"step_{step}")
 
 
 def restore_run(manager: CheckpointManager, policy: Any) -> RunCheckpoint | None:
-    """Remove partial checkpoints, then load the explicit `resume_from` or the latest finalized one."""
+    """Remove partial checkpoints, then load the explicit `resume_from` or the newest checkpoint that
+    matches its sha256 manifest (damaged newer ones are skipped with a warning)."""
     manager.clean_partial_checkpoints()
     path = manager.get_resume_checkpoint_path()
     if path is None:

@@ -45,6 +45,9 @@ class ModelFromConfig:
     tie_word_embeddings: bool = field(
         default=True, metadata={"help": "Share the input embedding and the output projection."}
     )
+    attention_dropout: float = field(
+        default=0.0, metadata={"help": "Dropout on attention probabilities while training (0: none)."}
+    )
     seed: int = field(default=0, metadata={"help": "Seed of the random initial weights."})
     tokenizer: Literal["char", "byte"] = field(
         default="char",
@@ -85,6 +88,7 @@ def make_hf_config(cfg: ModelFromConfig, tokenizer: PreTrainedTokenizerBase) -> 
         intermediate_size=cfg.intermediate_size,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=cfg.tie_word_embeddings,
+        attention_dropout=cfg.attention_dropout,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

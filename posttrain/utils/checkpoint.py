@@ -1,5 +1,9 @@
 """Checkpoint policy: temporary directory, crash-safe finalize by rename, top-k by a metric, latest/best
-lookup and saved training info. What goes inside a checkpoint is `native_checkpoint.py`'s business."""
+lookup, saved training info, and the sha256 manifest checked before resuming (`checkpoint_integrity.py`).
+What goes inside a checkpoint is `native_checkpoint.py`'s business.
+
+Layout (the document's): checkpoint_dir/step_N/{training_info.json, config.yaml, checksums.json, policy/...}.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from posttrain.utils.checkpoint_integrity import verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,11 @@ class CheckpointingConfig:
     )
     keep_top_k: int | None = field(
         default=None, metadata={"help": "Keep the k best checkpoints (plus the latest); None keeps all."}
+    )
+    save_optimizer: bool = field(
+        default=True,
+        metadata={"help": "Save optimizer state; false: weights only (export-only checkpoints, resume with a "
+                          "fresh optimizer)."},
     )
     save_period: int = field(default=10, metadata={"help": "Save every this many steps."})
     resume_from: str | None = field(
@@ -129,6 +140,27 @@ class CheckpointManager:
             self.config.higher_is_better = False
         self.checkpoint_dir = Path(self.config.checkpoint_dir)
 
+    # The document's attributes, "derived from the CheckpointingConfig" (read live from the config).
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    @property
+    def metric_name(self) -> str | None:
+        return self.config.metric_name
+
+    @property
+    def higher_is_better(self) -> bool:
+        return bool(self.config.higher_is_better)
+
+    @property
+    def keep_top_k(self) -> int | None:
+        return self.config.keep_top_k
+
+    @property
+    def save_optimizer(self) -> bool:
+        return self.config.save_optimizer
+
     # ---------------------------------------------------------------- writing
     def init_tmp_checkpoint(self, step: int, training_info: dict[str, Any], run_config: Any = None) -> Path:
         """Create `tmp_step_{step}` (replacing a stale one) with training_info.json and config.yaml."""
@@ -157,19 +189,21 @@ class CheckpointManager:
         except OSError as error:
             raise CheckpointWriteError(f"cannot write checkpoint file {path}: {error}") from error
 
-    def finalize_checkpoint(self, path: str | Path) -> Path:
-        """Rename `tmp_step_N` to `step_N` atomically, replacing an existing `step_N` without mixing files.
+    def finalize_checkpoint(self, checkpoint_path: str | Path) -> None:
+        """Write the sha256 manifest, then rename `tmp_step_N` to `step_N` atomically, replacing an existing
+        `step_N` without mixing files; then prune to `keep_top_k`.
 
         Replacing goes: step_N -> replaced_step_N, tmp_step_N -> step_N, delete replaced_step_N. A crash
         between the first two renames is repaired by `clean_partial_checkpoints` (it renames it back).
         """
-        tmp_path = Path(path)
+        tmp_path = Path(checkpoint_path)
         if not tmp_path.name.startswith(_TMP_PREFIX):
             raise ValueError(f"finalize_checkpoint expects a {_TMP_PREFIX}N directory, got {tmp_path}")
         step_text = tmp_path.name[len(_TMP_PREFIX):]
         final_path = tmp_path.with_name(f"step_{step_text}")
         replaced_path = tmp_path.with_name(f"{_REPLACED_PREFIX}{step_text}")
         try:
+            write_manifest(tmp_path)
             if final_path.exists():
                 if replaced_path.exists():
                     shutil.rmtree(replaced_path)
@@ -181,7 +215,6 @@ class CheckpointManager:
         if replaced_path.exists():
             shutil.rmtree(replaced_path, ignore_errors=True)
         self.remove_old_checkpoints()
-        return final_path
 
     def clean_partial_checkpoints(self) -> list[Path]:
         """Delete stale `tmp_step_*` dirs; restore a `replaced_step_N` whose `step_N` never arrived."""
@@ -207,16 +240,12 @@ class CheckpointManager:
     # ---------------------------------------------------------------- reading
     def list_checkpoints(self) -> list[tuple[int, Path]]:
         """Finalized checkpoints as (step, path), sorted by step number; other names are ignored."""
-        if not self.checkpoint_dir.is_dir():
-            return []
-        found = [(_step_of(child), child) for child in self.checkpoint_dir.iterdir() if child.is_dir()]
-        return sorted((step, path) for step, path in found if step is not None)
+        return _list_step_dirs(self.checkpoint_dir)
 
     def _metric_of(self, checkpoint_path: Path) -> float | None:
         if self.config.metric_name is None:
             return None
-        info = self.load_training_info(checkpoint_path) or {}
-        value = info.get(self.config.metric_name)
+        value = (self.load_training_info(checkpoint_path) or {}).get(self.config.metric_name)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
     def _ranked(self) -> list[tuple[int, Path, float | None]]:
@@ -230,21 +259,20 @@ class CheckpointManager:
 
         return sorted(entries, key=rank_key, reverse=True)
 
-    def remove_old_checkpoints(self, exclude_latest: bool = True) -> list[Path]:
+    def remove_old_checkpoints(self, exclude_latest: bool = True) -> None:
         """Keep the top-k by metric, plus the latest when `exclude_latest`; delete the rest."""
         if self.config.keep_top_k is None:
-            return []
+            return
         ranked = self._ranked()
         keep = {path for _, path, _ in ranked[: self.config.keep_top_k]}
-        latest = self.get_latest_checkpoint_path()
-        if exclude_latest and latest is not None:
-            keep.add(latest)
-        removed = [path for _, path, _ in ranked if path not in keep]
-        for path in removed:
-            shutil.rmtree(path)
-        return removed
+        checkpoints = self.list_checkpoints()
+        if exclude_latest and checkpoints:
+            keep.add(checkpoints[-1][1])
+        for _, path, _ in ranked:
+            if path not in keep:
+                shutil.rmtree(path)
 
-    def get_best_checkpoint_path(self) -> Path | None:
+    def get_best_checkpoint_path(self) -> str | None:
         """The best checkpoint by metric; the latest (with a warning) when none has the metric."""
         ranked = self._ranked()
         if not ranked:
@@ -259,32 +287,76 @@ class CheckpointManager:
         if missing:
             logger.warning("checkpoint(s) without metric %r ignored: %s", self.config.metric_name,
                            ", ".join(missing))
-        return ranked[0][1]
+        return str(ranked[0][1])
 
-    def get_latest_checkpoint_path(self) -> Path | None:
+    def get_latest_checkpoint_path(self) -> str | None:
         """The checkpoint with the highest step number (`step_10` after `step_9`), or None."""
         checkpoints = self.list_checkpoints()
-        return checkpoints[-1][1] if checkpoints else None
+        return str(checkpoints[-1][1]) if checkpoints else None
+
+    def get_latest_intact_checkpoint_path(self) -> Path | None:
+        """The newest checkpoint whose files match its sha256 manifest; each newer damaged one is skipped
+        with a warning that names what is wrong."""
+        for _, path in reversed(self.list_checkpoints()):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                return path
+            logger.warning("skipping damaged checkpoint %s: %s", path, problem)
+        return None
 
     def get_resume_checkpoint_path(self) -> Path | None:
-        """`resume_from` when set (it must hold training_info.json), else the latest checkpoint."""
+        """`resume_from` when set (it must verify: an explicit choice never falls back), else the newest
+        intact checkpoint."""
         if self.config.resume_from is None:
-            return self.get_latest_checkpoint_path()
+            return self.get_latest_intact_checkpoint_path()
         path = Path(self.config.resume_from)
         if not (path / TRAINING_INFO_FILE).is_file():
             raise FileNotFoundError(f"checkpointing.resume_from={path}: no {TRAINING_INFO_FILE} in it")
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ValueError(f"checkpointing.resume_from={path} is damaged: {problem}")
         return path
 
     def load_training_info(self, checkpoint_path: str | Path | None = None) -> dict[str, Any] | None:
-        """The training_info dict saved in `checkpoint_path` (default: the resume checkpoint), or None."""
-        path = Path(checkpoint_path) if checkpoint_path is not None else self.get_resume_checkpoint_path()
-        if path is None or path.name.startswith(_TMP_PREFIX):
+        """The training_info dict saved in `checkpoint_path`; None when it is None, a tmp dir, or has no
+        readable training_info.json (garbage is warned about, never raised: old checkpoints must not
+        crash a running job's bookkeeping)."""
+        if checkpoint_path is None:
             return None
-        info_file = path / TRAINING_INFO_FILE
-        if not info_file.is_file():
+        path = Path(checkpoint_path)
+        if path.name.startswith(_TMP_PREFIX):
             return None
-        with open(info_file, encoding="utf-8") as handle:
-            return json.load(handle)
+        return _read_training_info(path)
+
+
+def _list_step_dirs(checkpoint_dir: Path) -> list[tuple[int, Path]]:
+    if not checkpoint_dir.is_dir():
+        return []
+    found = [(_step_of(child), child) for child in checkpoint_dir.iterdir() if child.is_dir()]
+    return sorted((step, path) for step, path in found if step is not None)
+
+
+def _read_training_info(checkpoint_path: Path) -> dict[str, Any] | None:
+    info_file = checkpoint_path / TRAINING_INFO_FILE
+    if not info_file.is_file():
+        return None
+    try:
+        info = json.loads(info_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        logger.warning("ignoring unreadable %s: %s", info_file, exc)
+        return None
+    if not isinstance(info, dict):
+        logger.warning("ignoring %s: holds a %s, not an object", info_file, type(info).__name__)
+        return None
+    return info
+
+
+def _load_checkpoint_history(checkpoint_dir: str | Path) -> list[tuple[int, str, dict[str, Any]]]:
+    """Load the history of checkpoints and their metrics: (step_number, checkpoint_path, info) for each
+    finalized checkpoint, by step; an unreadable training_info.json gives {}."""
+    return [
+        (step, str(path), _read_training_info(path) or {}) for step, path in _list_step_dirs(Path(checkpoint_dir))
+    ]
 
 
 def _remove_path(path: Path) -> None:

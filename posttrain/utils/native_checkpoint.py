@@ -1,5 +1,9 @@
 """Checkpoint mechanism: sharded model/optimizer state with torch.distributed.checkpoint (DCP), scheduler and
-run state beside it, per-rank RNG states, and export to a Hugging Face directory. Nothing here unpickles.
+run state beside it, per-rank RNG states, and export to a Hugging Face directory.
+
+Loading never runs code from a checkpoint: DCP metadata is unpickled by an allow-list unpickler and every
+other entry is read with `torch.load(weights_only=True)` (`safe_dcp.py`); RNG states are safetensors and
+the rest is JSON.
 
 Layout of a checkpoint directory: `model/` and `optim/` (DCP), `scheduler.json`, `extra_state.json`,
 `hf_config/` (the model's config.json), `tokenizer/`, `rng/rank_N.safetensors`.
@@ -28,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+
+from posttrain.utils.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
 
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
@@ -95,7 +101,12 @@ def _require_dcp(path: Path) -> Path:
 def _dcp_load(state_dict: dict[str, Any], path: Path) -> None:
     _require_dcp(path)
     with _quiet_single_process():
-        dcp.load(state_dict, checkpoint_id=path, no_dist=not _is_distributed())
+        dcp.load(
+            state_dict,
+            storage_reader=SafeFileSystemReader(path),
+            planner=SafeLoadPlanner(),
+            no_dist=not _is_distributed(),
+        )
 
 
 def _write_json(data: Any, path: Path) -> None:
@@ -162,7 +173,10 @@ def load_checkpoint(
     model_state = get_model_state_dict(model)
     _dcp_load(model_state, path / MODEL_DIR)
     set_model_state_dict(model, model_state)
-    if optimizer is not None:
+    if optimizer is not None and not (path / OPTIM_DIR).is_dir():
+        warnings.warn(f"{path} holds no optimizer state (saved with save_optimizer: false); "
+                      "the optimizer starts fresh", stacklevel=2)
+    elif optimizer is not None:
         # A fresh optimizer gets its state initialised here, so the loaded state has somewhere to go.
         optim_state = get_optimizer_state_dict(model, optimizer)
         _dcp_load(optim_state, path / OPTIM_DIR)
@@ -241,6 +255,17 @@ def load_rng_state(path: str | Path, rank: int) -> None:
                 torch.cuda.set_rng_state(tensors[f"torch_cuda_{index}"], device=index)
 
 
+def load_rng_state_if_saved(path: str | Path, rank: int) -> bool:
+    """load_rng_state when this rank's file exists; a warning otherwise (a checkpoint of fewer ranks, or
+    one written before RNG states were saved): the rank then keeps its freshly seeded RNG."""
+    if not _rng_file(path, rank).is_file():
+        warnings.warn(f"{_rng_file(path, rank)} is missing: rank {rank} keeps its seeded RNG state, so "
+                      "sampling-dependent steps (dropout) will not repeat the interrupted run", stacklevel=2)
+        return False
+    load_rng_state(path, rank)
+    return True
+
+
 # -- Hugging Face export ----------------------------------------------------------------------------
 
 
@@ -313,7 +338,7 @@ def export_checkpoint_to_hf(
     model_dir = _require_dcp(checkpoint_dir / MODEL_DIR)
     config_dir = _pick_dir(checkpoint_dir / HF_CONFIG_DIR, base_model_dir, "config")
     tokenizer_dir = _pick_dir(checkpoint_dir / TOKENIZER_DIR, base_model_dir, "tokenizer")
-    saved = dcp.FileSystemReader(model_dir).read_metadata().state_dict_metadata
+    saved = SafeFileSystemReader(model_dir).read_metadata().state_dict_metadata
     dtypes = [entry.properties.dtype for entry in saved.values() if hasattr(entry, "properties")]
     model = _empty_model(AutoConfig.from_pretrained(config_dir), _weights_dtype(dtypes))
     state = model.state_dict()  # tied weights appear under both names, sharing one tensor

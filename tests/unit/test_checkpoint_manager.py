@@ -26,7 +26,8 @@ def make_manager(tmp_path: Path, **overrides) -> CheckpointManager:
 def save(manager: CheckpointManager, step: int, info: dict | None = None, payload: str = "") -> Path:
     tmp = manager.init_tmp_checkpoint(step, info if info is not None else {"step": step})
     (tmp / "model.txt").write_text(payload or f"weights of step {step}")
-    return manager.finalize_checkpoint(tmp)
+    manager.finalize_checkpoint(tmp)
+    return manager.checkpoint_dir / f"step_{step}"
 
 
 def step_names(manager: CheckpointManager) -> list[str]:
@@ -39,8 +40,8 @@ def test_top3_lower_is_better_keeps_steps_2_4_5_and_latest_6(tmp_path):
     for step, loss in enumerate([0.5, 0.3, 0.7, 0.2, 0.4, 0.8], start=1):
         save(manager, step, {"step": step, "val/loss": loss})
     assert step_names(manager) == ["step_2", "step_4", "step_5", "step_6"]
-    assert manager.get_best_checkpoint_path().name == "step_4"
-    assert manager.get_latest_checkpoint_path().name == "step_6"
+    assert manager.get_best_checkpoint_path() == str(manager.checkpoint_dir / "step_4")
+    assert manager.get_latest_checkpoint_path() == str(manager.checkpoint_dir / "step_6")
 
 
 def test_top2_higher_is_better_ties_prefer_recent_and_missing_metric_ranks_worst(tmp_path):
@@ -51,7 +52,7 @@ def test_top2_higher_is_better_ties_prefer_recent_and_missing_metric_ranks_worst
     save(manager, 3, {"val/acc": 0.9})
     save(manager, 4, {"val/acc": 0.5})
     assert step_names(manager) == ["step_1", "step_3", "step_4"]
-    assert manager.get_best_checkpoint_path().name == "step_3"
+    assert manager.get_best_checkpoint_path().endswith("/step_3")
 
 
 def test_remove_old_checkpoints_without_exclude_latest_drops_the_latest_if_not_top_k(tmp_path):
@@ -59,8 +60,7 @@ def test_remove_old_checkpoints_without_exclude_latest_drops_the_latest_if_not_t
     for step, loss in [(1, 0.1), (2, 0.2), (3, 0.3)]:
         save(manager, step, {"val/loss": loss})
     manager.config.keep_top_k = 1
-    removed = manager.remove_old_checkpoints(exclude_latest=False)
-    assert sorted(p.name for p in removed) == ["step_2", "step_3"]
+    assert manager.remove_old_checkpoints(exclude_latest=False) is None
     assert step_names(manager) == ["step_1"]
 
 
@@ -71,7 +71,7 @@ def test_latest_orders_numerically_and_ignores_other_names(tmp_path):
     (manager.checkpoint_dir / "step_30-hf").mkdir()
     (manager.checkpoint_dir / "tmp_step_40").mkdir()
     (manager.checkpoint_dir / "step_50").write_text("a file, not a checkpoint")
-    assert manager.get_latest_checkpoint_path().name == "step_10"
+    assert manager.get_latest_checkpoint_path().endswith("/step_10")
     assert step_names(manager) == ["step_9", "step_10"]
 
 
@@ -89,7 +89,7 @@ def test_best_ignores_checkpoints_without_metric_with_warning(tmp_path, caplog):
     save(manager, 1, {"val/loss": 0.4})
     save(manager, 2, {"train/loss": 0.1})
     with caplog.at_level(logging.WARNING):
-        assert manager.get_best_checkpoint_path().name == "step_1"
+        assert manager.get_best_checkpoint_path().endswith("/step_1")
     assert "step_2" in caplog.text
 
 
@@ -98,7 +98,7 @@ def test_best_without_any_metric_warns_and_returns_latest(tmp_path, caplog):
     save(manager, 1, {})
     save(manager, 2, {})
     with caplog.at_level(logging.WARNING):
-        assert manager.get_best_checkpoint_path().name == "step_2"
+        assert manager.get_best_checkpoint_path().endswith("/step_2")
     assert "val/loss" in caplog.text
 
 
@@ -107,7 +107,7 @@ def test_without_metric_name_top_k_keeps_the_most_recent(tmp_path):
     for step in range(1, 5):
         save(manager, step, {"val/loss": 1.0 / step})
     assert step_names(manager) == ["step_3", "step_4"]
-    assert manager.get_best_checkpoint_path().name == "step_4"
+    assert manager.get_best_checkpoint_path().endswith("/step_4")
 
 
 def test_empty_directory_gives_none_everywhere(tmp_path):
@@ -128,12 +128,13 @@ def test_training_info_converts_tensor_and_numpy_scalars_and_config_is_written(t
     manager = make_manager(tmp_path)
     info = {"step": np.int64(3), "val/loss": torch.tensor(0.25), "acc": np.float32(0.5), "lst": np.arange(2)}
     tmp = manager.init_tmp_checkpoint(3, info, run_config={"run": RunConfig(), "out": Path("/x")})
-    final = manager.finalize_checkpoint(tmp)
+    assert manager.finalize_checkpoint(tmp) is None
+    final = manager.checkpoint_dir / "step_3"
     loaded = manager.load_training_info(final)
     assert loaded == {"step": 3, "val/loss": 0.25, "acc": 0.5, "lst": [0, 1]}
     assert type(loaded["step"]) is int
     assert yaml.safe_load((final / "config.yaml").read_text()) == {"run": {"lr": 1e-3, "name": "toy"}, "out": "/x"}
-    assert manager.load_training_info() == loaded
+    assert manager.load_training_info(manager.get_latest_checkpoint_path()) == loaded
 
 
 def test_pydantic_run_config_is_dumped_to_yaml(tmp_path):
@@ -162,8 +163,9 @@ def test_finalize_replaces_existing_step_without_mixing_files(tmp_path):
     manager.finalize_checkpoint(first)
     second = manager.init_tmp_checkpoint(4, {"run": "new"})
     (second / "only_in_new.txt").write_text("new")
-    final = manager.finalize_checkpoint(second)
-    assert sorted(p.name for p in final.iterdir()) == ["only_in_new.txt", "training_info.json"]
+    manager.finalize_checkpoint(second)
+    final = manager.checkpoint_dir / "step_4"
+    assert sorted(p.name for p in final.iterdir()) == ["checksums.json", "only_in_new.txt", "training_info.json"]
     assert manager.load_training_info(final) == {"run": "new"}
     assert sorted(p.name for p in manager.checkpoint_dir.iterdir()) == ["step_4"]
 
@@ -188,7 +190,7 @@ def test_resume_from_points_at_an_explicit_checkpoint(tmp_path):
     save(manager, 2, {"step": 2})
     explicit = make_manager(tmp_path, resume_from=str(first))
     assert explicit.get_resume_checkpoint_path() == first
-    assert explicit.load_training_info() == {"step": 1}
+    assert explicit.load_training_info(explicit.get_resume_checkpoint_path()) == {"step": 1}
     missing = make_manager(tmp_path, resume_from=str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="nope"):
         missing.get_resume_checkpoint_path()
@@ -214,7 +216,7 @@ def test_disk_full_during_write_raises_naming_the_path_and_keeps_earlier_checkpo
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, old_handler)
     assert step_names(manager) == ["step_1"]
-    assert manager.load_training_info() == {"val/loss": 0.5}
+    assert manager.load_training_info(manager.get_latest_checkpoint_path()) == {"val/loss": 0.5}
     assert (manager.checkpoint_dir / "step_1" / "model.txt").read_text() == "weights of step 1"
 
 

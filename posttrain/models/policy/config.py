@@ -123,6 +123,11 @@ class PolicyConfig:
         default=1.0, metadata={"help": "Logprobs come from logits / temperature, to match sampling."}
     )
     seed: int = field(default=42, metadata={"help": "Seed of torch's RNG on every worker."})
+    stop_on_nonfinite_loss: bool = field(
+        default=True,
+        metadata={"help": "A NaN/inf training loss stops the run with NonFiniteLossError (before any "
+                          "checkpoint of that step); false: keep training."},
+    )
 
     def __post_init__(self) -> None:
         # Nested sections given as plain mappings (e.g. straight from YAML) become their typed classes.

@@ -5,6 +5,7 @@ It shards batches across data-parallel ranks, calls the workers and puts their r
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -17,6 +18,22 @@ from posttrain.distributed.worker_group import RayWorkerGroup
 from posttrain.models.policy.config import PolicyConfig
 from posttrain.models.policy.worker import DTensorPolicyWorker, LossFn
 from posttrain.utils.logger import reduce_timing
+
+
+class NonFiniteLossError(RuntimeError):
+    """A training step's loss came back NaN or infinite (policy.stop_on_nonfinite_loss)."""
+
+
+def check_finite_losses(losses: list[float]) -> None:
+    """NonFiniteLossError naming the first global batch whose loss is NaN or infinite."""
+    for index, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            raise NonFiniteLossError(
+                f"training loss is {loss} (global batch {index + 1} of {len(losses)} in this step): the "
+                "weights are no longer usable, so the run stops without writing a checkpoint of this step "
+                "(resume from the last one, e.g. with a lower learning rate; "
+                "policy.stop_on_nonfinite_loss=false keeps training)"
+            )
 
 
 class Policy:
@@ -108,14 +125,17 @@ class Policy:
             )
         shards = data.shard_by_batch_size(self.dp_size, batch_size=gbs)
         results = self._run_dp("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+        if not eval_mode and self.cfg.stop_on_nonfinite_loss:
+            check_finite_losses(results[0]["loss"])
         return results[0]  # every rank returns the same, already reduced over dp
 
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded model + optimizer + scheduler state under `path` (DCP)."""
-        self.worker_group.run_all("save_checkpoint", path=str(path))
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Sharded model + optimizer (unless not `save_optimizer`) + scheduler state under `path` (DCP),
+        and every rank's RNG states (`rng/rank_N.safetensors`)."""
+        self.worker_group.run_all("save_checkpoint", path=str(path), save_optimizer=save_optimizer)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore the state written by save_checkpoint (any number of workers)."""
+        """Restore the state written by save_checkpoint (any number of workers), RNG states included."""
         self.worker_group.run_all("load_checkpoint", path=str(path))
 
     def export_hf(self, out_dir: str) -> None:

@@ -601,19 +601,21 @@ class DTensorPolicyWorker:
 
     # -- checkpoints, export, refit ----------------------------------------------------------------------
 
-    def save_checkpoint(self, path: str) -> None:
-        """Sharded model + optimizer + scheduler state (DCP) under `path` (collective)."""
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Sharded model + optimizer (when `save_optimizer`) + scheduler state (DCP) under `path`, and this
+        rank's RNG states (collective)."""
         from posttrain.utils import native_checkpoint
 
-        native_checkpoint.save_checkpoint(
-            self.model, self.optimizer, self.scheduler, path, tokenizer=self.tokenizer
-        )
+        optimizer = self.optimizer if save_optimizer else None
+        native_checkpoint.save_checkpoint(self.model, optimizer, self.scheduler, path, tokenizer=self.tokenizer)
+        native_checkpoint.save_rng_state(path, self.rank)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer and scheduler state saved by save_checkpoint (collective)."""
         from posttrain.utils import native_checkpoint
 
         native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path)
+        native_checkpoint.load_rng_state_if_saved(path, self.rank)
         self.weights_version += 1
 
     def export_hf(self, out_dir: str) -> None:
