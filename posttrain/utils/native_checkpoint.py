@@ -33,7 +33,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from posttrain.utils.safe_dcp import SafeFileSystemReader, SafeLoadPlanner
+from posttrain.utils.safe_dcp import (
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnsafeCheckpointError,
+    read_metadata_safely,
+)
 
 MODEL_DIR = "model"
 OPTIM_DIR = "optim"
@@ -46,6 +51,10 @@ EXTRA_STATE_FILE = "extra_state.json"
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (disk full, permission, a file in the way); names the path."""
+
+
+class CheckpointLoadError(RuntimeError):
+    """A checkpoint's shards could not be read (damaged or incompatible); names the directory."""
 
 
 # -- process-group helpers -----------------------------------------------------------------------------
@@ -93,20 +102,31 @@ def _dcp_save(state_dict: dict[str, Any], path: Path) -> None:
 
 
 def _require_dcp(path: Path) -> Path:
+    """`path` if it holds DCP metadata that the allow-list unpickler accepts (checked up front, so a
+    refusal is raised as itself, not wrapped in DCP's CheckpointException)."""
     if not (path / ".metadata").is_file():
         raise FileNotFoundError(f"no DCP checkpoint at {path} (missing {path / '.metadata'})")
+    read_metadata_safely(path / ".metadata")
     return path
 
 
 def _dcp_load(state_dict: dict[str, Any], path: Path) -> None:
     _require_dcp(path)
-    with _quiet_single_process():
-        dcp.load(
-            state_dict,
-            storage_reader=SafeFileSystemReader(path),
-            planner=SafeLoadPlanner(),
-            no_dist=not _is_distributed(),
-        )
+    try:
+        with _quiet_single_process():
+            dcp.load(
+                state_dict,
+                storage_reader=SafeFileSystemReader(path),
+                planner=SafeLoadPlanner(),
+                no_dist=not _is_distributed(),
+            )
+    except CheckpointException as exc:  # a BaseException: turn it into an ordinary, readable error
+        causes = [failure[0] for failure in exc.failures.values()]
+        unsafe = [cause for cause in causes if isinstance(cause, UnsafeCheckpointError)]
+        if unsafe:
+            raise unsafe[0] from None
+        summary = "; ".join(f"{type(cause).__name__}: {cause}" for cause in causes)
+        raise CheckpointLoadError(f"could not load the checkpoint shard directory {path}: {summary}") from None
 
 
 def _write_json(data: Any, path: Path) -> None:

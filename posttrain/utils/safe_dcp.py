@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -96,9 +97,12 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             loaded = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as exc:
+            found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+            what = found.group(1) if found else str(exc).splitlines()[0]
             raise UnsafeCheckpointError(
-                f"checkpoint entry {read_item.dest_index.fqn}: refused by torch.load(weights_only=True): {exc}"
-            ) from exc
+                f"checkpoint entry {read_item.dest_index.fqn}: refusing to load {what} (only tensors and plain "
+                "data are allowed; the file may have been crafted to run code)"
+            ) from None
         super().load_bytes(read_item, _saved(loaded))
 
 
