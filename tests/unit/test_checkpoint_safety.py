@@ -84,18 +84,27 @@ def craft_optimizer_entry(policy_dir: Path, base_model: Path, marker: Path) -> N
         dcp.save(state, checkpoint_id=policy_dir / OPTIM_DIR, no_dist=True)
 
 
-@pytest.fixture(params=["metadata", "optimizer_entry"])
-def malicious(request, base_model, tmp_path):
-    """(run checkpoint step_1 with a valid manifest, marker path) for each kind of crafted file."""
+def make_malicious(kind: str, base_model: Path, tmp_path: Path) -> tuple[Path, Path, str]:
+    """(run checkpoint step_1 with a valid manifest, marker path, kind) with one crafted file."""
     marker = tmp_path / "marker"
     tmp = run_checkpoint(base_model, tmp_path / "run")
-    if request.param == "metadata":
+    if kind == "metadata":
         craft_metadata(tmp / "policy", marker)
     else:
         craft_optimizer_entry(tmp / "policy", base_model, marker)
-    manager = CheckpointManager({"checkpoint_dir": str(tmp.parent)})
-    manager.finalize_checkpoint(tmp)  # the attacker can write a matching manifest too
-    return tmp.parent / "step_1", marker, request.param
+    CheckpointManager({"checkpoint_dir": str(tmp.parent)}).finalize_checkpoint(tmp)  # attackers can hash too
+    return tmp.parent / "step_1", marker, kind
+
+
+@pytest.fixture(params=["metadata", "optimizer_entry"])
+def malicious(request, base_model, tmp_path):
+    return make_malicious(request.param, base_model, tmp_path)
+
+
+@pytest.fixture
+def malicious_metadata(base_model, tmp_path):
+    """Export and eval read only the model weights (model/.metadata), never the optimizer."""
+    return make_malicious("metadata", base_model, tmp_path)
 
 
 def test_the_crafted_files_do_run_code_under_plain_pickle(base_model, tmp_path):
@@ -135,10 +144,8 @@ def test_restore_run_refuses_the_crafted_checkpoint(malicious, base_model):
     assert not marker.exists()
 
 
-def test_export_and_eval_refuse_a_crafted_metadata_file(malicious, tmp_path):
-    step_dir, marker, kind = malicious
-    if kind != "metadata":
-        pytest.skip("export and eval read only the model weights, not the optimizer")
+def test_export_and_eval_refuse_a_crafted_metadata_file(malicious_metadata, tmp_path):
+    step_dir, marker, _ = malicious_metadata
     with pytest.raises(UnsafeCheckpointError, match="refusing to load builtins.exec"):
         export_checkpoint_to_hf(step_dir / "policy", tmp_path / "hf")
     with pytest.raises(UnsafeCheckpointError):
@@ -146,10 +153,8 @@ def test_export_and_eval_refuse_a_crafted_metadata_file(malicious, tmp_path):
     assert not marker.exists()
 
 
-def test_posttrain_export_command_refuses_a_crafted_checkpoint(malicious, tmp_path):
-    step_dir, marker, kind = malicious
-    if kind != "metadata":
-        pytest.skip("export reads only the model weights")
+def test_posttrain_export_command_refuses_a_crafted_checkpoint(malicious_metadata, tmp_path):
+    step_dir, marker, _ = malicious_metadata
     result = subprocess.run(
         [sys.executable, "-m", "posttrain.cli", "export", str(step_dir), str(tmp_path / "hf")],
         capture_output=True, text=True, timeout=120, cwd=REPO,
