@@ -172,3 +172,18 @@ def test_an_intact_checkpoint_still_loads_and_exports(base_model, tmp_path):
     assert optimizer.param_groups[0]["lr"] == 1e-3
     out_dir = export_checkpoint_to_hf(tmp / "policy", tmp_path / "hf")
     assert (out_dir / "model.safetensors").is_file()
+
+
+def test_a_checkpoint_saved_without_optimizer_loads_weights_and_warns(base_model, tmp_path):
+    """checkpointing.save_optimizer=false: no optim/ directory; loading restores the weights and says that
+    the optimizer starts fresh."""
+    model, _, scheduler = training_objects(base_model)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    save_checkpoint(model, None, scheduler, tmp_path / "policy")
+    assert not (tmp_path / "policy" / OPTIM_DIR).exists()
+    fresh, optimizer, fresh_scheduler = training_objects(base_model)
+    with pytest.warns(UserWarning, match="holds no optimizer state"):
+        load_checkpoint(fresh, optimizer, fresh_scheduler, tmp_path / "policy")
+    assert torch.equal(fresh.lm_head.weight, model.lm_head.weight)
+    assert optimizer.state == {}
