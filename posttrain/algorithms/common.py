@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 from posttrain.config import ConfigError, config_to_dict, format_config_help, load_typed_config, save_config
 from posttrain.utils.checkpoint import CheckpointManager
@@ -72,6 +72,23 @@ def checkpoint_if_due(run: Any, val_loss: float | None, force: bool = False) -> 
     if val_loss is not None:
         info["val_loss"] = val_loss
     save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
+
+
+def end_of_step(run: Any, metrics: dict[str, float], timer: Any, val_period: int, last_step: int,
+                validate: Callable[[Any], dict[str, float]]) -> dict[str, float] | None:
+    """The bookkeeping after an optimizer step of a supervised-style loop (SFT, DPO, RM): log the step's
+    metrics and stage timings, validate every `val_period` steps and at `last_step`, checkpoint when due
+    (always at the run's final step). Returns the validation metrics when it validated."""
+    run.logger.log_metrics(metrics, run.step, prefix="train")
+    run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
+    timer.reset()
+    val_metrics = None
+    if run.step % val_period == 0 or run.step == last_step:
+        val_metrics = validate(run)
+        run.logger.log_metrics(val_metrics, run.step, prefix="val")
+    val_loss = val_metrics["loss"] if val_metrics else None
+    checkpoint_if_due(run, val_loss, force=run.step == last_step == run.total_steps)
+    return val_metrics
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any
 from posttrain.algorithms.common import (
     PairLoopConfig,
     check_pair_batching,
-    checkpoint_if_due,
+    end_of_step,
     evaluate_pairs,
     load_run_config,
     pair_batches,
@@ -161,18 +161,10 @@ def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:
             metrics = train_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
-            run.logger.log_metrics(metrics, run.step, prefix="train")
-            run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
-            timer.reset()
-            at_end = run.step == last_step
-            val_loss = None
-            if run.step % run.cfg.dpo.val_period == 0 or at_end:
-                val_metrics = validate(run)
-                val_loss = val_metrics["loss"]
-                run.logger.log_metrics(val_metrics, run.step, prefix="val")
-            checkpoint_if_due(run, val_loss, force=at_end and run.step == run.total_steps)
+            step_val = end_of_step(run, metrics, timer, run.cfg.dpo.val_period, last_step, validate)
+            val_metrics = step_val or val_metrics
             shown = {"loss": metrics["loss"], "acc": metrics["accuracy"]}
-            progress.advance(run.step, shown | ({"val_acc": val_metrics["accuracy"]} if val_loss is not None else {}))
+            progress.advance(run.step, shown | ({"val_acc": step_val["accuracy"]} if step_val else {}))
     if run.step == run.total_steps and run.cfg.dpo.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
     return val_metrics

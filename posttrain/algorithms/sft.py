@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms.common import (
-    checkpoint_if_due,
+    end_of_step,
     load_run_config,
     mean_over_global_batches,
     prepare_run_dir,
@@ -163,17 +163,9 @@ def sft_train(run: SFTRun, num_steps: int | None = None) -> dict[str, float]:
             metrics = train_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
-            run.logger.log_metrics(metrics, run.step, prefix="train")
-            run.logger.log_metrics(timer.get_timing_metrics(reduction="sum"), run.step, prefix="timing")
-            timer.reset()
-            at_end = run.step == last_step
-            val_loss = None
-            if run.step % run.cfg.sft.val_period == 0 or at_end:
-                val_metrics = validate(run)
-                val_loss = val_metrics["loss"]
-                run.logger.log_metrics(val_metrics, run.step, prefix="val")
-            checkpoint_if_due(run, val_loss, force=at_end and run.step == run.total_steps)
-            progress.advance(run.step, {"loss": metrics["loss"], **({"val_loss": val_loss} if val_loss else {})})
+            step_val = end_of_step(run, metrics, timer, run.cfg.sft.val_period, last_step, validate)
+            val_metrics = step_val or val_metrics
+            progress.advance(run.step, {"loss": metrics["loss"], **({"val_loss": step_val["loss"]} if step_val else {})})
     if run.step == run.total_steps and run.cfg.sft.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
     return val_metrics
