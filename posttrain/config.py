@@ -9,6 +9,7 @@ import difflib
 import math
 import os
 import re
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -469,6 +470,15 @@ def validate_config(schema_cls: type[T], cfg: DictConfig | Mapping[str, Any],
             raise ConfigError(str(getattr(error, "full_key", "")), str(error).splitlines()[0]) from None
     checker = _Checker(schema_cls, sources)
     return checker.convert(schema_cls, cfg, "")
+
+
+def load_run_config(schema_cls: type[T], args: Any) -> T:
+    """The validated config of `posttrain <command> --config FILE overrides...`; `--help-config` prints
+    every key of the schema and exits."""
+    if getattr(args, "help_config", False):
+        print(format_config_help(schema_cls))
+        sys.exit(0)
+    return load_typed_config(schema_cls, args.config, args.overrides)
 
 
 def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:

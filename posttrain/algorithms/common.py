@@ -9,20 +9,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
-from posttrain.config import ConfigError, config_to_dict, format_config_help, load_typed_config, save_config
+from posttrain.config import ConfigError, config_to_dict, save_config
 from posttrain.utils.checkpoint import CheckpointManager
-
-T = TypeVar("T")
-
-
-def load_run_config(schema_cls: type[T], args: Any) -> T:
-    """The validated config of `posttrain <algo> --config FILE overrides...`; `--help-config` lists keys."""
-    if getattr(args, "help_config", False):
-        print(format_config_help(schema_cls))
-        sys.exit(0)
-    return load_typed_config(schema_cls, args.config, args.overrides)
+from posttrain.utils.metrics import single_step_metrics
 
 
 def default_log_dir(algorithm: str) -> str:
@@ -202,11 +193,6 @@ def pair_batches(records: list[dict], pairs_per_batch: int, num_ranks: int, pad_
     return batches
 
 
-def single_step_metrics(metrics: dict[str, list[float]]) -> dict[str, float]:
-    """Policy.train's per-global-batch lists -> floats, for a call that trained exactly one global batch."""
-    return {key: float(values[0]) for key, values in metrics.items()}
-
-
 def evaluate_pairs(policy: Any, batches: list[Any], loss_fn: Any, micro_batch_size: int) -> dict[str, float]:
     """Forward-only `loss_fn` over evaluation batches: its metrics averaged with each batch weighted by
     its number of real (unmasked) pairs."""
@@ -220,16 +206,3 @@ def evaluate_pairs(policy: Any, batches: list[Any], loss_fn: Any, micro_batch_si
                 totals[key] = totals.get(key, 0.0) + value * batch_pairs
         num_pairs += batch_pairs
     return {key: total / max(num_pairs, 1.0) for key, total in totals.items()}
-
-
-def mean_over_global_batches(metrics: dict[str, list[float]]) -> dict[str, float]:
-    """Policy.train's per-global-batch lists -> one float each (mean; min/max for `*_min`/`*_max`)."""
-    reduced = {}
-    for key, values in metrics.items():
-        if key.endswith("_min"):
-            reduced[key] = float(min(values))
-        elif key.endswith("_max"):
-            reduced[key] = float(max(values))
-        else:
-            reduced[key] = float(sum(values) / len(values))
-    return reduced

@@ -30,16 +30,14 @@ from posttrain.algorithms.common import (
     check_pair_batching,
     end_of_step,
     evaluate_pairs,
-    load_run_config,
     pair_batches,
     pairs_to_train_data,
     prepare_run_dir,
     resolve_model_dir,
     restore_run,
-    single_step_metrics,
 )
 from posttrain.algorithms.loss import DPOLoss, DPOLossConfig
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -47,6 +45,7 @@ from posttrain.models.build import load_tokenizer
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 

@@ -40,8 +40,6 @@ import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.common import (
-    load_run_config,
-    mean_over_global_batches,
     prepare_run_dir,
     resolve_model_dir,
     restore_run,
@@ -49,7 +47,7 @@ from posttrain.algorithms.common import (
 )
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -62,6 +60,7 @@ from posttrain.models.generation import GenerationConfig, GenerationInterface, m
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
@@ -437,7 +436,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
-        metrics = mean_over_global_batches(run.policy.train(train_data, loss_fn))
+        metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
     run.rollout_source.after_update(run)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})

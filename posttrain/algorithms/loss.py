@@ -11,7 +11,7 @@ Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (los
   over micro-batches and data-parallel ranks is the loss of the global batch (and so is the gradient).
 - Metrics are floats already divided by the global counts, so that SUMMING them over micro-batches and
   ranks gives the global value; the only exceptions are keys ending in `_min` / `_max`, this micro-batch's
-  extremes, which must be reduced with min / max (`reduce_loss_metrics` does both).
+  extremes, which must be reduced with min / max (`posttrain.utils.metrics.sum_metrics` does both).
 """
 
 from __future__ import annotations
@@ -68,22 +68,6 @@ def _pair_halves(values: torch.Tensor, loss_name: str) -> tuple[torch.Tensor, to
             f"{values.shape[0]} rows"
         )
     return values[0::2], values[1::2]
-
-
-def reduce_loss_metrics(per_microbatch: list[dict[str, float]]) -> dict[str, float]:
-    """Combine metrics of several micro-batches (or ranks): sum, except `*_min` -> min and `*_max` -> max."""
-    reduced: dict[str, float] = {}
-    for metrics in per_microbatch:
-        for key, value in metrics.items():
-            if key not in reduced:
-                reduced[key] = value
-            elif key.endswith("_min"):
-                reduced[key] = min(reduced[key], value)
-            elif key.endswith("_max"):
-                reduced[key] = max(reduced[key], value)
-            else:
-                reduced[key] += value
-    return reduced
 
 
 # -- NLL ------------------------------------------------------------------------------------------

@@ -20,13 +20,12 @@ from typing import Any
 
 from posttrain.algorithms.common import (
     end_of_step,
-    load_run_config,
-    mean_over_global_batches,
     prepare_run_dir,
     resolve_model_dir,
     restore_run,
 )
 from posttrain.algorithms.loss import NLLLoss
+from posttrain.config import load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -34,6 +33,7 @@ from posttrain.models.build import load_tokenizer
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
@@ -145,7 +145,7 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
     with timer.time("data"):
         batch = to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id, run.cfg.data.train_on)
     with timer.time("train"):
-        metrics = mean_over_global_batches(run.policy.train(batch, NLLLoss()))
+        metrics = mean_over_steps(run.policy.train(batch, NLLLoss()))
     num_tokens = float(batch["input_lengths"].sum())
     metrics["tokens_per_second"] = num_tokens / max(timer.get_latest("train"), 1e-9)
     metrics["num_trained_tokens"] = float(batch["token_mask"].sum())

@@ -19,8 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from posttrain.algorithms.common import load_run_config
-from posttrain.config import ConfigError, save_config
+from posttrain.config import ConfigError, load_run_config, save_config
 from posttrain.data import DataConfig, load_datasets
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, create_environments

@@ -1,5 +1,5 @@
 """Unified logger: flattening and summaries, JSONL content, real TensorBoard / MLflow / W&B files read
-back, rank reductions, validation sample printing, and the system monitor's parsing."""
+back, validation sample printing, and the system monitor's parsing."""
 
 from __future__ import annotations
 
@@ -21,8 +21,6 @@ from posttrain.utils.logger import (
     flatten_metrics,
     logger_config_from,
     mlflow_key,
-    reduce_metrics,
-    reduce_timing,
     summarize_values,
 )
 from posttrain.utils.sample_printer import choose_samples, render_sample
@@ -194,21 +192,6 @@ def test_wandb_offline_run_writes_history_and_config_and_system_rows_survive(tmp
     assert [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row] == [(7, 0.5), (8, 0.25)]
     assert [(row["system/step"], row["system/node/cpu"]) for row in rows if "system/node/cpu" in row] == [(1, 12.5)]
     assert config["optim/lr"] == 0.001
-
-
-# ------------------------------------------------------------------------------------ rank reductions
-def test_reduce_metrics_uses_named_reduction_per_key_and_default_mean():
-    per_rank = [{"loss": 1.0, "grad_norm": 3.0, "tokens": 10}, {"loss": 3.0, "grad_norm": 5.0, "tokens": 30}]
-    assert reduce_metrics(per_rank, {"grad_norm": "max", "tokens": "sum"}) == {
-        "loss": 2.0, "grad_norm": 5.0, "tokens": 40.0,
-    }
-    assert reduce_metrics(per_rank, default="min") == {"loss": 1.0, "grad_norm": 3.0, "tokens": 10.0}
-    assert reduce_timing([{"train": 1.5, "gen": 2.0}, {"train": 2.5, "gen": 1.0}]) == {"train": 2.5, "gen": 2.0}
-
-
-def test_reduce_metrics_rejects_unknown_reduction_naming_the_metric():
-    with pytest.raises(ValueError, match="'loss'"):
-        reduce_metrics([{"loss": 1.0}], {"loss": "median"})
 
 
 # ------------------------------------------------------------------------------- validation samples

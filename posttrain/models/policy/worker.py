@@ -22,7 +22,6 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from posttrain.algorithms.loss import reduce_loss_metrics
 from posttrain.distributed.batched_data_dict import (
     BatchedDataDict,
     dynamic_microbatch_indices,
@@ -31,6 +30,7 @@ from posttrain.distributed.batched_data_dict import (
 from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig
+from posttrain.utils.metrics import reduction_of, sum_metrics
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 
@@ -531,7 +531,7 @@ class DTensorPolicyWorker:
                 continue
             step.loss += float(loss.detach())
             step.num_microbatches += 1
-            step.loss_metrics = reduce_loss_metrics(
+            step.loss_metrics = sum_metrics(
                 [step.loss_metrics, {k: float(v) for k, v in metrics.items()}]
             )
         if not eval_mode:
@@ -578,7 +578,7 @@ class DTensorPolicyWorker:
         keys = sorted({key for step in steps for key in step.loss_metrics} - {"loss", "num_microbatches"})
         columns = {"sum": ["loss", "num_microbatches"], "min": [], "max": []}
         for key in keys:
-            columns["min" if key.endswith("_min") else "max" if key.endswith("_max") else "sum"].append(key)
+            columns[reduction_of(key)].append(key)
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         result: dict[str, Any] = {}
         for kind, names in columns.items():
