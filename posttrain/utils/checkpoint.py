@@ -83,9 +83,7 @@ def _json_default(value: Any) -> Any:
 
 
 def _config_as_dict(run_config: Any) -> Any:
-    """A run config as YAML-safe data: pydantic models dump, dataclasses become dicts (at any depth)."""
-    if hasattr(run_config, "model_dump") and not isinstance(run_config, type):
-        return run_config.model_dump(mode="json")
+    """A run config as YAML-safe data: dataclasses become dicts (at any depth)."""
     if dataclasses.is_dataclass(run_config) and not isinstance(run_config, type):
         return {f.name: _config_as_dict(getattr(run_config, f.name)) for f in dataclasses.fields(run_config)}
     if isinstance(run_config, dict):

@@ -177,9 +177,7 @@ class ScalarPreparer:
 
 
 def as_plain_data(value: Any) -> Any:
-    """Dataclasses and pydantic models (at any depth, inside dicts, lists and tuples) as plain data."""
-    if hasattr(value, "model_dump") and not isinstance(value, type):
-        return value.model_dump(mode="json")
+    """Dataclasses (at any depth, inside dicts, lists and tuples) as plain data."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: as_plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
@@ -190,7 +188,7 @@ def as_plain_data(value: Any) -> Any:
 
 
 def flatten_hyperparams(params: Any) -> dict[str, Any]:
-    """Hyperparameters flattened with "/" after dataclasses and pydantic models become dicts."""
+    """Hyperparameters flattened with "/" after dataclasses become dicts."""
     return flatten_metrics(as_plain_data(params))
 
 

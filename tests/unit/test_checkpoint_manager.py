@@ -136,17 +136,6 @@ def test_training_info_converts_tensor_and_numpy_scalars_and_config_is_written(t
     assert manager.load_training_info() == loaded
 
 
-def test_pydantic_run_config_is_dumped_to_yaml(tmp_path):
-    pydantic = pytest.importorskip("pydantic")
-
-    class Model(pydantic.BaseModel):
-        seed: int = 7
-
-    manager = make_manager(tmp_path)
-    tmp = manager.init_tmp_checkpoint(1, {}, run_config=Model())
-    assert yaml.safe_load((tmp / "config.yaml").read_text()) == {"seed": 7}
-
-
 def test_init_replaces_a_stale_tmp_directory(tmp_path):
     manager = make_manager(tmp_path)
     stale = manager.init_tmp_checkpoint(5, {"old": 1})
