@@ -39,14 +39,14 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import advantages as adv
-from posttrain.algorithms.common import (
+from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
+from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
+from posttrain.algorithms.run import (
     prepare_run_dir,
     resolve_model_dir,
     restore_run,
     save_run_checkpoint,
 )
-from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
-from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict

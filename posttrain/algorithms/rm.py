@@ -16,33 +16,30 @@ Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain rm --config co
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from posttrain.algorithms.common import (
-    PairLoopConfig,
+from transformers import PreTrainedTokenizerBase
+
+from posttrain.algorithms import supervised
+from posttrain.algorithms.loss import BradleyTerryLoss
+from posttrain.algorithms.pairs import (
     check_pair_batching,
-    end_of_step,
     evaluate_pairs,
     pair_batches,
+    pair_progress,
+    pair_summary,
     pairs_to_train_data,
-    prepare_run_dir,
-    resolve_model_dir,
-    restore_run,
 )
-from posttrain.algorithms.loss import BradleyTerryLoss
+from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
-from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
+from posttrain.data import DataConfig
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
-from posttrain.models.build import load_tokenizer
+from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.models.policy import Policy, PolicyConfig
-from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.checkpoint import CheckpointingConfig
+from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import single_step_metrics
-from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
 
@@ -50,7 +47,7 @@ from posttrain.utils.timer import Timer
 class RMConfig:
     """`posttrain rm` configuration."""
 
-    rm: PairLoopConfig = field(default_factory=PairLoopConfig, metadata={"help": "the reward-model loop"})
+    rm: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the reward-model loop"})
     policy: PolicyConfig = field(
         default_factory=lambda: PolicyConfig(model_kind="reward_model"),
         metadata={"help": "the trained reward model (model_kind: reward_model)"},
@@ -73,54 +70,12 @@ class RMConfig:
         check_pair_batching(self.policy, self.cluster)
 
 
-@dataclass
-class RMRun:
-    """Everything one reward-model run holds; `rm_train` advances it."""
-
-    cfg: RMConfig
-    log_dir: Path
-    tokenizer: Any
-    policy: Policy
-    cluster: RayVirtualCluster
-    train_loader: StatefulDataLoader
-    val_data: list[BatchedDataDict]  # interleaved pairs
-    logger: Logger
-    checkpoints: CheckpointManager
-    total_steps: int
-    step: int = 0
-
-    def shutdown(self) -> None:
-        self.logger.finish()
-        self.policy.shutdown()
-        self.cluster.shutdown()
+RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs
 
 
-def setup(cfg: RMConfig) -> RMRun:
-    """Data, reward model workers, logger and checkpoints; resumes from the latest checkpoint if any."""
-    log_dir = prepare_run_dir(cfg, "rm")
-    resolve_model_dir(cfg.policy, log_dir)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
-    loader = StatefulDataLoader(
-        train_records, cfg.policy.train_global_batch_size // 2, shuffle=cfg.data.shuffle, seed=cfg.data.seed
-    )
-    epochs_steps = cfg.rm.max_num_epochs * len(loader)
-    total_steps = min(epochs_steps, cfg.rm.max_num_steps or epochs_steps)
-    cluster = RayVirtualCluster(cfg.cluster)
-    policy = Policy(cluster, cfg.policy)
-    val_records = val_records[: cfg.rm.val_max_samples] if cfg.rm.val_max_samples else val_records
-    val_data = pair_batches(val_records, cfg.rm.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
-    run = RMRun(
-        cfg, log_dir, tokenizer, policy, cluster, loader, val_data, Logger(cfg.logger),
-        CheckpointManager(cfg.checkpointing), total_steps,
-    )
-    restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
-    if restored is not None:
-        run.step = int(restored.training_info["step"])
-        loader.load_state_dict(restored.loader_state)
-    run.logger.log_hyperparams({"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data})
-    run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
-    return run
+def val_batches(cfg: RMConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase,
+                records: list[dict]) -> list[BatchedDataDict]:
+    return pair_batches(records, cfg.rm.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
 
 
 def validate(run: RMRun) -> dict[str, float]:
@@ -138,35 +93,29 @@ def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
+RECIPE: Recipe[RMConfig] = Recipe(
+    name="rm",
+    loop=lambda cfg: cfg.rm,
+    records_per_step=lambda cfg: cfg.policy.train_global_batch_size // 2,
+    val_batches=val_batches,
+    train_step=train_step,
+    validate=validate,
+    hyperparams=lambda cfg: {"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
+    shown=pair_progress,
+)
+
+
+def setup(cfg: RMConfig) -> RMRun:
+    """Data, reward model workers, logger and checkpoints; resumes from the latest checkpoint if any."""
+    return supervised.setup_run(cfg, RECIPE)
+
+
 def rm_train(run: RMRun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
-    last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
-    val_metrics: dict[str, float] = {}
-    timer = Timer()
-    with StepProgress("rm", last_step, start=run.step) as progress:
-        while run.step < last_step:
-            start = time.perf_counter()
-            metrics = train_step(run, timer)
-            run.step += 1
-            metrics["step_time"] = time.perf_counter() - start
-            step_val = end_of_step(run, metrics, timer, run.cfg.rm.val_period, last_step, validate)
-            val_metrics = step_val or val_metrics
-            shown = {"loss": metrics["loss"], "acc": metrics["accuracy"]}
-            progress.advance(run.step, shown | ({"val_acc": step_val["accuracy"]} if step_val else {}))
-    if run.step == run.total_steps and run.cfg.rm.export_final_model:
-        run.policy.export_hf(str(run.log_dir / "hf_model"))
-    return val_metrics
+    return supervised.train(run, RECIPE, num_steps)
 
 
 def main(args: Any) -> int:
-    cfg = load_run_config(RMConfig, args)
-    run = setup(cfg)
-    try:
-        val_metrics = rm_train(run)
-    finally:
-        run.shutdown()
-    print(
-        f"rm finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}, "
-        f"val accuracy {val_metrics.get('accuracy', float('nan')):.3f}; run directory {run.log_dir}"
-    )
+    run, val_metrics = supervised.run_to_end(load_run_config(RMConfig, args), RECIPE)
+    print(pair_summary("rm", run.step, val_metrics, run.log_dir))
     return 0

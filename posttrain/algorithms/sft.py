@@ -13,52 +13,30 @@ Run: posttrain sft --config configs/sft_tiny.yaml
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from posttrain.algorithms.common import (
-    end_of_step,
-    prepare_run_dir,
-    resolve_model_dir,
-    restore_run,
-)
+from transformers import PreTrainedTokenizerBase
+
+from posttrain.algorithms import supervised
 from posttrain.algorithms.loss import NLLLoss
+from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
 from posttrain.config import load_run_config
-from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
+from posttrain.data import DataConfig, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
-from posttrain.models.build import load_tokenizer
+from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.models.policy import Policy, PolicyConfig
-from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.checkpoint import CheckpointingConfig
+from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import mean_over_steps
-from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
-
-
-@dataclass
-class SFTLoopConfig:
-    """The SFT loop's own knobs."""
-
-    max_num_epochs: int = field(default=1, metadata={"help": "passes over the training set"})
-    max_num_steps: int | None = field(default=None, metadata={"help": "optimizer steps (None: epochs decide)"})
-    val_period: int = field(default=25, metadata={"help": "validation loss every this many steps (and at the end)"})
-    val_global_batch_size: int = field(default=64, metadata={"help": "conversations per validation batch"})
-    val_max_samples: int | None = field(default=256, metadata={"help": "validation conversations used (None: all)"})
-    export_final_model: bool = field(default=True, metadata={"help": "write <log_dir>/hf_model at the end"})
-
-    def validate(self) -> None:
-        if self.val_period < 1:
-            raise ValueError(f"val_period must be >= 1, got {self.val_period}")
 
 
 @dataclass
 class SFTConfig:
     """`posttrain sft` configuration."""
 
-    sft: SFTLoopConfig = field(default_factory=SFTLoopConfig, metadata={"help": "the SFT loop"})
+    sft: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the SFT loop"})
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "training and validation data"})
     cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
@@ -68,63 +46,20 @@ class SFTConfig:
     )
 
 
-@dataclass
-class SFTRun:
-    """Everything one SFT run holds; `sft_train` advances it."""
-
-    cfg: SFTConfig
-    log_dir: Path
-    tokenizer: Any
-    policy: Policy
-    cluster: RayVirtualCluster
-    train_loader: StatefulDataLoader
-    val_data: list[BatchedDataDict]
-    logger: Logger
-    checkpoints: CheckpointManager
-    total_steps: int
-    step: int = 0
-    data_stats: dict[str, Any] = field(default_factory=dict)
-
-    def shutdown(self) -> None:
-        self.logger.finish()
-        self.policy.shutdown()
-        self.cluster.shutdown()
+SFTRun = SupervisedRun[SFTConfig]
 
 
 def to_train_data(records: list[dict], pad_token_id: int, train_on: str) -> BatchedDataDict:
     return message_log_to_flat([r["message_log"] for r in records], pad_token_id, train_on=train_on)
 
 
-def setup(cfg: SFTConfig) -> SFTRun:
-    """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
-    log_dir = prepare_run_dir(cfg, "sft")
-    resolve_model_dir(cfg.policy, log_dir)
-    tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
-    loader = StatefulDataLoader(
-        train_records, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
-    )
-    val_records = val_records[: cfg.sft.val_max_samples] if cfg.sft.val_max_samples else val_records
-    val_size = cfg.sft.val_global_batch_size
-    val_data = [
-        to_train_data(val_records[i:i + val_size], tokenizer.pad_token_id, cfg.data.train_on)
-        for i in range(0, len(val_records), val_size)
+def val_batches(cfg: SFTConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase,
+                records: list[dict]) -> list[BatchedDataDict]:
+    size = cfg.sft.val_global_batch_size
+    return [
+        to_train_data(records[i:i + size], tokenizer.pad_token_id, cfg.data.train_on)
+        for i in range(0, len(records), size)
     ]
-    epochs_steps = cfg.sft.max_num_epochs * len(loader)
-    total_steps = min(epochs_steps, cfg.sft.max_num_steps or epochs_steps)
-    cluster = RayVirtualCluster(cfg.cluster)
-    policy = Policy(cluster, cfg.policy)
-    run = SFTRun(
-        cfg, log_dir, tokenizer, policy, cluster, loader, val_data, Logger(cfg.logger),
-        CheckpointManager(cfg.checkpointing), total_steps, data_stats=data_stats,
-    )
-    restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
-    if restored is not None:
-        run.step = int(restored.training_info["step"])
-        loader.load_state_dict(restored.loader_state)
-    run.logger.log_hyperparams({"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data})
-    run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
-    return run
 
 
 def validate(run: SFTRun) -> dict[str, float]:
@@ -152,31 +87,29 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
+RECIPE: Recipe[SFTConfig] = Recipe(
+    name="sft",
+    loop=lambda cfg: cfg.sft,
+    records_per_step=lambda cfg: cfg.policy.train_global_batch_size,
+    val_batches=val_batches,
+    train_step=train_step,
+    validate=validate,
+    hyperparams=lambda cfg: {"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data},
+    shown=lambda metrics, val: {"loss": metrics["loss"], **({"val_loss": val["loss"]} if val else {})},
+)
+
+
+def setup(cfg: SFTConfig) -> SFTRun:
+    """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
+    return supervised.setup_run(cfg, RECIPE)
+
+
 def sft_train(run: SFTRun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
-    last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
-    val_metrics: dict[str, float] = {}
-    timer = Timer()
-    with StepProgress("sft", last_step, start=run.step) as progress:
-        while run.step < last_step:
-            start = time.perf_counter()
-            metrics = train_step(run, timer)
-            run.step += 1
-            metrics["step_time"] = time.perf_counter() - start
-            step_val = end_of_step(run, metrics, timer, run.cfg.sft.val_period, last_step, validate)
-            val_metrics = step_val or val_metrics
-            progress.advance(run.step, {"loss": metrics["loss"], **({"val_loss": step_val["loss"]} if step_val else {})})
-    if run.step == run.total_steps and run.cfg.sft.export_final_model:
-        run.policy.export_hf(str(run.log_dir / "hf_model"))
-    return val_metrics
+    return supervised.train(run, RECIPE, num_steps)
 
 
 def main(args: Any) -> int:
-    cfg = load_run_config(SFTConfig, args)
-    run = setup(cfg)
-    try:
-        val_metrics = sft_train(run)
-    finally:
-        run.shutdown()
+    run, val_metrics = supervised.run_to_end(load_run_config(SFTConfig, args), RECIPE)
     print(f"sft finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}; run directory {run.log_dir}")
     return 0
