@@ -2,8 +2,9 @@
 
 A pair's chosen and rejected responses travel as adjacent rows (2i chosen, 2i+1 rejected), which the
 pairwise losses expect inside every micro-batch. Policy.train deals each global batch to the dp ranks in
-contiguous blocks of gbs/dp rows and cuts those into contiguous micro-batches of mbs rows, so pairs stay
-whole when gbs/dp and mbs are even and rows are not reordered (no dynamic batching or packing)."""
+contiguous blocks of global_batch_size/dp rows and cuts those into contiguous micro-batches of
+micro_batch_size rows, so pairs stay whole when both are even and rows are not reordered (no dynamic
+batching or packing)."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def evaluate_pairs(policy: Policy, batches: list[BatchedDataDict], loss_fn: Loss
     num_pairs = 0.0
     for batch in batches:
         batch_pairs = float(batch["sample_mask"].sum()) / 2
-        metrics = policy.train(batch, loss_fn, eval_mode=True, gbs=batch.size, mbs=micro_batch_size)
+        metrics = policy.evaluate(batch, loss_fn, global_batch_size=batch.size, micro_batch_size=micro_batch_size)
         for key, value in single_step_metrics(metrics).items():
             if key != "num_microbatches":
                 totals[key] = totals.get(key, 0.0) + value * batch_pairs

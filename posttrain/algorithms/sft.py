@@ -67,8 +67,8 @@ def validate(run: SFTRun) -> dict[str, float]:
     total_loss, total_tokens = 0.0, 0.0
     for batch in run.val_data:
         num_tokens = float((batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)).sum())
-        metrics = run.policy.train(
-            batch, NLLLoss(), eval_mode=True, gbs=batch.size, mbs=run.cfg.policy.train_micro_batch_size
+        metrics = run.policy.evaluate(
+            batch, NLLLoss(), global_batch_size=batch.size, micro_batch_size=run.cfg.policy.train_micro_batch_size
         )
         total_loss += float(metrics["loss"][0]) * num_tokens
         total_tokens += num_tokens

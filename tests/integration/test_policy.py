@@ -243,10 +243,10 @@ def test_export_then_from_pretrained_reproduces_logprobs(runs, tmp_path):
     torch.testing.assert_close(direct_logprobs(tmp_path / "hf", run.data), logprobs, atol=1e-5, rtol=0)
 
 
-def test_eval_mode_reports_loss_without_changing_weights(runs, ray_session):
+def test_evaluate_reports_loss_without_changing_weights(runs, ray_session):
     run = runs["one_worker_packed"]
     before = copy.deepcopy(ray_session.get(run.policy.get_weights_ref(only_changed=False)))
-    metrics = run.policy.train(run.data, NLLLoss(), eval_mode=True)
+    metrics = run.policy.evaluate(run.data, NLLLoss())
     after = ray_session.get(run.policy.get_weights_ref(only_changed=False))
     assert metrics["loss"][0] > 0
     for name, tensor in before.items():
