@@ -42,8 +42,7 @@ from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
 from posttrain.algorithms.run import (
-    prepare_run_dir,
-    resolve_model_dir,
+    prepare_run,
     restore_run,
     save_run_checkpoint,
 )
@@ -203,8 +202,8 @@ class GRPORun:
 # ------------------------------------------------------------------------------------------------ setup
 def setup(cfg: GRPOConfig) -> GRPORun:
     """Data, policy, generation workers, environments, logger, checkpoints; resumes when it can."""
-    log_dir = prepare_run_dir(cfg, "grpo", metric=("val_accuracy", True))
-    resolve_model_dir(cfg.policy, log_dir)
+    cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
+    log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
     missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))

@@ -158,7 +158,7 @@ class ClippedPGLossConfig:
         },
     )
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.ratio_clip_min < 0 or self.ratio_clip_max < 0:
             raise ValueError(
                 f"ratio_clip_min={self.ratio_clip_min} and ratio_clip_max={self.ratio_clip_max} must be >= 0"

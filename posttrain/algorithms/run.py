@@ -4,53 +4,69 @@ data-loader position, step counters)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from posttrain.config import ConfigError, config_to_dict, save_config
 from posttrain.models.policy import Policy, PolicyConfig
-from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from posttrain.utils.logger import LoggerConfig
 
 
 def default_log_dir(algorithm: str) -> str:
     return f"results/{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def prepare_run_dir(cfg: Any, algorithm: str, metric: tuple[str, bool] = ("val_loss", False)) -> Path:
-    """Fill in defaults that depend on the run (log and checkpoint directories, the checkpoint ranking
-    metric and its direction), create the run directory, and save the resolved config there."""
-    if not cfg.logger.log_dir:
-        cfg.logger.log_dir = default_log_dir(algorithm)
-    log_dir = Path(cfg.logger.log_dir)
-    if not cfg.checkpointing.checkpoint_dir:
-        cfg.checkpointing.checkpoint_dir = str(log_dir / "checkpoints")
-    if cfg.checkpointing.metric_name == "auto":
-        cfg.checkpointing.metric_name = metric[0]
-    if cfg.checkpointing.higher_is_better is None:
-        cfg.checkpointing.higher_is_better = metric[1]
+class RunConfig(Protocol):
+    """The sections of an algorithm's config that the run plumbing reads."""
+
+    policy: PolicyConfig
+    logger: LoggerConfig
+    checkpointing: CheckpointingConfig
+
+
+ConfigT = TypeVar("ConfigT", bound=RunConfig)
+
+
+def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_loss", False)) -> ConfigT:
+    """The run's config: a copy of `cfg` (left as validated) with the values that depend on the run
+    filled in (log and checkpoint directories, the checkpoint ranking metric and its direction, the
+    model directory of an offline model). Creates the run directory and saves that config there."""
+    log_dir_text = cfg.logger.log_dir or default_log_dir(algorithm)
+    log_dir = Path(log_dir_text)
+    checkpointing = dataclasses.replace(
+        cfg.checkpointing,
+        checkpoint_dir=cfg.checkpointing.checkpoint_dir or str(log_dir / "checkpoints"),
+        metric_name=metric[0] if cfg.checkpointing.metric_name == "auto" else cfg.checkpointing.metric_name,
+        higher_is_better=metric[1] if cfg.checkpointing.higher_is_better is None else cfg.checkpointing.higher_is_better,
+    )
+    run_cfg = dataclasses.replace(
+        cfg, logger=dataclasses.replace(cfg.logger, log_dir=log_dir_text), checkpointing=checkpointing,
+    )
     log_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, log_dir / "config.yaml")
-    return log_dir
+    save_config(run_cfg, log_dir / "config.yaml")
+    return dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
 
 
-def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> None:
-    """Offline runs: build `policy.model.from_config` into `<log_dir>/initial_model` once and point
-    `policy.model_name` at it (a resumed run finds the same directory)."""
+def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
+    """Offline runs: build `policy.model.from_config` into `<log_dir>/initial_model` once and return the
+    policy config pointing `model_name` at it (a resumed run finds the same directory)."""
     from_config = policy_cfg.model.from_config if policy_cfg.model is not None else None
     if from_config is None:
         if not policy_cfg.model_name:
             raise ConfigError("policy.model_name", "set a model directory or hub name, or policy.model.from_config")
-        return
+        return policy_cfg
     from posttrain.models.build import build_model_dir
 
     model_dir = log_dir / "initial_model"
     if not (model_dir / "config.json").exists():
         build_model_dir(from_config, model_dir)
-    policy_cfg.model_name = str(model_dir)
+    return dataclasses.replace(policy_cfg, model_name=str(model_dir))
 
 
 @dataclass

@@ -13,14 +13,14 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.algorithms.run import prepare_run_dir, resolve_model_dir, restore_run, save_run_checkpoint
+from posttrain.algorithms.run import RunConfig, prepare_run, restore_run, save_run_checkpoint
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import load_tokenizer
-from posttrain.models.policy import Policy, PolicyConfig
-from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.models.policy import Policy
+from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.logger import Logger
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
@@ -45,17 +45,14 @@ class LoopConfig:
             raise ValueError(f"val_global_batch_size must be >= 1, got {self.val_global_batch_size}")
 
 
-class RunConfig(Protocol):
+class SupervisedConfig(RunConfig, Protocol):
     """What the shared loop reads of an algorithm's config (besides its loop section)."""
 
-    policy: PolicyConfig
     data: DataConfig
     cluster: ClusterConfig
-    logger: LoggerConfig
-    checkpointing: CheckpointingConfig
 
 
-ConfigT = TypeVar("ConfigT", bound=RunConfig)
+ConfigT = TypeVar("ConfigT", bound=SupervisedConfig)
 
 
 @dataclass
@@ -99,9 +96,9 @@ class Recipe(Generic[ConfigT]):
 
 def setup_run(cfg: ConfigT, recipe: Recipe[ConfigT]) -> SupervisedRun[ConfigT]:
     """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
+    cfg = prepare_run(cfg, recipe.name)
     loop = recipe.loop(cfg)
-    log_dir = prepare_run_dir(cfg, recipe.name)
-    resolve_model_dir(cfg.policy, log_dir)
+    log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
     loader = StatefulDataLoader(train_records, recipe.records_per_step(cfg), shuffle=cfg.data.shuffle, seed=cfg.data.seed)

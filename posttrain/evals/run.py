@@ -8,6 +8,7 @@ Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-ev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import tempfile
 import time
@@ -318,11 +319,12 @@ class EvalResult:
 
 
 def prepare_save_path(cfg: EvalConfig) -> Path:
-    if not cfg.eval.save_path:
-        cfg.eval.save_path = f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}"
-    save_path = Path(cfg.eval.save_path)
+    """The output directory (`eval.save_path`, default results/eval-<time>), created, with the config
+    (that directory filled in) saved there; `cfg` itself is left as validated."""
+    save_path = Path(cfg.eval.save_path or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     save_path.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, save_path / "config.yaml")
+    save_config(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, save_path=str(save_path))),
+                save_path / "config.yaml")
     return save_path
 
 

@@ -3,7 +3,6 @@ fan-out `Logger`, metric flattening and summaries, and reductions of worker metr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -11,7 +10,6 @@ import os
 import re
 import threading
 import time
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from posttrain.config import config_to_dict
 from posttrain.utils.metrics import as_number
 from posttrain.utils.sample_printer import SamplePrinter
 
@@ -83,27 +82,6 @@ class LoggerConfig:
     gpu_monitoring: GPUMonitoringConfig = field(
         default_factory=GPUMonitoringConfig, metadata={"help": "System monitor intervals."}
     )
-
-
-def _dataclass_from_dict(cls: type, values: Mapping[str, Any], where: str) -> Any:
-    """Build dataclass `cls` from a dict, recursing into dataclass-typed fields; unknown keys raise."""
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise ValueError(f"unknown key(s) {[f'{where}.{k}' for k in unknown]}; known: {sorted(hints)}")
-    kwargs = {}
-    for name, value in values.items():
-        if dataclasses.is_dataclass(hints[name]) and isinstance(value, Mapping):
-            value = _dataclass_from_dict(hints[name], value, f"{where}.{name}")
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-def logger_config_from(cfg: LoggerConfig | Mapping[str, Any]) -> LoggerConfig:
-    """The typed config from itself or a plain (nested) dict; an unknown key raises, naming it."""
-    if isinstance(cfg, LoggerConfig):
-        return cfg
-    return _dataclass_from_dict(LoggerConfig, cfg, "logger")
 
 
 # ---------------------------------------------------------------------------------- metric preparation
@@ -176,20 +154,9 @@ class ScalarPreparer:
         )
 
 
-def as_plain_data(value: Any) -> Any:
-    """Dataclasses (at any depth, inside dicts, lists and tuples) as plain data."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: as_plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {key: as_plain_data(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [as_plain_data(item) for item in value]
-    return value
-
-
 def flatten_hyperparams(params: Any) -> dict[str, Any]:
     """Hyperparameters flattened with "/" after dataclasses become dicts."""
-    return flatten_metrics(as_plain_data(params))
+    return flatten_metrics(config_to_dict(params))
 
 
 def _hparam_value(value: Any) -> int | float | str | bool:
@@ -369,8 +336,8 @@ class Logger(LoggerInterface):
     """Fans every call out to JSONL and the enabled backends; prints and saves validation samples;
     runs the Ray system monitor when `monitor_gpus` is set and Ray is up."""
 
-    def __init__(self, cfg: LoggerConfig | Mapping[str, Any]):
-        self.cfg = logger_config_from(cfg)
+    def __init__(self, cfg: LoggerConfig):
+        self.cfg = cfg
         if not self.cfg.log_dir:
             raise ValueError("logger.log_dir is not set")
         self._log_dir = Path(self.cfg.log_dir)

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss
+from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -103,7 +104,7 @@ def policy_config(model_dir, **overrides) -> PolicyConfig:
         seed=0,
     )
     base.update(overrides)
-    return PolicyConfig(**base)
+    return validate_config(PolicyConfig, base)
 
 
 class Run:

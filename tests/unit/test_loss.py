@@ -164,7 +164,7 @@ def test_gspo_uses_one_sequence_ratio_from_mean_log_ratio():
 
 def test_gspo_with_token_level_loss_is_a_config_error():
     with pytest.raises(ValueError, match="token_level_loss=False"):
-        ClippedPGLossConfig(sequence_level_importance_ratios=True)
+        ClippedPGLossConfig(sequence_level_importance_ratios=True).validate()
 
 
 def test_importance_sampling_correction_weights_by_prev_over_generation_and_truncates():
