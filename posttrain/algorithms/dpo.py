@@ -25,16 +25,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.algorithms import supervised
+from posttrain.algorithms import pairs, supervised
 from posttrain.algorithms.loss import DPOLoss, DPOLossConfig
-from posttrain.algorithms.pairs import (
-    check_pair_batching,
-    evaluate_pairs,
-    pair_batches,
-    pair_progress,
-    pair_summary,
-    pairs_to_train_data,
-)
 from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
@@ -67,7 +59,7 @@ class DPOConfig:
     def validate(self) -> None:
         if self.policy.model_kind != "causal_lm":
             raise ConfigError("policy.model_kind", f"DPO trains a causal LM, got {self.policy.model_kind!r}")
-        check_pair_batching(self.policy, self.cluster)
+        pairs.check_pair_batching(self.policy, self.cluster)
 
 
 DPORun = SupervisedRun[DPOConfig]  # val_data: interleaved pairs with their reference logprobs
@@ -83,19 +75,22 @@ def val_batches(cfg: DPOConfig, policy: Policy, tokenizer: PreTrainedTokenizerBa
                 records: list[dict]) -> list[BatchedDataDict]:
     return [
         add_reference_logprobs(policy, batch)
-        for batch in pair_batches(records, cfg.dpo.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
+        for batch in pairs.pair_batches(
+            records, cfg.dpo.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id
+        )
     ]
 
 
 def validate(run: DPORun) -> dict[str, float]:
     """DPO loss, preference accuracy and mean implicit rewards over the validation pairs."""
-    return evaluate_pairs(run.policy, run.val_data, DPOLoss(run.cfg.loss), run.cfg.policy.train_micro_batch_size)
+    loss_fn = DPOLoss(run.cfg.loss)
+    return pairs.evaluate_pairs(run.policy, run.val_data, loss_fn, run.cfg.policy.train_micro_batch_size)
 
 
 def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
     """One optimizer step on the next global batch of pairs."""
     with timer.time("data"):
-        batch = pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
+        batch = pairs.pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
     with timer.time("reference_logprobs"):
         add_reference_logprobs(run.policy, batch)
     with timer.time("train"):
@@ -112,7 +107,7 @@ RECIPE: Recipe[DPOConfig] = Recipe(
     train_step=train_step,
     validate=validate,
     hyperparams=lambda cfg: {"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data},
-    shown=pair_progress,
+    shown=pairs.pair_progress,
     init_reference_model=True,
 )
 
@@ -129,5 +124,5 @@ def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:
 
 def main(args: Any) -> int:
     run, val_metrics = supervised.run_to_end(load_run_config(DPOConfig, args), RECIPE)
-    print(pair_summary("dpo", run.step, val_metrics, run.log_dir))
+    print(pairs.pair_summary("dpo", run.step, val_metrics, run.log_dir))
     return 0

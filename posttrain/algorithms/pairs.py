@@ -85,7 +85,8 @@ def evaluate_pairs(policy: Policy, batches: list[BatchedDataDict], loss_fn: Loss
 
 def pair_progress(metrics: dict[str, float], val_metrics: dict[str, float] | None) -> dict[str, float]:
     """The progress line of a pair loop: loss and accuracy, and the validation accuracy when validated."""
-    return {"loss": metrics["loss"], "acc": metrics["accuracy"]} | ({"val_acc": val_metrics["accuracy"]} if val_metrics else {})
+    shown = {"loss": metrics["loss"], "acc": metrics["accuracy"]}
+    return shown | ({"val_acc": val_metrics["accuracy"]} if val_metrics else {})
 
 
 def pair_summary(name: str, step: int, val_metrics: dict[str, float], log_dir: Path) -> str:

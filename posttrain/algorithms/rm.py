@@ -21,16 +21,8 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from posttrain.algorithms import supervised
+from posttrain.algorithms import pairs, supervised
 from posttrain.algorithms.loss import BradleyTerryLoss
-from posttrain.algorithms.pairs import (
-    check_pair_batching,
-    evaluate_pairs,
-    pair_batches,
-    pair_progress,
-    pair_summary,
-    pairs_to_train_data,
-)
 from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
@@ -67,7 +59,7 @@ class RMConfig:
             raise ConfigError(
                 "policy.model_kind", f"reward-model training needs 'reward_model', got {self.policy.model_kind!r}"
             )
-        check_pair_batching(self.policy, self.cluster)
+        pairs.check_pair_batching(self.policy, self.cluster)
 
 
 RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs
@@ -75,18 +67,19 @@ RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs
 
 def val_batches(cfg: RMConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase,
                 records: list[dict]) -> list[BatchedDataDict]:
-    return pair_batches(records, cfg.rm.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
+    return pairs.pair_batches(records, cfg.rm.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
 
 
 def validate(run: RMRun) -> dict[str, float]:
     """Bradley-Terry loss, accuracy and mean scores of chosen and rejected over the validation pairs."""
-    return evaluate_pairs(run.policy, run.val_data, BradleyTerryLoss(), run.cfg.policy.train_micro_batch_size)
+    loss_fn = BradleyTerryLoss()
+    return pairs.evaluate_pairs(run.policy, run.val_data, loss_fn, run.cfg.policy.train_micro_batch_size)
 
 
 def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
     """One optimizer step on the next global batch of pairs."""
     with timer.time("data"):
-        batch = pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
+        batch = pairs.pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
     with timer.time("train"):
         metrics = single_step_metrics(run.policy.train(batch, BradleyTerryLoss()))
     metrics["margin_mean"] = metrics["rewards_chosen_mean"] - metrics["rewards_rejected_mean"]
@@ -101,7 +94,7 @@ RECIPE: Recipe[RMConfig] = Recipe(
     train_step=train_step,
     validate=validate,
     hyperparams=lambda cfg: {"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
-    shown=pair_progress,
+    shown=pairs.pair_progress,
 )
 
 
@@ -117,5 +110,5 @@ def rm_train(run: RMRun, num_steps: int | None = None) -> dict[str, float]:
 
 def main(args: Any) -> int:
     run, val_metrics = supervised.run_to_end(load_run_config(RMConfig, args), RECIPE)
-    print(pair_summary("rm", run.step, val_metrics, run.log_dir))
+    print(pairs.pair_summary("rm", run.step, val_metrics, run.log_dir))
     return 0

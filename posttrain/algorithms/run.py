@@ -39,11 +39,12 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
     model directory of an offline model). Creates the run directory and saves that config there."""
     log_dir_text = cfg.logger.log_dir or default_log_dir(algorithm)
     log_dir = Path(log_dir_text)
+    chosen = cfg.checkpointing
     checkpointing = dataclasses.replace(
-        cfg.checkpointing,
-        checkpoint_dir=cfg.checkpointing.checkpoint_dir or str(log_dir / "checkpoints"),
-        metric_name=metric[0] if cfg.checkpointing.metric_name == "auto" else cfg.checkpointing.metric_name,
-        higher_is_better=metric[1] if cfg.checkpointing.higher_is_better is None else cfg.checkpointing.higher_is_better,
+        chosen,
+        checkpoint_dir=chosen.checkpoint_dir or str(log_dir / "checkpoints"),
+        metric_name=metric[0] if chosen.metric_name == "auto" else chosen.metric_name,
+        higher_is_better=metric[1] if chosen.higher_is_better is None else chosen.higher_is_better,
     )
     run_cfg = dataclasses.replace(
         cfg, logger=dataclasses.replace(cfg.logger, log_dir=log_dir_text), checkpointing=checkpointing,

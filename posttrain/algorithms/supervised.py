@@ -101,7 +101,9 @@ def setup_run(cfg: ConfigT, recipe: Recipe[ConfigT]) -> SupervisedRun[ConfigT]:
     log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
-    loader = StatefulDataLoader(train_records, recipe.records_per_step(cfg), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    loader = StatefulDataLoader(
+        train_records, recipe.records_per_step(cfg), shuffle=cfg.data.shuffle, seed=cfg.data.seed
+    )
     epochs_steps = loop.max_num_epochs * len(loader)
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
     cluster = RayVirtualCluster(cfg.cluster)

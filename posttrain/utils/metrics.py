@@ -58,34 +58,3 @@ def as_number(value: Any) -> float | None:
     if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
         return as_number(value.item())
     return None
-
-
-_REDUCTIONS = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum}
-
-
-def reduce_metrics(
-    per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None, default: str = "mean"
-) -> dict[str, float]:
-    """Reduce each metric over the ranks that report it with its named reduction (mean/max/min/sum).
-
-    `reductions` maps a metric name to its reduction; other metrics use `default`.
-    """
-    reductions = dict(reductions or {})
-    for name, reduction in [*reductions.items(), ("<default>", default)]:
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}")
-    values_by_key: dict[str, list[float]] = {}
-    for rank, metrics in enumerate(per_rank):
-        for key, value in metrics.items():
-            number = as_number(value)
-            if number is None:
-                raise TypeError(f"rank {rank} metric {key!r} is not a scalar number: {type(value).__name__}")
-            values_by_key.setdefault(key, []).append(number)
-    return {
-        key: float(_REDUCTIONS[reductions.get(key, default)](values)) for key, values in values_by_key.items()
-    }
-
-
-def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Stage timings across ranks: the slowest rank sets the pace, so max."""
-    return reduce_metrics(per_rank, default="max")
