@@ -30,6 +30,7 @@ import ray
 import torch
 
 from posttrain.algorithms.loss import NLLLoss
+from posttrain.config import validate_config
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
 from posttrain.models.generation import GenerationConfig, make_generation
@@ -129,11 +130,11 @@ def cluster_config(device: str) -> ClusterConfig:
 def bench_train(model_dir: Path, device: str, work: Workload, steps: int) -> list[float]:
     """Seconds of each timed optimizer step (after one warm-up step)."""
     cluster = RayVirtualCluster(cluster_config(device))
-    cfg = PolicyConfig(
+    cfg = validate_config(PolicyConfig, dict(
         model_name=str(model_dir), precision="bfloat16" if device == "cuda" else "float32",
         train_global_batch_size=work.train_rows, train_micro_batch_size=work.train_micro_batch,
         logprob_batch_size=work.train_micro_batch, optimizer={"name": "AdamW", "kwargs": {"lr": 1e-4}},
-    )
+    ))
     policy = Policy(cluster, cfg)
     vocab_size = len(load_tokenizer(model_dir))
     seconds = []

@@ -63,15 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    module_name = COMMANDS[args.command][0]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name:
-            raise
-        print(f"posttrain {args.command}: not available yet (its module {module_name} has not landed)",
-              file=sys.stderr)
-        return 2
+    module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.main(args) or 0)
     except USER_ERRORS as error:  # bad input: say what and where, without a traceback

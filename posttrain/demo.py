@@ -24,6 +24,7 @@ import ray
 
 from posttrain.algorithms import grpo, sft
 from posttrain.algorithms.loss import ClippedPGLossConfig
+from posttrain.algorithms.supervised import LoopConfig
 from posttrain.config import validate_config
 from posttrain.data import DataConfig
 from posttrain.distributed.virtual_cluster import ClusterConfig
@@ -76,7 +77,7 @@ def sft_config(cfg: DemoConfig, out: Path, model_dir: Path) -> sft.SFTConfig:
         scheduler_milestones=[20], seed=cfg.seed,
     )
     return sft.SFTConfig(
-        sft=sft.SFTLoopConfig(max_num_epochs=100, max_num_steps=cfg.sft_max_steps, val_period=cfg.sft_check_every,
+        sft=LoopConfig(max_num_epochs=100, max_num_steps=cfg.sft_max_steps, val_period=cfg.sft_check_every,
                               val_max_samples=256),
         policy=policy, data=data_config(cfg, "prompt_response"), cluster=ClusterConfig(),
         logger=LoggerConfig(log_dir=str(out / "sft")),

@@ -39,17 +39,14 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import advantages as adv
-from posttrain.algorithms.common import (
-    load_run_config,
-    mean_over_global_batches,
-    prepare_run_dir,
-    resolve_model_dir,
+from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
+from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
+from posttrain.algorithms.run import (
+    prepare_run,
     restore_run,
     save_run_checkpoint,
 )
-from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
-from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -62,6 +59,7 @@ from posttrain.models.generation import GenerationConfig, GenerationInterface, m
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig, step_timing
+from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
@@ -204,8 +202,8 @@ class GRPORun:
 # ------------------------------------------------------------------------------------------------ setup
 def setup(cfg: GRPOConfig) -> GRPORun:
     """Data, policy, generation workers, environments, logger, checkpoints; resumes when it can."""
-    log_dir = prepare_run_dir(cfg, "grpo", metric=("val_accuracy", True))
-    resolve_model_dir(cfg.policy, log_dir)
+    cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
+    log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
     missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
@@ -437,7 +435,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
-        metrics = mean_over_global_batches(run.policy.train(train_data, loss_fn))
+        metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
     run.rollout_source.after_update(run)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})

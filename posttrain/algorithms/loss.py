@@ -11,7 +11,7 @@ Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (los
   over micro-batches and data-parallel ranks is the loss of the global batch (and so is the gradient).
 - Metrics are floats already divided by the global counts, so that SUMMING them over micro-batches and
   ranks gives the global value; the only exceptions are keys ending in `_min` / `_max`, this micro-batch's
-  extremes, which must be reduced with min / max (`reduce_loss_metrics` does both).
+  extremes, which must be reduced with min / max (`posttrain.utils.metrics.sum_metrics` does both).
 """
 
 from __future__ import annotations
@@ -68,29 +68,6 @@ def _pair_halves(values: torch.Tensor, loss_name: str) -> tuple[torch.Tensor, to
             f"{values.shape[0]} rows"
         )
     return values[0::2], values[1::2]
-
-
-def reduce_loss_metrics(
-    per_microbatch: list[dict[str, float]], reductions: Mapping[str, str] | None = None
-) -> dict[str, float]:
-    """Combine metrics of several micro-batches (or ranks), each by its own reduction: `reductions` names
-    it per metric (sum / mean / min / max); otherwise `*_min` -> min, `*_max` -> max, anything else sum."""
-    functions = {"sum": sum, "mean": lambda v: sum(v) / len(v), "min": min, "max": max}
-    values: dict[str, list[float]] = {}
-    for metrics in per_microbatch:
-        for key, value in metrics.items():
-            values.setdefault(key, []).append(value)
-    reduced = {}
-    for key, column in values.items():
-        reduction = (reductions or {}).get(key) or _suffix_reduction(key)
-        if reduction not in functions:
-            raise ValueError(f"unknown reduction {reduction!r} for metric {key!r}; use one of {sorted(functions)}")
-        reduced[key] = functions[reduction](column)
-    return reduced
-
-
-def _suffix_reduction(key: str) -> str:
-    return "min" if key.endswith("_min") else "max" if key.endswith("_max") else "sum"
 
 
 # -- NLL ------------------------------------------------------------------------------------------
@@ -181,7 +158,7 @@ class ClippedPGLossConfig:
         },
     )
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.ratio_clip_min < 0 or self.ratio_clip_max < 0:
             raise ValueError(
                 f"ratio_clip_min={self.ratio_clip_min} and ratio_clip_max={self.ratio_clip_max} must be >= 0"

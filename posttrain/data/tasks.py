@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from posttrain.environments.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
+from posttrain.data.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
 
 BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle")
 

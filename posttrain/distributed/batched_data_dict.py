@@ -1,5 +1,6 @@
 """`BatchedDataDict`: the batch that travels between driver and workers, a dict of tensors and lists that
-share a batch dimension (dim 0), with sharding, micro-batching, dynamic batching and sequence packing.
+share a batch dimension (dim 0), dealt to data-parallel ranks by global batch. Also the two micro-batch
+planners (token budget, sequence packing); the policy worker plans each rank's micro-batches with them.
 
 Batch keys used across posttrain (the contract of DESIGN.md):
 - `input_ids [B, T]` right-padded token ids; `input_lengths [B]` unpadded lengths
@@ -12,7 +13,7 @@ Batch keys used across posttrain (the contract of DESIGN.md):
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -124,35 +125,13 @@ class BatchedDataDict(dict):
     def slice(self, start: int, end: int) -> BatchedDataDict:
         return self.select_indices(list(range(start, min(end, self.size))))
 
-    def repeat_interleave(self, num_repeats: int) -> BatchedDataDict:
-        """Each row repeated `num_repeats` times, contiguously: [a, b] -> [a, a, b, b]."""
-        return self.select_indices([i for i in range(self.size) for _ in range(num_repeats)])
-
-    def chunk(self, rank: int, chunks: int) -> BatchedDataDict:
-        """The `rank`-th of `chunks` contiguous, near-equal pieces."""
-        bounds = torch.linspace(0, self.size, chunks + 1).round().long().tolist()
-        return self.slice(bounds[rank], bounds[rank + 1])
-
     def to(self, device: str | torch.device) -> BatchedDataDict:
         return BatchedDataDict({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})
 
-    def shard_by_batch_size(
-        self,
-        shards: int,
-        batch_size: int | None = None,
-        dynamic_batching_args: dict[str, int] | None = None,
-        sequence_packing_args: dict[str, int] | None = None,
-    ) -> list[BatchedDataDict]:
+    def shard_by_batch_size(self, shards: int, batch_size: int | None = None) -> list[BatchedDataDict]:
         """Cut into global batches of `batch_size` (default: the whole batch), deal each evenly across
         `shards`, and concatenate per shard, so that every shard's k-th local batch belongs to global
-        batch k: 8 rows, batch 4, 2 shards -> rows [0,1,4,5] and [2,3,6,7].
-
-        With dynamic_batching_args {max_tokens_per_microbatch, sequence_length_round} or
-        sequence_packing_args {max_tokens_per_bin}, each shard also gets `micro_batch_indices` (a list
-        per local global batch of index lists), computed from `input_lengths`.
-        """
-        if dynamic_batching_args and sequence_packing_args:
-            raise ValueError("dynamic batching and sequence packing cannot both be enabled")
+        batch k: 8 rows, batch 4, 2 shards -> rows [0,1,4,5] and [2,3,6,7]."""
         batch_size = batch_size or self.size
         if self.size % batch_size:
             raise ValueError(f"batch of {self.size} rows is not a multiple of the global batch size {batch_size}")
@@ -164,56 +143,4 @@ class BatchedDataDict(dict):
             for s in range(shards):
                 first = start + s * per_shard
                 shard_indices[s].extend(range(first, first + per_shard))
-        result = [self.select_indices(indices) for indices in shard_indices]
-        if dynamic_batching_args or sequence_packing_args:
-            for shard in result:
-                shard.micro_batch_indices = [
-                    shard.slice(i, i + per_shard)._micro_batch_plan(dynamic_batching_args, sequence_packing_args)
-                    for i in range(0, shard.size, per_shard)
-                ]
-        return result
-
-    def _micro_batch_plan(self, dynamic_args: dict | None, packing_args: dict | None) -> list[list[int]]:
-        lengths = self["input_lengths"].tolist()
-        if dynamic_args:
-            return dynamic_microbatch_indices(
-                lengths, dynamic_args["max_tokens_per_microbatch"], dynamic_args.get("sequence_length_round", 1)
-            )
-        return pack_sequences(lengths, packing_args["max_tokens_per_bin"])
-
-    def make_microbatch_iterator(self, micro_batch_size: int) -> Iterator[BatchedDataDict]:
-        """Consecutive micro-batches of `micro_batch_size` rows (the last may be smaller)."""
-        for start in range(0, self.size, micro_batch_size):
-            yield self.slice(start, start + micro_batch_size)
-
-    def make_dynamic_microbatches(self, max_tokens: int, length_round: int = 1) -> tuple[list[BatchedDataDict], list[int]]:
-        """Micro-batches under a token budget, each cut to its longest (rounded) row, plus the
-        permutation: concatenating the micro-batches gives `self.select_indices(permutation)`."""
-        groups = dynamic_microbatch_indices(self["input_lengths"].tolist(), max_tokens, length_round)
-        microbatches = []
-        for group in groups:
-            rows = self.select_indices(group)
-            length = min(round_up(int(rows["input_lengths"].max()), length_round), self["input_ids"].shape[1])
-            microbatches.append(rows.truncate_tokens(length))
-        return microbatches, [i for group in groups for i in group]
-
-    def make_packed_bins(self, max_tokens_per_bin: int) -> tuple[list[list[int]], list[int]]:
-        """First-fit-decreasing bins of row indices and the permutation they imply."""
-        bins = pack_sequences(self["input_lengths"].tolist(), max_tokens_per_bin)
-        return bins, [i for b in bins for i in b]
-
-    def truncate_tokens(self, length: int) -> BatchedDataDict:
-        """Cut every [B, T, ...] tensor to its first `length` positions (T = input_ids' length)."""
-        seq_len = self["input_ids"].shape[1]
-        return BatchedDataDict({
-            k: v[:, :length] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == seq_len else v
-            for k, v in self.items()
-        })
-
-    @staticmethod
-    def reorder_data(data: BatchedDataDict, permutation: Sequence[int]) -> BatchedDataDict:
-        """Undo a permutation: if `data` rows are original rows `permutation`, return them in original order."""
-        inverse = [0] * len(permutation)
-        for position, original in enumerate(permutation):
-            inverse[original] = position
-        return data.select_indices(inverse)
+        return [self.select_indices(indices) for indices in shard_indices]

@@ -1,13 +1,8 @@
 """Environments score rollouts: math (math-verify), exact match, a sliding-tile game, a code tool, a reward model."""
 
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn
-from posttrain.environments.registry import (
-    EnvironmentConfig,
-    EnvironmentPool,
-    create_environments,
-    register_environment,
-    resolve_environment_class,
-)
+from posttrain.environments.pool import EnvironmentPool, create_environments
+from posttrain.environments.registry import EnvironmentConfig, register_environment, resolve_environment_class
 
 __all__ = [
     "EnvironmentConfig",

@@ -1,4 +1,5 @@
-"""Environment classes by name, a public `register_environment`, and Ray actor pools that run them.
+"""Environment classes by name and a public `register_environment` (the Ray actors that run them are
+in `posttrain.environments.pool`).
 
 In YAML, `env.<task_name>.cls` is a registered name (`math`, `exact_match`, `sliding_puzzle`, `code`,
 `reward_model`), or a user's class as `path/to/file.py:ClassName` or `package.module:ClassName`.
@@ -8,20 +9,15 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from posttrain.environments.code_sandbox import CodeToolEnvironment
 from posttrain.environments.exact_match import ExactMatchEnvironment
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn
+from posttrain.environments.interface import EnvironmentInterface
 from posttrain.environments.math_env import MathEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
-
-logger = logging.getLogger(__name__)
 
 _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "math": MathEnvironment,
@@ -76,90 +72,3 @@ def resolve_environment_class(spec: str) -> type[EnvironmentInterface]:
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(f"environment {spec!r} is not an EnvironmentInterface subclass")
     return cls
-
-
-class _EnvironmentActor:
-    """Hosts one environment instance inside a Ray actor."""
-
-    def __init__(self, spec: str, kwargs: dict[str, Any]):
-        self.environment = resolve_environment_class(spec)(**kwargs)
-
-    def step(self, message_logs, metadata) -> EnvironmentReturn:
-        return self.environment.step(message_logs, metadata)
-
-    def global_post_process_and_metrics(self, batch):
-        return self.environment.global_post_process_and_metrics(batch)
-
-
-class EnvironmentPool:
-    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order."""
-
-    def __init__(self, task_name: str, cfg: EnvironmentConfig):
-        import ray
-
-        resolve_environment_class(cfg.cls)  # fail on the driver, before any actor starts
-        actor_cls = ray.remote(num_cpus=cfg.num_cpus)(_EnvironmentActor)
-        self.task_name = task_name
-        self.actors = [
-            actor_cls.options(name=f"env-{task_name}-{i}-{id(self):x}").remote(cfg.cls, cfg.kwargs)
-            for i in range(cfg.num_workers)
-        ]
-
-    def step(self, message_logs, metadata) -> EnvironmentReturn:
-        """Score one turn; a chunk whose environment raised scores 0, terminates, and is counted."""
-        import ray
-
-        chunk = -(-len(message_logs) // len(self.actors)) if message_logs else 1
-        chunks = [(message_logs[i:i + chunk], metadata[i:i + chunk]) for i in range(0, len(message_logs), chunk)]
-        refs = [actor.step.remote(logs, meta) for actor, (logs, meta) in zip(self.actors, chunks)]
-        parts = []
-        for ref, (logs, meta) in zip(refs, chunks):
-            try:
-                parts.append(ray.get(ref))
-            except ray.exceptions.RayTaskError as error:
-                logger.warning("environment %r raised on %d samples: %s", self.task_name, len(logs), error)
-                parts.append(failed_return(meta))
-        return merge_returns(parts)
-
-    def global_post_process_and_metrics(self, batch):
-        import ray
-
-        return ray.get(self.actors[0].global_post_process_and_metrics.remote(batch))
-
-    def shutdown(self) -> None:
-        import ray
-
-        for actor in self.actors:
-            ray.kill(actor)
-
-
-def failed_return(metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-    """The answer for samples whose environment raised: reward 0, terminated, each counted as an error."""
-    batch_size = len(metadata)
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-        metadata=metadata,
-        next_stop_strings=[None] * batch_size,
-        rewards=torch.zeros(batch_size),
-        terminateds=torch.ones(batch_size, dtype=torch.bool),
-        answers=[None] * batch_size,
-        num_errors=batch_size,
-    )
-
-
-def merge_returns(parts: list[EnvironmentReturn]) -> EnvironmentReturn:
-    """Concatenate per-actor returns in order."""
-    return EnvironmentReturn(
-        observations=[o for p in parts for o in p.observations],
-        metadata=[m for p in parts for m in p.metadata],
-        next_stop_strings=[s for p in parts for s in p.next_stop_strings],
-        rewards=torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0),
-        terminateds=torch.cat([p.terminateds for p in parts]) if parts else torch.zeros(0, dtype=torch.bool),
-        answers=[a for p in parts for a in p.answers],
-        num_errors=sum(p.num_errors for p in parts),
-    )
-
-
-def create_environments(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, EnvironmentPool]:
-    """One pool per task name."""
-    return {task: EnvironmentPool(task, cfg) for task, cfg in env_cfgs.items()}

@@ -8,6 +8,7 @@ Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-ev
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import tempfile
 import time
@@ -19,8 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from posttrain.algorithms.common import load_run_config
-from posttrain.config import ConfigError, save_config
+from posttrain.config import ConfigError, load_run_config, save_config
 from posttrain.data import DataConfig, load_datasets
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, create_environments
@@ -324,13 +324,12 @@ class EvalResult:
 
 
 def prepare_save_path(cfg: EvalConfig) -> Path:
-    if not cfg.eval.save_path:
-        cfg.eval.save_path = f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}"
-    save_path = Path(cfg.eval.save_path)
-    if not cfg.logger.log_dir:
-        cfg.logger.log_dir = str(save_path)
+    """The output directory (`eval.save_path`, default results/eval-<time>), created, with the config
+    (that directory filled in) saved there; `cfg` itself is left as validated."""
+    save_path = Path(cfg.eval.save_path or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     save_path.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, save_path / "config.yaml")
+    save_config(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, save_path=str(save_path))),
+                save_path / "config.yaml")
     return save_path
 
 
@@ -359,15 +358,17 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     score = compute_score(cfg.eval, result.rewards.tolist(), [row["extracted_answer"] for row in rows])
     summary = build_summary(cfg, result, score, time.perf_counter() - start)
     write_outputs(save_path, summary, rows)
-    log_results(cfg, summary, result)
+    log_results(cfg, summary, result, save_path)
     Console().print(summary_table(summary))
     return EvalResult(summary, rows, save_path)
 
 
-def log_results(cfg: EvalConfig, summary: dict[str, Any], result: ValidationResult) -> None:
+def log_results(cfg: EvalConfig, summary: dict[str, Any], result: ValidationResult, save_path: Path) -> None:
     """The summary's numbers as metrics `eval/<name>` at step 0 and the config as hyperparameters, through
-    the unified logger (JSONL, TensorBoard, W&B, MLflow as `logger` enables); samples as in validation."""
-    with Logger(cfg.logger) as logger:
+    the unified logger (JSONL, TensorBoard, W&B, MLflow as `logger` enables; `save_path` unless
+    `logger.log_dir` names another directory); samples as in validation."""
+    logger_cfg = cfg.logger if cfg.logger.log_dir else dataclasses.replace(cfg.logger, log_dir=str(save_path))
+    with Logger(logger_cfg) as logger:
         logger.log_hyperparams({"eval": cfg.eval, "model": cfg.model, "generation": cfg.generation, "data": cfg.data})
         numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         logger.log_metrics(numbers, step=0, prefix="eval")

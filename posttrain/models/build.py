@@ -54,7 +54,7 @@ class ModelFromConfig:
         metadata={"help": "Built-in tokenizer: 'char' (one token per character, ~105) or 'byte' (byte-level BPE, 300)."},
     )
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.tokenizer not in TOKENIZERS:
             raise ValueError(
                 f"model.from_config.tokenizer={self.tokenizer!r} is not one of {sorted(TOKENIZERS)}"

@@ -42,13 +42,14 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIAL_TOKENS)
+    return wrap_tokenizer(backend)
+
+
+def wrap_tokenizer(backend: Tokenizer, **kwargs: object) -> PreTrainedTokenizerFast:
+    """A `tokenizers` backend as a Hugging Face tokenizer with the special tokens and chat template."""
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="right",
+        tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK,
+        padding_side="right", **kwargs,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
@@ -87,17 +88,7 @@ def build_byte_tokenizer(vocab_size: int = BYTE_VOCAB_SIZE) -> PreTrainedTokeniz
         show_progress=False,
     )
     backend.train_from_iterator(byte_tokenizer_corpus(), trainer=trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="right",
-        clean_up_tokenization_spaces=False,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return wrap_tokenizer(backend, clean_up_tokenization_spaces=False)
 
 
 TOKENIZERS = {"char": build_char_tokenizer, "byte": build_byte_tokenizer}

@@ -13,12 +13,14 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from posttrain.config import config_to_dict, validate_config
 from posttrain.utils.checkpoint_integrity import verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
@@ -64,22 +66,11 @@ class CheckpointingConfig:
         default=None, metadata={"help": "Explicit checkpoint directory to resume from; None: the latest one."}
     )
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.keep_top_k is not None and self.keep_top_k < 1:
             raise ValueError(f"checkpointing.keep_top_k must be >= 1 or None, got {self.keep_top_k}")
         if self.save_period < 1:
             raise ValueError(f"checkpointing.save_period must be >= 1, got {self.save_period}")
-
-
-def checkpointing_config_from(config: CheckpointingConfig | dict[str, Any]) -> CheckpointingConfig:
-    """Accept the typed config or a plain dict; an unknown dict key raises, naming the key."""
-    if isinstance(config, CheckpointingConfig):
-        return config
-    known = {f.name for f in dataclasses.fields(CheckpointingConfig)}
-    unknown = sorted(set(config) - known)
-    if unknown:
-        raise ValueError(f"unknown checkpointing key(s) {unknown}; known keys: {sorted(known)}")
-    return CheckpointingConfig(**config)
 
 
 def _json_default(value: Any) -> Any:
@@ -91,21 +82,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"training_info value of type {type(value).__name__} is not JSON serialisable")
-
-
-def _config_as_dict(run_config: Any) -> Any:
-    """A run config as YAML-safe data: pydantic models dump, dataclasses become dicts (at any depth)."""
-    if hasattr(run_config, "model_dump") and not isinstance(run_config, type):
-        return run_config.model_dump(mode="json")
-    if dataclasses.is_dataclass(run_config) and not isinstance(run_config, type):
-        return {f.name: _config_as_dict(getattr(run_config, f.name)) for f in dataclasses.fields(run_config)}
-    if isinstance(run_config, dict):
-        return {key: _config_as_dict(value) for key, value in run_config.items()}
-    if isinstance(run_config, (list, tuple)):
-        return [_config_as_dict(value) for value in run_config]
-    if isinstance(run_config, Path):
-        return str(run_config)
-    return run_config
 
 
 def _step_of(path: Path) -> int | None:
@@ -130,14 +106,17 @@ def _fsync_dir(directory: Path) -> None:
 class CheckpointManager:
     """Creates, finalizes, ranks and prunes `step_N/` checkpoint directories under `checkpoint_dir`."""
 
-    def __init__(self, config: CheckpointingConfig | dict[str, Any]):
-        self.config = checkpointing_config_from(config)
-        if self.config.checkpoint_dir is None:
+    def __init__(self, config: CheckpointingConfig | Mapping[str, Any]):
+        if isinstance(config, Mapping):  # the document's plain dict, through the one typed loader
+            config = validate_config(CheckpointingConfig, dict(config))
+        if config.checkpoint_dir is None:
             raise ValueError("checkpointing.checkpoint_dir is not set")
-        if self.config.metric_name == "auto":  # nothing chose: the library's default ranking
-            self.config.metric_name = "val_loss"
-        if self.config.higher_is_better is None:
-            self.config.higher_is_better = False
+        # Nothing chose a ranking: the library's default (a copy; the caller's config stays as it was).
+        self.config = dataclasses.replace(
+            config,
+            metric_name="val_loss" if config.metric_name == "auto" else config.metric_name,
+            higher_is_better=bool(config.higher_is_better),
+        )
         self.checkpoint_dir = Path(self.config.checkpoint_dir)
 
     # The document's attributes, "derived from the CheckpointingConfig" (read live from the config).
@@ -175,7 +154,8 @@ class CheckpointManager:
         info_text = json.dumps(training_info, default=_json_default, indent=2, sort_keys=True)
         self._write_text(tmp_path / TRAINING_INFO_FILE, info_text)
         if run_config is not None:
-            config_text = yaml.safe_dump(_config_as_dict(run_config), sort_keys=False)
+            plain = run_config.model_dump(mode="json") if hasattr(run_config, "model_dump") else config_to_dict(run_config)
+            config_text = yaml.safe_dump(plain, sort_keys=False)
             self._write_text(tmp_path / CONFIG_FILE, config_text)
         return tmp_path
 

@@ -3,7 +3,6 @@ fan-out `Logger`, metric flattening and summaries, and reductions of worker metr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -11,7 +10,6 @@ import os
 import re
 import threading
 import time
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from posttrain.config import config_to_dict, validate_config
+from posttrain.utils.metrics import as_number
 from posttrain.utils.sample_printer import SamplePrinter
 
 log = logging.getLogger(__name__)
@@ -110,29 +110,6 @@ class LoggerConfig:
             setattr(self, alias, None)
 
 
-def _dataclass_from_dict(cls: type, values: Mapping[str, Any], where: str) -> Any:
-    """Build dataclass `cls` from a dict, recursing into dataclass-typed fields; unknown keys raise."""
-    hints = typing.get_type_hints(cls)
-    unknown = sorted(set(values) - set(hints))
-    if unknown:
-        raise ValueError(f"unknown key(s) {[f'{where}.{k}' for k in unknown]}; known: {sorted(hints)}")
-    kwargs = {}
-    for name, value in values.items():
-        if dataclasses.is_dataclass(hints[name]) and isinstance(value, Mapping):
-            value = _dataclass_from_dict(hints[name], value, f"{where}.{name}")
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-def logger_config_from(cfg: LoggerConfig | Mapping[str, Any]) -> LoggerConfig:
-    """The typed config from itself or a plain (nested) dict; an unknown key raises, naming it."""
-    if isinstance(cfg, LoggerConfig):
-        return cfg
-    config = _dataclass_from_dict(LoggerConfig, cfg, "logger")
-    config.validate()
-    return config
-
-
 def default_log_dir(name: str = "run") -> str:
     """`results/<name>-<YYYYmmdd-HHMMSS>`: where a run without `logger.log_dir` writes."""
     return f"results/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -160,15 +137,6 @@ def summarize_values(values: Sequence[float]) -> dict[str, float]:
         "p90": float(np.percentile(array, 90)),
         "max": float(array.max()),
     }
-
-
-def as_number(value: Any) -> float | None:
-    """A plain float for Python/numpy/tensor scalars (bools count as 0/1); None for anything else."""
-    if isinstance(value, (bool, int, float, np.number, np.bool_)):
-        return float(value)
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
-        return as_number(value.item())
-    return None
 
 
 def as_number_list(value: Any) -> list[float] | None:
@@ -217,22 +185,9 @@ class ScalarPreparer:
         )
 
 
-def as_plain_data(value: Any) -> Any:
-    """Dataclasses and pydantic models (at any depth, inside dicts, lists and tuples) as plain data."""
-    if hasattr(value, "model_dump") and not isinstance(value, type):
-        return value.model_dump(mode="json")
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: as_plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, Mapping):
-        return {key: as_plain_data(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [as_plain_data(item) for item in value]
-    return value
-
-
 def flatten_hyperparams(params: Any) -> dict[str, Any]:
-    """Hyperparameters flattened with "/" after dataclasses and pydantic models become dicts."""
-    return flatten_metrics(as_plain_data(params))
+    """Hyperparameters flattened with "/" after dataclasses become dicts."""
+    return flatten_metrics(config_to_dict(params))
 
 
 def _hparam_value(value: Any) -> int | float | str | bool:
@@ -241,38 +196,6 @@ def _hparam_value(value: Any) -> int | float | str | bool:
         return value
     number = as_number(value)
     return number if number is not None else str(value)
-
-
-# ------------------------------------------------------------------------------------ rank reductions
-_REDUCTIONS = {"mean": np.mean, "max": np.max, "min": np.min, "sum": np.sum}
-
-
-def reduce_metrics(
-    per_rank: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None, default: str = "mean"
-) -> dict[str, float]:
-    """Reduce each metric over the ranks that report it with its named reduction (mean/max/min/sum).
-
-    `reductions` maps a metric name to its reduction; other metrics use `default`.
-    """
-    reductions = dict(reductions or {})
-    for name, reduction in [*reductions.items(), ("<default>", default)]:
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}")
-    values_by_key: dict[str, list[float]] = {}
-    for rank, metrics in enumerate(per_rank):
-        for key, value in metrics.items():
-            number = as_number(value)
-            if number is None:
-                raise TypeError(f"rank {rank} metric {key!r} is not a scalar number: {type(value).__name__}")
-            values_by_key.setdefault(key, []).append(number)
-    return {
-        key: float(_REDUCTIONS[reductions.get(key, default)](values)) for key, values in values_by_key.items()
-    }
-
-
-def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """Stage timings across ranks: the slowest rank sets the pace, so max."""
-    return reduce_metrics(per_rank, default="max")
 
 
 def step_timing(driver_timer: Any, worker_timings: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
@@ -481,11 +404,14 @@ class Logger(LoggerInterface):
     runs the Ray system monitor when `monitor_gpus` is set and Ray is up."""
 
     def __init__(self, cfg: LoggerConfig | Mapping[str, Any]):
-        self.cfg = logger_config_from(cfg)
-        if not self.cfg.log_dir:
-            self.cfg.log_dir = default_log_dir()
-            log.info("logger.log_dir not set; writing to %s", self.cfg.log_dir)
-        self._log_dir = Path(self.cfg.log_dir)
+        if isinstance(cfg, Mapping):  # the design document's plain dict, through the one typed loader
+            cfg = validate_config(LoggerConfig, dict(cfg))
+        self.cfg = cfg
+        log_dir = cfg.log_dir  # the config stays as given; a missing directory is derived here
+        if not log_dir:
+            log_dir = default_log_dir()
+            log.info("logger.log_dir not set; writing to %s", log_dir)
+        self._log_dir = Path(log_dir)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.backends: list[LoggerInterface] = [JsonlLogger(self._log_dir), *self._make_backends()]
         self._preparer = ScalarPreparer()

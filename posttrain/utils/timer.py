@@ -42,9 +42,6 @@ class Timer:
             raise KeyError(f"timer {name!r} has no record")
         return self._records[name][-1]
 
-    def get_records(self, name: str) -> list[float]:
-        return list(self._records.get(name, []))
-
     def get_timing_metrics(self, reduction: str = "sum") -> dict[str, float]:
         if reduction not in REDUCTIONS:
             raise ValueError(f"unknown reduction {reduction!r}; choose one of {REDUCTIONS}")

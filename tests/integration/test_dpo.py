@@ -2,11 +2,11 @@
 preference accuracy on held-out pairs rises well above chance, a resumed run equals an uninterrupted one,
 and batch settings that would split a chosen/rejected pair are refused before any worker starts."""
 
-import json
 import math
 from pathlib import Path
 
 import pytest
+from run_logs import metrics_by_step
 
 from posttrain.algorithms import dpo
 from posttrain.config import ConfigError, load_typed_config
@@ -36,14 +36,6 @@ def run_dpo(log_dir, model_dir, **extra) -> dict[int, dict]:
     finally:
         run.shutdown()
     return metrics_by_step(log_dir)
-
-
-def metrics_by_step(log_dir) -> dict[int, dict]:
-    steps: dict[int, dict] = {}
-    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """Environment pools on real Ray actors: order-preserving split across workers, failures scored 0."""
 
-from posttrain.environments.registry import EnvironmentConfig, EnvironmentPool
+from posttrain.environments.pool import EnvironmentPool
+from posttrain.environments.registry import EnvironmentConfig
 
 
 def conversation(response: str) -> list[dict]:

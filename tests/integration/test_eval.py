@@ -19,7 +19,7 @@ from posttrain.evals import eval_cons_k, eval_pass_k
 from posttrain.evals.run import EvalConfig, EvalModelConfig, EvalSettings, run_eval
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.models.generation import GenerationConfig
-from posttrain.models.policy import PolicyConfig
+from posttrain.models.policy import OptimizerConfig, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
 
@@ -95,7 +95,7 @@ def grpo_run_dir(ray_session, tmp_path_factory) -> Path:
                             val_pass_k=2, max_seq_len=MAX_SEQ_LEN, seed=VAL_SEED),
         loss=ClippedPGLossConfig(),
         policy=PolicyConfig(model_name=str(model_dir), train_global_batch_size=8, train_micro_batch_size=4,
-                            optimizer={"name": "AdamW", "kwargs": {"lr": 0.05, "weight_decay": 4.0}}),
+                            optimizer=OptimizerConfig(name="AdamW", kwargs={"lr": 0.05, "weight_decay": 4.0})),
         generation=small_generation(),
         data=arithmetic_data(),
         cluster=ClusterConfig(num_cpus_per_worker=0.5),

@@ -1,11 +1,11 @@
 """GRPO end to end on real Ray workers: every stage logged, generation/training logprobs agree, resume
 equals uninterrupted, colocated equals separate generation, and multi-turn rollouts with a game."""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from run_logs import metrics_by_step
 
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
@@ -51,11 +51,7 @@ def run_grpo(log_dir, **extra) -> dict[int, dict]:
         grpo.grpo_train(run)
     finally:
         run.shutdown()
-    records = [json.loads(line) for line in open(Path(log_dir) / "metrics.jsonl")]
-    steps: dict[int, dict] = {}
-    for record in records:
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
+    return metrics_by_step(log_dir)
 
 
 def test_a_short_run_logs_every_stage_and_keeps_logprobs_consistent(ray_session, tmp_path):

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss
+from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -103,7 +104,7 @@ def policy_config(model_dir, **overrides) -> PolicyConfig:
         seed=0,
     )
     base.update(overrides)
-    return PolicyConfig(**base)
+    return validate_config(PolicyConfig, base)
 
 
 class Run:
@@ -243,10 +244,10 @@ def test_export_then_from_pretrained_reproduces_logprobs(runs, tmp_path):
     torch.testing.assert_close(direct_logprobs(tmp_path / "hf", run.data), logprobs, atol=1e-5, rtol=0)
 
 
-def test_eval_mode_reports_loss_without_changing_weights(runs, ray_session):
+def test_evaluate_reports_loss_without_changing_weights(runs, ray_session):
     run = runs["one_worker_packed"]
     before = copy.deepcopy(ray_session.get(run.policy.get_weights_ref(only_changed=False)))
-    metrics = run.policy.train(run.data, NLLLoss(), eval_mode=True)
+    metrics = run.policy.evaluate(run.data, NLLLoss())
     after = ray_session.get(run.policy.get_weights_ref(only_changed=False))
     assert metrics["loss"][0] > 0
     for name, tensor in before.items():

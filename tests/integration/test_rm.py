@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import metrics_by_step
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.algorithms import grpo, rm
@@ -28,14 +29,6 @@ def overrides(log_dir, model_dir, **extra):
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
-
-
-def metrics_by_step(log_dir) -> dict[int, dict]:
-    steps: dict[int, dict] = {}
-    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
-        steps.setdefault(record["step"], {}).update(record)
-    return steps
 
 
 @pytest.fixture(scope="module")

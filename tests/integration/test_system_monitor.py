@@ -7,7 +7,8 @@ import json
 import os
 import time
 
-from posttrain.utils.logger import Logger
+from posttrain.config import validate_config
+from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.system_monitor import RaySystemMonitor
 
 
@@ -23,10 +24,10 @@ def wait_for_node_metrics(monitor: RaySystemMonitor, timeout_s: float = 30.0) ->
 
 
 def test_real_node_cpu_and_memory_arrive_under_system_prefix(ray_session, tmp_path):
-    logger = Logger({
+    logger = Logger(validate_config(LoggerConfig, {
         "log_dir": str(tmp_path / "run"), "tensorboard_enabled": False, "monitor_gpus": True,
         "gpu_monitoring": {"collection_interval": 0.5, "flush_interval": 1.0},
-    })
+    }))
     monitor = logger.system_monitor
     assert monitor is not None
     wait_for_node_metrics(monitor)

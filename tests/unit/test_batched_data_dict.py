@@ -1,4 +1,5 @@
-"""BatchedDataDict: padding, sharding by global batch, micro-batching, dynamic batching, packing, reordering."""
+"""BatchedDataDict (padding, sharding by global batch) and the micro-batch planners the policy worker uses
+(dynamic batching by token budget, sequence packing)."""
 
 import pytest
 import torch
@@ -33,32 +34,19 @@ def test_shard_by_batch_size_deals_each_global_batch_across_shards():
         batch.shard_by_batch_size(1, batch_size=3)
 
 
-def test_select_slice_repeat_chunk():
+def test_select_and_slice():
     batch = BatchedDataDict(x=torch.tensor([10, 11, 12]), tag=["a", "b", "c"])
     assert batch.select_indices([2, 0])["tag"] == ["c", "a"]
     assert batch.slice(1, 3)["x"].tolist() == [11, 12]
-    assert batch.repeat_interleave(2)["tag"] == ["a", "a", "b", "b", "c", "c"]
-    assert [batch.chunk(r, 2)["x"].tolist() for r in range(2)] == [[10, 11], [12]]
 
 
-def test_microbatch_iterator_sizes():
-    batch = BatchedDataDict(x=torch.arange(10))
-    assert [mb.size for mb in batch.make_microbatch_iterator(4)] == [4, 4, 2]
-
-
-def test_dynamic_batching_stays_under_budget_and_reorder_restores_order():
+def test_dynamic_batching_stays_under_budget_and_keeps_every_row_once():
     lengths = [5, 17, 3, 9, 16, 2, 8, 12]
-    input_ids = torch.zeros(8, 17, dtype=torch.long)
-    for i, n in enumerate(lengths):
-        input_ids[i, :n] = i + 1
-    batch = BatchedDataDict(input_ids=input_ids, input_lengths=torch.tensor(lengths), idx=list(range(8)))
-    microbatches, permutation = batch.make_dynamic_microbatches(max_tokens=40, length_round=4)
-    for mb in microbatches:
-        assert mb["input_ids"].shape[0] * mb["input_ids"].shape[1] <= 40
-    assert sorted(permutation) == list(range(8))
-    assert [i for mb in microbatches for i in mb["idx"]] == permutation
-    restored = BatchedDataDict.reorder_data(batch.select_indices(permutation), permutation)
-    assert restored["idx"] == list(range(8)) and torch.equal(restored["input_ids"], input_ids)
+    groups = dynamic_microbatch_indices(lengths, max_tokens=40, length_round=4)
+    for group in groups:
+        assert len(group) * max(-(-lengths[i] // 4) * 4 for i in group) <= 40
+    assert sorted(i for group in groups for i in group) == list(range(8))
+    assert dynamic_microbatch_indices([4, 4, 2, 2], 8) == [[0, 1], [2, 3]]
 
 
 def test_packing_keeps_every_sample_once_and_bins_under_budget():
@@ -69,19 +57,3 @@ def test_packing_keeps_every_sample_once_and_bins_under_budget():
     assert len(bins) == 4  # 40 tokens in bins of 10: first-fit-decreasing finds the optimum here
     with pytest.raises(ValueError, match="over the bin budget"):
         pack_sequences([11], 10)
-
-
-def test_dynamic_and_packing_together_is_an_error():
-    batch = BatchedDataDict(input_lengths=torch.tensor([1, 2]))
-    with pytest.raises(ValueError, match="cannot both be enabled"):
-        batch.shard_by_batch_size(1, dynamic_batching_args={"max_tokens_per_microbatch": 8},
-                                  sequence_packing_args={"max_tokens_per_bin": 8})
-
-
-def test_shard_with_dynamic_batching_records_micro_batch_plan():
-    batch = BatchedDataDict(input_lengths=torch.tensor([4, 4, 2, 2, 4, 4, 2, 2]))
-    shards = batch.shard_by_batch_size(2, batch_size=4, dynamic_batching_args={"max_tokens_per_microbatch": 8})
-    assert shards[0].micro_batch_indices == [[[0, 1]], [[0, 1]]]  # per local batch: rows of 4 tokens fit 2 x 4
-    tight = batch.shard_by_batch_size(2, batch_size=4, dynamic_batching_args={"max_tokens_per_microbatch": 4})
-    assert tight[0].micro_batch_indices == [[[0], [1]], [[0], [1]]] and tight[1].micro_batch_indices == [[[0, 1]]] * 2
-    assert dynamic_microbatch_indices([4, 4, 2, 2], 8) == [[0, 1], [2, 3]]

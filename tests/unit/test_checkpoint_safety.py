@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from posttrain.algorithms.common import restore_run
+from posttrain.algorithms.run import restore_run
 from posttrain.evals.run import EvalModelConfig, materialize_model
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
 from posttrain.utils.checkpoint import CheckpointManager

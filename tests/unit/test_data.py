@@ -15,6 +15,7 @@ from posttrain.data import (
     message_log_to_flat,
     tokenize_message_log,
 )
+from posttrain.data.sliding_puzzle import scrambled_board
 from posttrain.models.tokenizer import build_char_tokenizer
 
 TOKENIZER = build_char_tokenizer()
@@ -140,3 +141,8 @@ def test_loader_resumes_with_exactly_the_same_batches():
     assert head + [resumed.next_batch() for _ in range(4)] == uninterrupted
     assert uninterrupted[:3] != [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # shuffled
     assert len(loader) == 3 and all(len(b) == 3 for b in uninterrupted)
+
+
+def test_scrambled_boards_are_reproducible_and_not_solved():
+    assert scrambled_board(3, 5, seed=1) == scrambled_board(3, 5, seed=1)
+    assert sorted(sum(scrambled_board(3, 5, seed=2), [])) == list(range(9))

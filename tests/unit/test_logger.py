@@ -1,5 +1,5 @@
 """Unified logger: flattening and summaries, JSONL content, real TensorBoard / MLflow / W&B files read
-back, rank reductions, validation sample printing, and the system monitor's parsing."""
+back, validation sample printing, and the system monitor's parsing."""
 
 from __future__ import annotations
 
@@ -13,16 +13,14 @@ import pytest
 import torch
 from rich.console import Console
 
+from posttrain.config import validate_config
 from posttrain.utils.logger import (
     JsonlLogger,
     Logger,
     LoggerConfig,
     flatten_hyperparams,
     flatten_metrics,
-    logger_config_from,
     mlflow_key,
-    reduce_metrics,
-    reduce_timing,
     summarize_values,
 )
 from posttrain.utils.sample_printer import choose_samples, render_sample
@@ -30,7 +28,7 @@ from posttrain.utils.system_monitor import RaySystemMonitor, average_samples, pa
 
 
 def jsonl_only(tmp_path: Path, **overrides) -> Logger:
-    return Logger({"log_dir": str(tmp_path / "run"), "tensorboard_enabled": False} | overrides)
+    return Logger(validate_config(LoggerConfig, {"log_dir": str(tmp_path / "run"), "tensorboard_enabled": False} | overrides))
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -84,14 +82,6 @@ def test_jsonl_logger_appends_across_instances(tmp_path):
     assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}]
 
 
-def test_dict_config_builds_nested_sections_and_rejects_unknown_keys(tmp_path):
-    cfg = logger_config_from({"log_dir": "x", "mlflow": {"experiment_name": "e"}, "gpu_monitoring": {"flush_interval": 2}})
-    assert cfg.mlflow.experiment_name == "e" and cfg.gpu_monitoring.flush_interval == 2
-    assert cfg.tensorboard_enabled and not cfg.wandb_enabled and not cfg.mlflow_enabled
-    with pytest.raises(ValueError, match="logger.wandb.projekt"):
-        logger_config_from({"wandb": {"projekt": "p"}})
-
-
 def test_hyperparams_flatten_nested_dataclasses_inside_dicts():
     cfg = LoggerConfig(log_dir="runs/a")
     flat = flatten_hyperparams({"logger": cfg, "seed": 3})
@@ -122,8 +112,10 @@ def test_tensorboard_scalars_and_hparams_read_back_with_event_accumulator(tmp_pa
 def test_mlflow_run_in_local_store_read_back_with_mlflow_client(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    logger = Logger({"log_dir": str(tmp_path / "run"), "tensorboard_enabled": False, "mlflow_enabled": True,
-                     "mlflow": {"experiment_name": "exp", "run_name": "r1"}})
+    logger = Logger(validate_config(LoggerConfig, {
+        "log_dir": str(tmp_path / "run"), "tensorboard_enabled": False, "mlflow_enabled": True,
+        "mlflow": {"experiment_name": "exp", "run_name": "r1"},
+    }))
     logger.log_hyperparams({"optim": {"lr": 0.001}})
     logger.log_metrics({"loss": 0.5}, step=1, prefix="train")
     logger.log_metrics({"loss": 0.25, "lens": [1, 2, 3, 4]}, step=2, prefix="train")
@@ -181,7 +173,7 @@ def test_wandb_offline_run_writes_history_and_config_and_system_rows_survive(tmp
     instead of being dropped for going backwards."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    logger = Logger({"log_dir": str(tmp_path / "run"), "tensorboard_enabled": False, "wandb_enabled": True})
+    logger = Logger(LoggerConfig(log_dir=str(tmp_path / "run"), tensorboard_enabled=False, wandb_enabled=True))
     logger.log_hyperparams({"optim": {"lr": 0.001}})
     logger.log_metrics({"loss": 0.5}, step=7, prefix="train")
     logger.log_metrics({"node": {"cpu": 12.5}}, step=1, prefix="system")
@@ -194,21 +186,6 @@ def test_wandb_offline_run_writes_history_and_config_and_system_rows_survive(tmp
     assert [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row] == [(7, 0.5), (8, 0.25)]
     assert [(row["system/step"], row["system/node/cpu"]) for row in rows if "system/node/cpu" in row] == [(1, 12.5)]
     assert config["optim/lr"] == 0.001
-
-
-# ------------------------------------------------------------------------------------ rank reductions
-def test_reduce_metrics_uses_named_reduction_per_key_and_default_mean():
-    per_rank = [{"loss": 1.0, "grad_norm": 3.0, "tokens": 10}, {"loss": 3.0, "grad_norm": 5.0, "tokens": 30}]
-    assert reduce_metrics(per_rank, {"grad_norm": "max", "tokens": "sum"}) == {
-        "loss": 2.0, "grad_norm": 5.0, "tokens": 40.0,
-    }
-    assert reduce_metrics(per_rank, default="min") == {"loss": 1.0, "grad_norm": 3.0, "tokens": 10.0}
-    assert reduce_timing([{"train": 1.5, "gen": 2.0}, {"train": 2.5, "gen": 1.0}]) == {"train": 2.5, "gen": 2.0}
-
-
-def test_reduce_metrics_rejects_unknown_reduction_naming_the_metric():
-    with pytest.raises(ValueError, match="'loss'"):
-        reduce_metrics([{"loss": 1.0}], {"loss": "median"})
 
 
 # ------------------------------------------------------------------------------- validation samples

@@ -11,17 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.algorithms.loss import reduce_loss_metrics
 from posttrain.config import ConfigError, validate_config
 from posttrain.evals.supervised_samples import pick_rows, split_row
-from posttrain.utils.logger import (
-    Logger,
-    LoggerConfig,
-    logger_config_from,
-    reduce_timing,
-    run_artifacts,
-    step_timing,
-)
+from posttrain.utils.logger import Logger, LoggerConfig, run_artifacts, step_timing
+from posttrain.utils.metrics import reduce_metrics, reduce_timing
 from posttrain.utils.timer import Timer
 
 
@@ -77,13 +70,13 @@ def test_gpu_monitoring_example_config_and_flat_interval_names():
     """monitor_gpus: true, gpu_monitoring: collection_interval: 10, flush_interval: 10 -- the frequency of
     data collection and flushing to the loggers is controlled by the gpu_collection_interval and
     gpu_flush_interval parameters, both specified in seconds."""
-    nested = logger_config_from({"monitor_gpus": True, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10}})
+    nested = validate_config(LoggerConfig, {"monitor_gpus": True, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10}})
     assert (nested.gpu_monitoring.collection_interval, nested.gpu_monitoring.flush_interval) == (10, 10)
-    flat = logger_config_from({"monitor_gpus": True, "gpu_collection_interval": 3, "gpu_flush_interval": 6})
+    flat = validate_config(LoggerConfig, {"monitor_gpus": True, "gpu_collection_interval": 3, "gpu_flush_interval": 6})
     assert (flat.gpu_monitoring.collection_interval, flat.gpu_monitoring.flush_interval) == (3.0, 6.0)
     assert flat.gpu_collection_interval is None  # folded: one place holds the value
     with pytest.raises(ValueError, match=r"set only logger\.gpu_monitoring\.flush_interval"):
-        logger_config_from({"gpu_flush_interval": 6, "gpu_monitoring": {"flush_interval": 2}})
+        validate_config(LoggerConfig, {"gpu_flush_interval": 6, "gpu_monitoring": {"flush_interval": 2}})
 
 
 @dataclass
@@ -111,10 +104,10 @@ def test_metric_reductions_are_chosen_per_metric():
         {"loss": 1.0, "peak_mem": 5.0, "lr": 0.1, "tokens": 10.0, "err_max": 2.0},
         {"loss": 3.0, "peak_mem": 9.0, "lr": 0.1, "tokens": 30.0, "err_max": 1.0},
     ]
-    reduced = reduce_loss_metrics(per_rank, {"loss": "mean", "peak_mem": "max", "lr": "min"})
+    reduced = reduce_metrics(per_rank, {"loss": "mean", "peak_mem": "max", "lr": "min"})
     assert reduced == pytest.approx({"loss": 2.0, "peak_mem": 9.0, "lr": 0.1, "tokens": 40.0, "err_max": 2.0})
     with pytest.raises(ValueError, match="'median' for metric 'loss'"):
-        reduce_loss_metrics(per_rank, {"loss": "median"})
+        reduce_metrics(per_rank, {"loss": "median"})
 
 
 def test_timing_is_reduced_across_ranks_with_max_and_logged_beside_the_driver_timing():
@@ -168,7 +161,7 @@ def test_eval_logs_its_outcomes_to_the_unified_logger(tmp_path):
     cfg.logger.log_dir = str(tmp_path / "eval")
     summary = {"model": "m", "score": 0.75, "k": 1, "greedy": True, "accuracy": 0.75}
     samples = [{"reward": 1.0, "message_log": []}, {"reward": 0.0, "message_log": []}]
-    log_results(cfg, summary, ValidationResult({"accuracy": 0.75}, samples, torch.tensor([1.0, 0.0])))
+    log_results(cfg, summary, ValidationResult({"accuracy": 0.75}, samples, torch.tensor([1.0, 0.0])), tmp_path / "other")
     assert read_jsonl(tmp_path / "eval" / "metrics.jsonl") == [{"step": 0, "eval/score": 0.75, "eval/k": 1.0,
                                                                  "eval/accuracy": 0.75}]
     assert list((tmp_path / "eval" / "tensorboard").glob("events.out.tfevents.*"))

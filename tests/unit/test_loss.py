@@ -12,8 +12,8 @@ from posttrain.algorithms.loss import (
     DPOLoss,
     DPOLossConfig,
     NLLLoss,
-    reduce_loss_metrics,
 )
+from posttrain.utils.metrics import sum_metrics
 
 LN2 = math.log(2.0)
 
@@ -164,7 +164,7 @@ def test_gspo_uses_one_sequence_ratio_from_mean_log_ratio():
 
 def test_gspo_with_token_level_loss_is_a_config_error():
     with pytest.raises(ValueError, match="token_level_loss=False"):
-        ClippedPGLossConfig(sequence_level_importance_ratios=True)
+        ClippedPGLossConfig(sequence_level_importance_ratios=True).validate()
 
 
 def test_importance_sampling_correction_weights_by_prev_over_generation_and_truncates():
@@ -343,7 +343,7 @@ def test_two_micro_batches_sum_to_whole_batch_loss_metrics_and_gradient(name):
     (summed_grad,) = torch.autograd.grad(summed_loss, logprobs)
     torch.testing.assert_close(summed_loss, whole_loss)
     torch.testing.assert_close(summed_grad, whole_grad)
-    summed_metrics = reduce_loss_metrics([parts[0][1], parts[1][1]])
+    summed_metrics = sum_metrics([parts[0][1], parts[1][1]])
     assert summed_metrics == pytest.approx(whole_metrics, rel=1e-5, abs=1e-6)
 
 

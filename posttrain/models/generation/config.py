@@ -53,7 +53,7 @@ class GenerationConfig:
         default=None, metadata={"help": "vLLM only: context length of the engine (None: the model's)."}
     )
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         validate_generation_config(self)
 
 

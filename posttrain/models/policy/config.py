@@ -129,19 +129,7 @@ class PolicyConfig:
                           "checkpoint of that step); false: keep training."},
     )
 
-    def __post_init__(self) -> None:
-        # Nested sections given as plain mappings (e.g. straight from YAML) become their typed classes.
-        if isinstance(self.model, dict):
-            self.model = PolicyModelConfig(**self.model)
-        if isinstance(self.model.from_config, dict):
-            self.model.from_config = ModelFromConfig(**self.model.from_config)
-        if isinstance(self.optimizer, dict):
-            self.optimizer = OptimizerConfig(**self.optimizer)
-        self.scheduler = [SchedulerConfig(**s) if isinstance(s, dict) else s for s in self.scheduler]
-        if isinstance(self.dynamic_batching, dict):
-            self.dynamic_batching = DynamicBatchingConfig(**self.dynamic_batching)
-        if isinstance(self.sequence_packing, dict):
-            self.sequence_packing = SequencePackingConfig(**self.sequence_packing)
+    def validate(self) -> None:
         validate_policy_config(self)
 
 

@@ -17,7 +17,7 @@ from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import RayWorkerGroup
 from posttrain.models.policy.config import PolicyConfig
 from posttrain.models.policy.worker import DTensorPolicyWorker, LossFn
-from posttrain.utils.logger import reduce_timing
+from posttrain.utils.metrics import reduce_timing
 
 
 class NonFiniteLossError(RuntimeError):
@@ -107,24 +107,45 @@ class Policy:
         self,
         data: BatchedDataDict,
         loss_fn: LossFn,
-        eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> dict[str, list[float]]:
-        """One optimizer step per global batch of `gbs` rows (forward only when eval_mode).
+        """One optimizer step per global batch of `global_batch_size` rows (default
+        `policy.train_global_batch_size`), in micro-batches of `micro_batch_size` rows (default
+        `policy.train_micro_batch_size`).
 
         Returns one entry per global batch, reduced over ranks: `loss` (the global-batch loss),
         `grad_norm` (before clipping), `lr` (used by the step), `num_microbatches`, and the loss
         function's metrics summed over micro-batches and ranks.
         """
-        gbs = gbs or self.cfg.train_global_batch_size
-        if data.size % gbs or gbs % self.dp_size:
+        return self._run_loss(data, loss_fn, False, global_batch_size, micro_batch_size)
+
+    def evaluate(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFn,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> dict[str, list[float]]:
+        """`loss_fn` and its metrics per global batch, forward only: the weights do not change (no
+        `grad_norm`, no `lr`)."""
+        return self._run_loss(data, loss_fn, True, global_batch_size, micro_batch_size)
+
+    def _run_loss(
+        self, data: BatchedDataDict, loss_fn: LossFn, eval_mode: bool,
+        global_batch_size: int | None, micro_batch_size: int | None,
+    ) -> dict[str, list[float]]:
+        global_batch_size = global_batch_size or self.cfg.train_global_batch_size
+        if data.size % global_batch_size or global_batch_size % self.dp_size:
             raise ValueError(
-                f"Policy.train: batch of {data.size} rows must be a multiple of the global batch size {gbs}, "
-                f"itself a multiple of the {self.dp_size} data-parallel ranks"
+                f"Policy.train: batch of {data.size} rows must be a multiple of the global batch size "
+                f"{global_batch_size}, itself a multiple of the {self.dp_size} data-parallel ranks"
             )
-        shards = data.shard_by_batch_size(self.dp_size, batch_size=gbs)
-        results = self._run_dp("train", shards, loss_fn=loss_fn, eval_mode=eval_mode, gbs=gbs, mbs=mbs)
+        shards = data.shard_by_batch_size(self.dp_size, batch_size=global_batch_size)
+        results = self._run_dp(
+            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode,
+            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+        )
         if not eval_mode and self.cfg.stop_on_nonfinite_loss:
             check_finite_losses(results[0]["loss"])
         return results[0]  # every rank returns the same, already reduced over dp

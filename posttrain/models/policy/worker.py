@@ -22,7 +22,6 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from posttrain.algorithms.loss import reduce_loss_metrics
 from posttrain.distributed.batched_data_dict import (
     BatchedDataDict,
     dynamic_microbatch_indices,
@@ -31,6 +30,7 @@ from posttrain.distributed.batched_data_dict import (
 from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig
+from posttrain.utils.metrics import reduction_of, sum_metrics
 from posttrain.utils.timer import Timer
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -520,11 +520,11 @@ class DTensorPolicyWorker:
         return grad_norm, float(lr)
 
     def _run_global_batch(
-        self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, mbs: int
+        self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
         step = StepMetrics()
-        for microbatch in self._pad_to_common_count(self.make_microbatches(batch, mbs)):
+        for microbatch in self._pad_to_common_count(self.make_microbatches(batch, micro_batch_size)):
             with torch.set_grad_enabled(not eval_mode):
                 outputs = self._forward(microbatch)  # [b, T_mb] logprobs or [b] scores
                 loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
@@ -534,7 +534,7 @@ class DTensorPolicyWorker:
                 continue
             step.loss += float(loss.detach())
             step.num_microbatches += 1
-            step.loss_metrics = reduce_loss_metrics(
+            step.loss_metrics = sum_metrics(
                 [step.loss_metrics, {k: float(v) for k, v in metrics.items()}]
             )
         if not eval_mode:
@@ -546,33 +546,36 @@ class DTensorPolicyWorker:
         data: dict[str, Any],
         loss_fn: LossFn,
         eval_mode: bool = False,
-        gbs: int | None = None,
-        mbs: int | None = None,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
     ) -> dict[str, Any]:
-        """One optimizer step per global batch of `gbs` rows (this rank holds gbs / dp of each).
+        """One optimizer step per global batch (this rank holds global_batch_size / dp rows of each);
+        forward only when `eval_mode`.
 
         Returns per-step lists, already reduced over dp ranks: loss (global-batch loss), grad_norm, lr,
         num_microbatches (summed), and the loss function's metrics (summed over micro-batches and ranks).
         """
-        gbs = gbs or self.cfg.train_global_batch_size
-        mbs = mbs or self.cfg.train_micro_batch_size
-        if gbs % self.dp_size:
+        global_batch_size = global_batch_size or self.cfg.train_global_batch_size
+        micro_batch_size = micro_batch_size or self.cfg.train_micro_batch_size
+        if global_batch_size % self.dp_size:
             raise ValueError(
-                f"train: global batch size {gbs} is not divisible by {self.dp_size} data-parallel ranks"
+                f"train: global batch size {global_batch_size} is not divisible by {self.dp_size} data-parallel ranks"
             )
-        local_gbs = gbs // self.dp_size
+        local_batch_size = global_batch_size // self.dp_size
         num_rows = data["input_ids"].shape[0]
-        if num_rows % local_gbs:
+        if num_rows % local_batch_size:
             raise ValueError(
-                f"train: rank {self.rank} got {num_rows} rows, not a multiple of gbs/dp = {local_gbs}"
+                f"train: rank {self.rank} got {num_rows} rows, not a multiple of global batch size / dp = "
+                f"{local_batch_size}"
             )
         self.model.train(not eval_mode)
         with self.timer.time("eval" if eval_mode else "train"):
             steps = [
                 self._run_global_batch(
-                    select_rows(data, list(range(start, start + local_gbs))), loss_fn, eval_mode, mbs
+                    select_rows(data, list(range(start, start + local_batch_size))), loss_fn, eval_mode,
+                    micro_batch_size,
                 )
-                for start in range(0, num_rows, local_gbs)
+                for start in range(0, num_rows, local_batch_size)
             ]
             return self._reduce_steps(steps, eval_mode)
 
@@ -582,7 +585,7 @@ class DTensorPolicyWorker:
         keys = sorted({key for step in steps for key in step.loss_metrics} - {"loss", "num_microbatches"})
         columns = {"sum": ["loss", "num_microbatches"], "min": [], "max": []}
         for key in keys:
-            columns["min" if key.endswith("_min") else "max" if key.endswith("_max") else "sum"].append(key)
+            columns[reduction_of(key)].append(key)
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         result: dict[str, Any] = {}
         for kind, names in columns.items():

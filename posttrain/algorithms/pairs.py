@@ -1,0 +1,97 @@
+"""Preference pairs (DPO, RM) as train data, and the batching rules that keep pairs whole.
+
+A pair's chosen and rejected responses travel as adjacent rows (2i chosen, 2i+1 rejected), which the
+pairwise losses expect inside every micro-batch. Policy.train deals each global batch to the dp ranks in
+contiguous blocks of global_batch_size/dp rows and cuts those into contiguous micro-batches of
+micro_batch_size rows, so pairs stay whole when both are even and rows are not reordered (no dynamic
+batching or packing)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from posttrain.config import ConfigError
+from posttrain.data import message_log_to_flat
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.virtual_cluster import ClusterConfig
+from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.models.policy.worker import LossFn
+from posttrain.utils.metrics import single_step_metrics
+
+
+def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:
+    """ConfigError unless every rank's share of a global batch and every micro-batch hold whole pairs."""
+    for key in ("dynamic_batching", "sequence_packing"):
+        if getattr(policy_cfg, key).enabled:
+            raise ConfigError(f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off")
+    num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
+    num_ranks = max(1, num_workers // policy_cfg.tensor_parallel_size)
+    if policy_cfg.train_global_batch_size % (2 * num_ranks):
+        raise ConfigError(
+            "policy.train_global_batch_size",
+            f"must be a multiple of 2 x {num_ranks} data-parallel ranks (rows are chosen/rejected pairs and "
+            f"each rank gets whole pairs), got {policy_cfg.train_global_batch_size}",
+        )
+    if policy_cfg.train_micro_batch_size % 2:
+        raise ConfigError(
+            "policy.train_micro_batch_size",
+            f"must be even (a micro-batch holds whole chosen/rejected pairs), got {policy_cfg.train_micro_batch_size}",
+        )
+
+
+def pairs_to_train_data(records: list[dict], pad_token_id: int, num_masked_pairs: int = 0) -> BatchedDataDict:
+    """Preference records -> a flat batch of 2 x len(records) rows: row 2i the chosen conversation of
+    record i, row 2i+1 its rejected one; token_mask covers the final assistant turn (the response). The
+    last `num_masked_pairs` pairs get sample_mask 0 (padding that counts nowhere)."""
+    logs = []
+    for i, record in enumerate(records):
+        if "chosen_message_log" not in record or "rejected_message_log" not in record:
+            raise ValueError(
+                f"preference record {record.get('idx', i)} has no chosen_message_log/rejected_message_log "
+                f"(keys {sorted(record)}); use data.format=preference or a preference task"
+            )
+        logs += [record["chosen_message_log"], record["rejected_message_log"]]
+    data = message_log_to_flat(logs, pad_token_id, train_on="last_assistant")
+    if num_masked_pairs:
+        data["sample_mask"][-2 * num_masked_pairs:] = 0
+    return data
+
+
+def pair_batches(records: list[dict], pairs_per_batch: int, num_ranks: int, pad_token_id: int) -> list[BatchedDataDict]:
+    """Evaluation batches of `pairs_per_batch` pairs, each padded with masked copies of its last pair to a
+    multiple of `num_ranks` pairs, so that every data-parallel rank gets whole pairs."""
+    batches = []
+    for start in range(0, len(records), pairs_per_batch):
+        chunk = records[start:start + pairs_per_batch]
+        num_padding = -len(chunk) % num_ranks
+        batches.append(pairs_to_train_data(chunk + [chunk[-1]] * num_padding, pad_token_id, num_padding))
+    return batches
+
+
+def evaluate_pairs(policy: Policy, batches: list[BatchedDataDict], loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+    """Forward-only `loss_fn` over evaluation batches: its metrics averaged with each batch weighted by
+    its number of real (unmasked) pairs."""
+    totals: dict[str, float] = {}
+    num_pairs = 0.0
+    for batch in batches:
+        batch_pairs = float(batch["sample_mask"].sum()) / 2
+        metrics = policy.evaluate(batch, loss_fn, global_batch_size=batch.size, micro_batch_size=micro_batch_size)
+        for key, value in single_step_metrics(metrics).items():
+            if key != "num_microbatches":
+                totals[key] = totals.get(key, 0.0) + value * batch_pairs
+        num_pairs += batch_pairs
+    return {key: total / max(num_pairs, 1.0) for key, total in totals.items()}
+
+
+def pair_progress(metrics: dict[str, float], val_metrics: dict[str, float] | None) -> dict[str, float]:
+    """The progress line of a pair loop: loss and accuracy, and the validation accuracy when validated."""
+    shown = {"loss": metrics["loss"], "acc": metrics["accuracy"]}
+    return shown | ({"val_acc": val_metrics["accuracy"]} if val_metrics else {})
+
+
+def pair_summary(name: str, step: int, val_metrics: dict[str, float], log_dir: Path) -> str:
+    """The line a pair command prints when it finishes."""
+    return (
+        f"{name} finished at step {step}: val loss {val_metrics.get('loss', float('nan')):.4f}, "
+        f"val accuracy {val_metrics.get('accuracy', float('nan')):.3f}; run directory {log_dir}"
+    )

@@ -1,0 +1,108 @@
+"""The plumbing of every algorithm's run: the run directory, the model directory (built from an
+architecture config for offline runs), and checkpoint save/restore of the whole run state (policy,
+data-loader position, step counters)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from posttrain.config import ConfigError, config_to_dict, save_config
+from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
+from posttrain.utils.logger import LoggerConfig
+
+
+def default_log_dir(algorithm: str) -> str:
+    return f"results/{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class RunConfig(Protocol):
+    """The sections of an algorithm's config that the run plumbing reads."""
+
+    policy: PolicyConfig
+    logger: LoggerConfig
+    checkpointing: CheckpointingConfig
+
+
+ConfigT = TypeVar("ConfigT", bound=RunConfig)
+
+
+def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_loss", False)) -> ConfigT:
+    """The run's config: a copy of `cfg` (left as validated) with the values that depend on the run
+    filled in (log and checkpoint directories, the checkpoint ranking metric and its direction, the
+    model directory of an offline model). Creates the run directory and saves that config there."""
+    log_dir_text = cfg.logger.log_dir or default_log_dir(algorithm)
+    log_dir = Path(log_dir_text)
+    chosen = cfg.checkpointing
+    checkpointing = dataclasses.replace(
+        chosen,
+        checkpoint_dir=chosen.checkpoint_dir or str(log_dir / "checkpoints"),
+        metric_name=metric[0] if chosen.metric_name == "auto" else chosen.metric_name,
+        higher_is_better=metric[1] if chosen.higher_is_better is None else chosen.higher_is_better,
+    )
+    run_cfg = dataclasses.replace(
+        cfg, logger=dataclasses.replace(cfg.logger, log_dir=log_dir_text), checkpointing=checkpointing,
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    save_config(run_cfg, log_dir / "config.yaml")
+    return dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
+
+
+def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
+    """Offline runs: build `policy.model.from_config` into `<log_dir>/initial_model` once and return the
+    policy config pointing `model_name` at it (a resumed run finds the same directory)."""
+    from_config = policy_cfg.model.from_config if policy_cfg.model is not None else None
+    if from_config is None:
+        if not policy_cfg.model_name:
+            raise ConfigError("policy.model_name", "set a model directory or hub name, or policy.model.from_config")
+        return policy_cfg
+    from posttrain.models.build import build_model_dir
+
+    model_dir = log_dir / "initial_model"
+    if not (model_dir / "config.json").exists():
+        build_model_dir(from_config, model_dir)
+    return dataclasses.replace(policy_cfg, model_name=str(model_dir))
+
+
+@dataclass
+class RunCheckpoint:
+    """What a restored run needs besides the policy state: the step counters and the loader position."""
+
+    path: Path
+    training_info: dict[str, Any]
+    loader_state: dict[str, Any]
+
+
+def save_run_checkpoint(
+    manager: CheckpointManager, policy: Policy, step: int, training_info: dict[str, Any],
+    loader_state: dict[str, Any], run_config: Any,
+) -> Path:
+    """tmp_step_N: training info + config, policy (DCP, RNG of every rank), loader; then finalize
+    (which writes the sha256 manifest before the rename)."""
+    path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
+    policy.save_checkpoint(str(path / "policy"), save_optimizer=manager.save_optimizer)
+    (path / "dataloader.json").write_text(json.dumps(loader_state))
+    manager.finalize_checkpoint(path)
+    return path.with_name(f"step_{step}")
+
+
+def restore_run(manager: CheckpointManager, policy: Policy) -> RunCheckpoint | None:
+    """Remove partial checkpoints, then load the explicit `resume_from` or the newest checkpoint that
+    matches its sha256 manifest (damaged newer ones are skipped with a warning)."""
+    manager.clean_partial_checkpoints()
+    path = manager.get_resume_checkpoint_path()
+    if path is None:
+        return None
+    path = Path(path)
+    policy.load_checkpoint(str(path / "policy"))
+    training_info = manager.load_training_info(path) or {}
+    loader_file = path / "dataloader.json"
+    loader_state = json.loads(loader_file.read_text()) if loader_file.exists() else {}
+    print(f"resumed from {path} (step {training_info.get('step')})", file=sys.stderr)
+    return RunCheckpoint(path, training_info, loader_state)

@@ -1,0 +1,157 @@
+"""Rows (files, Hugging Face datasets, built-in tasks) -> records with tokenized message logs, cut or
+skipped to fit `data.max_input_seq_length`, split into training and validation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from posttrain.data.config import DataConfig
+from posttrain.data.message_log import message_log_length, tokenize_message_log
+from posttrain.data.sources import DataError, Row, SkipCounter, is_file_source, read_file, read_hf_dataset
+from posttrain.data.tasks import BUILTIN_TASKS, builtin_rows
+
+DatumSpec = dict[str, Any]
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value and value.startswith("@"):
+        return Path(value[1:]).read_text()
+    return value
+
+
+def detect_format(row: dict, cfg: DataConfig) -> str:
+    if cfg.format != "auto":
+        return cfg.format
+    if cfg.messages_key in row:
+        return "messages"
+    if cfg.chosen_key in row and cfg.rejected_key in row:
+        return "preference"
+    if cfg.response_key in row:
+        return "prompt_response"
+    return "rl"
+
+
+def _require(row: dict, key: str, fmt: str) -> Any:
+    if key not in row or row[key] is None or (isinstance(row[key], float) and row[key] != row[key]):
+        raise KeyError(f"missing field {key!r} (format {fmt}; row keys: {sorted(row)})")
+    return row[key]
+
+
+def _prompt_messages(row: dict, cfg: DataConfig, fmt: str) -> list[dict]:
+    prompt = str(_require(row, cfg.prompt_key, fmt))
+    template = _text_or_file(cfg.prompt_template)
+    system = _text_or_file(cfg.system_prompt)
+    messages = [{"role": "system", "content": system}] if system else []
+    return messages + [{"role": "user", "content": template.format(prompt=prompt) if template else prompt}]
+
+
+def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> DatumSpec:
+    """One row -> one record in the row's format (errors are KeyError/ValueError; the caller adds where)."""
+    fmt = detect_format(row, cfg)
+    record: DatumSpec = {"idx": idx, "task_name": row.get(cfg.task_key) or cfg.task_name, "extra_env_info": {}}
+    if fmt == "messages":
+        messages = _require(row, cfg.messages_key, fmt)
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            raise ValueError(f"{cfg.messages_key!r} must be a list of {{role, content}} messages")
+        record["message_log"] = tokenize_message_log(messages, tokenizer)
+    elif fmt == "prompt_response":
+        messages = _prompt_messages(row, cfg, fmt) + [{"role": "assistant", "content": str(_require(row, cfg.response_key, fmt))}]
+        record["message_log"] = tokenize_message_log(messages, tokenizer)
+    elif fmt == "rl":
+        record["message_log"] = tokenize_message_log(_prompt_messages(row, cfg, fmt), tokenizer, add_generation_prompt=True)
+        answer = row.get(cfg.answer_key)
+        if answer is None and record["task_name"] != "sliding_puzzle":
+            _require(row, cfg.answer_key, fmt)
+        record["extra_env_info"] = {"ground_truth": None if answer is None else str(answer), **(row.get("metadata") or {})}
+    elif fmt == "preference":
+        prompt = _prompt_messages(row, cfg, fmt)
+        for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key)):
+            response = [{"role": "assistant", "content": str(_require(row, key, fmt))}]
+            record[f"{side}_message_log"] = tokenize_message_log(prompt + response, tokenizer)
+        record["message_log"] = record["chosen_message_log"]
+    else:
+        raise ValueError(f"unknown data.format {fmt!r}")
+    record["length"] = max(message_log_length(record[k]) for k in ("message_log", "chosen_message_log", "rejected_message_log") if k in record)
+    return record
+
+
+def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> DatumSpec | None:
+    """Truncate the last message of each log to `max_length`, or drop the record (both counted)."""
+    if record["length"] <= cfg.max_length:
+        return record
+    if cfg.overlong == "drop":
+        counter.dropped += 1
+        return None
+    for key in ("message_log", "chosen_message_log", "rejected_message_log"):
+        if key not in record:
+            continue
+        log = record[key]
+        excess = message_log_length(log) - cfg.max_length
+        if excess > 0:
+            if excess >= len(log[-1]["token_ids"]):
+                counter.dropped += 1  # nothing sensible is left after cutting the last message
+                return None
+            log[-1] = {**log[-1], "token_ids": log[-1]["token_ids"][:-excess]}
+    record["length"] = cfg.max_length
+    counter.truncated += 1
+    return record
+
+
+def rows_to_records(rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: SkipCounter) -> list[DatumSpec]:
+    records = []
+    for row in rows:
+        try:
+            if "_invalid" in row.values:
+                raise ValueError(f"expected an object, got {row.values['_invalid']!r}")
+            record = row_to_record(row.values, cfg, tokenizer, idx=len(records))
+        except Exception as error:  # a template that cannot render a role raises from jinja
+            if not cfg.skip_invalid:
+                raise DataError(f"{row.where}: {error}") from None
+            counter.invalid += 1
+            continue
+        record = fit_length(record, cfg, counter)
+        if record is not None:
+            records.append(record)
+    return records
+
+
+def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[Row] | None]:
+    """(training rows, validation rows or None when they must be carved off)."""
+    if cfg.dataset in BUILTIN_TASKS:
+        train, val = builtin_rows(cfg.dataset, cfg.num_train, cfg.num_val, cfg.seed, cfg.num_digits,
+                                  cfg.puzzle_size, cfg.puzzle_scramble_moves)
+        return ([Row(r, f"{cfg.dataset} train row {i}") for i, r in enumerate(train)],
+                [Row(r, f"{cfg.dataset} val row {i}") for i, r in enumerate(val)])
+    read = (lambda source, split: read_file(source, cfg.skip_invalid, counter)) if is_file_source(cfg.dataset) else read_hf_dataset
+    train_rows = read(cfg.dataset, cfg.split)
+    if cfg.val_dataset:
+        reader = (lambda s: read_file(s, cfg.skip_invalid, counter)) if is_file_source(cfg.val_dataset) else (lambda s: read_hf_dataset(s, cfg.val_split or cfg.split))
+        return train_rows, reader(cfg.val_dataset)
+    if cfg.val_split and not is_file_source(cfg.dataset):
+        return train_rows, read_hf_dataset(cfg.dataset, cfg.val_split)
+    return train_rows, None
+
+
+def load_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[list[DatumSpec], list[DatumSpec], dict[str, float]]:
+    """(training records, validation records, counts of skipped/truncated/dropped samples)."""
+    counter = SkipCounter()
+    train_rows, val_rows = _read_rows(cfg, counter)
+    if val_rows is None:  # carve a validation split off with the seed
+        order = list(range(len(train_rows)))
+        random.Random(cfg.seed).shuffle(order)
+        num_val = max(1, int(len(order) * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
+        val_rows = [train_rows[i] for i in order[:num_val]]
+        train_rows = [train_rows[i] for i in sorted(order[num_val:])]
+    if cfg.num_train is not None and cfg.dataset not in BUILTIN_TASKS:
+        train_rows = train_rows[: cfg.num_train]
+    if cfg.num_val is not None and cfg.dataset not in BUILTIN_TASKS:
+        val_rows = val_rows[: cfg.num_val]
+    train = rows_to_records(train_rows, cfg, tokenizer, counter)
+    val = rows_to_records(val_rows, cfg, tokenizer, counter)
+    if not train:
+        raise DataError(f"data.dataset={cfg.dataset}: no usable training rows")
+    stats = {"num_train": float(len(train)), "num_val": float(len(val)), "skipped_invalid": float(counter.invalid),
+             "truncated": float(counter.truncated), "dropped_overlong": float(counter.dropped)}
+    return train, val, stats

@@ -1,0 +1,90 @@
+"""How metrics combine over micro-batches, data-parallel ranks and global batches, written once.
+
+A metric named `*_min` or `*_max` is an extreme and combines by min / max. Every other metric of a loss
+is a share already divided by the global batch's counts, so micro-batches and ranks combine by sum and
+several global batches (optimizer steps) by mean."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def reduction_of(key: str) -> str:
+    """"min" for `*_min`, "max" for `*_max`, else "sum"."""
+    if key.endswith("_min"):
+        return "min"
+    if key.endswith("_max"):
+        return "max"
+    return "sum"
+
+
+_COMBINE = {"sum": lambda a, b: a + b, "min": min, "max": max}
+
+
+def sum_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Metrics of several micro-batches (or ranks) of one global batch: sum, `*_min` min, `*_max` max."""
+    combined: dict[str, float] = {}
+    for metrics in parts:
+        for key, value in metrics.items():
+            if key not in combined:
+                combined[key] = value
+            else:
+                combined[key] = _COMBINE[reduction_of(key)](combined[key], value)
+    return combined
+
+
+_REDUCTIONS = {"sum": np.sum, "mean": np.mean, "min": np.min, "max": np.max}
+
+
+def reduce_metrics(
+    parts: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None, default: str | None = None
+) -> dict[str, float]:
+    """Each metric over the parts (micro-batches or ranks) that report it, by its own reduction (sum /
+    mean / min / max): `reductions` names it per metric; the others use `default`, or without one the
+    suffix rule of `reduction_of`."""
+    for name, reduction in [*(reductions or {}).items(), ("<default>", default or "sum")]:
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}")
+    values_by_key: dict[str, list[float]] = {}
+    for index, metrics in enumerate(parts):
+        for key, value in metrics.items():
+            number = as_number(value)
+            if number is None:
+                raise TypeError(f"part {index}: metric {key!r} is not a scalar number: {type(value).__name__}")
+            values_by_key.setdefault(key, []).append(number)
+    return {
+        key: float(_REDUCTIONS[(reductions or {}).get(key) or default or reduction_of(key)](values))
+        for key, values in values_by_key.items()
+    }
+
+
+def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Stage timings across ranks: the slowest rank sets the pace, so max."""
+    return reduce_metrics(per_rank, default="max")
+
+
+def mean_over_steps(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Per-global-batch lists (as `Policy.train` returns them) -> one float each: the mean, or the min /
+    max for `*_min` / `*_max`."""
+    reduced = {}
+    for key, values in metrics.items():
+        reduction = reduction_of(key)
+        reduced[key] = float(sum(values) / len(values) if reduction == "sum" else _COMBINE[reduction](values))
+    return reduced
+
+
+def single_step_metrics(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
+    """Per-global-batch lists -> floats, for a call that trained (or evaluated) exactly one global batch."""
+    return {key: float(values[0]) for key, values in metrics.items()}
+
+
+def as_number(value: Any) -> float | None:
+    """A plain float for Python/numpy/tensor scalars (bools count as 0/1); None for anything else."""
+    if isinstance(value, (bool, int, float, np.number, np.bool_)):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        return as_number(value.item())
+    return None

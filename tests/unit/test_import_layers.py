@@ -1,0 +1,96 @@
+"""Every import inside `posttrain/` points down the module map of DESIGN.md (read with `ast`, nothing is
+imported): a module may import from its own layer or a lower one, never from a higher one."""
+
+import ast
+from pathlib import Path
+
+import posttrain
+
+PACKAGE_DIR = Path(posttrain.__file__).parent
+
+# The module map, bottom (0) to top. A module belongs to the layer of its longest matching prefix.
+LAYERS = {
+    "posttrain": 0,  # the package itself (version)
+    "posttrain.config": 0,
+    "posttrain.utils": 0,
+    "posttrain.distributed": 1,
+    "posttrain.data": 1,
+    "posttrain.algorithms.loss": 1,
+    "posttrain.algorithms.advantages": 1,
+    "posttrain.models": 2,
+    "posttrain.experience": 2,
+    "posttrain.environments": 2,
+    "posttrain.evals": 2,
+    "posttrain.algorithms": 3,  # the loops: sft, grpo, dpo, rm and their shared run plumbing
+    "posttrain.cli": 4,
+    "posttrain.demo": 4,
+    "posttrain.export": 4,
+}
+LAYER_NAMES = ["config, utils", "distributed, data, loss math", "models, experience, environments, evals",
+               "algorithm loops", "commands"]
+
+
+def layer_of(module: str) -> int:
+    matches = [prefix for prefix in LAYERS if module == prefix or module.startswith(prefix + ".")]
+    assert matches, f"{module} is not in the layer table of this test: add it"
+    return LAYERS[max(matches, key=len)]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) of every posttrain import in a file, module-level or inside functions; a
+    `from package import name` counts as importing `package.name` when that is a module."""
+    found = []
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    source = path.read_text() if source is None else source
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                is_module = (PACKAGE_DIR.parent / candidate.replace(".", "/")).with_suffix(".py").exists() or (
+                    PACKAGE_DIR.parent / candidate.replace(".", "/")).is_dir()
+                found.append((node.lineno, candidate if is_module else base))
+    return [(line, name) for line, name in found if name == "posttrain" or name.startswith("posttrain.")]
+
+
+def test_every_import_points_down_the_module_map():
+    upward = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        importer = module_name(path)
+        for line, imported in imported_modules(path):
+            if layer_of(imported) > layer_of(importer):
+                upward.append(
+                    f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {importer} ({LAYER_NAMES[layer_of(importer)]}) "
+                    f"imports {imported} ({LAYER_NAMES[layer_of(imported)]})"
+                )
+    assert not upward, "imports pointing up the module map:\n" + "\n".join(upward)
+
+
+def test_the_policy_worker_gets_its_loss_as_a_callable_and_imports_no_algorithm():
+    worker = PACKAGE_DIR / "models" / "policy" / "worker.py"
+    assert [name for _, name in imported_modules(worker) if name.startswith("posttrain.algorithms")] == []
+
+
+def test_the_walk_resolves_absolute_relative_and_nested_imports():
+    """The walk is not vacuous: an upward import written any of these ways is found and ranked higher."""
+    source = (
+        "from posttrain.environments.sliding_puzzle import STOP_STRINGS\n"
+        "from ..environments import interface\n"
+        "def late():\n    import posttrain.algorithms.grpo\n"
+    )
+    found = imported_modules(PACKAGE_DIR / "data" / "tasks.py", source)
+    assert found == [
+        (1, "posttrain.environments.sliding_puzzle"),
+        (2, "posttrain.environments.interface"),
+        (4, "posttrain.algorithms.grpo"),
+    ]
+    assert all(layer_of(name) > layer_of("posttrain.data.tasks") for _, name in found)
