@@ -4,9 +4,9 @@ back, validation sample printing, and the system monitor's parsing."""
 from __future__ import annotations
 
 import json
-import time
 import logging
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
