@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from posttrain.config import ConfigError, config_to_dict, format_config_help, load_typed_config, save_config
+from posttrain.data.sources import looks_like_hub_name
 from posttrain.utils.checkpoint import CheckpointManager
 
 T = TypeVar("T")
@@ -41,6 +42,9 @@ def prepare_run_dir(cfg: Any, algorithm: str, metric: tuple[str, bool] = ("val_l
         cfg.checkpointing.metric_name = metric[0]
     if cfg.checkpointing.higher_is_better is None:
         cfg.checkpointing.higher_is_better = metric[1]
+    resume_from = cfg.checkpointing.resume_from
+    if resume_from and not Path(resume_from).is_dir():
+        raise ConfigError("checkpointing.resume_from", f"{resume_from} does not exist (a run's checkpoints/step_N)")
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, log_dir / "config.yaml")
     return log_dir
@@ -53,6 +57,9 @@ def resolve_model_dir(policy_cfg: Any, log_dir: Path) -> None:
     if from_config is None:
         if not policy_cfg.model_name:
             raise ConfigError("policy.model_name", "set a model directory or hub name, or policy.model.from_config")
+        check_model_exists("policy.model_name", policy_cfg.model_name)
+        if policy_cfg.tokenizer_name:
+            check_model_exists("policy.tokenizer_name", policy_cfg.tokenizer_name)
         return
     from posttrain.models.build import build_model_dir
 
@@ -60,6 +67,28 @@ def resolve_model_dir(policy_cfg: Any, log_dir: Path) -> None:
     if not (model_dir / "config.json").exists():
         build_model_dir(from_config, model_dir)
     policy_cfg.model_name = str(model_dir)
+
+
+def check_model_exists(key: str, name: str) -> None:
+    """ConfigError when `name` is neither an existing directory nor a plausible hub name (`org/model`,
+    or one word); a `<run dir>/hf_model` path names the command of configs/ that writes it."""
+    if Path(name).exists() or (looks_like_hub_name(name) and not name.startswith((".", "/"))):
+        return
+    message = f"{name} does not exist (nor is it a Hugging Face hub name)"
+    command = command_writing(Path(name))
+    raise ConfigError(key, message + (f"; `{command}` writes it" if command else ""))
+
+
+def command_writing(model_dir: Path, configs_dir: Path = Path("configs")) -> str | None:
+    """`posttrain <algo> --config configs/X.yaml` for the config of configs/ whose log_dir holds
+    `model_dir` as its exported hf_model."""
+    if model_dir.name != "hf_model" or not configs_dir.is_dir():
+        return None
+    for config in sorted(configs_dir.glob("*.yaml")):
+        text = config.read_text(errors="replace")
+        if f"log_dir: {model_dir.parent.as_posix()}\n" in text:
+            return f"posttrain {config.stem.split('_')[0]} --config {config.as_posix()}"
+    return None
 
 
 def checkpoint_if_due(run: Any, val_loss: float | None, force: bool = False) -> None:
@@ -133,12 +162,42 @@ class PairLoopConfig:
     def validate(self) -> None:
         if self.val_period < 1:
             raise ValueError(f"val_period must be >= 1, got {self.val_period}")
-        if self.val_global_batch_size < 1:
-            raise ValueError(f"val_global_batch_size must be >= 1, got {self.val_global_batch_size}")
+        check_loop_lengths(self)
+
+
+def check_loop_lengths(loop_cfg: Any) -> None:
+    """ConfigError for a loop that would not train (max_num_steps/max_num_epochs < 1) or validate
+    (val_global_batch_size < 1); keys are relative to the loop's section."""
+    steps = getattr(loop_cfg, "max_num_steps", None)
+    if steps is not None and steps < 1:
+        raise ConfigError.at("max_num_steps", f"must be >= 1 (or null where epochs decide), got {steps}")
+    for key in ("max_num_epochs", "val_global_batch_size", "num_prompts_per_step", "num_generations_per_prompt"):
+        value = getattr(loop_cfg, key, 1)
+        if value < 1:
+            raise ConfigError.at(key, f"must be >= 1, got {value}")
+
+
+def check_parallelism(policy_cfg: Any, cluster_cfg: Any) -> None:
+    """ConfigError unless policy.tensor_parallel_size divides the cluster's workers."""
+    num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
+    if num_workers % policy_cfg.tensor_parallel_size:
+        raise ConfigError(
+            "policy.tensor_parallel_size",
+            f"{policy_cfg.tensor_parallel_size} does not divide the {num_workers} workers "
+            f"(cluster.num_nodes x cluster.workers_per_node)",
+        )
+
+
+def check_batch_fits(num_records: int, batch_size: int, key: str, value: int, dataset: str) -> None:
+    """ConfigError when one step needs more records (`batch_size`, set by `key`=`value`) than the data has."""
+    if batch_size > num_records:
+        raise ConfigError(key, f"{value} needs {batch_size} training records per step, but data.dataset={dataset} "
+                               f"has {num_records} usable ones")
 
 
 def check_pair_batching(policy_cfg: Any, cluster_cfg: Any) -> None:
     """ConfigError unless every rank's share of a global batch and every micro-batch hold whole pairs."""
+    check_parallelism(policy_cfg, cluster_cfg)
     for key in ("dynamic_batching", "sequence_packing"):
         if getattr(policy_cfg, key).enabled:
             raise ConfigError(f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off")

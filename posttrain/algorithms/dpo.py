@@ -27,6 +27,7 @@ from typing import Any
 
 from posttrain.algorithms.common import (
     PairLoopConfig,
+    check_batch_fits,
     check_pair_batching,
     checkpoint_if_due,
     evaluate_pairs,
@@ -109,6 +110,8 @@ def setup(cfg: DPOConfig) -> DPORun:
     resolve_model_dir(cfg.policy, log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
+    gbs = cfg.policy.train_global_batch_size
+    check_batch_fits(len(train_records), gbs // 2, "policy.train_global_batch_size", gbs, cfg.data.dataset)
     pairs_per_step = cfg.policy.train_global_batch_size // 2
     loader = StatefulDataLoader(train_records, pairs_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     epochs_steps = cfg.dpo.max_num_epochs * len(loader)

@@ -19,6 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms.common import (
+    check_batch_fits,
+    check_loop_lengths,
+    check_parallelism,
     checkpoint_if_due,
     load_run_config,
     mean_over_global_batches,
@@ -53,6 +56,7 @@ class SFTLoopConfig:
     def validate(self) -> None:
         if self.val_period < 1:
             raise ValueError(f"val_period must be >= 1, got {self.val_period}")
+        check_loop_lengths(self)
 
 
 @dataclass
@@ -67,6 +71,9 @@ class SFTConfig:
     checkpointing: CheckpointingConfig = field(
         default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
     )
+
+    def validate(self) -> None:
+        check_parallelism(self.policy, self.cluster)
 
 
 @dataclass
@@ -102,6 +109,8 @@ def setup(cfg: SFTConfig) -> SFTRun:
     resolve_model_dir(cfg.policy, log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
+    gbs = cfg.policy.train_global_batch_size
+    check_batch_fits(len(train_records), gbs, "policy.train_global_batch_size", gbs, cfg.data.dataset)
     loader = StatefulDataLoader(
         train_records, cfg.policy.train_global_batch_size, shuffle=cfg.data.shuffle, seed=cfg.data.seed
     )

@@ -30,7 +30,7 @@ from posttrain.distributed.batched_data_dict import (
 )
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models.build import load_tokenizer
-from posttrain.models.policy.config import PolicyConfig
+from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.utils.timer import Timer
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -262,9 +262,7 @@ def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Op
     optimizer_cls = getattr(torch.optim, cfg.optimizer.name, None)
     if optimizer_cls is None:
         raise ValueError(f"policy.optimizer.name: torch.optim has no {cfg.optimizer.name!r}")
-    kwargs = dict(cfg.optimizer.kwargs)
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    kwargs = optimizer_kwargs(cfg.optimizer.kwargs)
     if cfg.optimizer.name in FUSED_OPTIMIZERS and not {"fused", "foreach"} & set(kwargs):
         kwargs["fused"] = True  # one vectorised kernel per step (on a CPU too): the same update, ~4x faster
     return optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
