@@ -20,6 +20,8 @@ from urllib.parse import urlparse
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from posttrain.config import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,13 +54,12 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.num_nodes < 1 or self.workers_per_node < 1:
             raise ValueError(f"num_nodes and workers_per_node must be >= 1, got {self.num_nodes}, {self.workers_per_node}")
-        if (self.num_cpus_per_worker or 0) < 0 or self.num_gpus_per_worker < 0:
-            raise ValueError(
-                f"num_cpus_per_worker and num_gpus_per_worker must be >= 0, got {self.num_cpus_per_worker}, "
-                f"{self.num_gpus_per_worker}"
-            )
+        for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError.at(key, f"must be >= 0, got {value}")
         if self.num_cpus is not None and self.num_cpus < 1:
-            raise ValueError(f"num_cpus must be >= 1 (or null: enough for the bundles), got {self.num_cpus}")
+            raise ConfigError.at("num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}")
         self._check_local_cpus()
         if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy: unknown strategy {self.placement_strategy!r}")
@@ -70,8 +71,9 @@ class ClusterConfig:
         local = self.address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
         needed = self.num_nodes * self.workers_per_node * cpus_per_worker(self)
         if local and self.num_cpus is None and needed > (os.cpu_count() or 1):
-            raise ValueError(
-                f"workers_per_node: {self.num_nodes} x {self.workers_per_node} workers x {cpus_per_worker(self):g} "
+            raise ConfigError.at(
+                "workers_per_node",
+                f"{self.num_nodes} x {self.workers_per_node} workers x {cpus_per_worker(self):g} "
                 f"CPUs = {needed:g} CPUs, but this machine has {os.cpu_count()} for a local Ray instance "
                 "(lower workers_per_node or num_cpus_per_worker, or set cluster.num_cpus to oversubscribe)"
             )
