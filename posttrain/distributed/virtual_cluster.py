@@ -95,14 +95,27 @@ def init_ray(cfg: ClusterConfig, runtime_env: dict | None = None) -> bool:
         return False
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        check_reachable(address, cfg.connect_timeout_s)
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        join_ray(address, cfg.connect_timeout_s, runtime_env=runtime_env)
         return True
     needed = cfg.num_nodes * cfg.workers_per_node * cpus_per_worker(cfg)
     # One logical CPU beyond the bundles for environment actors and the like.
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999) + 1)
     start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host, runtime_env)
     return True
+
+
+def join_ray(address: str, timeout_s: float = 10.0, runtime_env: dict | None = None, log_to_driver: bool = True) -> None:
+    """Connect this driver to a running cluster; one on this machine's loopback (a local instance
+    started by posttrain) is joined as a loopback node too, or the driver would wait for a raylet on the
+    machine's outward IP."""
+    check_reachable(address, timeout_s)
+    from ray._private import services
+
+    bootstrap = services.canonicalize_bootstrap_address(address, None) if address == "auto" else address
+    host = urlparse(f"tcp://{bootstrap}").hostname if bootstrap and "://" not in bootstrap else None
+    local = host is not None and (host == "localhost" or host.startswith("127."))
+    with _loopback_only() if local else contextlib.nullcontext():
+        ray.init(address=address, log_to_driver=log_to_driver, runtime_env=runtime_env)
 
 
 def start_local_ray(
