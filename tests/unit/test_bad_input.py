@@ -17,7 +17,12 @@ from posttrain.algorithms import dpo, grpo, sft
 from posttrain.config import ConfigError, load_typed_config
 from posttrain.data import DataConfig, DataError, load_datasets
 from posttrain.distributed import virtual_cluster
-from posttrain.distributed.virtual_cluster import ClusterConfig, ClusterConnectionError, check_reachable, init_ray
+from posttrain.distributed.virtual_cluster import (
+    ClusterConfig,
+    ClusterConnectionError,
+    check_reachable,
+    init_ray,
+)
 from posttrain.models.tokenizer import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
