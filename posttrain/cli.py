@@ -26,8 +26,9 @@ CONFIG_COMMANDS = ("sft", "grpo", "dpo", "rm", "eval")
 def _user_errors() -> tuple[type[Exception], ...]:
     """Exceptions that mean bad input (config, data, files), reported as one line each."""
     from posttrain.config import ConfigError
+    from posttrain.distributed.virtual_cluster import ClusterConnectionError
 
-    errors: list[type[Exception]] = [ConfigError, FileNotFoundError]
+    errors: list[type[Exception]] = [ConfigError, FileNotFoundError, ClusterConnectionError]
     try:
         from posttrain.data import DataError
 

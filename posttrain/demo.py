@@ -27,7 +27,7 @@ from posttrain.algorithms.loss import ClippedPGLossConfig
 from posttrain.algorithms.supervised import LoopConfig
 from posttrain.config import validate_config
 from posttrain.data import DataConfig
-from posttrain.distributed.virtual_cluster import ClusterConfig
+from posttrain.distributed.virtual_cluster import ClusterConfig, join_ray, start_local_ray
 from posttrain.environments import EnvironmentConfig, create_environments
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -171,9 +171,9 @@ def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     started = not ray.is_initialized()
     if started and os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        join_ray(os.environ["RAY_ADDRESS"], log_to_driver=False)
     elif started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        start_local_ray(4, log_to_driver=False)
     summary: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()

@@ -4,7 +4,6 @@ import os
 
 import pytest
 
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -15,8 +14,11 @@ RAY_TEST_NUM_CPUS = 8
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """Start (once) and yield a local Ray instance; shut it down at the end of the session."""
+    """Start (once) and yield a local Ray instance, the way posttrain starts one (127.0.0.1 only, token
+    authentication on), with the full dashboard agent for the system-monitor test; shut it down at the end."""
     import ray
+
+    from posttrain.distributed.virtual_cluster import start_local_ray
 
     # Workers must import classes defined in test modules (pytest imports them as top-level modules).
     tests_dir = os.path.dirname(os.path.abspath(__file__))
@@ -24,13 +26,9 @@ def ray_session():
         [os.path.join(tests_dir, "integration"), os.path.join(tests_dir, "unit"), os.environ.get("PYTHONPATH", "")]
     )
     if not ray.is_initialized():
-        ray.init(
-            num_cpus=RAY_TEST_NUM_CPUS,
-            include_dashboard=False,
-            log_to_driver=False,
-            runtime_env={"env_vars": {
-                "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path,
-            }},
+        start_local_ray(
+            RAY_TEST_NUM_CPUS, dashboard_agent=True, log_to_driver=False,
+            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path}},
         )
     yield ray
     ray.shutdown()

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, check_parallelism
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
 from posttrain.algorithms.run import (
@@ -116,6 +117,7 @@ class GRPOLoopConfig:
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"})
 
     def validate(self) -> None:
+        check_loop_lengths(self)
         if self.val_greedy and self.val_num_generations > 1:
             raise ValueError("val_greedy with val_num_generations > 1 gives identical samples; pick one")
         if self.val_pass_k > self.val_num_generations:
@@ -141,6 +143,7 @@ class GRPOConfig:
     )
 
     def validate(self) -> None:
+        check_parallelism(self.policy, self.cluster)
         batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if batch % self.policy.train_global_batch_size:
             raise ValueError(
@@ -209,7 +212,9 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
     if missing:
         raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")
-    loader = StatefulDataLoader(train_records, cfg.grpo.num_prompts_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    prompts = cfg.grpo.num_prompts_per_step
+    check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
+    loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     cluster = RayVirtualCluster(cfg.cluster)
     policy = Policy(cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0)
     generation = make_generation(cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name)

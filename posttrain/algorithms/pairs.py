@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from posttrain.algorithms.checks import check_parallelism
 from posttrain.config import ConfigError
 from posttrain.data import message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -21,6 +22,7 @@ from posttrain.utils.metrics import single_step_metrics
 
 def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:
     """ConfigError unless every rank's share of a global batch and every micro-batch hold whole pairs."""
+    check_parallelism(policy_cfg, cluster_cfg)
     for key in ("dynamic_batching", "sequence_packing"):
         if getattr(policy_cfg, key).enabled:
             raise ConfigError(f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off")

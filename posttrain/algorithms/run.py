@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError, config_to_dict, save_config
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
@@ -37,6 +38,9 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
     """The run's config: a copy of `cfg` (left as validated) with the values that depend on the run
     filled in (log and checkpoint directories, the checkpoint ranking metric and its direction, the
     model directory of an offline model). Creates the run directory and saves that config there."""
+    resume_from = cfg.checkpointing.resume_from
+    if resume_from and not Path(resume_from).is_dir():
+        raise ConfigError("checkpointing.resume_from", f"{resume_from} does not exist (a run's checkpoints/step_N)")
     log_dir_text = cfg.logger.log_dir or default_log_dir(algorithm)
     log_dir = Path(log_dir_text)
     chosen = cfg.checkpointing
@@ -61,6 +65,9 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
     if from_config is None:
         if not policy_cfg.model_name:
             raise ConfigError("policy.model_name", "set a model directory or hub name, or policy.model.from_config")
+        check_model_exists("policy.model_name", policy_cfg.model_name)
+        if policy_cfg.tokenizer_name:
+            check_model_exists("policy.tokenizer_name", policy_cfg.tokenizer_name)
         return policy_cfg
     from posttrain.models.build import build_model_dir
 

@@ -19,6 +19,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import supervised
+from posttrain.algorithms.checks import check_parallelism
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
 from posttrain.config import load_run_config
@@ -44,6 +45,9 @@ class SFTConfig:
     checkpointing: CheckpointingConfig = field(
         default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
     )
+
+    def validate(self) -> None:
+        check_parallelism(self.policy, self.cluster)
 
 
 SFTRun = SupervisedRun[SFTConfig]

@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
+from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
 from posttrain.algorithms.run import RunConfig, prepare_run, restore_run, save_run_checkpoint
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -42,8 +43,7 @@ class LoopConfig:
     def validate(self) -> None:
         if self.val_period < 1:
             raise ValueError(f"val_period must be >= 1, got {self.val_period}")
-        if self.val_global_batch_size < 1:
-            raise ValueError(f"val_global_batch_size must be >= 1, got {self.val_global_batch_size}")
+        check_loop_lengths(self)
 
 
 class SupervisedConfig(RunConfig, Protocol):
@@ -103,9 +103,10 @@ def setup_run(cfg: ConfigT, recipe: Recipe[ConfigT]) -> SupervisedRun[ConfigT]:
     log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
-    loader = StatefulDataLoader(
-        train_records, recipe.records_per_step(cfg), shuffle=cfg.data.shuffle, seed=cfg.data.seed
-    )
+    records_per_step = recipe.records_per_step(cfg)
+    batch_size = cfg.policy.train_global_batch_size
+    check_batch_fits(len(train_records), records_per_step, "policy.train_global_batch_size", batch_size, cfg.data.dataset)
+    loader = StatefulDataLoader(train_records, records_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     epochs_steps = loop.max_num_epochs * len(loader)
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
     cluster = RayVirtualCluster(cfg.cluster)

@@ -128,6 +128,20 @@ def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return OmegaConf.to_container(merged, resolve=False)  # type: ignore[return-value]
 
 
+def _merge_under_defaults(defaults: dict[str, Any], tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` over a schema's `defaults`; a `???` in the files stays `???` (OmegaConf's merge would keep
+    the default under it), so a value the files demand must still come from the command line."""
+    demanded = [key for key, value in iter_leaves(tree) if isinstance(value, str) and value == MISSING_MARK]
+    merged = _merge(defaults, tree)
+    for key in demanded:
+        *parents, name = key.split(".")
+        node = merged
+        for part in parents:
+            node = node[part]
+        node[name] = MISSING_MARK
+    return merged
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = (),
                 defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> LoadedConfig:
     """Load `path` with its `defaults:` parents (over `defaults`, e.g. a schema's, or a function of the
@@ -136,7 +150,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = (),
     if callable(defaults):
         defaults = defaults(tree)
     if defaults:
-        tree = _merge(defaults, tree)
+        tree = _merge_under_defaults(defaults, tree)
     cfg = OmegaConf.create(tree)
     apply_overrides(cfg, parse_overrides(overrides), sources)
     resolve_config(cfg, sources)

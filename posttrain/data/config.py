@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Literal
+
+from posttrain.config import ConfigError
+from posttrain.data.sources import is_file_source, looks_like_hub_name
 
 Format = Literal["auto", "messages", "prompt_response", "rl", "preference"]
 
@@ -41,9 +45,25 @@ class DataConfig:
     puzzle_scramble_moves: int = field(default=2, metadata={"help": "built-in sliding_puzzle: random moves from solved"})
 
     def validate(self) -> None:
+        self._check_source("dataset", self.dataset)
+        if self.val_dataset is not None:
+            self._check_source("val_dataset", self.val_dataset)
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if self.prompt_template and not self.prompt_template.startswith("@") and "{prompt}" not in self.prompt_template:
             raise ValueError(f"prompt_template must contain {{prompt}}, got {self.prompt_template!r}")
+
+    @staticmethod
+    def _check_source(key: str, name: str) -> None:
+        """A built-in task, a data file, or an `org/name` hub dataset; anything else is a typo, caught here
+        rather than by a hub lookup."""
+        from posttrain.data.tasks import BUILTIN_TASKS
+
+        if name in BUILTIN_TASKS or is_file_source(name) or looks_like_hub_name(name):
+            return
+        guess = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
+        message = (f"{name!r} is not a built-in task ({', '.join(BUILTIN_TASKS)}), a .jsonl/.json/.parquet/.csv "
+                   "file, or a Hugging Face dataset name (org/name)")
+        raise ConfigError.at(key, message + (f"; did you mean {guess[0]!r}?" if guess else ""))

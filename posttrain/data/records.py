@@ -3,6 +3,7 @@ skipped to fit `data.max_input_seq_length`, split into training and validation."
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,20 @@ def _prompt_messages(row: dict, cfg: DataConfig, fmt: str) -> list[dict]:
     return messages + [{"role": "user", "content": template.format(prompt=prompt) if template else prompt}]
 
 
+@functools.lru_cache(maxsize=8)
+def _longest_token_chars(tokenizer: Any) -> int:
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
+
+
+def _clip_contents(messages: list[dict], cfg: DataConfig, tokenizer: Any) -> list[dict]:
+    """Cut every message to the characters that can make `max_length` tokens (max_length x the longest
+    token of the vocabulary) before tokenizing: a 10 MB row is never tokenized whole. A cut message still
+    has more than `max_length` tokens, so `fit_length` truncates or drops it and counts it."""
+    limit = cfg.max_length * _longest_token_chars(tokenizer)
+    return [{**m, "content": m["content"][:limit]} if isinstance(m["content"], str) and len(m["content"]) > limit
+            else m for m in messages]
+
+
 def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> DatumSpec:
     """One row -> one record in the row's format (errors are KeyError/ValueError; the caller adds where)."""
     fmt = detect_format(row, cfg)
@@ -55,12 +70,15 @@ def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> Datum
         messages = _require(row, cfg.messages_key, fmt)
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError(f"{cfg.messages_key!r} must be a list of {{role, content}} messages")
-        record["message_log"] = tokenize_message_log(messages, tokenizer)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError(f"{cfg.messages_key!r} has no assistant turn: nothing to train on")
+        record["message_log"] = tokenize_message_log(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "prompt_response":
         messages = _prompt_messages(row, cfg, fmt) + [{"role": "assistant", "content": str(_require(row, cfg.response_key, fmt))}]
-        record["message_log"] = tokenize_message_log(messages, tokenizer)
+        record["message_log"] = tokenize_message_log(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "rl":
-        record["message_log"] = tokenize_message_log(_prompt_messages(row, cfg, fmt), tokenizer, add_generation_prompt=True)
+        prompt = _clip_contents(_prompt_messages(row, cfg, fmt), cfg, tokenizer)
+        record["message_log"] = tokenize_message_log(prompt, tokenizer, add_generation_prompt=True)
         answer = row.get(cfg.answer_key)
         if answer is None and record["task_name"] != "sliding_puzzle":
             _require(row, cfg.answer_key, fmt)
@@ -69,7 +87,7 @@ def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> Datum
         prompt = _prompt_messages(row, cfg, fmt)
         for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key)):
             response = [{"role": "assistant", "content": str(_require(row, key, fmt))}]
-            record[f"{side}_message_log"] = tokenize_message_log(prompt + response, tokenizer)
+            record[f"{side}_message_log"] = tokenize_message_log(_clip_contents(prompt + response, cfg, tokenizer), tokenizer)
         record["message_log"] = record["chosen_message_log"]
     else:
         raise ValueError(f"unknown data.format {fmt!r}")
@@ -127,8 +145,9 @@ def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[R
     read = (lambda source, split: read_file(source, cfg.skip_invalid, counter)) if is_file_source(cfg.dataset) else read_hf_dataset
     train_rows = read(cfg.dataset, cfg.split)
     if cfg.val_dataset:
-        reader = (lambda s: read_file(s, cfg.skip_invalid, counter)) if is_file_source(cfg.val_dataset) else (lambda s: read_hf_dataset(s, cfg.val_split or cfg.split))
-        return train_rows, reader(cfg.val_dataset)
+        if is_file_source(cfg.val_dataset):
+            return train_rows, read_file(cfg.val_dataset, cfg.skip_invalid, counter, key="data.val_dataset")
+        return train_rows, read_hf_dataset(cfg.val_dataset, cfg.val_split or cfg.split)
     if cfg.val_split and not is_file_source(cfg.dataset):
         return train_rows, read_hf_dataset(cfg.dataset, cfg.val_split)
     return train_rows, None

@@ -1,14 +1,19 @@
 """Rows from local files (JSONL, JSON, Parquet, CSV) or Hugging Face datasets, each tagged with where it
-came from so that a bad row is reported by file and line (or row index)."""
+came from so that a bad row is reported by file and line (or row index). Text files are UTF-8, with or
+without a byte-order mark."""
 
 from __future__ import annotations
 
+import csv
 import json
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+_HUB_PART = r"[A-Za-z0-9][A-Za-z0-9._-]*"
 
 
 class DataError(ValueError):
@@ -34,41 +39,94 @@ def is_file_source(source: str) -> bool:
     return source.endswith(FILE_SUFFIXES)
 
 
+def looks_like_hub_name(name: str, single_word: bool = False) -> bool:
+    """`org/name` (or, with `single_word`, a bare `name` like the legacy `gpt2`), as hub ids are spelled."""
+    pattern = rf"{_HUB_PART}(/{_HUB_PART})?" if single_word else rf"{_HUB_PART}/{_HUB_PART}"
+    return re.fullmatch(pattern, name) is not None and ".." not in name
+
+
+def _text_lines(path: Path, skip_invalid: bool, counter: SkipCounter) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file, a leading BOM dropped; a line that is not UTF-8 is a
+    DataError naming file and line, or skipped and counted with `skip_invalid`."""
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                yield line_number, raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
+            except UnicodeDecodeError as error:
+                if not skip_invalid:
+                    raise DataError(f"{path}:{line_number}: not UTF-8 text ({error.reason} at byte "
+                                    f"{error.start} of the line)") from None
+                counter.invalid += 1
+
+
 def read_jsonl(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_number}"
-            try:
-                value = json.loads(line)
-                if not isinstance(value, dict):
-                    raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-            except ValueError as error:
-                if not skip_invalid:
-                    raise DataError(f"{where}: malformed JSON line: {error}") from None
-                counter.invalid += 1
-                continue
-            rows.append(Row(value, where))
+    for line_number, line in _text_lines(path, skip_invalid, counter):
+        if not line.strip():
+            continue
+        where = f"{path}:{line_number}"
+        try:
+            value = json.loads(line)
+            if not isinstance(value, dict):
+                raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+        except ValueError as error:
+            if not skip_invalid:
+                raise DataError(f"{where}: malformed JSON line: {error}") from None
+            counter.invalid += 1
+            continue
+        rows.append(Row(value, where))
     return rows
 
 
+def read_csv(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
+    """Rows of a CSV file with a header line; each named by the file line it starts on."""
+    numbered = list(_text_lines(path, skip_invalid, counter))
+    reader = csv.reader(line for _, line in numbered)
+    try:
+        header = next(reader)
+    except StopIteration:
+        raise DataError(f"{path}: empty CSV file (no header line)") from None
+    rows = []
+    while True:
+        start = numbered[reader.line_num][0] if reader.line_num < len(numbered) else None
+        try:
+            fields = next(reader)
+        except StopIteration:
+            return rows
+        except csv.Error as error:
+            fields, problem = None, f"malformed CSV: {error}"
+        else:
+            problem = None if len(fields) == len(header) or not any(fields) else (
+                f"expected {len(header)} fields ({', '.join(header)}), got {len(fields)}")
+        if fields is not None and not any(fields):
+            continue  # a blank line
+        if problem:
+            if not skip_invalid:
+                raise DataError(f"{path}:{start}: {problem}")
+            counter.invalid += 1
+            continue
+        rows.append(Row(dict(zip(header, fields)), f"{path}:{start}"))
+
+
 def read_table(path: Path) -> list[Row]:
-    """JSON (a list of objects, or {"data": [...]}), Parquet or CSV rows with their index."""
+    """JSON (a list of objects, or {"data": [...]}) or Parquet rows with their index."""
     if path.suffix == ".json":
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except ValueError as error:
-                raise DataError(f"{path}: malformed JSON: {error}") from None
+        raw = path.read_bytes()
+        try:
+            data = json.loads(raw.decode("utf-8-sig"))
+        except UnicodeDecodeError as error:
+            line = raw[: error.start].count(b"\n") + 1
+            raise DataError(f"{path}:{line}: not UTF-8 text ({error.reason}); a .json file is read whole, so "
+                            "data.skip_invalid cannot skip it") from None
+        except ValueError as error:
+            raise DataError(f"{path}: malformed JSON: {error}") from None
         data = data.get("data", data) if isinstance(data, dict) else data
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a list of objects (or {{'data': [...]}})")
         return [Row(dict(v) if isinstance(v, dict) else {"_invalid": v}, f"{path} row {i}") for i, v in enumerate(data)]
     import pandas
 
-    frame = pandas.read_parquet(path) if path.suffix == ".parquet" else pandas.read_csv(path, keep_default_na=False)
+    frame = pandas.read_parquet(path)
     return [Row(_plain(record), f"{path} row {i}") for i, record in enumerate(frame.to_dict(orient="records"))]
 
 
@@ -84,12 +142,14 @@ def _plain(record: dict) -> dict:
     return out
 
 
-def read_file(path: str, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
+def read_file(path: str, skip_invalid: bool, counter: SkipCounter, key: str = "data.dataset") -> list[Row]:
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"data file {file} does not exist")
+        raise FileNotFoundError(f"{key}: data file {file} does not exist")
     if file.suffix == ".jsonl":
         return read_jsonl(file, skip_invalid, counter)
+    if file.suffix == ".csv":
+        return read_csv(file, skip_invalid, counter)
     return read_table(file)
 
 

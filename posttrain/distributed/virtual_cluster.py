@@ -1,19 +1,36 @@
-"""`RayVirtualCluster`: start or join Ray and reserve one placement group of worker bundles."""
+"""`RayVirtualCluster`: start or join Ray and reserve one placement group of worker bundles.
+
+A local Ray instance listens on 127.0.0.1 only (GCS, raylet, object manager, workers, agents), keeps
+Ray's token authentication on, and runs neither the dashboard nor the dashboard agent's HTTP server
+unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
+import stat
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
+
+from posttrain.config import ConfigError
 
 logger = logging.getLogger(__name__)
 
 
 class ClusterResourceError(RuntimeError):
     """The resources asked for could not be reserved in time."""
+
+
+class ClusterConnectionError(ConnectionError):
+    """`cluster.address` (or RAY_ADDRESS) does not answer."""
 
 
 @dataclass
@@ -28,6 +45,8 @@ class ClusterConfig:
     num_cpus: int | None = field(default=None, metadata={"help": "logical CPUs of a local Ray start (None: enough for the bundles)"})
     placement_strategy: str | None = field(default=None, metadata={"help": "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"})
     include_dashboard: bool = field(default=False, metadata={"help": "start Ray's dashboard with a local instance"})
+    dashboard_agent: bool = field(default=False, metadata={"help": "run Ray's full dashboard agent on a local instance (job API, metrics export that logger.monitor_gpus reads); off: the minimal agent, no HTTP server"})
+    connect_timeout_s: float = field(default=10.0, metadata={"help": "seconds to wait for cluster.address to answer before failing"})
     dashboard_host: str = field(default="127.0.0.1", metadata={"help": "address the dashboard binds to"})
     resource_timeout_s: float = field(default=60.0, metadata={"help": "seconds to wait for the bundles before failing"})
     master_port_range: list[int] = field(default_factory=lambda: [29500, 29999], metadata={"help": "ports for torch.distributed rendezvous"})
@@ -35,10 +54,29 @@ class ClusterConfig:
     def validate(self) -> None:
         if self.num_nodes < 1 or self.workers_per_node < 1:
             raise ValueError(f"num_nodes and workers_per_node must be >= 1, got {self.num_nodes}, {self.workers_per_node}")
+        for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
+            value = getattr(self, key)
+            if value is not None and value < 0:
+                raise ConfigError.at(key, f"must be >= 0, got {value}")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError.at("num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}")
+        self._check_local_cpus()
         if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy: unknown strategy {self.placement_strategy!r}")
         if len(self.master_port_range) != 2 or self.master_port_range[0] > self.master_port_range[1]:
             raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
+
+    def _check_local_cpus(self) -> None:
+        """A local start may not promise more CPUs than the machine has (set num_cpus to oversubscribe)."""
+        local = self.address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
+        needed = self.num_nodes * self.workers_per_node * cpus_per_worker(self)
+        if local and self.num_cpus is None and needed > (os.cpu_count() or 1):
+            raise ConfigError.at(
+                "workers_per_node",
+                f"{self.num_nodes} x {self.workers_per_node} workers x {cpus_per_worker(self):g} "
+                f"CPUs = {needed:g} CPUs, but this machine has {os.cpu_count()} for a local Ray instance "
+                "(lower workers_per_node or num_cpus_per_worker, or set cluster.num_cpus to oversubscribe)"
+            )
 
 
 def cpus_per_worker(cfg: ClusterConfig) -> float:
@@ -51,21 +89,108 @@ def cpus_per_worker(cfg: ClusterConfig) -> float:
     return float(max(1, (os.cpu_count() or 1) // cfg.workers_per_node))
 
 
-def init_ray(cfg: ClusterConfig) -> bool:
+def init_ray(cfg: ClusterConfig, runtime_env: dict | None = None) -> bool:
     """Join `cfg.address` / RAY_ADDRESS, or start a local instance; returns True if this call started Ray."""
     if ray.is_initialized():
         return False
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        join_ray(address, cfg.connect_timeout_s, runtime_env=runtime_env)
         return True
     needed = cfg.num_nodes * cfg.workers_per_node * cpus_per_worker(cfg)
+    # One logical CPU beyond the bundles for environment actors and the like.
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999) + 1)
-    kwargs = {"num_cpus": num_cpus, "include_dashboard": cfg.include_dashboard}  # GPUs: Ray detects them
-    if cfg.include_dashboard:
-        kwargs["dashboard_host"] = cfg.dashboard_host
-    ray.init(**kwargs)
+    start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host, runtime_env)
     return True
+
+
+def join_ray(address: str, timeout_s: float = 10.0, runtime_env: dict | None = None, log_to_driver: bool = True) -> None:
+    """Connect this driver to a running cluster; one on this machine's loopback (a local instance
+    started by posttrain) is joined as a loopback node too, or the driver would wait for a raylet on the
+    machine's outward IP."""
+    check_reachable(address, timeout_s)
+    from ray._private import services
+
+    bootstrap = services.canonicalize_bootstrap_address(address, None) if address == "auto" else address
+    host = urlparse(f"tcp://{bootstrap}").hostname if bootstrap and "://" not in bootstrap else None
+    local = host is not None and (host == "localhost" or host.startswith("127."))
+    with _loopback_only() if local else contextlib.nullcontext():
+        ray.init(address=address, log_to_driver=log_to_driver, runtime_env=runtime_env)
+
+
+def start_local_ray(
+    num_cpus: int, include_dashboard: bool = False, dashboard_agent: bool = False,
+    dashboard_host: str = "127.0.0.1", runtime_env: dict | None = None, log_to_driver: bool = True,
+) -> None:
+    """A Ray instance on this machine, reachable on 127.0.0.1 only, with token authentication."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        logger.warning("RAY_AUTH_MODE=disabled: this Ray instance accepts unauthenticated requests")
+    kwargs = {"num_cpus": num_cpus, "include_dashboard": include_dashboard, "log_to_driver": log_to_driver,
+              "runtime_env": runtime_env}  # GPUs: Ray detects them
+    if include_dashboard:
+        kwargs["dashboard_host"] = dashboard_host
+    with _loopback_only(), _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)):
+        ray.init(**kwargs)
+    _restrict_token_file()
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """Ray takes the machine's outward IP as the node address (and binds its servers to it) unless it
+    thinks multi-node clusters are off; this is that switch, held while the local instance starts."""
+    from ray._private import ray_constants
+
+    saved_env, saved_flag = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes ray.init spawns
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR, None)
+        else:
+            os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = saved_env
+
+
+@contextlib.contextmanager
+def _minimal_dashboard_agent(minimal: bool):
+    """Ray starts its per-node dashboard agent in "minimal" mode (no HTTP server: no job API, no metrics
+    export) only when the dashboard's packages are missing; this makes it believe so while it starts."""
+    from ray._private import utils
+
+    saved = utils.get_dashboard_dependency_error
+    if minimal:
+        utils.get_dashboard_dependency_error = lambda: ImportError("posttrain: dashboard agent not requested")
+    try:
+        yield
+    finally:
+        utils.get_dashboard_dependency_error = saved
+
+
+def _restrict_token_file() -> None:
+    """Ray writes its generated token world-readable; make it readable by its owner only."""
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    with contextlib.suppress(OSError):
+        if path.stat().st_uid == os.getuid() and path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            path.chmod(0o600)
+
+
+def check_reachable(address: str, timeout_s: float) -> None:
+    """Fail within `timeout_s` with the address when nothing answers at a host:port cluster address
+    (`auto` and `local` are looked up by Ray itself)."""
+    if address in ("auto", "local"):
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    host, port = parsed.hostname, parsed.port or (10001 if parsed.scheme == "ray" else 6379)
+    start = time.monotonic()
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        raise ClusterConnectionError(
+            f"cluster.address={address!r}: nothing answers at {host}:{port} ({error or 'timed out'} after "
+            f"{time.monotonic() - start:.1f}s); is the cluster running and reachable from here?"
+        ) from error
 
 
 class RayVirtualCluster:

@@ -7,6 +7,7 @@ import glob
 import math
 import os
 import socket
+import tempfile
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +21,9 @@ from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group_utils import rank_env_vars
 
 LOG_TAIL_LINES = 20
+# A group whose ranks all run on this machine meets through this file (torch's FileStore) instead of a
+# TCP store, which would listen on every interface.
+RENDEZVOUS_FILE_ENV = "POSTTRAIN_RENDEZVOUS_FILE"
 
 
 class WorkerDiedError(RuntimeError):
@@ -57,13 +61,37 @@ def assigned_device() -> Any:
 
 
 def init_torch_distributed(backend: str | None = None) -> None:
-    """Join the group described by RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (gloo on CPU, NCCL on GPU)."""
+    """Join the group described by RANK/WORLD_SIZE and the rendezvous file or MASTER_ADDR/MASTER_PORT
+    (gloo on CPU, NCCL on GPU)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if assigned_device().type == "cuda" else "gloo")
-    dist.init_process_group(backend, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(
+        backend, init_method=rendezvous_init_method(), rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
+def rendezvous_init_method() -> str:
+    """`file://` for a group on one machine (no listening socket), else `env://` (MASTER_ADDR/PORT)."""
+    path = os.environ.get(RENDEZVOUS_FILE_ENV)
+    return f"file://{path}" if path else "env://"
+
+
+def loopback_rendezvous_env() -> dict[str, str]:
+    """Env vars that keep a one-machine group off the network: a fresh rendezvous file, and gloo's and
+    NCCL's sockets on the loopback interface."""
+    import psutil
+
+    loopback = next(
+        (name for name, addresses in psutil.net_if_addrs().items()
+         if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)),
+        "lo",
+    )
+    path = os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
+    return {RENDEZVOUS_FILE_ENV: path, "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
 
 def _with_group_methods(worker_cls: type) -> type:
@@ -115,6 +143,8 @@ class RayWorkerGroup:
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
         node_ips = cluster.bundle_node_ips()
         port = find_free_port(*cluster.cfg.master_port_range)
+        local = all(ip.startswith("127.") for ip in node_ips)
+        rendezvous = loopback_rendezvous_env() if local else {}
         remote_cls = ray.remote(_with_group_methods(worker_cls))
         suffix = uuid.uuid4().hex[:6]
         self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
@@ -124,7 +154,8 @@ class RayWorkerGroup:
         self.workers = []
         for rank in range(self.world_size):
             env = rank_env_vars(
-                rank, self.world_size, cluster.cfg.workers_per_node, node_ips[0], port, threads, env_vars
+                rank, self.world_size, cluster.cfg.workers_per_node, node_ips[0], port, threads,
+                {**rendezvous, **(env_vars or {})},
             )
             strategy = PlacementGroupSchedulingStrategy(cluster.placement_group, placement_group_bundle_index=rank)
             actor = remote_cls.options(

@@ -1,21 +1,12 @@
-"""Code execution as a tool: model-written Python runs in a separate, limited subprocess.
-
-Limits: wall time (killed at `timeout_s`), address space (`memory_mb`), CPU seconds, a fresh temporary
-working directory, output truncated to `max_output_chars`, and no network: an audit hook in the child
-refuses every socket operation, and where the kernel allows it the child also gets an empty network
-namespace. The code never runs in the trainer's (or the environment actor's) own process.
+"""Code execution as a tool: model-written Python runs in the bubblewrap sandbox of `sandbox.py` (no
+network, no view of other processes or of files beyond the interpreter's, a dropped uid as root, time,
+memory, process, file-size and output limits). The environment refuses to start where the sandbox
+cannot be set up.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 import re
-import resource
-import subprocess
-import sys
-import tempfile
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,66 +19,11 @@ from posttrain.environments.interface import (
     strip_special_tokens,
 )
 from posttrain.environments.math_env import verify_answer
+from posttrain.environments.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_mode
+
+__all__ = ["CodeToolEnvironment", "SandboxResult", "run_python"]
 
 CODE_PATTERN = re.compile(r"<code>(.*?)</code>|```python\n(.*?)```", re.DOTALL)
-CLONE_NEWNET, CLONE_NEWUSER = 0x40000000, 0x10000000
-
-# Runs first in the child: refuse any socket event before the user's code is even compiled.
-NO_NETWORK_PRELUDE = """
-import sys
-def _refuse_network(event, args):
-    if event.startswith("socket.") :
-        raise PermissionError("network access is disabled in the posttrain sandbox")
-sys.addaudithook(_refuse_network)
-del _refuse_network
-"""
-
-
-@dataclass
-class SandboxResult:
-    stdout: str
-    stderr: str
-    returncode: int | None  # None when killed at the time limit
-    timed_out: bool
-
-
-def _limit_child(memory_mb: int, cpu_seconds: int) -> None:
-    """preexec_fn: resource limits and, when permitted, a private empty network namespace."""
-    memory = memory_mb * 1024 * 1024
-    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds))
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWNET) != 0:
-        libc.unshare(CLONE_NEWUSER | CLONE_NEWNET)  # unprivileged fallback; the audit hook still applies
-
-
-def run_python(code: str, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000) -> SandboxResult:
-    """Run `code` with `python -I` in a temporary directory under the limits above."""
-    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as workdir:
-        script = os.path.join(workdir, "main.py")
-        with open(script, "w") as f:
-            f.write(NO_NETWORK_PRELUDE + "\n" + code)
-        try:
-            completed = subprocess.run(
-                [sys.executable, "-I", script],
-                cwd=workdir,
-                env={"PATH": "/usr/bin:/bin", "HOME": workdir},
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                preexec_fn=lambda: _limit_child(memory_mb, int(timeout_s) + 1),
-            )
-        except subprocess.TimeoutExpired as expired:
-            return SandboxResult(_text(expired.stdout, max_output_chars), _text(expired.stderr, max_output_chars), None, True)
-    return SandboxResult(
-        completed.stdout[:max_output_chars], completed.stderr[:max_output_chars], completed.returncode, False
-    )
-
-
-def _text(value: str | bytes | None, limit: int) -> str:
-    if isinstance(value, bytes):
-        value = value.decode(errors="replace")
-    return (value or "")[:limit]
 
 
 class CodeToolEnvironment(EnvironmentInterface):
@@ -97,13 +33,16 @@ class CodeToolEnvironment(EnvironmentInterface):
     """
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4):
-        self.timeout_s, self.memory_mb = timeout_s, memory_mb
-        self.max_output_chars, self.max_turns = max_output_chars, max_turns
+        self.limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_chars)
+        self.max_turns = max_turns
+        sandbox_mode()  # raises SandboxUnavailableError (what is missing) before any code is accepted
 
     def _tool_output(self, code: str) -> str:
-        result = run_python(code, self.timeout_s, self.memory_mb, self.max_output_chars)
+        result = run_python(code, self.limits)
         if result.timed_out:
-            return f"{result.stdout}\n[killed: exceeded {self.timeout_s}s]"
+            return f"{result.stdout}\n[killed: exceeded {self.limits.timeout_s}s]"
+        if result.output_truncated:
+            return f"{result.stdout}\n[killed: output exceeded {self.limits.max_output_bytes} bytes]"
         return result.stdout + (f"\n[stderr]\n{result.stderr}" if result.returncode else "")
 
     def _step_one(self, log: list[Message], meta: dict[str, Any]) -> tuple[Message, dict, float, bool, str | None, int]:

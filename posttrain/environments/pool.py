@@ -1,5 +1,6 @@
 """Ray actor pools that run environments: one pool per task, its samples split across the actors in
-order; an environment that raises scores its samples 0 and counts them as errors."""
+order; an environment that raises (or whose actor dies) scores its samples 0 and counts them as errors,
+and a dead actor is replaced."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ class _EnvironmentActor:
     def __init__(self, spec: str, kwargs: dict[str, Any]):
         self.environment = resolve_environment_class(spec)(**kwargs)
 
+    def ready(self) -> bool:
+        return True
+
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         return self.environment.step(message_logs, metadata)
 
@@ -28,18 +32,33 @@ class _EnvironmentActor:
 
 
 class EnvironmentPool:
-    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order."""
+    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order.
+    An actor that dies mid-step (its process killed) scores its samples 0, counts them as errors and is
+    replaced by a new actor; `num_restarts` counts the replacements."""
 
     def __init__(self, task_name: str, cfg: EnvironmentConfig):
         import ray
 
         resolve_environment_class(cfg.cls)  # fail on the driver, before any actor starts
-        actor_cls = ray.remote(num_cpus=cfg.num_cpus)(_EnvironmentActor)
-        self.task_name = task_name
-        self.actors = [
-            actor_cls.options(name=f"env-{task_name}-{i}-{id(self):x}").remote(cfg.cls, cfg.kwargs)
-            for i in range(cfg.num_workers)
-        ]
+        self.task_name, self.cfg, self.num_restarts = task_name, cfg, 0
+        self._actor_cls = ray.remote(num_cpus=cfg.num_cpus)(_EnvironmentActor)
+        self.actors = [self._start_actor(i) for i in range(cfg.num_workers)]
+        try:  # a constructor that raises (e.g. no sandbox for `code`) stops the run here, not later
+            ray.get([actor.ready.remote() for actor in self.actors])
+        except ray.exceptions.RayActorError as error:
+            self.shutdown()
+            raise RuntimeError(f"env.{task_name}: environment {cfg.cls!r} failed to start: {error}") from error
+
+    def _start_actor(self, index: int):
+        name = f"env-{self.task_name}-{index}-{self.num_restarts}-{id(self):x}"
+        return self._actor_cls.options(name=name).remote(self.cfg.cls, self.cfg.kwargs)
+
+    def _restart(self, index: int) -> None:
+        import ray
+
+        ray.kill(self.actors[index])
+        self.num_restarts += 1
+        self.actors[index] = self._start_actor(index)
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         """Score one turn; a chunk whose environment raised scores 0, terminates, and is counted."""
@@ -49,12 +68,17 @@ class EnvironmentPool:
         chunks = [(message_logs[i:i + chunk], metadata[i:i + chunk]) for i in range(0, len(message_logs), chunk)]
         refs = [actor.step.remote(logs, meta) for actor, (logs, meta) in zip(self.actors, chunks)]
         parts = []
-        for ref, (logs, meta) in zip(refs, chunks):
+        for index, (ref, (logs, meta)) in enumerate(zip(refs, chunks)):
             try:
                 parts.append(ray.get(ref))
             except ray.exceptions.RayTaskError as error:
                 logger.warning("environment %r raised on %d samples: %s", self.task_name, len(logs), error)
                 parts.append(failed_return(meta))
+            except ray.exceptions.RayActorError as error:  # the actor's process died (ActorDiedError, ...)
+                logger.warning("environment %r actor %d died on %d samples; restarting it: %s",
+                               self.task_name, index, len(logs), error)
+                parts.append(failed_return(meta))
+                self._restart(index)
         return merge_returns(parts)
 
     def global_post_process_and_metrics(self, batch):

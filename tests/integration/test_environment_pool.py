@@ -1,7 +1,11 @@
-"""Environment pools on real Ray actors: order-preserving split across workers, failures scored 0."""
+"""Environment pools on real Ray actors: order-preserving split across workers, failures scored 0,
+dead actors restarted."""
+
+import pytest
 
 from posttrain.environments.pool import EnvironmentPool
 from posttrain.environments.registry import EnvironmentConfig
+from posttrain.environments.sandbox import SandboxUnavailableError, sandbox_mode
 
 
 def conversation(response: str) -> list[dict]:
@@ -31,3 +35,61 @@ def test_environment_that_raises_is_scored_zero_and_counted(ray_session, tmp_pat
     assert result.terminateds.tolist() == [True, True]
     assert result.num_errors == 2
     pool.shutdown()
+
+
+def test_dead_environment_actor_scores_zero_is_counted_and_restarted(ray_session, tmp_path):
+    """The actor's process is killed mid-step (as model code that reached its parent would): its samples
+    score 0 and count as errors, the run goes on, and the next step runs on a fresh actor."""
+    path = tmp_path / "fragile_env.py"
+    path.write_text(
+        "import os, signal, torch\n"
+        "from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn\n"
+        "class FragileEnv(EnvironmentInterface):\n"
+        "    def step(self, message_logs, metadata):\n"
+        "        if any(log[-1]['content'] == 'die' for log in message_logs):\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        n = len(message_logs)\n"
+        "        return EnvironmentReturn([{'role': 'environment', 'content': ''}] * n, metadata, [None] * n,\n"
+        "                                 torch.ones(n), torch.ones(n, dtype=torch.bool), ['ok'] * n)\n"
+    )
+    pool = EnvironmentPool("fragile", EnvironmentConfig(cls=f"{path}:FragileEnv", num_workers=2, num_cpus=0.1))
+    try:
+        died = pool.step([conversation(r) for r in ["a", "b", "die", "c"]], [{}] * 4)
+        assert died.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
+        assert died.num_errors == 2 and pool.num_restarts == 1
+        after = pool.step([conversation(r) for r in ["d", "e", "f", "g"]], [{}] * 4)
+        assert after.rewards.tolist() == [1.0, 1.0, 1.0, 1.0] and after.num_errors == 0
+    finally:
+        pool.shutdown()
+
+
+def test_environment_that_cannot_start_stops_the_run_naming_the_task(ray_session, tmp_path):
+    path = tmp_path / "unstartable_env.py"
+    path.write_text(
+        "from posttrain.environments.interface import EnvironmentInterface\n"
+        "class UnstartableEnv(EnvironmentInterface):\n"
+        "    def __init__(self):\n"
+        "        raise RuntimeError('no sandbox here')\n"
+        "    def step(self, message_logs, metadata):\n"
+        "        pass\n"
+    )
+    with pytest.raises(RuntimeError, match=r"(?s)env\.unstartable: .*failed to start.*no sandbox here"):
+        EnvironmentPool("unstartable", EnvironmentConfig(cls=f"{path}:UnstartableEnv", num_cpus=0.1))
+
+
+def test_model_code_that_kills_its_parent_leaves_the_code_actor_running(ray_session):
+    pytest.importorskip("math_verify")
+    try:
+        sandbox_mode()
+    except SandboxUnavailableError as error:
+        pytest.skip(str(error))
+    pool = EnvironmentPool("code", EnvironmentConfig(cls="code", num_cpus=0.1))
+    try:
+        attack = "<code>import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint(6 * 7)</code>"
+        first = pool.step([conversation(attack)], [{"ground_truth": "42"}])
+        assert first.num_errors == 0 and pool.num_restarts == 0
+        assert "PermissionError" in first.observations[0]["content"]
+        final = pool.step([conversation("The answer is 42")], first.metadata)
+        assert final.rewards.tolist() == [1.0] and pool.num_restarts == 0
+    finally:
+        pool.shutdown()

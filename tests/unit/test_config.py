@@ -405,3 +405,12 @@ def test_config_error_survives_pickling_with_its_fields():
     error = pickle.loads(pickle.dumps(ConfigError("a.b", "bad value", "f.yaml", "a.c")))
     assert (error.key, error.message, error.source, error.suggestion) == ("a.b", "bad value", "f.yaml", "a.c")
     assert str(error) == "a.b: bad value; did you mean 'a.c'? (from f.yaml)"
+
+
+def test_mandatory_mark_in_a_file_is_not_filled_by_a_schema_default(tmp_path):
+    """policy.lr has a schema default (1e-3); a file that says `???` demands it from the command line."""
+    path = tmp_path / "demands_lr.yaml"
+    path.write_text("run:\n  name: r\npolicy:\n  lr: ???\n")
+    with pytest.raises(ConfigError, match=rf"^policy.lr: missing mandatory value \(\?\?\?\) \(from {path}\)$"):
+        load_typed_config(TrainConfig, str(path))
+    assert load_typed_config(TrainConfig, str(path), ["policy.lr=0.5"]).policy.lr == 0.5

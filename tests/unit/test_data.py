@@ -93,7 +93,7 @@ def test_missing_field_and_unknown_role_name_the_row(tmp_path):
     with pytest.raises(DataError, match=r"missing.jsonl:2: .*missing field 'response'"):
         load_datasets(DataConfig(dataset=missing, format="prompt_response"), TOKENIZER)
     roles = write(tmp_path / "roles.csv", [{"prompt": "a", "response": "b"}], "csv")
-    narrator = write(tmp_path / "narrator.json", [{"messages": [{"role": "narrator", "content": "x"}]}], "json")
+    narrator = write(tmp_path / "narrator.json", [{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}], "json")
     with pytest.raises(DataError, match=r"narrator.json row 0: .*unsupported role: narrator"):
         load_datasets(DataConfig(dataset=roles, val_dataset=narrator), TOKENIZER)
 

@@ -1,11 +1,9 @@
 """Environments without Ray: math-verify scoring, exact match, the sliding puzzle, the code sandbox."""
 
-import time
-
 import pytest
 
 from posttrain.data.sliding_puzzle import apply_move, solved_board
-from posttrain.environments.code_sandbox import CodeToolEnvironment, run_python
+from posttrain.environments.code_sandbox import CodeToolEnvironment
 from posttrain.environments.exact_match import ExactMatchEnvironment
 from posttrain.environments.math_env import MathEnvironment
 from posttrain.environments.registry import register_environment, resolve_environment_class
@@ -56,26 +54,6 @@ def test_sliding_puzzle_moves_reward_on_solve_and_error_on_invalid_move():
     assert late.terminateds.tolist() == [True] and late.rewards.tolist() == [0.0]
 
 
-def test_sandbox_runs_code_and_returns_output():
-    assert run_python("print(6 * 7)").stdout == "42\n"
-
-
-def test_sandbox_refuses_network_access():
-    result = run_python("import socket\ns = socket.socket()\ns.connect(('127.0.0.1', 9))")
-    assert result.returncode != 0
-    assert "network access is disabled" in result.stderr
-
-
-def test_sandbox_kills_code_at_its_time_limit():
-    start = time.monotonic()
-    result = run_python("while True:\n    pass", timeout_s=1.0)
-    assert result.timed_out and result.returncode is None
-    assert time.monotonic() - start < 3.0
-
-
-def test_sandbox_limits_memory_and_output():
-    assert "MemoryError" in run_python("x = bytearray(2 * 1024**3)", memory_mb=256).stderr
-    assert len(run_python("print('a' * 10000)", max_output_chars=100).stdout) == 100
 
 
 def test_code_tool_environment_runs_code_then_scores_the_final_answer():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttrain.config import ConfigError
 from posttrain.models.build import ModelFromConfig
 
 
@@ -20,6 +22,18 @@ class OptimizerConfig:
         metadata={"help": "Keyword arguments of the optimizer class (lr, weight_decay, betas, eps, ...)."},
     )
 
+    def validate(self) -> None:
+        """Build the optimizer over one dummy parameter: an unknown name, keyword or value fails here,
+        on the driver, instead of inside every worker."""
+        import torch
+
+        optimizer_cls = _torch_class(torch.optim, self.name, torch.optim.Optimizer, "torch.optim")
+        kwargs = optimizer_kwargs(self.kwargs)
+        try:
+            optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        except (TypeError, ValueError) as error:
+            raise ConfigError.at("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
+
 
 @dataclass
 class SchedulerConfig:
@@ -30,6 +44,32 @@ class SchedulerConfig:
         default_factory=lambda: {"factor": 1.0, "total_iters": 1},
         metadata={"help": "Keyword arguments of the scheduler class (without the optimizer)."},
     )
+
+    def validate(self) -> None:
+        """Build the scheduler on a dummy optimizer: an unknown name, keyword or value fails here."""
+        import torch
+
+        scheduler_cls = _torch_class(torch.optim.lr_scheduler, self.name, torch.optim.lr_scheduler.LRScheduler,
+                                     "torch.optim.lr_scheduler")
+        try:
+            scheduler_cls(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **self.kwargs)
+        except (TypeError, ValueError) as error:
+            raise ConfigError.at("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
+
+
+def optimizer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """YAML lists where torch wants tuples (betas)."""
+    return {k: tuple(v) if k == "betas" and isinstance(v, list) else v for k, v in kwargs.items()}
+
+
+def _torch_class(module: Any, name: str, base: type, where: str) -> type:
+    found = getattr(module, name, None)
+    if isinstance(found, type) and issubclass(found, base) and found is not base:
+        return found
+    names = [n for n in dir(module) if isinstance(getattr(module, n), type) and issubclass(getattr(module, n), base)]
+    guess = difflib.get_close_matches(name, names, n=1)
+    hint = f"; did you mean {guess[0]!r}?" if guess else f" (one of {sorted(names)})"
+    raise ConfigError.at("name", f"{where} has no {base.__name__} named {name!r}{hint}")
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import os
-import socket
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -27,9 +27,9 @@ from posttrain.distributed.batched_data_dict import (
     dynamic_microbatch_indices,
     pack_sequences,
 )
-from posttrain.distributed.worker_group import assigned_device
+from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models.build import load_tokenizer
-from posttrain.models.policy.config import PolicyConfig
+from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.utils.metrics import reduction_of, sum_metrics
 from posttrain.utils.timer import Timer
 
@@ -151,23 +151,16 @@ def step_value(step: StepMetrics, name: str) -> float:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def ensure_process_group() -> None:
     """Join the process group from RANK/WORLD_SIZE/MASTER_* env vars, or form a 1-rank group when absent."""
     if dist.is_initialized():
         return
     backend = "nccl" if assigned_device().type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend, init_method="env://")
-    else:
-        dist.init_process_group(
-            backend=backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-        )
+        init_torch_distributed(backend)
+    else:  # a file store: a TCP store would listen on every interface
+        path = os.path.join(tempfile.mkdtemp(prefix="posttrain-pg-"), "store")
+        dist.init_process_group(backend=backend, init_method=f"file://{path}", rank=0, world_size=1)
 
 
 def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
@@ -269,9 +262,7 @@ def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Op
     optimizer_cls = getattr(torch.optim, cfg.optimizer.name, None)
     if optimizer_cls is None:
         raise ValueError(f"policy.optimizer.name: torch.optim has no {cfg.optimizer.name!r}")
-    kwargs = dict(cfg.optimizer.kwargs)
-    if "betas" in kwargs:
-        kwargs["betas"] = tuple(kwargs["betas"])
+    kwargs = optimizer_kwargs(cfg.optimizer.kwargs)
     if cfg.optimizer.name in FUSED_OPTIMIZERS and not {"fused", "foreach"} & set(kwargs):
         kwargs["fused"] = True  # one vectorised kernel per step (on a CPU too): the same update, ~4x faster
     return optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)

@@ -1,0 +1,62 @@
+"""Checks of a run's config that span sections or look outside it (the data, the model path), made
+before any worker starts; each failure is a ConfigError naming the key to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from posttrain.config import ConfigError
+from posttrain.data.sources import looks_like_hub_name
+
+
+def check_loop_lengths(loop_cfg: Any) -> None:
+    """A loop that would not train (max_num_steps / max_num_epochs < 1) or validate (val_global_batch_size
+    < 1); keys are relative to the loop's section."""
+    steps = getattr(loop_cfg, "max_num_steps", None)
+    if steps is not None and steps < 1:
+        raise ConfigError.at("max_num_steps", f"must be >= 1 (or null where epochs decide), got {steps}")
+    for key in ("max_num_epochs", "val_global_batch_size", "num_prompts_per_step", "num_generations_per_prompt"):
+        value = getattr(loop_cfg, key, 1)
+        if value is not None and value < 1:
+            raise ConfigError.at(key, f"must be >= 1, got {value}")
+
+
+def check_parallelism(policy_cfg: Any, cluster_cfg: Any) -> None:
+    """policy.tensor_parallel_size must divide the cluster's workers."""
+    num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
+    if num_workers % policy_cfg.tensor_parallel_size:
+        raise ConfigError(
+            "policy.tensor_parallel_size",
+            f"{policy_cfg.tensor_parallel_size} does not divide the {num_workers} workers "
+            f"(cluster.num_nodes x cluster.workers_per_node)",
+        )
+
+
+def check_batch_fits(num_records: int, batch_size: int, key: str, value: int, dataset: str) -> None:
+    """One step must not need more records (`batch_size`, set by `key`=`value`) than the data has."""
+    if batch_size > num_records:
+        raise ConfigError(key, f"{value} needs {batch_size} training records per step, but data.dataset={dataset} "
+                               f"has {num_records} usable ones")
+
+
+def check_model_exists(key: str, name: str) -> None:
+    """`name` must be an existing path or a plausible hub name (`org/model`, or one word); a
+    `<run dir>/hf_model` path names the command of configs/ that writes it."""
+    if Path(name).exists() or (looks_like_hub_name(name) and not name.startswith((".", "/"))):
+        return
+    message = f"{name} does not exist (nor is it a Hugging Face hub name)"
+    command = command_writing(Path(name))
+    raise ConfigError(key, message + (f"; `{command}` writes it" if command else ""))
+
+
+def command_writing(model_dir: Path, configs_dir: Path = Path("configs")) -> str | None:
+    """`posttrain <algo> --config configs/X.yaml` for the config of configs/ whose log_dir holds
+    `model_dir` as its exported hf_model."""
+    if model_dir.name != "hf_model" or not configs_dir.is_dir():
+        return None
+    for config in sorted(configs_dir.glob("*.yaml")):
+        text = config.read_text(errors="replace")
+        if f"log_dir: {model_dir.parent.as_posix()}\n" in text:
+            return f"posttrain {config.stem.split('_')[0]} --config {config.as_posix()}"
+    return None
