@@ -98,8 +98,9 @@ def init_ray(cfg: ClusterConfig, runtime_env: dict | None = None) -> bool:
         join_ray(address, cfg.connect_timeout_s, runtime_env=runtime_env)
         return True
     needed = cfg.num_nodes * cfg.workers_per_node * cpus_per_worker(cfg)
-    # One logical CPU beyond the bundles for environment actors and the like.
-    num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999) + 1)
+    # Two logical CPUs beyond the bundles: environment actors, and generation workers placed apart from the
+    # policy (async GRPO), which would otherwise wait forever for a bundle. Threads follow the bundles.
+    num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999)) + 2
     start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host, runtime_env)
     return True
 
