@@ -125,8 +125,11 @@ def update_decode_state(
     stop_strings: list[list[str]],
     tokenizer: Any,
 ) -> None:
-    """Append this step's token of each decoded row (sample `rows[j]`) and mark those that hit a stop."""
+    """Append this step's token of each decoded row (sample `rows[j]`) still running; mark those that
+    hit a stop."""
     for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
+        if state.finished[i]:
+            continue
         state.generated_ids[i].append(token)
         state.generated_logprobs[i].append(logprob)
         hit_stop = token in stop_token_ids or (
@@ -162,7 +165,8 @@ def decode_batch(
     stop_strings: list[list[str]],
 ) -> DecodeState:
     """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
-    Finished samples leave the batch (and the cache), so a step costs only the samples still running."""
+    Finished samples leave the batch (and the cache) as it halves, so a step costs little more than the
+    samples still running; a finished sample still in the batch decodes on, and its tokens are dropped."""
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
@@ -178,7 +182,9 @@ def decode_batch(
         running = [j for j, i in enumerate(rows) if not state.finished[i]]
         if not running or step == cfg.max_new_tokens - 1:
             break
-        if len(running) < len(rows):
+        # Finished samples leave once half the batch has finished: a few distinct batch sizes (log2 B), not
+        # one per finishing sample, which on a GPU would each cost new kernel choices.
+        if len(running) <= len(rows) // 2:
             keep = torch.tensor(running, device=device)
             cache.reorder_cache(keep)
             tokens, attention_mask, next_positions = tokens[keep], attention_mask[keep], next_positions[keep]

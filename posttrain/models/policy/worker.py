@@ -263,7 +263,7 @@ def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Op
     if optimizer_cls is None:
         raise ValueError(f"policy.optimizer.name: torch.optim has no {cfg.optimizer.name!r}")
     kwargs = optimizer_kwargs(cfg.optimizer.kwargs)
-    if cfg.optimizer.name in FUSED_OPTIMIZERS and not {"fused", "foreach"} & set(kwargs):
+    if cfg.optimizer.name in FUSED_OPTIMIZERS and not cfg.cpu_offload and not {"fused", "foreach"} & set(kwargs):
         kwargs["fused"] = True  # one vectorised kernel per step (on a CPU too): the same update, ~4x faster
     return optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 
