@@ -193,6 +193,8 @@ class ClippedPGLoss:
     and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch).
     """
 
+    metric_reductions = {"probs_ratio_min": "min", "probs_ratio_max": "max"}
+
     def __init__(self, cfg: ClippedPGLossConfig | None = None, prev_is_current: bool = False) -> None:
         self.cfg = cfg or ClippedPGLossConfig()
         self.prev_is_current = prev_is_current
