@@ -53,7 +53,7 @@ def test_metric_reductions_across_ranks_are_chosen_per_metric(two_workers):
     """"Tracking distributed metrics with specified reductions (mean, max, etc.)": over the 4 micro-batches
     of 2 rows on 2 ranks, the mean of micro-batch means is the mean of all 8 lengths (68/8 = 8.5), the
     max is 12 and the min is 5 -- not their sums (34, 41, 25)."""
-    metrics = two_workers.train(length_data(), LengthStatsLoss(), eval_mode=True)
+    metrics = two_workers.evaluate(length_data(), LengthStatsLoss())
     assert metrics["length_mean"] == [8.5]
     assert metrics["longest"] == [12.0]
     assert metrics["shortest"] == [5.0]
