@@ -11,7 +11,9 @@ Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (los
   over micro-batches and data-parallel ranks is the loss of the global batch (and so is the gradient).
 - Metrics are floats already divided by the global counts, so that SUMMING them over micro-batches and
   ranks gives the global value; the only exceptions are keys ending in `_min` / `_max`, this micro-batch's
-  extremes, which must be reduced with min / max (`posttrain.utils.metrics.sum_metrics` does both).
+  extremes, which must be reduced with min / max (`posttrain.utils.metrics.reduce_metrics` does both).
+  A loss function may name another reduction per metric in a `metric_reductions` attribute
+  ({"name": "mean" | "max" | "min" | "sum"}); the training worker uses it over micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -192,6 +194,8 @@ class ClippedPGLoss:
     trained, before its update: prev_logprobs are this forward's logprobs with the gradient stopped,
     and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch).
     """
+
+    metric_reductions = {"probs_ratio_min": "min", "probs_ratio_max": "max"}
 
     def __init__(self, cfg: ClippedPGLossConfig | None = None, prev_is_current: bool = False) -> None:
         self.cfg = cfg or ClippedPGLossConfig()

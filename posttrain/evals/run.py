@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -363,16 +364,24 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
     return EvalResult(summary, rows, save_path)
 
 
+def eval_step(model_name: str | None) -> int:
+    """The step an evaluation is logged at: N for a run's checkpoint directory `.../step_N` (so it lands
+    beside that run's training curves), else 0."""
+    match = re.fullmatch(r"step_(\d+)", Path(model_name or "").name)
+    return int(match.group(1)) if match else 0
+
+
 def log_results(cfg: EvalConfig, summary: dict[str, Any], result: ValidationResult, save_path: Path) -> None:
-    """The summary's numbers as metrics `eval/<name>` at step 0 and the config as hyperparameters, through
-    the unified logger (JSONL, TensorBoard, W&B, MLflow as `logger` enables; `save_path` unless
+    """The summary's numbers as metrics `eval/<name>` at `eval_step` and the config as hyperparameters,
+    through the unified logger (JSONL, TensorBoard, W&B, MLflow as `logger` enables; `save_path` unless
     `logger.log_dir` names another directory); samples as in validation."""
+    step = eval_step(cfg.model.model_name)
     logger_cfg = cfg.logger if cfg.logger.log_dir else dataclasses.replace(cfg.logger, log_dir=str(save_path))
     with Logger(logger_cfg) as logger:
         logger.log_hyperparams({"eval": cfg.eval, "model": cfg.model, "generation": cfg.generation, "data": cfg.data})
         numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        logger.log_metrics(numbers, step=0, prefix="eval")
-        logger.log_val_samples(result.samples, step=0)
+        logger.log_metrics(numbers, step=step, prefix="eval")
+        logger.log_val_samples(result.samples, step=step)
 
 
 def main(args: Any) -> int:

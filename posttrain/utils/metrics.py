@@ -2,7 +2,9 @@
 
 A metric named `*_min` or `*_max` is an extreme and combines by min / max. Every other metric of a loss
 is a share already divided by the global batch's counts, so micro-batches and ranks combine by sum and
-several global batches (optimizer steps) by mean."""
+several global batches (optimizer steps) by mean. A loss function may name another reduction per metric
+in a `metric_reductions` attribute (`metric_reductions(loss_fn)`); the training worker then uses it over
+micro-batches and data-parallel ranks."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from typing import Any
 import numpy as np
 
 
-def reduction_of(key: str) -> str:
-    """"min" for `*_min`, "max" for `*_max`, else "sum"."""
+def reduction_of(key: str, reductions: Mapping[str, str] | None = None) -> str:
+    """The reduction `reductions` names for `key`; else "min" for `*_min`, "max" for `*_max`, else "sum"."""
+    if reductions and key in reductions:
+        return reductions[key]
     if key.endswith("_min"):
         return "min"
     if key.endswith("_max"):
@@ -59,6 +63,18 @@ def reduce_metrics(
         key: float(_REDUCTIONS[(reductions or {}).get(key) or default or reduction_of(key)](values))
         for key, values in values_by_key.items()
     }
+
+
+def metric_reductions(loss_fn: Any) -> dict[str, str]:
+    """The reductions a loss function names for its metrics in its optional `metric_reductions` attribute
+    (metric -> "sum" / "mean" / "min" / "max"); a plain function names none."""
+    declared = dict(getattr(loss_fn, "metric_reductions", {}))
+    for name, reduction in declared.items():
+        if reduction not in _REDUCTIONS:
+            raise ValueError(
+                f"{type(loss_fn).__name__}.metric_reductions[{name!r}] = {reduction!r}; use one of {sorted(_REDUCTIONS)}"
+            )
+    return declared
 
 
 def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -131,3 +131,5 @@ def test_eval_of_a_grpo_checkpoint_matches_the_runs_own_validation(grpo_run_dir,
     val = [row for row in read_jsonl(grpo_run_dir / "metrics.jsonl") if row["step"] == 1 and "val/accuracy" in row]
     assert result.summary["accuracy"] == pytest.approx(val[0]["val/accuracy"], abs=1e-7)
     assert result.summary["score"] == pytest.approx(val[0]["val/pass@2"], abs=1e-7)
+    logged = read_jsonl(tmp_path / "metrics.jsonl")  # the eval's own logger: at the checkpoint's step
+    assert [(row["step"], row["eval/score"]) for row in logged] == [(1, result.summary["score"])]

@@ -130,3 +130,14 @@ def test_a_missing_local_model_path_is_rejected_but_a_hub_name_is_left_to_the_lo
     with pytest.raises(ConfigError, match="does not exist"):
         check_model_source(EvalModelConfig(model_name=str(tmp_path / "missing")))
     check_model_source(EvalModelConfig(model_name="Qwen/Qwen2.5-0.5B"))
+
+
+def test_an_evaluated_checkpoint_is_logged_at_its_step():
+    """EvaluationRunner "logs evaluation outcomes to" UnifiedLogger: a run's `checkpoints/step_N` is
+    logged at step N, beside that run's training curves; any other model at step 0."""
+    from posttrain.evals.run import eval_step
+
+    assert eval_step("results/grpo-1/checkpoints/step_40") == 40
+    assert eval_step("results/grpo-1/checkpoints/step_40/") == 40
+    assert eval_step("results/grpo-1/hf_model") == 0
+    assert eval_step(None) == 0

@@ -30,7 +30,7 @@ from posttrain.distributed.batched_data_dict import (
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
-from posttrain.utils.metrics import reduction_of, sum_metrics
+from posttrain.utils.metrics import metric_reductions, reduce_metrics, reduction_of
 from posttrain.utils.timer import Timer
 
 LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
@@ -514,7 +514,7 @@ class DTensorPolicyWorker:
         self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
-        step = StepMetrics()
+        step, parts = StepMetrics(), []
         for microbatch in self._pad_to_common_count(self.make_microbatches(batch, micro_batch_size)):
             with torch.set_grad_enabled(not eval_mode):
                 outputs = self._forward(microbatch)  # [b, T_mb] logprobs or [b] scores
@@ -525,9 +525,8 @@ class DTensorPolicyWorker:
                 continue
             step.loss += float(loss.detach())
             step.num_microbatches += 1
-            step.loss_metrics = sum_metrics(
-                [step.loss_metrics, {k: float(v) for k, v in metrics.items()}]
-            )
+            parts.append({k: float(v) for k, v in metrics.items()})
+        step.loss_metrics = reduce_metrics(parts, metric_reductions(loss_fn))
         if not eval_mode:
             step.grad_norm, step.lr = self._optimizer_step()
         return step
@@ -568,16 +567,21 @@ class DTensorPolicyWorker:
                 )
                 for start in range(0, num_rows, local_batch_size)
             ]
-            return self._reduce_steps(steps, eval_mode)
+            return self._reduce_steps(steps, eval_mode, metric_reductions(loss_fn))
 
-    def _reduce_steps(self, steps: list[StepMetrics], eval_mode: bool) -> dict[str, Any]:
-        """Reduce over dp ranks: losses, micro-batch counts and loss metrics summed (`*_min` / `*_max`
-        metrics by min / max); grad norm and lr are global already. Every rank has the same metric keys."""
+    def _reduce_steps(
+        self, steps: list[StepMetrics], eval_mode: bool, reductions: dict[str, str]
+    ) -> dict[str, Any]:
+        """Reduce over dp ranks, each loss metric by its reduction (`reduction_of`: named by the loss
+        function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
+        ranks); losses and micro-batch counts summed; grad norm and lr are global already. Every rank has
+        the same metric keys."""
         keys = sorted({key for step in steps for key in step.loss_metrics} - {"loss", "num_microbatches"})
-        columns = {"sum": ["loss", "num_microbatches"], "min": [], "max": []}
+        columns: dict[str, list[str]] = {"sum": ["loss", "num_microbatches"], "min": [], "max": [], "mean": []}
         for key in keys:
-            columns[reduction_of(key)].append(key)
+            columns[reduction_of(key, reductions)].append(key)
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        counts = torch.tensor([float(step.num_microbatches) for step in steps], dtype=torch.float64)  # [S]
         result: dict[str, Any] = {}
         for kind, names in columns.items():
             if not names:
@@ -585,7 +589,11 @@ class DTensorPolicyWorker:
             values = torch.tensor(
                 [[step_value(step, name) for name in names] for step in steps], dtype=torch.float64
             )  # [num_steps, num_names]
-            values = self._all_reduce_dp(values, ops[kind])
+            if kind == "mean":  # each rank's micro-batch mean weighted by its micro-batch count
+                values = self._all_reduce_dp(values * counts[:, None], dist.ReduceOp.SUM)
+                values = values / self._all_reduce_dp(counts.clone(), dist.ReduceOp.SUM)[:, None].clamp(min=1)
+            else:
+                values = self._all_reduce_dp(values, ops[kind])
             for column, name in enumerate(names):
                 result.setdefault(name, values[:, column].tolist())
         if not eval_mode:
