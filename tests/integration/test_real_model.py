@@ -129,7 +129,7 @@ def test_checkpoint_export_reproduces_the_policys_weights_and_logprobs(grpo_run,
 def sft_losses(smollm2_dir, log_dir, workers: int) -> dict[int, float]:
     cfg = load_typed_config(sft.SFTConfig, str(REPO / "configs" / "sft_smollm2.yaml"), overrides({
         "policy.model_name": smollm2_dir, "logger.log_dir": log_dir, "logger.tensorboard_enabled": "false",
-        "sft.max_num_steps": 1, "sft.val_period": 0, "sft.val_max_samples": 4, "sft.export_final_model": "false",
+        "sft.max_num_steps": 1, "sft.val_period": 100, "sft.val_max_samples": 4, "sft.export_final_model": "false",
         "policy.train_global_batch_size": 4, "policy.train_micro_batch_size": 2, "data.num_train": 8,
         "data.num_val": 4, "checkpointing.enabled": "false", "cluster.workers_per_node": workers,
         "cluster.num_cpus_per_worker": 1,
