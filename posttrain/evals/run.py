@@ -29,6 +29,7 @@ from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
 from posttrain.models.generation import GenerationConfig, make_generation
+from posttrain.models.gguf import gguf_model_dir
 from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
@@ -145,12 +146,13 @@ def check_model_source(model_cfg: EvalModelConfig) -> None:
 
 def materialize_model(model_cfg: EvalModelConfig, scratch_dir: Path) -> Path | str:
     """A Hugging Face directory or hub name to load: builds a from-config model, or exports a posttrain
-    checkpoint, into `scratch_dir`; anything else is returned as given."""
+    checkpoint, into `scratch_dir`; a `.gguf` file gives its cached plain directory; anything else is
+    returned as given."""
     if model_cfg.from_config is not None:
         return build_model_dir(model_cfg.from_config, scratch_dir / "model")
     checkpoint = find_policy_checkpoint(model_cfg.model_name)
     if checkpoint is None:
-        return model_cfg.model_name
+        return gguf_model_dir(model_cfg.model_name, key="model.model_name")
     print(f"eval: exporting checkpoint {checkpoint} to a Hugging Face directory first")
     return export_checkpoint_to_hf(checkpoint, scratch_dir / "model")
 

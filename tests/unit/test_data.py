@@ -146,3 +146,19 @@ def test_loader_resumes_with_exactly_the_same_batches():
 def test_scrambled_boards_are_reproducible_and_not_solved():
     assert scrambled_board(3, 5, seed=1) == scrambled_board(3, 5, seed=1)
     assert sorted(sum(scrambled_board(3, 5, seed=2), [])) == list(range(9))
+
+
+def test_builtin_math_words_asks_in_words_with_right_answers_and_disjoint_splits():
+    from posttrain.data.tasks import builtin_rows
+
+    train, val = builtin_rows("math_words", 3000, 200, seed=5)
+    assert builtin_rows("math_words", 3000, 200, seed=5) == (train, val)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    assert len({r["prompt"] for r in train}) == 3000
+    for row in train + val:
+        words = row["prompt"].split()  # What is A plus|minus B? Reply with the number only.
+        a, op, b = int(words[2]), words[3], int(words[4].rstrip("?"))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and row["prompt"].endswith("? Reply with the number only.")
+        assert row["answer"] == row["response"] == str(a + b if op == "plus" else a - b)
+        assert int(row["answer"]) >= 0 and row["task_name"] == "math"
+    assert 0.3 < sum("minus" in r["prompt"] for r in val) / len(val) < 0.7
