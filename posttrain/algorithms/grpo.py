@@ -50,6 +50,7 @@ from posttrain.algorithms.run import (
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
 from posttrain.evals.validate import run_validation
@@ -341,6 +342,22 @@ def offload_needed(run: GRPORun) -> bool:
     return run.offload_policy
 
 
+def shares_memory_with_generation(run: GRPORun) -> bool:
+    """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
+    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy."""
+    cfg = run.cfg
+    return (cfg.generation.colocated and run.generation.backend_name == "hf" and cfg.cluster.num_nodes == 1
+            and cfg.cluster.num_gpus_per_worker == 0 and shared_memory_supported())
+
+
+def refit_weights(run: GRPORun) -> Any:
+    """What the generation workers load: a shared-memory handle, or the gathered weights in the object
+    store, in the generation precision."""
+    if shares_memory_with_generation(run):
+        return run.policy.share_weights(dtype=run.cfg.generation.precision)
+    return run.policy.get_weights_ref(dtype=run.cfg.generation.precision)
+
+
 @contextmanager
 def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     """The generation workers hold the accelerator: when the policy has trained since their last refit its
@@ -351,7 +368,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
     weights = None
     if run.weights_stale:
         with timer.time("refit"):
-            weights = run.policy.get_weights_ref(dtype=run.cfg.generation.precision)  # in the receiver's dtype
+            weights = refit_weights(run)
     move_memory = run.cfg.cluster.num_gpus_per_worker > 0 and run.cfg.generation.colocated and offload_needed(run)
     if move_memory:
         run.policy.offload()

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from posttrain.distributed.shared_weights import SharedWeights, map_shared_weights
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
 
@@ -264,6 +265,7 @@ class HFGenerationWorker:
         self.tokenizer = load_tokenizer(tokenizer_name or model_name)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
 
     def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
                  ) -> dict[str, torch.Tensor]:
@@ -290,6 +292,9 @@ class HFGenerationWorker:
     def update_weights(self, weights: Any) -> float:
         """Copy the given tensors (all or only the changed ones) into the model in place; return seconds."""
         start = time.perf_counter()
+        if isinstance(weights, SharedWeights):
+            self.map_shared_weights(weights)
+            return time.perf_counter() - start
         state_dict = resolve_weights(weights)
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
         unknown = sorted(set(state_dict) - set(targets))
@@ -302,6 +307,27 @@ class HFGenerationWorker:
                                      f"the model expects {tuple(targets[name].shape)}")
                 targets[name].copy_(tensor)
         return time.perf_counter() - start
+
+    def map_shared_weights(self, handle: SharedWeights) -> None:
+        """Make the model's parameters views of the policy's shared-memory weights (once per file: the
+        policy later rewrites them in place, so a refit costs nothing here)."""
+        import ray
+
+        if self.mapped_weights == handle.path:
+            return
+        if self.device.type != "cpu":
+            raise ValueError("update_weights: shared-memory weights are for generation on the CPU")
+        views = map_shared_weights(handle, ray.get_runtime_context().get_node_id())
+        parameters = dict(self.model.named_parameters())
+        if set(views) != set(parameters):
+            raise KeyError(f"update_weights: shared weights and the generation model differ in "
+                           f"{sorted(set(views) ^ set(parameters))[:5]}")
+        for name, parameter in parameters.items():
+            if views[name].shape != parameter.shape or views[name].dtype != parameter.dtype:
+                raise ValueError(f"update_weights: {name} is {tuple(views[name].shape)} {views[name].dtype} in "
+                                 f"shared memory, the model has {tuple(parameter.shape)} {parameter.dtype}")
+            parameter.data = views[name]
+        self.mapped_weights = handle.path
 
     def prepare_for_generation(self) -> None:
         """Move the model back onto the accelerator (no-op on CPU)."""

@@ -149,6 +149,12 @@ class PolicyConfig:
     sequence_packing: SequencePackingConfig = field(
         default_factory=SequencePackingConfig, metadata={"help": "Several sequences per row."}
     )
+    prefix_sharing: bool = field(
+        default=True,
+        metadata={"help": "Rows that share a prompt (a GRPO group, a DPO pair) compute it once: one row holds "
+                          "the prompt and every continuation, kept apart by a tree-shaped causal mask. Same "
+                          "logprobs and gradients at trained positions, fewer tokens (causal_lm, unpacked)."},
+    )
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute decoder-layer activations in backward to save memory."}
     )

@@ -169,6 +169,11 @@ class Policy:
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
         return refs[0]
 
+    def share_weights(self, dtype: str | None = None) -> Any:
+        """Rank 0's handle of its full weights in shared memory (`SharedWeights`), refreshed when an optimizer
+        step or checkpoint load changed them: generation workers on its machine map it once."""
+        return self.worker_group.run_all("share_weights", dtype=dtype)[0]
+
     def offload(self) -> None:
         """Move weights and optimizer state off the accelerator (for colocated generation)."""
         self.worker_group.run_all("offload")

@@ -27,9 +27,12 @@ from posttrain.distributed.batched_data_dict import (
     dynamic_microbatch_indices,
     pack_sequences,
 )
+from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsWriter
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
+from posttrain.models.policy.shared_prefix import shared_prefix_logprobs
+from posttrain.models.policy.token_logprobs import compute_token_logprobs, first_trained_position
 from posttrain.utils.metrics import metric_reductions, reduce_metrics, reduction_of
 from posttrain.utils.timer import Timer
 
@@ -39,25 +42,6 @@ LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 # ----------------------------------------------------------------------------------------------------
 # Pure helpers: logprobs, micro-batch plans, packed rows. No process group needed.
 # ----------------------------------------------------------------------------------------------------
-
-
-def compute_token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Position t holds log p(input_ids[t] | input_ids[<t]) in fp32 from logits / temperature; position 0 is 0."""
-    scaled_logits = logits[:, :-1].float() / temperature  # [B, T-1, V]
-    next_ids = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
-    next_logits = scaled_logits.gather(-1, next_ids).squeeze(-1)  # [B, T-1]
-    next_logprobs = next_logits - torch.logsumexp(scaled_logits, dim=-1)  # [B, T-1]
-    return torch.nn.functional.pad(next_logprobs, (1, 0), value=0.0)  # [B, T]
-
-
-def first_trained_position(token_mask: torch.Tensor | None) -> int:
-    """The first position any row trains on (>= 1), or 1 without a token_mask: logprobs before it are
-    left 0, since no loss reads them."""
-    if token_mask is None or not bool(token_mask.any()):
-        return 1
-    return max(1, int(token_mask.any(dim=0).nonzero()[0]))
 
 
 def length_mask(input_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -321,6 +305,8 @@ class DTensorPolicyWorker:
         self.reference_weights: dict[str, torch.Tensor] | None = None
         self.weights_version = 0  # optimizer steps and checkpoint loads so far (see get_weights)
         self.sent_weights_version: int | None = None
+        self.shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file
+        self.shared_weights_version: int | None = None  # weights_version last written into it
         if init_reference_model:
             self.init_reference_model()
 
@@ -404,6 +390,11 @@ class DTensorPolicyWorker:
             input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, pad_id))
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
             return logits.float().squeeze(-1)  # [b]
+        if self.cfg.prefix_sharing and "token_mask" in data:  # prompts shared by several rows computed once
+            logprobs = shared_prefix_logprobs(self.model, data["input_ids"], self._lengths(data).tolist(),
+                                              data["token_mask"], self.cfg.logprob_temperature, self.device)
+            if logprobs is not None:
+                return logprobs * attention_mask
         # Logits only from the position before the first trained token: a GRPO prompt's logits are never
         # read, and at a real vocabulary they are most of the memory and a good share of the time.
         num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
@@ -646,6 +637,26 @@ class DTensorPolicyWorker:
             full_weights = {name: t.to(target) if t.is_floating_point() else t for name, t in full_weights.items()}
         return full_weights
 
+    @torch.no_grad()
+    def share_weights(self, dtype: str | None = None) -> SharedWeights | None:
+        """Full weights written into a shared-memory file that generation workers on this machine map once
+        (see distributed/shared_weights.py); rank 0 returns its handle, other ranks None (collective).
+        Nothing is copied when no optimizer step or checkpoint load changed the weights since the last call."""
+        import ray
+
+        target = getattr(torch, dtype) if dtype is not None else None
+        parameters = list(self.model.named_parameters())  # tied weights once
+        if self.rank == 0 and self.shared_weights is None:
+            layout = {name: (tuple(p.shape), target or p.dtype) for name, p in parameters}
+            self.shared_weights = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
+        if self.shared_weights_version != self.weights_version:
+            for name, p in parameters:
+                full = p.full_tensor() if isinstance(p, DTensor) and p.device_mesh.size() > 1 else p  # collective
+                if self.rank == 0:
+                    self.shared_weights.views[name].copy_(full.to_local() if isinstance(full, DTensor) else full)
+            self.shared_weights_version = self.weights_version
+        return self.shared_weights.handle if self.rank == 0 else None
+
     def _move_training_state(self, device: torch.device) -> None:
         self.model.to(device)
         for state in self.optimizer.state.values():
@@ -688,6 +699,8 @@ class DTensorPolicyWorker:
 
     def shutdown(self) -> bool:
         """Leave the process group; the actor can then be killed."""
+        if self.shared_weights is not None:
+            self.shared_weights.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         return True

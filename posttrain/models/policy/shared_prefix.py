@@ -1,0 +1,140 @@
+"""Shared-prefix rows: sequences that begin with the same untrained prompt (the samples of one GRPO group, the
+chosen and rejected answers of a DPO pair) compute that prompt once.
+
+A group of n sequences with a common prompt of L tokens becomes one row: the prompt, then each sequence's
+continuation in turn. Position ids restart at L for every continuation, and a tree-shaped causal mask lets a
+continuation see the prompt and its own earlier tokens only, so every continuation token gets the hidden
+states (and logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed once
+instead of n times: with GRPO's 4-16 samples per prompt and prompts longer than the answers, the forward
+and backward shrink by a third to a half.
+
+Only positions a loss reads are exact: a row's tokens after its prompt (from its first trained position
+on). The prompt is the tokens before the position that precedes the first trained token, so the
+logits of every trained token come from the row's own continuation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from posttrain.models.policy.token_logprobs import compute_token_logprobs
+
+
+@dataclass
+class Placement:
+    """Where one sequence of the batch lies in the shared-prefix rows."""
+
+    row: int  # the sequence's row in the batch
+    tree_row: int  # the shared-prefix row that holds it
+    start: int  # index in the tree row of its first continuation token (its token `prefix_length`)
+    prefix_length: int  # L: tokens shared with its group (computed once, at the start of the tree row)
+    length: int  # the sequence's own length
+
+
+@dataclass
+class SharedPrefixRows:
+    """A batch as shared-prefix rows: forward inputs and where each sequence went."""
+
+    input_ids: torch.Tensor  # [R, N]
+    position_ids: torch.Tensor  # [R, N]
+    attention_mask: torch.Tensor  # [R, 1, N, N] bool, True = may attend
+    placements: list[Placement]
+
+    @property
+    def first_kept_position(self) -> int:
+        """The first index any trained token's logits are read from: the shortest prefix length."""
+        return min(p.prefix_length for p in self.placements)
+
+
+def prefix_groups(input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor) -> list[list[int]]:
+    """Rows grouped by their prompt: the tokens before the position preceding their first trained token.
+    Rows with no trained token, or a prompt of one token or less, stay alone. Order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for row, length in enumerate(lengths):
+        trained = token_mask[row, :length].nonzero()
+        prefix_length = int(trained[0]) - 1 if len(trained) else 0
+        key = tuple(input_ids[row, :prefix_length].tolist()) if prefix_length >= 2 else ("alone", row)
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
+
+
+def build_shared_prefix_rows(
+    input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor
+) -> SharedPrefixRows | None:
+    """The batch [b, T] as one row per prompt group, or None when no two rows share a prompt (then the
+    plain rows are as cheap)."""
+    groups = prefix_groups(input_ids, lengths, token_mask)
+    if len(groups) == len(lengths):
+        return None
+    pieces, positions, segments, placements = [], [], [], []
+    for tree_row, rows in enumerate(groups):
+        trained = token_mask[rows[0], : lengths[rows[0]]].nonzero()
+        prefix_length = max(0, int(trained[0]) - 1) if len(groups[tree_row]) > 1 else 0
+        ids = [input_ids[rows[0], :prefix_length]]
+        pos = [torch.arange(prefix_length)]
+        seg = [torch.zeros(prefix_length, dtype=torch.long)]  # segment 0: the shared prompt
+        offset = prefix_length
+        for number, row in enumerate(rows, start=1):
+            continuation = input_ids[row, prefix_length : lengths[row]]
+            ids.append(continuation)
+            pos.append(torch.arange(prefix_length, lengths[row]))
+            seg.append(torch.full((len(continuation),), number, dtype=torch.long))
+            placements.append(Placement(row, tree_row, offset, prefix_length, lengths[row]))
+            offset += len(continuation)
+        pieces.append(torch.cat(ids))
+        positions.append(torch.cat(pos))
+        segments.append(torch.cat(seg))
+    width = max(len(piece) for piece in pieces)  # N
+    num_rows = len(pieces)  # R
+    row_ids = input_ids.new_zeros(num_rows, width)
+    row_positions = torch.zeros(num_rows, width, dtype=torch.long)
+    row_segments = torch.full((num_rows, width), -1, dtype=torch.long)  # -1: padding
+    for r, (piece, pos, seg) in enumerate(zip(pieces, positions, segments)):
+        row_ids[r, : len(piece)], row_positions[r, : len(piece)], row_segments[r, : len(piece)] = piece, pos, seg
+    query, key = row_segments.unsqueeze(2), row_segments.unsqueeze(1)  # [R, N, 1], [R, 1, N]
+    visible = ((key == 0) | (key == query)) & (query >= 0)  # the prompt and the query's own continuation
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [N, N]
+    padding_self = torch.eye(width, dtype=torch.bool) & (query < 0)  # a pad token sees itself: no empty rows
+    mask = (visible & causal) | padding_self  # [R, N, N]
+    return SharedPrefixRows(row_ids, row_positions.to(input_ids.device), mask.unsqueeze(1).to(input_ids.device),
+                            placements)
+
+
+def unpack_shared_prefix_logprobs(
+    row_logprobs: torch.Tensor, rows: SharedPrefixRows, batch_size: int, seq_len: int
+) -> torch.Tensor:
+    """Tree-row logprobs [R, N] (index j = log p(token j | the tokens it sees)) back to [b, seq_len]:
+    positions after each sequence's prompt, i.e. from prefix_length + 1 on; 0 elsewhere."""
+    out = row_logprobs.new_zeros(batch_size, seq_len)  # [b, T]
+    for p in rows.placements:
+        count = p.length - p.prefix_length - 1  # tokens after the continuation's first
+        if count > 0:
+            out[p.row, p.prefix_length + 1 : p.length] = row_logprobs[p.tree_row, p.start + 1 : p.start + 1 + count]
+    return out
+
+
+def shared_prefix_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    lengths: list[int],
+    token_mask: torch.Tensor,
+    temperature: float,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Logprobs [b, T] of a causal LM at every trained position, each shared prompt computed once (zeros up
+    to each row's prompt end, as no loss reads them); None when no two rows share a prompt."""
+    rows = build_shared_prefix_rows(input_ids, lengths, token_mask)
+    if rows is None:
+        return None
+    width = rows.input_ids.shape[1]  # N
+    num_kept = width - rows.first_kept_position  # K: no trained token reads an earlier position's logits
+    logits = model(
+        input_ids=rows.input_ids.to(device),
+        position_ids=rows.position_ids.to(device),
+        attention_mask=rows.attention_mask.to(device),
+        logits_to_keep=num_kept,
+    ).logits  # [R, K, V]
+    row_logprobs = compute_token_logprobs(logits, rows.input_ids[:, -num_kept:].to(device), temperature)  # [R, K]
+    row_logprobs = torch.nn.functional.pad(row_logprobs, (width - num_kept, 0))  # [R, N]
+    return unpack_shared_prefix_logprobs(row_logprobs, rows, input_ids.shape[0], input_ids.shape[1])
