@@ -2,6 +2,7 @@
 
 from posttrain.models.policy.config import (
     DynamicBatchingConfig,
+    MegatronConfig,
     OptimizerConfig,
     PolicyConfig,
     SchedulerConfig,
@@ -12,6 +13,7 @@ __all__ = [
     "DTensorPolicyWorker",
     "Policy",
     "DynamicBatchingConfig",
+    "MegatronConfig",
     "OptimizerConfig",
     "PolicyConfig",
     "SchedulerConfig",

@@ -1,0 +1,122 @@
+"""The Megatron Core backend (`policy.backend: megatron`) on real Ray actors over gloo, through its CPU shim:
+at TP 2, PP 2 and DP 2 (distributed optimizer) it gives the DTensor backend's logprobs, SFT losses and GRPO
+losses on the same HF model, exports that model back, and a checkpoint saved at TP 2 resumes at PP 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="policy.backend=megatron needs posttrain[megatron]")
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from posttrain.algorithms.loss import ClippedPGLoss, NLLLoss  # noqa: E402
+from posttrain.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
+from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster  # noqa: E402
+from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
+from posttrain.models.policy.policy import Policy  # noqa: E402
+from test_policy import make_train_data, policy_config  # noqa: E402
+
+NUM_STEPS = 3
+LAYOUTS = {  # name -> policy overrides (2 workers each)
+    "tp2": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "pp2": {"pipeline_model_parallel_size": 2},
+    "dp2": {"distributed_optimizer": True},
+}
+
+
+def grpo_data(data: BatchedDataDict, prev_logprobs: torch.Tensor) -> BatchedDataDict:
+    """The SFT rows with seeded per-token advantages and the policy's logprobs as prev_logprobs."""
+    generator = torch.Generator().manual_seed(2)
+    rows = BatchedDataDict(dict(data))
+    rows["advantages"] = torch.randn(data["input_ids"].shape, generator=generator)  # [B, T]
+    rows["prev_logprobs"] = prev_logprobs
+    return rows
+
+
+class Trained:
+    """A policy on its own 1- or 2-worker cluster after: logprobs, one SFT step, a checkpoint (optional),
+    two more SFT steps, then three GRPO steps; keeps every number the tests compare."""
+
+    def __init__(self, model_dir, num_workers: int, checkpoint_dir=None, **overrides):
+        self.cluster = RayVirtualCluster(ClusterConfig(workers_per_node=num_workers, num_cpus_per_worker=0.5))
+        self.policy = Policy(self.cluster, policy_config(model_dir, **overrides))
+        data = make_train_data()
+        self.initial_logprobs = self.policy.get_logprobs(data)["logprobs"]
+        self.sft = []
+        for step in range(NUM_STEPS):
+            self.sft.append(self.policy.train(data, NLLLoss()))
+            if step == 0 and checkpoint_dir is not None:
+                self.policy.save_checkpoint(checkpoint_dir)
+        rows = grpo_data(data, self.policy.get_logprobs(data)["logprobs"])
+        self.grpo = [self.policy.train(rows, ClippedPGLoss()) for _ in range(NUM_STEPS)]
+
+    def shutdown(self) -> None:
+        self.policy.shutdown()
+        self.cluster.shutdown()
+
+
+def megatron_overrides(**megatron) -> dict:
+    return {"backend": "megatron", "megatron": megatron}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny Llama with grouped-query attention (4 heads, 2 kv heads) and tied embeddings."""
+    cfg = ModelFromConfig(architecture="llama", hidden_size=32, num_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=64)
+    return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_llama"))
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, model_dir, tmp_path_factory):
+    """The DTensor baseline on one worker and each Megatron layout on two; the TP 2 run checkpoints after
+    its first SFT step. One policy at a time (each is shut down after its numbers are kept)."""
+    checkpoint_dir = tmp_path_factory.mktemp("megatron_ckpt") / "step_1"
+    built = {}
+    for name, overrides in [("dtensor", {}), *((n, megatron_overrides(**o)) for n, o in LAYOUTS.items())]:
+        run = Trained(model_dir, 1 if name == "dtensor" else 2,
+                      checkpoint_dir=checkpoint_dir if name == "tp2" else None, **overrides)
+        if name == "pp2":  # resume the TP 2 checkpoint at PP 2 and redo SFT steps 2 and 3
+            run.policy.load_checkpoint(checkpoint_dir)
+            data = make_train_data()
+            run.resumed = [run.policy.train(data, NLLLoss()) for _ in range(NUM_STEPS - 1)]
+            run.export_dir = tmp_path_factory.mktemp("megatron_export")
+            run.policy.export_hf(run.export_dir)
+            run.weights = ray_session.get(run.policy.get_weights_ref(only_changed=False))
+        run.shutdown()
+        built[name] = run
+    return built
+
+
+def values(steps: list[dict], key: str) -> list[float]:
+    return [step[key][0] for step in steps]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_layout_gives_dtensor_logprobs_and_losses(runs, layout):
+    baseline, run = runs["dtensor"], runs[layout]
+    torch.testing.assert_close(run.initial_logprobs, baseline.initial_logprobs, atol=1e-5, rtol=0)
+    for key in ("loss", "grad_norm", "num_valid_tokens"):
+        assert values(run.sft, key) == pytest.approx(values(baseline.sft, key), abs=1e-5), key
+    for key in ("loss", "grad_norm", "kl"):
+        assert values(run.grpo, key) == pytest.approx(values(baseline.grpo, key), abs=1e-5), key
+    assert values(baseline.sft, "loss")[2] < values(baseline.sft, "loss")[0]  # it did learn
+
+
+def test_checkpoint_saved_at_tp2_resumes_at_pp2_with_uninterrupted_losses(runs):
+    uninterrupted, resumed = runs["tp2"], runs["pp2"].resumed
+    for key in ("loss", "grad_norm", "lr"):
+        assert values(resumed, key) == pytest.approx(values(uninterrupted.sft, key)[1:], abs=1e-5), key
+
+
+def test_export_and_refit_weights_load_into_hugging_face(runs):
+    """The exported directory and the refit weights are the same model, and it has trained away from the
+    initial one (the resumed PP 2 run's weights after SFT step 3)."""
+    run = runs["pp2"]
+    exported = AutoModelForCausalLM.from_pretrained(run.export_dir, dtype=torch.float32)
+    state = exported.state_dict()
+    assert set(run.weights) == set(state)
+    for name, tensor in run.weights.items():
+        torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
