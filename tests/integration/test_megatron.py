@@ -17,6 +17,7 @@ from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualClust
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
 from posttrain.models.policy.policy import Policy  # noqa: E402
 from test_policy import make_train_data, policy_config  # noqa: E402
+from test_sft import run_sft  # noqa: E402
 
 NUM_STEPS = 3
 LAYOUTS = {  # name -> policy overrides (2 workers each)
@@ -165,3 +166,17 @@ def test_qwen2_to_megatron_and_back_keeps_logits(ray_session, tmp_path):
     differences = ray_session.get(task.remote(model_dir))
     assert differences["megatron"] < 1e-5
     assert differences["rebuilt"] == 0.0
+
+
+def test_sft_loop_on_megatron_pipeline_gives_the_default_losses_and_exports(ray_session, tmp_path):
+    """`posttrain sft` with policy.backend=megatron (2 pipeline stages) against the default backend on one
+    worker: the same losses for 3 steps, and the final Hugging Face export loads."""
+    settings = {"sft.max_num_steps": 3, "sft.val_period": 3, "checkpointing.enabled": "false"}
+    default = run_sft(tmp_path / "dtensor", **settings, **{"sft.export_final_model": "false"})
+    megatron = run_sft(tmp_path / "megatron", **settings, **{
+        "policy.backend": "megatron", "policy.megatron.pipeline_model_parallel_size": 2,
+        "cluster.workers_per_node": 2})
+    assert list(megatron) == [1, 2, 3]
+    for step, loss in default.items():
+        assert megatron[step] == pytest.approx(loss, abs=1e-5)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "hf_model")
