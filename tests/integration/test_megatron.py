@@ -9,6 +9,9 @@ import torch
 
 pytest.importorskip("megatron.core", reason="policy.backend=megatron needs posttrain[megatron]")
 
+from test_grpo import run_grpo  # noqa: E402
+from test_policy import make_train_data, policy_config  # noqa: E402
+from test_sft import run_sft  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from posttrain.algorithms.loss import ClippedPGLoss, NLLLoss  # noqa: E402
@@ -16,8 +19,6 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict  # noqa: E40
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster  # noqa: E402
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
 from posttrain.models.policy.policy import Policy  # noqa: E402
-from test_policy import make_train_data, policy_config  # noqa: E402
-from test_sft import run_sft  # noqa: E402
 
 NUM_STEPS = 3
 LAYOUTS = {  # name -> policy overrides (2 workers each)
@@ -180,3 +181,14 @@ def test_sft_loop_on_megatron_pipeline_gives_the_default_losses_and_exports(ray_
     for step, loss in default.items():
         assert megatron[step] == pytest.approx(loss, abs=1e-5)
     AutoModelForCausalLM.from_pretrained(tmp_path / "megatron" / "hf_model")
+
+
+def test_grpo_loop_on_megatron_refits_generation_with_matching_logprobs(ray_session, tmp_path):
+    """`posttrain grpo` at TP 2: after each refit the generation workers' logprobs match the Megatron
+    trainer's (token_mult_prob_error ~ 1), and a native checkpoint is written."""
+    steps = run_grpo(tmp_path, **{"grpo.max_num_steps": 3, "policy.train_global_batch_size": 16,
+                                  "policy.backend": "megatron", "policy.megatron.tensor_model_parallel_size": 2,
+                                  "cluster.workers_per_node": 2})
+    for step in (1, 2, 3):
+        assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01
+    assert (tmp_path / "checkpoints" / "step_2" / "policy" / "megatron").is_dir()

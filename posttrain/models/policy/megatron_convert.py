@@ -293,7 +293,10 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 def block_spec(config: Any) -> Any:
     """Megatron's local layer spec with SequenceParallelRMSNorm for every norm, for this stage's layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
