@@ -14,7 +14,7 @@ from test_policy import make_train_data, policy_config  # noqa: E402
 from test_sft import run_sft  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from posttrain.algorithms.loss import ClippedPGLoss, NLLLoss  # noqa: E402
+from posttrain.algorithms.loss import BradleyTerryLoss, ClippedPGLoss, NLLLoss  # noqa: E402
 from posttrain.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster  # noqa: E402
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
@@ -192,3 +192,27 @@ def test_grpo_loop_on_megatron_refits_generation_with_matching_logprobs(ray_sess
     for step in (1, 2, 3):
         assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01
     assert (tmp_path / "checkpoints" / "step_2" / "policy" / "megatron").is_dir()
+
+
+def reward_model_run(model_dir, num_workers: int, **overrides) -> tuple[torch.Tensor, list[float]]:
+    """Scores of the test rows, then the Bradley-Terry losses of 3 steps on pairs (2i, 2i+1)."""
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=num_workers, num_cpus_per_worker=0.5))
+    policy = Policy(cluster, policy_config(model_dir, model_kind="reward_model", **overrides))
+    try:
+        data = make_train_data()
+        data["sample_mask"] = torch.ones(data.size)
+        scores = policy.get_scores(data)["scores"]  # [B]
+        return scores, [policy.train(data, BradleyTerryLoss())["loss"][0] for _ in range(NUM_STEPS)]
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+
+
+def test_reward_model_at_tp2_gives_dtensor_scores_and_losses(ray_session, model_dir):
+    """The score head ([1, H], replicated over TP ranks) sees the whole sequence under sequence parallelism."""
+    scores, losses = reward_model_run(model_dir, 1)
+    megatron_scores, megatron_losses = reward_model_run(
+        model_dir, 2, **megatron_overrides(tensor_model_parallel_size=2, sequence_parallel=True))
+    torch.testing.assert_close(megatron_scores, scores, atol=1e-5, rtol=0)
+    assert megatron_losses == pytest.approx(losses, abs=1e-5)
+    assert losses[-1] < losses[0]

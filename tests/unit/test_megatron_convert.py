@@ -44,7 +44,7 @@ def test_hf_to_tp_shards_and_back_is_the_identity(config_class, tied):
     assert shards[1]["decoder.layers.0.mlp.linear_fc1.weight"].shape == (24, 16)  # its 12 gate + 12 up rows
     torch.testing.assert_close(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:12],
                                hf_weights["model.layers.0.mlp.gate_proj.weight"][12:], atol=0, rtol=0)
-    full = {name: mc.merge_tp_shards(name, [shard[name] for shard in shards]) for name in names}
+    full = {name: mc.merge_tp_shards(name, [shard[name] for shard in shards], layout) for name in names}
     back = mc.megatron_to_hf(full, 0, layout)
     assert set(back) == set(hf_weights)
     for name, tensor in hf_weights.items():

@@ -251,7 +251,6 @@ def validate_megatron_policy(cfg: PolicyConfig) -> None:
         raise ValueError("policy.tensor_parallel_size: the dtensor backend's setting; with policy.backend=megatron "
                          "set policy.megatron.tensor_model_parallel_size")
     unsupported = {
-        "model_kind": cfg.model_kind != "causal_lm",
         "dynamic_batching.enabled": cfg.dynamic_batching.enabled,
         "sequence_packing.enabled": cfg.sequence_packing.enabled,
         "activation_checkpointing": cfg.activation_checkpointing,

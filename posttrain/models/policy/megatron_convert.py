@@ -6,7 +6,8 @@ Megatron layout of one layer (TP shards along the first dim unless noted):
   linear_proj  [H, heads x head_dim]                                   (TP shards along dim 1)
   linear_fc1   [gate; up] of this rank's slice of the FFN                (SwiGLU)
   linear_fc2   [H, FFN]                                                  (TP shards along dim 1)
-The vocabulary is padded to a multiple of the TP size (rows of zeros); logits past it are cut off.
+The vocabulary is padded to a multiple of the TP size (rows of zeros); logits past it are cut off. A reward
+model (a HF `*ForSequenceClassification`) has `ScoreHead` ([1, H], replicated over TP) as its output layer.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class GPTLayout:
     padded_vocab_size: int
     tied_embeddings: bool
     qkv_bias: bool
+    reward_model: bool = False  # output layer = the [1, H] score head, not the vocabulary projection
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -82,6 +84,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         padded_vocab_size=-(-vocab_size // tp_size) * tp_size,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
+        reward_model=(getattr(hf_config, "architectures", None) or [""])[0].endswith("ForSequenceClassification"),
     )
 
 
@@ -114,8 +117,10 @@ TP_DIM = {  # the dim a Megatron tensor is split along over TP ranks (None: repl
 }
 
 
-def tp_dim(name: str) -> int | None:
+def tp_dim(name: str, layout: GPTLayout) -> int | None:
     """The dim along which the Megatron parameter `name` is sharded over TP ranks (None: replicated)."""
+    if name == "output_layer.weight" and layout.reward_model:
+        return None
     match = LAYER_NAME.match(name)
     return TP_DIM[match.group(2) if match else name]
 
@@ -162,7 +167,7 @@ def hf_to_megatron(
     local: dict[str, torch.Tensor] = {}
     for name in megatron_names:
         full = full_megatron_tensor(hf_weights, name, layer_offset, layout)
-        dim = tp_dim(name)
+        dim = tp_dim(name, layout)
         if name.endswith("mlp.linear_fc1.weight"):  # each rank holds [its gate slice; its up slice]
             gate, up = full.chunk(2, dim=0)
             local[name] = torch.cat([gate.chunk(tp_size)[tp_rank], up.chunk(tp_size)[tp_rank]])
@@ -179,6 +184,8 @@ def full_megatron_tensor(
     """The unsharded Megatron tensor `name` built from HF weights."""
     if name == "embedding.word_embeddings.weight":
         return pad_vocab(hf_weights["model.embed_tokens.weight"], layout)
+    if name == "output_layer.weight" and layout.reward_model:
+        return hf_weights["score.weight"]
     if name == "output_layer.weight":
         key = "model.embed_tokens.weight" if layout.tied_embeddings else "lm_head.weight"
         return pad_vocab(hf_weights[key], layout)
@@ -199,12 +206,12 @@ def full_megatron_tensor(
 # ----------------------------------------------------------------------------------------------------
 
 
-def merge_tp_shards(name: str, shards: list[torch.Tensor]) -> torch.Tensor:
+def merge_tp_shards(name: str, shards: list[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
     """The unsharded Megatron tensor `name` from its TP shards (in TP rank order)."""
     if name.endswith("mlp.linear_fc1.weight"):
         halves = [shard.chunk(2, dim=0) for shard in shards]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
-    dim = tp_dim(name)
+    dim = tp_dim(name, layout)
     return shards[0] if dim is None else torch.cat(shards, dim=dim)
 
 
@@ -216,8 +223,10 @@ def megatron_to_hf(
     for name, tensor in full_weights.items():
         if name == "embedding.word_embeddings.weight":
             hf["model.embed_tokens.weight"] = tensor[: layout.vocab_size]
-            if layout.tied_embeddings:  # HF state dicts of tied models list both names
+            if layout.tied_embeddings and not layout.reward_model:  # tied HF state dicts list both names
                 hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        elif name == "output_layer.weight" and layout.reward_model:
+            hf["score.weight"] = tensor
         elif name == "output_layer.weight":
             hf["lm_head.weight"] = tensor[: layout.vocab_size]
         elif name == "decoder.final_layernorm.weight":
@@ -290,6 +299,24 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class ScoreHead(torch.nn.Module):
+    """A reward model's score projection [1, H] in GPTModel's output-layer slot, replicated over TP ranks
+    (it sees the whole sequence: with sequence parallelism its input is gathered first)."""
+
+    def __init__(self, config: Any, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=config.params_dtype))
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        if self.sequence_parallel:
+            # every rank computes the whole gradient of its input: split it back (no reduce-scatter sum)
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states, self.weight), None  # [s, b, 1]
+
+
 def block_spec(config: Any) -> Any:
     """Megatron's local layer spec with SequenceParallelRMSNorm for every norm, for this stage's layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -310,7 +337,7 @@ def build_gpt_model(hf_config: Any, config: Any, pre_process: bool, post_process
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layout = gpt_layout(hf_config, config.tensor_model_parallel_size)
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config),
         vocab_size=layout.padded_vocab_size,
@@ -318,7 +345,10 @@ def build_gpt_model(hf_config: Any, config: Any, pre_process: bool, post_process
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=False,
-        share_embeddings_and_output_weights=layout.tied_embeddings,
+        share_embeddings_and_output_weights=layout.tied_embeddings and not layout.reward_model,
         position_embedding_type="rope",
         rotary_base=rope_theta(hf_config),
     )
+    if layout.reward_model and post_process:
+        model.output_layer = ScoreHead(config, layout.hidden_size)
+    return model

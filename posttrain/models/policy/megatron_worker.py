@@ -233,10 +233,14 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         )  # last stage: logits [b, T, V_padded]; other stages: hidden states for the next
         return output, partial(loss_func, microbatch)
 
-    def _token_logprobs(self, microbatch: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        """[b, T_mb] fp32 logprobs of the micro-batch's rows from the (padded) logits; 0 past each length."""
+    def _outputs(self, microbatch: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        """What the loss reads, from the last stage's (padded) output: [b, T_mb] fp32 logprobs, 0 past each
+        length; a reward model's [b] scores, taken at each row's last token."""
         input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
         batch_size, seq_len = input_ids.shape
+        if self.layout.reward_model:
+            last = self._lengths(microbatch.data).to(self.device) - 1  # [b]
+            return logits[torch.arange(batch_size, device=self.device), last, 0].float()  # [b]
         logits = logits[:batch_size, :seq_len, : self.layout.vocab_size]  # [b, T_mb, V]
         logprobs = compute_token_logprobs(logits, input_ids, self.cfg.logprob_temperature)  # [b, T_mb]
         return logprobs * length_mask(self._lengths(microbatch.data).to(self.device), seq_len)
@@ -280,18 +284,26 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         with self._megatron():
             return super().get_reference_policy_logprobs(data)
 
+    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
+        with self._megatron():
+            return super().get_scores(data)
+
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
-        """Fill `out` [B, T] with logprobs micro-batch by micro-batch (forward only), on every stage."""
+        """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch (forward only), on every
+        stage."""
         self.model.eval()
         microbatches = self._pad_to_common_count(self.make_microbatches(data, self.cfg.logprob_batch_size))
 
-        def keep_logprobs(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
+        def keep_outputs(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
             if not microbatch.is_padding:
-                logprobs = self._token_logprobs(microbatch, logits).cpu()  # [b, T_mb]
-                out[microbatch.indices, : logprobs.shape[1]] = logprobs
+                outputs = self._outputs(microbatch, logits).cpu()  # [b, T_mb] or [b]
+                if outputs.dim() == 2:
+                    out[microbatch.indices, : outputs.shape[1]] = outputs
+                else:
+                    out[microbatch.indices] = outputs
             return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
-        self._run_schedule(microbatches, keep_logprobs, True, self.cfg.logprob_batch_size, out.shape[1])
+        self._run_schedule(microbatches, keep_outputs, True, self.cfg.logprob_batch_size, data["input_ids"].shape[1])
         return self._from_last_stage(out)
 
     # -- training ----------------------------------------------------------------------------------------
@@ -309,8 +321,8 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         losses, parts = [], []
 
         def microbatch_loss(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
-            logprobs = self._token_logprobs(microbatch, logits)  # [b, T_mb]
-            loss, metrics = loss_fn(logprobs, microbatch.data.to(self.device), valid_seqs, valid_toks)
+            outputs = self._outputs(microbatch, logits)  # [b, T_mb] logprobs or [b] scores
+            loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
             if not microbatch.is_padding:
                 losses.append(float(loss.detach()))
                 parts.append({k: float(v) for k, v in metrics.items()})
@@ -345,7 +357,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             if self.tp_size > 1:
                 shards = [torch.empty_like(param) for _ in range(self.tp_size)]
                 dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
-            stage[name] = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards])
+            stage[name] = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards], self.layout)
         hf = megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout)
         if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # the stages of rank 0's pipeline
             gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
@@ -369,13 +381,14 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         with self._megatron():
             weights = self._full_hf_weights()
         if self.rank == 0:
+            auto_class = AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(self.hf_config, dtype=torch.float32)
+                model = auto_class.from_config(self.hf_config, dtype=torch.float32)
             model.load_state_dict(weights, strict=True, assign=True)
             model.tie_weights()
             Path(out_dir).mkdir(parents=True, exist_ok=True)
