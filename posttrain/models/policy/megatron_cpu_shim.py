@@ -15,6 +15,7 @@ megatron-core version it was written and tested for.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,8 @@ def install() -> None:
     if _installed:
         return
     check_megatron_version()
+    # a CUDA tuning hint, printed once per tensor-parallel layer: meaningless on a CPU
+    warnings.filterwarnings("ignore", message="When using async grad allreduce it is recommended")
     _patch_cuda_module()
     use_cpu_rng_tracker()
     _installed = True
