@@ -4,6 +4,9 @@ losses on the same HF model, exports that model back, and a checkpoint saved at 
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -82,6 +85,8 @@ def runs(ray_session, model_dir, tmp_path_factory):
                       checkpoint_dir=checkpoint_dir if name == "tp2" else None, **overrides)
         if name == "pp2":  # resume the TP 2 checkpoint at PP 2 and redo SFT steps 2 and 3
             run.policy.load_checkpoint(checkpoint_dir)
+            run.checkpoint_dir = checkpoint_dir
+            run.checkpoint_weights = ray_session.get(run.policy.get_weights_ref(only_changed=False))
             data = make_train_data()
             run.resumed = [run.policy.train(data, NLLLoss()) for _ in range(NUM_STEPS - 1)]
             run.export_dir = tmp_path_factory.mktemp("megatron_export")
@@ -121,6 +126,18 @@ def test_export_and_refit_weights_load_into_hugging_face(runs):
     state = exported.state_dict()
     assert set(run.weights) == set(state)
     for name, tensor in run.weights.items():
+        torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_posttrain_export_converts_a_megatron_checkpoint(runs, tmp_path):
+    """`posttrain export` of the TP 2 checkpoint (one process, resharded to TP 1) gives the weights that the
+    PP 2 policy had right after loading it."""
+    run = runs["pp2"]
+    subprocess.run([sys.executable, "-m", "posttrain.cli", "export", str(run.checkpoint_dir), str(tmp_path / "hf")],
+                   check=True, capture_output=True, timeout=300)
+    state = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
+    assert set(state) == set(run.checkpoint_weights)
+    for name, tensor in run.checkpoint_weights.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
 
 
