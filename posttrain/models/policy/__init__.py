@@ -1,4 +1,5 @@
-"""The trainable policy: typed config, the FSDP2/DTensor training worker and the driver-side handle."""
+"""The trainable policy: typed config, the FSDP2/DTensor training worker (or the Megatron Core one,
+`megatron_worker.py`) and the driver-side handle."""
 
 from posttrain.models.policy.config import (
     DynamicBatchingConfig,
