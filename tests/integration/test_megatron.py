@@ -92,6 +92,11 @@ def runs(ray_session, model_dir, tmp_path_factory):
             run.export_dir = tmp_path_factory.mktemp("megatron_export")
             run.policy.export_hf(run.export_dir)
             run.weights = ray_session.get(run.policy.get_weights_ref(only_changed=False))
+        if name == "dp2":  # the distributed optimizer's own checkpoint: one more step, twice
+            run.policy.save_checkpoint(checkpoint_dir.parent / "dp2")
+            run.after_save = run.policy.train(make_train_data(), NLLLoss())
+            run.policy.load_checkpoint(checkpoint_dir.parent / "dp2")
+            run.after_load = run.policy.train(make_train_data(), NLLLoss())
         run.shutdown()
         built[name] = run
     return built
@@ -127,6 +132,12 @@ def test_export_and_refit_weights_load_into_hugging_face(runs):
     assert set(run.weights) == set(state)
     for name, tensor in run.weights.items():
         torch.testing.assert_close(state[name], tensor, atol=0, rtol=0, msg=name)
+
+
+def test_distributed_optimizer_checkpoint_reloads_to_the_same_next_step(runs):
+    run = runs["dp2"]
+    for key in ("loss", "grad_norm"):
+        assert run.after_load[key] == pytest.approx(run.after_save[key], abs=1e-6), key
 
 
 def test_posttrain_export_converts_a_megatron_checkpoint(runs, tmp_path):
