@@ -19,7 +19,13 @@ def policy_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
 def main(args: Any) -> int:
     from transformers import AutoConfig
 
-    out_dir = export_checkpoint_to_hf(policy_checkpoint_dir(args.checkpoint_dir), args.out_dir)
+    policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
+    if (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
+        from posttrain.models.policy.megatron_export import export_megatron_checkpoint
+
+        out_dir = export_megatron_checkpoint(policy_dir, args.out_dir)
+    else:
+        out_dir = export_checkpoint_to_hf(policy_dir, args.out_dir)
     reward_model = is_sequence_classifier(AutoConfig.from_pretrained(out_dir))
     auto_class = "AutoModelForSequenceClassification" if reward_model else "AutoModelForCausalLM"
     print(f"exported {args.checkpoint_dir} -> {out_dir} (load it with {auto_class}.from_pretrained)")

@@ -23,8 +23,19 @@ def check_loop_lengths(loop_cfg: Any) -> None:
 
 
 def check_parallelism(policy_cfg: Any, cluster_cfg: Any) -> None:
-    """policy.tensor_parallel_size must divide the cluster's workers."""
+    """policy.tensor_parallel_size (dtensor) or policy.megatron tp x pp (megatron) must divide the cluster's
+    workers."""
     num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
+    if policy_cfg.backend == "megatron":
+        mcfg = policy_cfg.megatron
+        model_parallel = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
+        if num_workers % model_parallel:
+            raise ConfigError(
+                "policy.megatron",
+                f"tensor_model_parallel_size x pipeline_model_parallel_size = {model_parallel} does not divide "
+                f"the {num_workers} workers (cluster.num_nodes x cluster.workers_per_node)",
+            )
+        return
     if num_workers % policy_cfg.tensor_parallel_size:
         raise ConfigError(
             "policy.tensor_parallel_size",

@@ -16,6 +16,7 @@ from posttrain.data import message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.models.policy.config import model_parallel_size
 from posttrain.models.policy.worker import LossFn
 from posttrain.utils.metrics import single_step_metrics
 
@@ -27,7 +28,7 @@ def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) ->
         if getattr(policy_cfg, key).enabled:
             raise ConfigError(f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off")
     num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
-    num_ranks = max(1, num_workers // policy_cfg.tensor_parallel_size)
+    num_ranks = max(1, num_workers // model_parallel_size(policy_cfg))
     if policy_cfg.train_global_batch_size % (2 * num_ranks):
         raise ConfigError(
             "policy.train_global_batch_size",

@@ -1,7 +1,9 @@
-"""The trainable policy: typed config, the FSDP2/DTensor training worker and the driver-side handle."""
+"""The trainable policy: typed config, the FSDP2/DTensor training worker (or the Megatron Core one,
+`megatron_worker.py`) and the driver-side handle."""
 
 from posttrain.models.policy.config import (
     DynamicBatchingConfig,
+    MegatronConfig,
     OptimizerConfig,
     PolicyConfig,
     SchedulerConfig,
@@ -12,6 +14,7 @@ __all__ = [
     "DTensorPolicyWorker",
     "Policy",
     "DynamicBatchingConfig",
+    "MegatronConfig",
     "OptimizerConfig",
     "PolicyConfig",
     "SchedulerConfig",

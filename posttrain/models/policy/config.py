@@ -104,6 +104,28 @@ class PolicyModelConfig:
 
 
 @dataclass
+class MegatronConfig:
+    """Parallelism of the Megatron Core backend (`policy.backend: megatron`); dp = workers / (tp x pp)."""
+
+    tensor_model_parallel_size: int = field(
+        default=1, metadata={"help": "Ranks splitting each layer's matrices (attention heads, FFN, vocabulary)."}
+    )
+    pipeline_model_parallel_size: int = field(
+        default=1, metadata={"help": "Pipeline stages (consecutive blocks of layers), run with the 1F1B schedule."}
+    )
+    sequence_parallel: bool = field(
+        default=False, metadata={"help": "Split norms and dropout along the sequence over TP ranks (needs tp > 1)."}
+    )
+    distributed_optimizer: bool = field(
+        default=False, metadata={"help": "Shard optimizer state (and fp32 master weights) over data-parallel ranks."}
+    )
+
+
+MEGATRON_OPTIMIZERS = {"AdamW": {"lr", "weight_decay", "betas", "eps"}, "Adam": {"lr", "weight_decay", "betas", "eps"},
+                       "SGD": {"lr", "weight_decay", "momentum"}}
+
+
+@dataclass
 class PolicyConfig:
     """The trainable model and how it is trained (one section: `policy`)."""
 
@@ -165,6 +187,14 @@ class PolicyConfig:
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "Tensor-parallel ranks per model replica (Qwen2/Llama layouts)."}
     )
+    backend: Literal["dtensor", "megatron"] = field(
+        default="dtensor",
+        metadata={"help": "Training backend: dtensor (FSDP2 + TP) or megatron (Megatron Core: TP, PP, "
+                          "distributed optimizer; needs posttrain[megatron])."},
+    )
+    megatron: MegatronConfig = field(
+        default_factory=MegatronConfig, metadata={"help": "Megatron Core parallelism (policy.backend=megatron)."}
+    )
     logprob_temperature: float = field(
         default=1.0, metadata={"help": "Logprobs come from logits / temperature, to match sampling."}
     )
@@ -195,6 +225,10 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
             raise ValueError(f"policy.{key}: must be >= 1, got {getattr(cfg, key)}")
     if cfg.logprob_temperature <= 0:
         raise ValueError(f"policy.logprob_temperature: must be > 0, got {cfg.logprob_temperature}")
+    if cfg.backend not in ("dtensor", "megatron"):
+        raise ValueError(f"policy.backend: expected 'dtensor' or 'megatron', got {cfg.backend!r}")
+    if cfg.backend == "megatron":
+        validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
     if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
@@ -202,3 +236,40 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
             f"policy.scheduler_milestones: {len(cfg.scheduler)} schedulers need "
             f"{len(cfg.scheduler) - 1} milestones, got {cfg.scheduler_milestones}"
         )
+
+
+def model_parallel_size(cfg: PolicyConfig) -> int:
+    """Workers holding one model replica: tp (dtensor) or tp x pp (megatron); dp = workers / this."""
+    if cfg.backend == "megatron":
+        return cfg.megatron.tensor_model_parallel_size * cfg.megatron.pipeline_model_parallel_size
+    return cfg.tensor_parallel_size
+
+
+def validate_megatron_policy(cfg: PolicyConfig) -> None:
+    """Raise ValueError naming the first setting the Megatron backend does not take."""
+    mcfg = cfg.megatron
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        if getattr(mcfg, key) < 1:
+            raise ValueError(f"policy.megatron.{key}: must be >= 1, got {getattr(mcfg, key)}")
+    if mcfg.sequence_parallel and mcfg.tensor_model_parallel_size < 2:
+        raise ValueError("policy.megatron.sequence_parallel: needs policy.megatron.tensor_model_parallel_size > 1")
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError("policy.tensor_parallel_size: the dtensor backend's setting; with policy.backend=megatron "
+                         "set policy.megatron.tensor_model_parallel_size")
+    unsupported = {
+        "dynamic_batching.enabled": cfg.dynamic_batching.enabled,
+        "sequence_packing.enabled": cfg.sequence_packing.enabled,
+        "activation_checkpointing": cfg.activation_checkpointing,
+        "cpu_offload": cfg.cpu_offload,
+    }
+    for key, is_set in unsupported.items():
+        if is_set:
+            raise ValueError(f"policy.{key}: not supported with policy.backend=megatron (use policy.backend=dtensor)")
+    allowed = MEGATRON_OPTIMIZERS.get(cfg.optimizer.name)
+    if allowed is None:
+        raise ValueError(f"policy.optimizer.name: policy.backend=megatron runs {sorted(MEGATRON_OPTIMIZERS)}, "
+                         f"got {cfg.optimizer.name!r}")
+    extra = set(cfg.optimizer.kwargs) - allowed
+    if extra:
+        raise ValueError(f"policy.optimizer.kwargs: {sorted(extra)} not supported by the Megatron "
+                         f"{cfg.optimizer.name} (takes {sorted(allowed)})")

@@ -1,4 +1,5 @@
-"""The driver-side `Policy`: a handle over a Ray worker group of `DTensorPolicyWorker`s (one per bundle).
+"""The driver-side `Policy`: a handle over a Ray worker group of `DTensorPolicyWorker`s (one per bundle), or
+of `MegatronPolicyWorker`s with `policy.backend: megatron`.
 
 It shards batches across data-parallel ranks, calls the workers and puts their results back together.
 """
@@ -15,7 +16,7 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import RayWorkerGroup
-from posttrain.models.policy.config import PolicyConfig
+from posttrain.models.policy.config import PolicyConfig, model_parallel_size
 from posttrain.models.policy.worker import DTensorPolicyWorker, LossFn
 from posttrain.utils.metrics import reduce_timing
 
@@ -36,8 +37,21 @@ def check_finite_losses(losses: list[float]) -> None:
             )
 
 
+def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) -> tuple[type, NamedSharding]:
+    """The worker class of `policy.backend` and its rank layout: (dp, tp) with tp consecutive for dtensor;
+    (pp, dp, tp) for megatron (Megatron's default order tp-cp-ep-dp-pp, tp fastest)."""
+    ranks = np.arange(world_size)
+    if cfg.backend == "megatron":
+        from posttrain.models.policy.megatron_worker import MegatronPolicyWorker
+
+        shape = (cfg.megatron.pipeline_model_parallel_size, dp_size, cfg.megatron.tensor_model_parallel_size)
+        return MegatronPolicyWorker, NamedSharding(ranks.reshape(shape), ["pp", "dp", "tp"])
+    return DTensorPolicyWorker, NamedSharding(ranks.reshape(dp_size, cfg.tensor_parallel_size), ["dp", "tp"])
+
+
 class Policy:
-    """The trainable model over `cluster`: dp x tp workers, FSDP2 over dp and tensor parallelism over tp."""
+    """The trainable model over `cluster`: dp x tp workers, FSDP2 over dp and tensor parallelism over tp;
+    or (backend megatron) pp x dp x tp workers, tp fastest-varying as in Megatron's rank order."""
 
     def __init__(
         self,
@@ -49,17 +63,15 @@ class Policy:
         self.cfg = cfg
         if cfg.model_name is None:
             raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
-        tp = cfg.tensor_parallel_size
-        if cluster.world_size % tp:
-            raise ValueError(
-                f"policy.tensor_parallel_size={tp} does not divide the cluster's {cluster.world_size} bundles"
-            )
-        self.dp_size = cluster.world_size // tp
-        # Ranks of one tensor-parallel group are consecutive, matching the workers' (dp, tp) device mesh.
-        self.sharding = NamedSharding(np.arange(cluster.world_size).reshape(self.dp_size, tp), ["dp", "tp"])
+        model_parallel = model_parallel_size(cfg)
+        if cluster.world_size % model_parallel:
+            key = "policy.megatron tp x pp" if cfg.backend == "megatron" else "policy.tensor_parallel_size"
+            raise ValueError(f"{key}={model_parallel} does not divide the cluster's {cluster.world_size} bundles")
+        self.dp_size = cluster.world_size // model_parallel
+        worker_cls, self.sharding = worker_class_and_sharding(cfg, cluster.world_size, self.dp_size)
         self.worker_group = RayWorkerGroup(
             cluster,
-            DTensorPolicyWorker,
+            worker_cls,
             init_kwargs={"cfg": cfg, "init_reference_model": init_reference_model},
             sharding=self.sharding,
             name_prefix=name_prefix,
@@ -68,13 +80,14 @@ class Policy:
     # -- data-parallel dispatch ------------------------------------------------------------------------
 
     def _run_dp(self, method: str, shards: list[BatchedDataDict], **kwargs: Any) -> list[Any]:
-        """Call `method` with one shard per dp rank (replicated over tp); one result per dp rank."""
+        """Call `method` with one shard per dp rank (replicated over tp and pp); one result per dp rank."""
+        model_parallel_axes = [axis for axis in self.sharding.names if axis != "dp"]
         return self.worker_group.run_sharded(
             method,
             shards,
             in_sharded_axes=["dp"],
-            replicate_on_axes=["tp"],
-            output_is_replicated=["tp"],
+            replicate_on_axes=model_parallel_axes,
+            output_is_replicated=model_parallel_axes,
             **kwargs,
         )
 

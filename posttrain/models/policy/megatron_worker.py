@@ -1,0 +1,467 @@
+"""The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a
+tp x pp x dp layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a
+Hugging Face Llama/Qwen2 model, Megatron's DDP and optimizer (optionally distributed), and the same
+interface as `DTensorPolicyWorker`: micro-batched train steps with the project's losses and global
+normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
+(`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
+
+On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.worker_group import assigned_device
+from posttrain.models.policy import megatron_convert
+from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
+from posttrain.models.policy.worker import (
+    DTensorPolicyWorker,
+    LossFn,
+    MicroBatch,
+    StepMetrics,
+    build_scheduler,
+    compute_token_logprobs,
+    ensure_process_group,
+    length_mask,
+    load_hf_model,
+)
+from posttrain.utils.metrics import metric_reductions, reduce_metrics
+from posttrain.utils.timer import Timer
+
+MEGATRON_DIR = "megatron"  # dist_checkpointing's directory inside a checkpoint
+SCHEDULER_FILE = "scheduler.json"
+CONTENTS_FILE = "megatron_contents.json"  # whether the optimizer state was saved
+NO_CLIPPING = 1e30  # Megatron computes the grad norm only when clipping: clip at a norm never reached
+
+
+def import_megatron() -> None:
+    """ImportError naming the extra to install when megatron-core is missing."""
+    try:
+        import megatron.core  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            "policy.backend=megatron needs megatron-core: pip install 'posttrain[megatron]'"
+        ) from error
+
+
+def megatron_optimizer_config(cfg: PolicyConfig, bf16: bool) -> Any:
+    """Megatron's OptimizerConfig for the torch.optim name and kwargs of `policy.optimizer` (AdamW, Adam,
+    SGD, with torch's defaults), clipping at policy.max_grad_norm."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    kwargs = optimizer_kwargs(cfg.optimizer.kwargs)
+    name = cfg.optimizer.name
+    betas = kwargs.get("betas", (0.9, 0.999))
+    default_weight_decay = 0.01 if name == "AdamW" else 0.0  # torch's defaults
+    return OptimizerConfig(
+        optimizer="sgd" if name == "SGD" else "adam",
+        lr=float(kwargs.get("lr", 1e-3)),
+        weight_decay=float(kwargs.get("weight_decay", default_weight_decay)),
+        adam_beta1=float(betas[0]),
+        adam_beta2=float(betas[1]),
+        adam_eps=float(kwargs.get("eps", 1e-8)),
+        sgd_momentum=float(kwargs.get("momentum", 0.0)),
+        decoupled_weight_decay=name == "AdamW",
+        clip_grad=NO_CLIPPING if cfg.max_grad_norm is None else float(cfg.max_grad_norm),
+        use_distributed_optimizer=cfg.megatron.distributed_optimizer,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+
+
+def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, T, T] bool, True where attention is masked out (the future)."""
+    return torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).triu(1).view(1, 1, seq_len, seq_len)
+
+
+def pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Right/bottom zero-pad a [b, T] tensor to [rows, cols]."""
+    return torch.nn.functional.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
+
+
+class MegatronPolicyWorker(DTensorPolicyWorker):
+    """One rank of the policy on Megatron Core. Micro-batching, global counts, metric reductions and the
+    reference-weight swap are the DTensor worker's; the model, schedule, optimizer and state I/O are
+    Megatron's."""
+
+    def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
+        import_megatron()
+        self.cfg = cfg
+        self.timer = Timer()
+        ensure_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = assigned_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with self._megatron():
+            self._init_parallel_state()
+            torch.manual_seed(cfg.seed)
+            self._build_model_and_optimizer()
+        self.tokenizer = self._load_tokenizer()
+        self.reference_weights: dict[str, torch.Tensor] | None = None
+        self.weights_version = 0
+        self.sent_weights_version: int | None = None
+        if init_reference_model:
+            self.init_reference_model()
+
+    def _megatron(self) -> contextlib.AbstractContextManager:
+        """The CPU shim on a worker without a GPU; nothing on a GPU."""
+        if self.device.type == "cuda":
+            return contextlib.nullcontext()
+        from posttrain.models.policy.megatron_cpu_shim import cpu_shim
+
+        return cpu_shim()
+
+    def _init_parallel_state(self) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        mcfg = self.cfg.megatron
+        model_parallel = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
+        if self.world_size % model_parallel:
+            raise ValueError(
+                f"policy.megatron: tensor_model_parallel_size x pipeline_model_parallel_size = {model_parallel} "
+                f"does not divide the {self.world_size} workers"
+            )
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(
+                tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
+                pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
+            )
+        if self.device.type == "cuda":
+            model_parallel_cuda_manual_seed(self.cfg.seed)
+        self.dp_group = parallel_state.get_data_parallel_group()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_size = mcfg.tensor_model_parallel_size
+        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.pp_size = mcfg.pipeline_model_parallel_size
+        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+        self.is_first_stage = parallel_state.is_pipeline_first_stage()
+        self.is_last_stage = parallel_state.is_pipeline_last_stage()
+
+    def _build_model_and_optimizer(self) -> None:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import get_megatron_optimizer
+
+        mcfg, bf16 = self.cfg.megatron, self.cfg.precision == "bfloat16"
+        hf_model = load_hf_model(self.cfg)
+        self.hf_config = hf_model.config
+        parallel = {"tensor_model_parallel_size": mcfg.tensor_model_parallel_size,
+                    "pipeline_model_parallel_size": mcfg.pipeline_model_parallel_size,
+                    "sequence_parallel": mcfg.sequence_parallel}
+        self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
+        self.transformer_config = megatron_convert.transformer_config(self.hf_config, parallel, bf16)
+        model = megatron_convert.build_gpt_model(
+            self.hf_config, self.transformer_config, self.is_first_stage, self.is_last_stage
+        )
+        self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+        names = [name for name, _ in model.named_parameters()]
+        local = megatron_convert.hf_to_megatron(
+            hf_model.state_dict(), names, self.layer_offset, self.layout, self.tp_rank, self.tp_size
+        )
+        del hf_model
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(local[name])
+        model.to(self.device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
+            use_distributed_optimizer=mcfg.distributed_optimizer, check_for_nan_in_grad=False,
+        )
+        self.model = DistributedDataParallel(self.transformer_config, ddp_config, model)
+        self.transformer_config.finalize_model_grads_func = self._finalize_grads
+        # An empty override dict: every parameter gets the configured weight decay, as in the DTensor
+        # backend (Megatron's default skips biases and norms).
+        self.optimizer = get_megatron_optimizer(
+            megatron_optimizer_config(self.cfg, bf16), [self.model], config_overrides={}
+        )
+        self.scheduler = build_scheduler(self._torch_optimizer(), self.cfg)
+
+    @staticmethod
+    def _finalize_grads(model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+        """Megatron's grad all-reduce (dp, tied embeddings, sequence-parallel norms) without its rescaling
+        by token counts: the losses are already normalised by the global batch's counts."""
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads(model, num_tokens=None, **kwargs)
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        """The torch optimizer inside Megatron's wrapper (the LR schedulers drive its param groups)."""
+        optimizer = self.optimizer
+        chained = getattr(optimizer, "chained_optimizers", None)
+        if chained is not None:
+            if len(chained) != 1:
+                raise RuntimeError(f"expected one Megatron optimizer, got {len(chained)}")
+            optimizer = chained[0]
+        return optimizer.optimizer
+
+    # -- micro-batches through Megatron's schedule -------------------------------------------------------
+
+    def _microbatch_shape(self, batch_size: int, seq_len: int) -> tuple[int, int] | None:
+        """Pipeline stages exchange fixed-shape activations: every micro-batch is padded to [rows, T]
+        (T a multiple of tp with sequence parallelism). None: each micro-batch keeps its own shape."""
+        if self.pp_size == 1:
+            return None
+        return batch_size, -(-seq_len // self.tp_size) * self.tp_size
+
+    def _forward_step(self, data_iterator: Iterator[MicroBatch], model: Any, loss_func: Callable,
+                      shape: tuple[int, int] | None) -> tuple[torch.Tensor, Callable]:
+        microbatch = next(data_iterator)
+        input_ids = microbatch.data["input_ids"]  # [b, T_mb]
+        if shape is not None:
+            input_ids = pad_to(input_ids, *shape)
+        elif self.cfg.megatron.sequence_parallel:
+            input_ids = pad_to(input_ids, input_ids.shape[0], -(-input_ids.shape[1] // self.tp_size) * self.tp_size)
+        batch_size, seq_len = input_ids.shape
+        position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch_size, seq_len)
+        output = model(
+            input_ids.to(self.device), position_ids.to(self.device), causal_mask(seq_len, self.device)
+        )  # last stage: logits [b, T, V_padded]; other stages: hidden states for the next
+        return output, partial(loss_func, microbatch)
+
+    def _outputs(self, microbatch: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        """What the loss reads, from the last stage's (padded) output: [b, T_mb] fp32 logprobs, 0 past each
+        length; a reward model's [b] scores, taken at each row's last token."""
+        input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
+        batch_size, seq_len = input_ids.shape
+        if self.layout.reward_model:
+            last = self._lengths(microbatch.data).to(self.device) - 1  # [b]
+            return logits[torch.arange(batch_size, device=self.device), last, 0].float()  # [b]
+        logits = logits[:batch_size, :seq_len, : self.layout.vocab_size]  # [b, T_mb, V]
+        logprobs = compute_token_logprobs(logits, input_ids, self.cfg.logprob_temperature)  # [b, T_mb]
+        return logprobs * length_mask(self._lengths(microbatch.data).to(self.device), seq_len)
+
+    def _run_schedule(self, microbatches: list[MicroBatch], loss_func: Callable, forward_only: bool,
+                      batch_size: int, seq_len: int) -> None:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        shape = self._microbatch_shape(batch_size, seq_len)
+        forward_backward = get_forward_backward_func()
+        with torch.set_grad_enabled(not forward_only):
+            forward_backward(
+                forward_step_func=partial(self._forward_step, loss_func=loss_func, shape=shape),
+                data_iterator=iter(microbatches),
+                model=[self.model],
+                num_microbatches=len(microbatches),
+                seq_length=shape[1] if shape else seq_len,
+                micro_batch_size=shape[0] if shape else batch_size,
+                forward_only=forward_only,
+            )
+
+    def _from_last_stage(self, value: Any) -> Any:
+        """The last pipeline stage's `value` (a CPU tensor or a picklable object) on every stage."""
+        if self.pp_size == 1:
+            return value
+        if isinstance(value, torch.Tensor):
+            on_device = value.to(self.device)
+            dist.broadcast(on_device, src=self.pp_last_rank, group=self.pp_group)
+            return on_device.cpu()
+        holder = [value]
+        dist.broadcast_object_list(holder, src=self.pp_last_rank, group=self.pp_group)
+        return holder[0]
+
+    # -- logprobs ----------------------------------------------------------------------------------------
+
+    def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
+        with self._megatron():
+            return super().get_logprobs(data)
+
+    def get_reference_policy_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
+        with self._megatron():
+            return super().get_reference_policy_logprobs(data)
+
+    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
+        with self._megatron():
+            return super().get_scores(data)
+
+    def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch (forward only), on every
+        stage."""
+        self.model.eval()
+        microbatches = self._pad_to_common_count(self.make_microbatches(data, self.cfg.logprob_batch_size))
+
+        def keep_outputs(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
+            if not microbatch.is_padding:
+                outputs = self._outputs(microbatch, logits).cpu()  # [b, T_mb] or [b]
+                if outputs.dim() == 2:
+                    out[microbatch.indices, : outputs.shape[1]] = outputs
+                else:
+                    out[microbatch.indices] = outputs
+            return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
+
+        self._run_schedule(microbatches, keep_outputs, True, self.cfg.logprob_batch_size, data["input_ids"].shape[1])
+        return self._from_last_stage(out)
+
+    # -- training ----------------------------------------------------------------------------------------
+
+    def train(self, data: dict[str, Any], loss_fn: LossFn, eval_mode: bool = False,
+              global_batch_size: int | None = None, micro_batch_size: int | None = None) -> dict[str, Any]:
+        with self._megatron():
+            return super().train(data, loss_fn, eval_mode, global_batch_size, micro_batch_size)
+
+    def _run_global_batch(
+        self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
+    ) -> StepMetrics:
+        valid_seqs, valid_toks = self._global_counts(batch)
+        microbatches = self._pad_to_common_count(self.make_microbatches(batch, micro_batch_size))
+        losses, parts = [], []
+
+        def microbatch_loss(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
+            outputs = self._outputs(microbatch, logits)  # [b, T_mb] logprobs or [b] scores
+            loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
+            if not microbatch.is_padding:
+                losses.append(float(loss.detach()))
+                parts.append({k: float(v) for k, v in metrics.items()})
+            # summed as it is (calculate_per_token_loss): the loss already carries the global normalisation
+            return loss * (0.0 if microbatch.is_padding else 1.0), torch.tensor(1, dtype=torch.int), {}
+
+        if not eval_mode:
+            self.model.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        self._run_schedule(microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1])
+        step = StepMetrics(loss=sum(losses), num_microbatches=len(losses),
+                           loss_metrics=reduce_metrics(parts, metric_reductions(loss_fn)))
+        step = self._from_last_stage(step)
+        if not eval_mode:
+            step.grad_norm, step.lr = self._optimizer_step()
+        return step
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        lr = float(self._torch_optimizer().param_groups[0]["lr"])
+        _, grad_norm, _ = self.optimizer.step()  # clips at policy.max_grad_norm; norm over all ranks
+        self.weights_version += 1
+        self.scheduler.step()
+        return float(grad_norm or 0.0), lr
+
+    # -- full weights: refit, export -----------------------------------------------------------------------
+
+    def _full_hf_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective)."""
+        stage: dict[str, torch.Tensor] = {}
+        for name, param in self.model.module.named_parameters():
+            shards = [param.detach()]
+            if self.tp_size > 1:
+                shards = [torch.empty_like(param) for _ in range(self.tp_size)]
+                dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
+            stage[name] = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards], self.layout)
+        hf = megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout)
+        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # the stages of rank 0's pipeline
+            gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
+            dist.gather_object(hf, gathered, dst=0, group=self.pp_group)
+            if self.rank == 0:
+                hf = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
+        return hf if self.rank == 0 else {}
+
+    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
+        """Full HF-named CPU weights on rank 0, {} elsewhere (see DTensorPolicyWorker.get_weights)."""
+        unchanged = only_changed and self.sent_weights_version == self.weights_version
+        self.sent_weights_version = self.weights_version
+        if unchanged:
+            return {}
+        with self._megatron():
+            weights = self._full_hf_weights()
+        if dtype is not None:
+            target = getattr(torch, dtype)
+            weights = {name: t.to(target) if t.is_floating_point() else t for name, t in weights.items()}
+        return weights
+
+    def export_hf(self, out_dir: str) -> None:
+        """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+        with self._megatron():
+            weights = self._full_hf_weights()
+        if self.rank == 0:
+            auto_class = AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
+            with torch.device("meta"):
+                model = auto_class.from_config(self.hf_config, dtype=torch.float32)
+            model.load_state_dict(weights, strict=True, assign=True)
+            model.tie_weights()
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            model.save_pretrained(out_dir, safe_serialization=True)
+            self.tokenizer.save_pretrained(out_dir)
+        dist.barrier()
+
+    # -- native checkpoints ----------------------------------------------------------------------------------
+
+    def _sharded_state(self, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
+        model_state = self.model.module.sharded_state_dict()
+        state = {"model": model_state}
+        if with_optimizer:
+            # dp_reshardable: a distributed-optimizer checkpoint loads at another tp/pp/dp layout
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": "dp_reshardable"}
+            )
+        return state
+
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """`megatron/` (dist_checkpointing: model, optimizer unless not `save_optimizer`), scheduler.json,
+        hf_config/, tokenizer/ and every rank's RNG states under `path` (collective)."""
+        from megatron.core import dist_checkpointing
+
+        from posttrain.utils import native_checkpoint
+
+        path = Path(path)
+        (path / MEGATRON_DIR).mkdir(parents=True, exist_ok=True)
+        with self._megatron():
+            dist_checkpointing.save(self._sharded_state(save_optimizer, False), str(path / MEGATRON_DIR))
+        if self.rank == 0:
+            (path / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
+            (path / CONTENTS_FILE).write_text(json.dumps({"optimizer": save_optimizer}))
+            self.hf_config.save_pretrained(path / native_checkpoint.HF_CONFIG_DIR)
+            self.tokenizer.save_pretrained(path / native_checkpoint.TOKENIZER_DIR)
+        native_checkpoint.save_rng_state(path, self.rank)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what save_checkpoint wrote, at any tp/pp/dp layout (collective)."""
+        from megatron.core import dist_checkpointing
+
+        from posttrain.utils import native_checkpoint
+
+        path = Path(path)
+        if not (path / MEGATRON_DIR).is_dir():
+            raise FileNotFoundError(f"{path} holds no Megatron checkpoint ({MEGATRON_DIR}/ is missing)")
+        with self._megatron():
+            with_optimizer = json.loads((path / CONTENTS_FILE).read_text())["optimizer"]
+            state = dist_checkpointing.load(self._sharded_state(with_optimizer, True), str(path / MEGATRON_DIR))
+            self.model.module.load_state_dict(state["model"])
+            if with_optimizer:
+                with torch.no_grad():
+                    self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        native_checkpoint.load_rng_state_if_saved(path, self.rank)
+        self.weights_version += 1
+
+    # -- memory, description --------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """No-op: Megatron's contiguous parameter/gradient buffers stay where they are."""
+
+    def onload(self) -> None:
+        """No-op (see offload)."""
+
+    def memory_footprint(self) -> dict[str, int]:
+        param_bytes = sum(p.nbytes for p in self.model.parameters())
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
+
+    def describe(self) -> dict[str, Any]:
+        info = super().describe()
+        info.update(backend_name="megatron", tp=self.tp_size, pp=self.pp_size, dp=self.dp_size,
+                    pid=os.getpid())
+        return info
