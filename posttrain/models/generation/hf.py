@@ -318,10 +318,11 @@ class HFGenerationWorker:
         if self.device.type != "cpu":
             raise ValueError("update_weights: shared-memory weights are for generation on the CPU")
         views = map_shared_weights(handle, ray.get_runtime_context().get_node_id())
-        parameters = dict(self.model.named_parameters())
-        if set(views) != set(parameters):
-            raise KeyError(f"update_weights: shared weights and the generation model differ in "
-                           f"{sorted(set(views) ^ set(parameters))[:5]}")
+        parameters = dict(self.model.named_parameters())  # a tied weight once; its alias may be in views
+        missing, unknown = set(parameters) - set(views), set(views) - set(self.model.state_dict())
+        if missing or unknown:
+            raise KeyError(f"update_weights: shared weights lack {sorted(missing)[:5]} and have unknown "
+                           f"{sorted(unknown)[:5]}")
         for name, parameter in parameters.items():
             if views[name].shape != parameter.shape or views[name].dtype != parameter.dtype:
                 raise ValueError(f"update_weights: {name} is {tuple(views[name].shape)} {views[name].dtype} in "

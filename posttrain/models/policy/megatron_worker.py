@@ -366,6 +366,11 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
                 hf = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
         return hf if self.rank == 0 else {}
 
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory refit)."""
+        with self._megatron():
+            return self._full_hf_weights()
+
     def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
         """Full HF-named CPU weights on rank 0, {} elsewhere (see DTensorPolicyWorker.get_weights)."""
         unchanged = only_changed and self.sent_weights_version == self.weights_version

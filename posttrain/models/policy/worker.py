@@ -637,6 +637,15 @@ class DTensorPolicyWorker:
             full_weights = {name: t.to(target) if t.is_floating_point() else t for name, t in full_weights.items()}
         return full_weights
 
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter in HF names (tied weights once), complete on rank 0, {} elsewhere (collective);
+        with one rank they are the parameters themselves, not copies."""
+        weights = {}
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) and p.device_mesh.size() > 1 else p  # collective
+            weights[name] = (full.to_local() if isinstance(full, DTensor) else full).detach()
+        return weights if self.rank == 0 else {}
+
     @torch.no_grad()
     def share_weights(self, dtype: str | None = None) -> SharedWeights | None:
         """Full weights written into a shared-memory file that generation workers on this machine map once
@@ -644,16 +653,15 @@ class DTensorPolicyWorker:
         Nothing is copied when no optimizer step or checkpoint load changed the weights since the last call."""
         import ray
 
-        target = getattr(torch, dtype) if dtype is not None else None
-        parameters = list(self.model.named_parameters())  # tied weights once
-        if self.rank == 0 and self.shared_weights is None:
-            layout = {name: (tuple(p.shape), target or p.dtype) for name, p in parameters}
-            self.shared_weights = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
         if self.shared_weights_version != self.weights_version:
-            for name, p in parameters:
-                full = p.full_tensor() if isinstance(p, DTensor) and p.device_mesh.size() > 1 else p  # collective
-                if self.rank == 0:
-                    self.shared_weights.views[name].copy_(full.to_local() if isinstance(full, DTensor) else full)
+            weights = self._full_weights()
+            if self.rank == 0:
+                if self.shared_weights is None:
+                    target = getattr(torch, dtype) if dtype is not None else None
+                    layout = {name: (tuple(t.shape), target or t.dtype) for name, t in weights.items()}
+                    self.shared_weights = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
+                for name, tensor in weights.items():
+                    self.shared_weights.views[name].copy_(tensor)
             self.shared_weights_version = self.weights_version
         return self.shared_weights.handle if self.rank == 0 else None
 
