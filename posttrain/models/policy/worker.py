@@ -281,6 +281,9 @@ def build_scheduler(
 class DTensorPolicyWorker:
     """One rank of the policy: an FSDP2-sharded (optionally TP) model, its optimizer and scheduler."""
 
+    shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file (share_weights)
+    shared_weights_version: int | None = None  # the weights_version last written into it
+
     def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
         self.cfg = cfg
         self.timer = Timer()  # this rank's stage times, collected by get_timing_metrics
@@ -305,8 +308,6 @@ class DTensorPolicyWorker:
         self.reference_weights: dict[str, torch.Tensor] | None = None
         self.weights_version = 0  # optimizer steps and checkpoint loads so far (see get_weights)
         self.sent_weights_version: int | None = None
-        self.shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file
-        self.shared_weights_version: int | None = None  # weights_version last written into it
         if init_reference_model:
             self.init_reference_model()
 
