@@ -188,6 +188,7 @@ class GRPORun:
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
     weights_stale: bool = False  # the policy has trained since the generation workers' last refit
+    refit_bytes: int = 0  # tensor bytes sent to the generation workers since the last logged step
     offload_policy: bool | None = None  # colocated_offload "auto", once decided (see offload_needed)
     rollout_source: Any = None  # SyncRollouts or AsyncRollouts: where each step's batch comes from
 
@@ -360,6 +361,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
         with timer.time("refit"):
             run.generation.update_weights(weights)
         run.weights_stale = False
+        run.refit_bytes += run.policy.last_refit_bytes()  # with LoRA: the adapter only
     try:
         yield
     finally:
@@ -444,6 +446,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     run.rollout_source.after_update(run)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
+    metrics["refit_bytes"], run.refit_bytes = float(run.refit_bytes), 0
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
     metrics["advantage_abs_mean"] = float(advantages.abs().mean())
     return metrics

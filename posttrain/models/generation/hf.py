@@ -15,6 +15,7 @@ import torch
 
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
+from posttrain.models.lora import AdapterWeights, apply_adapter
 
 # ----------------------------------------------------------------------------------------------------
 # Pure functions: padding, filtering, sampling
@@ -288,9 +289,13 @@ class HFGenerationWorker:
             )
 
     def update_weights(self, weights: Any) -> float:
-        """Copy the given tensors (all or only the changed ones) into the model in place; return seconds."""
+        """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an
+        adapter onto the resident base model; return seconds."""
         start = time.perf_counter()
         state_dict = resolve_weights(weights)
+        if isinstance(state_dict, AdapterWeights):  # LoRA: the adapter goes on top of the resident base
+            self.model = apply_adapter(self.model, state_dict)
+            return time.perf_counter() - start
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
         unknown = sorted(set(state_dict) - set(targets))
         if unknown:

