@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,8 +80,11 @@ def wrap_with_lora(model: torch.nn.Module, cfg: LoraConfig, model_kind: str = "c
 
     if base_model is not None and Path(base_model).exists():
         base_model = str(Path(base_model).resolve())  # a checkpoint exported elsewhere still finds it
+        model.name_or_path = base_model  # (peft warns when the two differ)
     try:
-        return peft.get_peft_model(model, peft_config(cfg, model_kind, base_model))
+        with warnings.catch_warnings():  # peft reads a deprecated transformers property
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, peft_config(cfg, model_kind, base_model))
     except ValueError as error:
         linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                          if isinstance(module, torch.nn.Linear)})
