@@ -251,7 +251,12 @@ def export_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path, merge: b
     Hugging Face model with the adapter merged in. The base weights come from the base model the
     checkpoint names (or `base_model_dir`); config and tokenizer from the checkpoint."""
     import peft
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
 
     from posttrain.utils import native_checkpoint
 

@@ -3,7 +3,6 @@ payload's byte count, and the config errors of `policy.lora`."""
 
 from __future__ import annotations
 
-import peft
 import pytest
 import torch
 
@@ -49,7 +48,7 @@ def trained_peft_model(model_dir, cfg: LoraConfig) -> torch.nn.Module:
     model = wrap_with_lora(load_model(model_dir), cfg)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.requires_grad:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
     return model
