@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from posttrain.algorithms.loss import NLLLoss
+from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss
 from posttrain.cli import main as posttrain_main
 from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -51,18 +51,22 @@ def direct_logprobs(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tens
     return torch.nn.functional.pad(logprobs, (1, 0)) * real  # [B, T]
 
 
-def start_policy(model_dir, num_workers: int, init_reference_model: bool = False):
+def start_policy(model_dir, num_workers: int, init_reference_model: bool = False, **overrides):
     cfg = validate_config(PolicyConfig, dict(
         model_name=str(model_dir), train_global_batch_size=NUM_ROWS, train_micro_batch_size=2,
         logprob_batch_size=4, max_grad_norm=1.0, seed=0, lora=LORA,
-        optimizer={"name": "AdamW", "kwargs": {"lr": 2e-2, "weight_decay": 0.0}},
+        optimizer={"name": "AdamW", "kwargs": {"lr": 2e-2, "weight_decay": 0.0}}, **overrides,
     ))
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=num_workers, num_cpus_per_worker=0.5))
     return cluster, Policy(cluster, cfg, init_reference_model)
 
 
 def train_losses(policy: Policy, data: BatchedDataDict, num_steps: int) -> list[float]:
-    return [policy.train(data, NLLLoss())["loss"][0] for _ in range(num_steps)]
+    return train_losses_of(policy, data, NLLLoss(), num_steps)
+
+
+def train_losses_of(policy: Policy, data: BatchedDataDict, loss_fn, num_steps: int) -> list[float]:
+    return [policy.train(data, loss_fn)["loss"][0] for _ in range(num_steps)]
 
 
 @pytest.fixture(scope="module")
@@ -181,3 +185,29 @@ def test_grpo_with_lora_refits_the_adapter_only_and_generation_matches_training(
     assert steps[1]["train/refit_bytes"] == 0
     assert steps[2]["train/refit_bytes"] == ADAPTER_BYTES
     assert 1.0 <= steps[2]["train/token_mult_prob_error"] <= 1.001
+
+
+def test_reward_model_with_lora_trains_its_score_head_and_exports_merged(ray_session, model_dir, tmp_path):
+    """The fresh `score` head trains in full (modules_to_save) beside the adapters; the merged export of
+    the adapter-only checkpoint scores like the policy."""
+    cluster, policy = start_policy(model_dir, 1, model_kind="reward_model")
+    try:
+        data = make_train_data()  # rows (2i, 2i + 1) are (chosen, rejected) pairs
+        losses = train_losses_of(policy, data, BradleyTerryLoss(), 3)
+        policy.save_checkpoint(str(tmp_path / "step_3" / "policy"))
+        scores = policy.get_scores(data)["scores"]
+        trainable = policy.memory_footprint()[0]["trainable_param_bytes"]
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    assert losses[-1] < losses[0]
+    assert trainable == ADAPTER_BYTES + 32 * 4  # the adapters and the 1 x 32 score head
+    assert posttrain_main(["export", str(tmp_path / "step_3"), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    lengths = data["input_lengths"]
+    real = (torch.arange(SEQ_LEN).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    pad_id = merged.config.pad_token_id
+    input_ids = torch.where(real.bool(), data["input_ids"], torch.full_like(data["input_ids"], pad_id))
+    with torch.no_grad():
+        merged_scores = merged(input_ids=input_ids, attention_mask=real).logits.squeeze(-1)
+    torch.testing.assert_close(merged_scores, scores, atol=1e-5, rtol=0)
