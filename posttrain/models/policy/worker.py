@@ -641,10 +641,11 @@ class DTensorPolicyWorker:
             return
         native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
 
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
-        """Full (gathered) CPU weights on rank 0, {} elsewhere; with `only_changed`, {} when no optimizer
-        step or checkpoint load changed them since the last call (weights change only through those, so no
-        copy is kept to compare with). `dtype` ("bfloat16", "float32") casts floating tensors for the
+    def get_weights(self, only_changed: bool = True, dtype: str | None = None
+                    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """Full (gathered) CPU weights on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
+        elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
+        last call (weights change only through those, so no copy is kept to compare with). `dtype` ("bfloat16", "float32") casts floating tensors for the
         receiver, halving what travels to a bf16 generation model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
