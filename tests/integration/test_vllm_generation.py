@@ -120,3 +120,23 @@ def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(vllm_gener
     assert seconds > 0.0
     outputs = vllm_generation.generate(prompts, greedy=True)
     assert unpadded_outputs(outputs) == expected_greedy(new_model, prompts, tokenizer)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_lora_refit_merges_the_adapter_into_the_base_weights(vllm_generation, prompts, model_dir, tokenizer):
+    """Only the adapter travels; the worker merges it into the *base* weights (not into what an earlier
+    full refit loaded) and reloads: greedy decoding equals peft's merged model."""
+    from posttrain.models.lora import LoraConfig, adapter_weights, wrap_with_lora
+
+    cfg = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = wrap_with_lora(load_model(model_dir), cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:  # a trained adapter: B is no longer 0
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    vllm_generation.update_weights(adapter_weights(model, trainable, cfg, "causal_lm"))
+    outputs = vllm_generation.generate(prompts, greedy=True)
+    assert unpadded_outputs(outputs) == expected_greedy(model.merge_and_unload().eval(), prompts, tokenizer)

@@ -158,6 +158,7 @@ class VllmGenerationWorker:
         start = time.perf_counter()
         state_dict = resolve_weights(weights)
         if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
+            self.full_weights = dict(self.base_weights)  # base + this adapter, whatever an earlier refit loaded
             state_dict = self.merge_adapter(state_dict)
         state_dict = dict(state_dict)
         if self.tied_embeddings:
