@@ -151,6 +151,10 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
+        if lora.enabled and max_rank is not None and lora.rank > max_rank:
+            raise ConfigError.at("generation.vllm_lora_max_rank",
+                                 f"{max_rank} is below policy.lora.rank={lora.rank}: vLLM could not load the adapter")
 
     def validate_async(self) -> None:
         """Async GRPO generates on workers of its own and, with stale data, needs the IS correction."""

@@ -82,3 +82,13 @@ def test_lora_config_errors_name_the_key():
         validate_config(PolicyConfig, {"model_name": "m", "lora": {"enabled": True, "rank": 0}})
     with pytest.raises(ConfigError, match=r"policy\.lora\.enabled=true with policy\.tensor_parallel_size=2"):
         validate_config(PolicyConfig, {"model_name": "m", "tensor_parallel_size": 2, "lora": {"enabled": True}})
+
+
+def test_vllm_lora_rank_must_be_a_vllm_bucket_at_least_the_adapter_rank():
+    from posttrain.algorithms.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"vllm_lora_max_rank: vLLM accepts one of"):
+        validate_config(GRPOConfig, {"generation": {"vllm_lora_max_rank": 3}})
+    with pytest.raises(ConfigError, match=r"generation\.vllm_lora_max_rank: 8 is below policy\.lora\.rank=16"):
+        validate_config(GRPOConfig, {"generation": {"vllm_lora_max_rank": 8},
+                                     "policy": {"model_name": "m", "lora": {"enabled": True, "rank": 16}}})

