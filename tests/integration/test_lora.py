@@ -94,6 +94,7 @@ def lora(ray_session, model_dir, tmp_path_factory):
     found["resumed_losses"] = train_losses(two, data, 2)
     found["payload"] = ray_session.get(one.get_weights_ref(only_changed=False))
     found["refit_bytes"] = one.last_refit_bytes()
+    found["footprint_after"] = one.memory_footprint()[0]
     found["trained_logprobs"] = one.get_logprobs(data)["logprobs"]
     found["reference_logprobs"] = one.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
     one.export_hf(str(out / "hf_model"))
@@ -111,6 +112,7 @@ def test_lora_trains_only_the_adapter_and_the_optimizer_holds_only_its_state(lor
     assert footprint["trainable_param_bytes"] == ADAPTER_BYTES
     assert footprint["param_bytes"] > 5 * ADAPTER_BYTES
     assert footprint["optimizer_state_bytes"] == 0  # before the first step
+    assert lora["footprint_after"]["optimizer_state_bytes"] == 2 * ADAPTER_BYTES + 4 * NUM_ADAPTER_TENSORS
     losses = lora["one_losses"]
     assert losses[-1] < losses[0] - 0.1
 
