@@ -85,6 +85,7 @@ lint: install
 bench: install install-vllm install-trl
 	$(VLLM_VENV)/bin/python benchmarks/train_generate.py
 	$(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python
+	$(PY) benchmarks/lora_memory.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) results .pytest_cache

@@ -1,10 +1,12 @@
-"""`posttrain export CHECKPOINT OUT`: a Hugging Face model directory from a posttrain checkpoint."""
+"""`posttrain export CHECKPOINT OUT [--merge]`: a Hugging Face model directory from a posttrain checkpoint;
+from a LoRA checkpoint, a PEFT adapter directory, or with `--merge` a model with the adapter merged in."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
 from posttrain.utils.native_checkpoint import export_checkpoint_to_hf, is_sequence_classifier
 
 
@@ -20,10 +22,23 @@ def main(args: Any) -> int:
     from transformers import AutoConfig
 
     policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
+    merge = bool(args.merge)
     if (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
         from posttrain.models.policy.megatron_export import export_megatron_checkpoint
 
+        if merge:
+            raise FileNotFoundError(f"--merge: {policy_dir} is a Megatron checkpoint, not a LoRA one; "
+                                    "export it without --merge")
         out_dir = export_megatron_checkpoint(policy_dir, args.out_dir)
+    elif is_lora_checkpoint(policy_dir):
+        out_dir = export_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
+        if not merge:
+            print(f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
+                  "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)")
+            return 0
+    elif merge:
+        raise FileNotFoundError(f"--merge: {policy_dir} is not a LoRA checkpoint (no lora/adapter_config.json); "
+                                "its weights are already full, export it without --merge")
     else:
         out_dir = export_checkpoint_to_hf(policy_dir, args.out_dir)
     reward_model = is_sequence_classifier(AutoConfig.from_pretrained(out_dir))

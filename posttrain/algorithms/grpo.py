@@ -152,6 +152,10 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
+        if lora.enabled and max_rank is not None and lora.rank > max_rank:
+            raise ConfigError.at("generation.vllm_lora_max_rank",
+                                 f"{max_rank} is below policy.lora.rank={lora.rank}: vLLM could not load the adapter")
 
     def validate_async(self) -> None:
         """Async GRPO generates on workers of its own and, with stale data, needs the IS correction."""
@@ -189,6 +193,7 @@ class GRPORun:
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
     weights_stale: bool = False  # the policy has trained since the generation workers' last refit
+    refit_bytes: int = 0  # tensor bytes sent to the generation workers since the last logged step
     offload_policy: bool | None = None  # colocated_offload "auto", once decided (see offload_needed)
     rollout_source: Any = None  # SyncRollouts or AsyncRollouts: where each step's batch comes from
 
@@ -344,10 +349,11 @@ def offload_needed(run: GRPORun) -> bool:
 
 def shares_memory_with_generation(run: GRPORun) -> bool:
     """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
-    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy."""
+    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy. With
+    LoRA the adapter alone travels instead (it is smaller still)."""
     cfg = run.cfg
-    return (cfg.generation.colocated and run.generation.backend_name == "hf" and cfg.cluster.num_nodes == 1
-            and cfg.cluster.num_gpus_per_worker == 0 and shared_memory_supported())
+    return (cfg.generation.colocated and not cfg.policy.lora.enabled and run.generation.backend_name == "hf"
+            and cfg.cluster.num_nodes == 1 and cfg.cluster.num_gpus_per_worker == 0 and shared_memory_supported())
 
 
 def refit_weights(run: GRPORun) -> Any:
@@ -377,6 +383,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
         with timer.time("refit"):
             run.generation.update_weights(weights)
         run.weights_stale = False
+        run.refit_bytes += run.policy.last_refit_bytes()  # with LoRA: the adapter only
     try:
         yield
     finally:
@@ -461,6 +468,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     run.rollout_source.after_update(run)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
+    metrics["refit_bytes"], run.refit_bytes = float(run.refit_bytes), 0
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
     metrics["advantage_abs_mean"] = float(advantages.abs().mean())
     return metrics

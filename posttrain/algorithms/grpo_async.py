@@ -75,6 +75,7 @@ class AsyncRollouts:
         the generation dtype, as the synchronous refit sends them."""
         weights = run.policy.get_weights_ref(only_changed=False, dtype=run.cfg.generation.precision)
         self.producer.publish(version, weights)
+        run.refit_bytes += run.policy.last_refit_bytes()  # published once, fetched by every generation worker
 
     def validation_phase(self, run: Any, timer: Timer):
         return self.producer.paused_at(run.step)

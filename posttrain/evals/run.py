@@ -30,6 +30,7 @@ from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
 from posttrain.models.generation import GenerationConfig, make_generation
 from posttrain.models.gguf import gguf_model_dir
+from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
 from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
@@ -154,6 +155,8 @@ def materialize_model(model_cfg: EvalModelConfig, scratch_dir: Path) -> Path | s
     if checkpoint is None:
         return gguf_model_dir(model_cfg.model_name, key="model.model_name")
     print(f"eval: exporting checkpoint {checkpoint} to a Hugging Face directory first")
+    if is_lora_checkpoint(checkpoint):  # the base model with the adapter merged in
+        return export_lora_checkpoint(checkpoint, scratch_dir / "model", merge=True)
     return export_checkpoint_to_hf(checkpoint, scratch_dir / "model")
 
 

@@ -147,17 +147,19 @@ def save_checkpoint(
     path: str | Path,
     tokenizer: Any | None = None,
     extra_state: dict | None = None,
+    trainable_only: bool = False,
 ) -> None:
     """Save model, optimizer (DCP, sharded as the model is) and scheduler state under `path`.
 
     Collective over the default process group (or a plain single process). Rank 0 also writes the
-    scheduler state, `extra_state` (JSON), the model's HF config and the tokenizer.
+    scheduler state, `extra_state` (JSON), the model's HF config and the tokenizer. `trainable_only`
+    (LoRA) saves only the parameters that train, not the frozen base weights.
     """
     path = Path(path)
     _on_rank0(
         lambda: path.mkdir(parents=True, exist_ok=True), f"could not create checkpoint directory {path}"
     )
-    _dcp_save(get_model_state_dict(model), path / MODEL_DIR)
+    _dcp_save(_model_state(model, trainable_only), path / MODEL_DIR)
     if optimizer is not None:
         _dcp_save(get_optimizer_state_dict(model, optimizer), path / OPTIM_DIR)
     _on_rank0(
@@ -180,19 +182,32 @@ def _write_rank0_files(
         tokenizer.save_pretrained(path / TOKENIZER_DIR)
 
 
+def _model_state(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]:
+    """The sharded model state dict, or only its trainable parameters (a tied alias of a frozen weight,
+    which DCP's own ignore_frozen_params keeps, is left out too)."""
+    state = get_model_state_dict(model)
+    if not trainable_only:
+        return state
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    return {name: value for name, value in state.items() if name in trainable}
+
+
 def load_checkpoint(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, path: str | Path
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, path: str | Path,
+    trainable_only: bool = False,
 ) -> dict | None:
     """Restore what save_checkpoint wrote into `model`/`optimizer`/`scheduler` (collective).
 
     The number of ranks may differ from the save (DCP reshards). Returns the saved `extra_state` or None.
+    `trainable_only` (LoRA): the checkpoint holds only the trainable parameters; the others keep their
+    values (the frozen base model).
     """
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    model_state = get_model_state_dict(model)
+    model_state = _model_state(model, trainable_only)
     _dcp_load(model_state, path / MODEL_DIR)
-    set_model_state_dict(model, model_state)
+    set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
     if optimizer is not None and not (path / OPTIM_DIR).is_dir():
         warnings.warn(f"{path} holds no optimizer state (saved with save_optimizer: false); "
                       "the optimizer starts fresh", stacklevel=2)
@@ -370,6 +385,14 @@ def export_checkpoint_to_hf(
     except OSError as exc:
         raise CheckpointWriteError(f"could not export the Hugging Face directory {out_dir}: {exc}") from exc
     return out_dir
+
+
+# Public names of the helpers the LoRA export (models/lora.py) reuses.
+on_rank0 = _on_rank0
+empty_model = _empty_model
+weights_dtype = _weights_dtype
+write_hf_dir = _write_hf_dir
+load_dcp_into = _dcp_load
 
 
 def _pick_dir(saved: Path, base_model_dir: str | Path | None, what: str) -> str:

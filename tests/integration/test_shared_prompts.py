@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_policy import policy_config
 
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -15,7 +16,6 @@ from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.models.generation import GenerationConfig
 from posttrain.models.generation.hf import HFGeneration
 from posttrain.models.policy.policy import Policy
-from test_policy import policy_config
 
 NUM_STEPS = 3
 

@@ -120,3 +120,52 @@ def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(vllm_gener
     assert seconds > 0.0
     outputs = vllm_generation.generate(prompts, greedy=True)
     assert unpadded_outputs(outputs) == expected_greedy(new_model, prompts, tokenizer)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_lora_refit_merges_the_adapter_into_the_base_weights(vllm_generation, prompts, model_dir, tokenizer):
+    """Only the adapter travels; the worker merges it into the *base* weights (not into what an earlier
+    full refit loaded) and reloads: greedy decoding equals peft's merged model."""
+    from posttrain.models.lora import LoraConfig, adapter_weights, wrap_with_lora
+
+    cfg = LoraConfig(enabled=True, rank=4, alpha=8.0)
+    model = wrap_with_lora(load_model(model_dir), cfg)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:  # a trained adapter: B is no longer 0
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+    trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+    vllm_generation.update_weights(adapter_weights(model, trainable, cfg, "causal_lm"))
+    outputs = vllm_generation.generate(prompts, greedy=True)
+    assert unpadded_outputs(outputs) == expected_greedy(model.merge_and_unload().eval(), prompts, tokenizer)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_serves_the_adapter_with_its_own_lora_support(ray_session, model_dir, prompts, tokenizer):
+    """generation.vllm_lora_max_rank: the adapter is loaded as a vLLM LoRA (no weight reload); greedy
+    decoding equals peft's merged model, and a second refit replaces the first adapter."""
+    from posttrain.models.lora import LoraConfig, adapter_weights, wrap_with_lora
+
+    cfg = GenerationConfig(backend="vllm", max_new_tokens=MAX_NEW_TOKENS, colocated=False, num_cpus_per_worker=1.0,
+                           vllm_gpu_memory_utilization=0.1, vllm_lora_max_rank=8)
+    generation = VllmGeneration(None, cfg, str(model_dir))
+    try:
+        lora_cfg = LoraConfig(enabled=True, rank=4, alpha=8.0)
+        for seed in (0, 1):
+            model = wrap_with_lora(load_model(model_dir), lora_cfg)
+            generator = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.requires_grad:
+                        param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+            trainable = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+            generation.update_weights(adapter_weights(model, trainable, lora_cfg, "causal_lm"))
+            outputs = generation.generate(prompts, greedy=True)
+            expected = expected_greedy(model.merge_and_unload().eval(), prompts, tokenizer)
+            assert unpadded_outputs(outputs) == expected
+            assert expected != expected_greedy(load_model(model_dir).eval(), prompts, tokenizer)  # it matters
+    finally:
+        generation.shutdown()

@@ -52,9 +52,18 @@ class GenerationConfig:
     vllm_max_model_len: int | None = field(
         default=None, metadata={"help": "vLLM only: context length of the engine (None: the model's)."}
     )
+    vllm_lora_max_rank: int | None = field(
+        default=None,
+        metadata={"help": "vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads "
+                          "the adapter only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into "
+                          "the weights and reload them."},
+    )
 
     def validate(self) -> None:
         validate_generation_config(self)
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank values
 
 
 def validate_generation_config(cfg: GenerationConfig) -> None:
@@ -75,6 +84,9 @@ def validate_generation_config(cfg: GenerationConfig) -> None:
         raise ValueError(f"generation.num_workers: must be >= 1, got {cfg.num_workers}")
     if cfg.num_cpus_per_worker < 0:
         raise ValueError(f"generation.num_cpus_per_worker: must be >= 0, got {cfg.num_cpus_per_worker}")
+    if cfg.vllm_lora_max_rank is not None and cfg.vllm_lora_max_rank not in VLLM_LORA_RANKS:
+        raise ValueError(f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
+                         f"got {cfg.vllm_lora_max_rank}")
     if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
         raise ValueError(
             f"generation.vllm_gpu_memory_utilization: must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}"

@@ -16,6 +16,7 @@ import torch
 from posttrain.distributed.shared_weights import SharedWeights, map_shared_weights
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
+from posttrain.models.lora import AdapterWeights, apply_adapter
 
 # ----------------------------------------------------------------------------------------------------
 # Pure functions: padding, filtering, sampling
@@ -290,12 +291,16 @@ class HFGenerationWorker:
             )
 
     def update_weights(self, weights: Any) -> float:
-        """Copy the given tensors (all or only the changed ones) into the model in place; return seconds."""
+        """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an
+        adapter onto the resident base model; return seconds."""
         start = time.perf_counter()
         if isinstance(weights, SharedWeights):
             self.map_shared_weights(weights)
             return time.perf_counter() - start
         state_dict = resolve_weights(weights)
+        if isinstance(state_dict, AdapterWeights):  # LoRA: the adapter goes on top of the resident base
+            self.model = apply_adapter(self.model, state_dict)
+            return time.perf_counter() - start
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
         unknown = sorted(set(state_dict) - set(targets))
         if unknown:

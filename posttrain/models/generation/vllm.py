@@ -6,12 +6,16 @@ Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits
 backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
 logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
 over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
-Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine.
+Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine. A LoRA
+refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its own
+LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
+the engine reloads them, with the cost logged.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +26,9 @@ import torch
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.hf import merge_stop_strings, resolve_weights
 from posttrain.models.generation.interface import RayGeneration, sample_seed
+from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
+
+logger = logging.getLogger(__name__)
 
 VLLM_INSTALL_HINT = (
     "the vllm generation backend needs vLLM: `pip install posttrain[vllm]` on a CUDA machine, or the "
@@ -117,6 +124,8 @@ class VllmGenerationWorker:
             engine_kwargs["max_model_len"] = cfg.vllm_max_model_len
         if self.on_gpu:
             engine_kwargs["enable_sleep_mode"] = True
+        if cfg.vllm_lora_max_rank is not None:  # adapters served by vLLM: one at a time, the latest refit
+            engine_kwargs.update(enable_lora=True, max_lora_rank=cfg.vllm_lora_max_rank, max_loras=1)
         self.llm = LLM(model=str(model_name), tokenizer=str(tokenizer_name or model_name), dtype=cfg.precision,
                        seed=cfg.seed, enforce_eager=not self.on_gpu, **engine_kwargs)
         self.tokenizer = self.llm.get_tokenizer()
@@ -124,9 +133,12 @@ class VllmGenerationWorker:
                           else self.tokenizer.eos_token_id)
         # The engine reloads whole checkpoints, so partial refits are merged into this CPU copy first.
         self.full_weights = load_safetensors_dir(model_name)
+        self.base_weights = dict(self.full_weights)  # LoRA refits merge into these, never into a merged copy
+        self.last_merged_bytes = 0
         self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False))
         self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
         self.asleep = False
+        self.lora_request: Any = None  # the adapter generate() uses (vllm_lora_max_rank set)
 
     def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
                  ) -> dict[str, torch.Tensor]:
@@ -140,7 +152,8 @@ class VllmGenerationWorker:
                    for i in range(num_samples)]
         params = [make_sampling_params(self.cfg, greedy, sample_seed(seed, sample_offset + i), stop_strings[i])
                   for i in range(num_samples)]
-        request_outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        request_outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False,
+                                            lora_request=self.lora_request)
         return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
@@ -148,7 +161,14 @@ class VllmGenerationWorker:
         from safetensors.torch import save_file
 
         start = time.perf_counter()
-        state_dict = dict(resolve_weights(weights))
+        state_dict = resolve_weights(weights)
+        if isinstance(state_dict, AdapterWeights) and self.cfg.vllm_lora_max_rank is not None:
+            self.load_lora(state_dict)
+            return time.perf_counter() - start
+        if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
+            self.full_weights = dict(self.base_weights)  # base + this adapter, whatever an earlier refit loaded
+            state_dict = self.merge_adapter(state_dict)
+        state_dict = dict(state_dict)
         if self.tied_embeddings:
             state_dict.pop("lm_head.weight", None)  # an alias of the input embedding, not in the checkpoint
         unknown = sorted(set(state_dict) - set(self.full_weights))
@@ -162,6 +182,33 @@ class VllmGenerationWorker:
         save_file(to_save, str(self.refit_dir / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.refit_dir)})
         return time.perf_counter() - start
+
+    def load_lora(self, adapter: AdapterWeights) -> None:
+        """Write the adapter as a PEFT directory and make it the one every request uses (vLLM's LoRA: the
+        base weights stay as they are; a new id per refit, so vLLM loads the new adapter)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        lora_id = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
+        adapter_dir = self.refit_dir / f"adapter_{lora_id}"
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        save_file({name: t.contiguous() for name, t in adapter.tensors.items()},
+                  str(adapter_dir / "adapter_model.safetensors"))
+        peft_config(adapter.cfg, adapter.model_kind).save_pretrained(str(adapter_dir))
+        if self.lora_request is not None:
+            self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
+        self.lora_request = LoRARequest(f"adapter_{lora_id}", lora_id, str(adapter_dir))
+
+    def merge_adapter(self, adapter: AdapterWeights) -> dict[str, torch.Tensor]:
+        """The base weights the adapter changes, merged (W + alpha / r * B @ A). vLLM reloads whole
+        checkpoints, so a LoRA refit still writes and reloads every weight: that cost is logged."""
+        merged = merge_adapter(self.base_weights, adapter)
+        full_bytes = sum(t.numel() * t.element_size() for t in self.full_weights.values())
+        log = logger.warning if self.last_merged_bytes == 0 else logger.info  # the first time, loudly
+        log("vLLM LoRA refit: an adapter of %d bytes merged into %d weights; %d bytes written and reloaded "
+            "(vLLM reloads whole checkpoints)", adapter.num_bytes, len(merged), full_bytes)
+        self.last_merged_bytes = full_bytes
+        return merged
 
     def prepare_for_generation(self) -> None:
         """Wake the engine up on GPU (weights and KV cache back on the device); no-op on CPU."""

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from posttrain.config import ConfigError
 from posttrain.models.build import ModelFromConfig
+from posttrain.models.lora import LoraConfig
 
 
 @dataclass
@@ -199,6 +200,10 @@ class PolicyConfig:
         default=1.0, metadata={"help": "Logprobs come from logits / temperature, to match sampling."}
     )
     seed: int = field(default=42, metadata={"help": "Seed of torch's RNG on every worker."})
+    lora: LoraConfig = field(
+        default_factory=LoraConfig,
+        metadata={"help": "LoRA adapters (peft): only they train, refit and checkpoint (lora.enabled)."},
+    )
     stop_on_nonfinite_loss: bool = field(
         default=True,
         metadata={"help": "A NaN/inf training loss stops the run with NonFiniteLossError (before any "
@@ -231,6 +236,14 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
+    if cfg.lora.enabled and cfg.tensor_parallel_size > 1:
+        raise ValueError(
+            f"policy.lora.enabled=true with policy.tensor_parallel_size={cfg.tensor_parallel_size}: LoRA "
+            "runs with FSDP2 data parallelism only; set policy.tensor_parallel_size=1"
+        )
+    if cfg.lora.enabled and cfg.backend != "dtensor":
+        raise ValueError(f"policy.lora.enabled=true needs policy.backend=dtensor (LoRA is not wired into the "
+                         f"Megatron worker), got {cfg.backend!r}")
     if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
         raise ValueError(
             f"policy.scheduler_milestones: {len(cfg.scheduler)} schedulers need "

@@ -382,6 +382,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         if dtype is not None:
             target = getattr(torch, dtype)
             weights = {name: t.to(target) if t.is_floating_point() else t for name, t in weights.items()}
+        self.last_weights_bytes = sum(t.nbytes for t in weights.values())
         return weights
 
     def export_hf(self, out_dir: str) -> None:

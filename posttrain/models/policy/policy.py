@@ -177,8 +177,9 @@ class Policy:
         self.worker_group.run_all("export_hf", out_dir=str(out_dir))
 
     def get_weights_ref(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
-        """ObjectRef of rank 0's dict name -> full CPU tensor: {} when `only_changed` and no optimizer step
-        or checkpoint load happened since the last call; floating tensors cast to `dtype` when given."""
+        """ObjectRef of rank 0's dict name -> full CPU tensor (with LoRA: `AdapterWeights`, the adapter tensors
+        only): {} when `only_changed` and no optimizer step or checkpoint load happened since the last call;
+        floating tensors cast to `dtype` when given."""
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
         return refs[0]
 
@@ -186,6 +187,10 @@ class Policy:
         """Rank 0's handle of its full weights in shared memory (`SharedWeights`), refreshed when an optimizer
         step or checkpoint load changed them: generation workers on its machine map it once."""
         return self.worker_group.run_all("share_weights", dtype=dtype)[0]
+
+    def last_refit_bytes(self) -> int:
+        """Bytes of the tensors the last get_weights_ref sent (the adapter only with LoRA; 0 when unchanged)."""
+        return int(self.worker_group.run_on([0], "get_last_weights_bytes")[0])
 
     def offload(self) -> None:
         """Move weights and optimizer state off the accelerator (for colocated generation)."""
@@ -201,7 +206,8 @@ class Policy:
         return reduce_timing(self.worker_group.run_all("get_timing_metrics"))
 
     def memory_footprint(self) -> list[dict[str, int]]:
-        """Per rank: bytes of its parameter shards and its accelerator's total memory (0 on CPU)."""
+        """Per rank: bytes of its parameter shards (param_bytes, trainable_param_bytes), of its optimizer state
+        (optimizer_state_bytes) and its accelerator's total memory (device_total_bytes, 0 on CPU)."""
         return self.worker_group.run_all("memory_footprint")
 
     def describe(self) -> list[dict[str, Any]]:

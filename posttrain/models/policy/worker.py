@@ -29,6 +29,7 @@ from posttrain.distributed.batched_data_dict import (
 )
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsWriter
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
+from posttrain.models import lora
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.models.policy.shared_prefix import shared_prefix_logprobs
@@ -283,6 +284,7 @@ class DTensorPolicyWorker:
 
     shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file (share_weights)
     shared_weights_version: int | None = None  # the weights_version last written into it
+    last_weights_bytes = 0  # what the last get_weights / share_weights sent or wrote (the refit_bytes metric)
 
     def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
         self.cfg = cfg
@@ -315,6 +317,8 @@ class DTensorPolicyWorker:
         model = load_hf_model(self.cfg)
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
+            model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
         if self.cfg.tensor_parallel_size > 1:
             model.to(self.device)
             apply_tensor_parallel(model, self.mesh["tp"])
@@ -462,8 +466,9 @@ class DTensorPolicyWorker:
             local.copy_(weights[name].to(local.device))
 
     def init_reference_model(self) -> None:
-        """Keep a frozen CPU copy of the current (initial) weights for reference logprobs."""
-        self.reference_weights = self._local_weights()
+        """Keep a frozen CPU copy of the current (initial) weights for reference logprobs; with LoRA the
+        reference is the base model with the adapter disabled, so nothing is copied."""
+        self.reference_weights = {} if self.cfg.lora.enabled else self._local_weights()
 
     def get_reference_policy_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
         """{"reference_policy_logprobs": [B, T]} from the frozen initial weights (swapped in, then back)."""
@@ -471,6 +476,9 @@ class DTensorPolicyWorker:
             raise RuntimeError(
                 f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
             )
+        if self.cfg.lora.enabled:
+            with lora.adapter_disabled(self.model):
+                return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
         current_weights = self._local_weights()
         self._load_local_weights(self.reference_weights)
         try:
@@ -601,14 +609,18 @@ class DTensorPolicyWorker:
         from posttrain.utils import native_checkpoint
 
         optimizer = self.optimizer if save_optimizer else None
-        native_checkpoint.save_checkpoint(self.model, optimizer, self.scheduler, path, tokenizer=self.tokenizer)
+        native_checkpoint.save_checkpoint(self.model, optimizer, self.scheduler, path, tokenizer=self.tokenizer,
+                                          trainable_only=self.cfg.lora.enabled)
+        if self.cfg.lora.enabled:  # adapter + optimizer only; the config names the base model
+            native_checkpoint.on_rank0(lambda: lora.save_adapter_config(self.model, path), f"LoRA config in {path}")
         native_checkpoint.save_rng_state(path, self.rank)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer and scheduler state saved by save_checkpoint (collective)."""
         from posttrain.utils import native_checkpoint
 
-        native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path)
+        native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path,
+                                          trainable_only=self.cfg.lora.enabled)
         native_checkpoint.load_rng_state_if_saved(path, self.rank)
         self.weights_version += 1
 
@@ -616,19 +628,28 @@ class DTensorPolicyWorker:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
         from posttrain.utils import native_checkpoint
 
+        if self.cfg.lora.enabled:  # merged weights, and the PEFT adapter in out_dir/adapter
+            lora.export_merged_hf(self.model, self.tokenizer, out_dir, self.model.config)
+            return
         native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
 
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
-        """Full (gathered) CPU weights on rank 0, {} elsewhere; with `only_changed`, {} when no optimizer
-        step or checkpoint load changed them since the last call (weights change only through those, so no
-        copy is kept to compare with). `dtype` ("bfloat16", "float32") casts floating tensors for the
+    def get_weights(self, only_changed: bool = True, dtype: str | None = None
+                    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """Full (gathered) CPU weights on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
+        elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
+        last call (weights change only through those, so no copy is kept to compare with). `dtype` ("bfloat16", "float32") casts floating tensors for the
         receiver, halving what travels to a bf16 generation model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         unchanged = only_changed and self.sent_weights_version == self.weights_version  # same on every rank
         self.sent_weights_version = self.weights_version
         if unchanged:
+            self.last_weights_bytes = 0
             return {}
+        if self.cfg.lora.enabled:  # the adapter only: the generation workers keep the base resident
+            adapter = lora.gather_adapter_weights(self.model, self.cfg.lora, self.cfg.model_kind, self.rank, dtype)
+            self.last_weights_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
+            return adapter
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full_weights = get_model_state_dict(self.model, options=options)  # collective
         if self.rank != 0:
@@ -636,6 +657,7 @@ class DTensorPolicyWorker:
         if dtype is not None:
             target = getattr(torch, dtype)
             full_weights = {name: t.to(target) if t.is_floating_point() else t for name, t in full_weights.items()}
+        self.last_weights_bytes = lora.payload_num_bytes(full_weights)
         return full_weights
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
@@ -654,6 +676,7 @@ class DTensorPolicyWorker:
         Nothing is copied when no optimizer step or checkpoint load changed the weights since the last call."""
         import ray
 
+        self.last_weights_bytes = 0
         if self.shared_weights_version != self.weights_version:
             weights = self._full_weights()
             if self.rank == 0:
@@ -663,8 +686,13 @@ class DTensorPolicyWorker:
                     self.shared_weights = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
                 for name, tensor in weights.items():
                     self.shared_weights.views[name].copy_(tensor)
+                self.last_weights_bytes = sum(view.nbytes for view in self.shared_weights.views.values())
             self.shared_weights_version = self.weights_version
         return self.shared_weights.handle if self.rank == 0 else None
+
+    def get_last_weights_bytes(self) -> int:
+        """Bytes of the tensors the last get_weights returned (0 when nothing changed; rank 0)."""
+        return self.last_weights_bytes
 
     def _move_training_state(self, device: torch.device) -> None:
         self.model.to(device)
@@ -691,12 +719,18 @@ class DTensorPolicyWorker:
         return timing
 
     def memory_footprint(self) -> dict[str, int]:
-        """Bytes of this rank's parameter shards, and the accelerator's total memory (0 on CPU)."""
-        param_bytes = sum(
-            (p.to_local() if isinstance(p, DTensor) else p).nbytes for p in self.model.parameters()
-        )
+        """Bytes of this rank's parameter shards (all, and those that train), of its optimizer state, and
+        the accelerator's total memory (0 on CPU)."""
+        def local_bytes(tensor: torch.Tensor) -> int:
+            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+        params = list(self.model.parameters())
+        optimizer_bytes = sum(local_bytes(value) for state in self.optimizer.state.values()
+                              for value in state.values() if isinstance(value, torch.Tensor))
         total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
+        return {"param_bytes": int(sum(local_bytes(p) for p in params)),
+                "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
+                "optimizer_state_bytes": int(optimizer_bytes), "device_total_bytes": int(total)}
 
     def describe(self) -> dict[str, Any]:
         """Where this rank runs: device, process-group backend, world size, CPU threads, and the
