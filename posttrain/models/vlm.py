@@ -225,3 +225,17 @@ def vision_tower_anchor(model: torch.nn.Module) -> torch.Tensor | float:
     if not (torch.is_grad_enabled() and is_vision_language_model(model)):
         return 0.0
     return 0.0 * sum(p.sum() for p in model.model.visual.parameters())
+
+
+def vision_prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   data: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """Generation's first step for a vision-language model: the KV cache of left-padded prompts [B, T] with
+    their images, the last position's logits [B, V], and each row's offset [B, 1] of the next text position
+    from its token count (M-RoPE gives an image fewer positions than tokens). Every sample is prefilled:
+    two prompts with the same tokens may show different images."""
+    pixel_values, image_grid_thw = concat_row_images(data, left_ids.device)
+    position_ids, offsets = mrope_position_ids(model, left_ids, attention_mask, image_grid_thw)
+    images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
+    out = model(input_ids=left_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
+                logits_to_keep=1, **images)
+    return out.past_key_values, out.logits[:, -1, :], offsets.to(left_ids.device)

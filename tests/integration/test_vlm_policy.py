@@ -1,7 +1,7 @@
 """A tiny Qwen2-VL through the training backend: image batches (rows with and without images, images of
 different sizes) give the same logprobs and updates on 1 and 2 workers and with micro-batches of 2 and of
 the whole batch; logprobs follow the contract (position t = log p(token t | < t)) of a plain forward; a
-checkpoint and an HF export reproduce them."""
+checkpoint and an HF export reproduce them; HF generation with images matches the trainer after a refit."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText
 
-from posttrain.algorithms.loss import NLLLoss
+from posttrain.algorithms.loss import NLLLoss, token_mult_prob_error
 from posttrain.config import validate_config
 from posttrain.data.message_log import message_log_to_flat, tokenize_message_log
+from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
+from posttrain.experience.rollouts import build_generation_input
 from posttrain.models.build import ModelFromConfig, build_model_dir
+from posttrain.models.generation import GenerationConfig, HFGeneration, make_generation
 from posttrain.models.policy.config import PolicyConfig
 from posttrain.models.policy.policy import Policy
 from posttrain.models.vlm import load_processor
@@ -125,3 +128,42 @@ def test_vlm_splits_give_same_logprobs_losses_and_weights(runs, image_batch, nam
     for key, tensor in baseline.weights.items():
         torch.testing.assert_close(run.weights[key], tensor, atol=1e-5, rtol=0, msg=key)
     assert any(".visual." in key for key in baseline.weights)  # the vision tower is trained and compared too
+
+
+def prompt_batch(vlm_dir):
+    """The user turns of the conversations (with the assistant generation prompt), images included."""
+    processor = load_processor(vlm_dir)
+    logs = [tokenize_message_log(conversation(row)[:1], processor.tokenizer, add_generation_prompt=True,
+                                 processor=processor) for row in range(NUM_ROWS)]
+    return build_generation_input(logs, [None] * NUM_ROWS, processor.tokenizer.pad_token_id)
+
+
+def test_vlm_generation_after_refit_matches_training_logprobs(ray_session, runs, vlm_dir):
+    """HF generation with images, refit with the trained policy's weights: the policy's logprobs of the sampled
+    tokens match the generation's (token_mult_prob_error <= 1.01), and they differ from the untrained model's.
+    Two workers decode halves of the batch (rows with and without images on each)."""
+    prompts = prompt_batch(vlm_dir)
+    cfg = GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=None, top_p=1.0, colocated=False, num_workers=2)
+    generation = HFGeneration(None, cfg, str(vlm_dir))
+    try:
+        untrained = generation.generate(prompts, seed=3)
+        policy = runs["one_worker_2"].policy
+        generation.update_weights(policy.get_weights_ref(only_changed=False))
+        out = generation.generate(prompts, seed=3)
+    finally:
+        generation.shutdown()
+    lengths = out["unpadded_sequence_lengths"]
+    positions = torch.arange(out["output_ids"].shape[1]).unsqueeze(0)
+    token_mask = ((positions >= prompts["input_lengths"].unsqueeze(1)) & (positions < lengths.unsqueeze(1))).float()
+    data = BatchedDataDict(input_ids=out["output_ids"], input_lengths=lengths, token_mask=token_mask,
+                           sample_mask=torch.ones(NUM_ROWS), pixel_values=prompts["pixel_values"],
+                           image_grid_thw=prompts["image_grid_thw"])
+    train_logprobs = policy.get_logprobs(data)["logprobs"]
+    error = float((token_mult_prob_error(train_logprobs, out["logprobs"]) * token_mask).sum() / token_mask.sum())
+    assert 1.0 <= error <= 1.01
+    assert float(((out["logprobs"] - untrained["logprobs"]).abs() * token_mask).max()) > 1e-3  # the refit took
+
+
+def test_vllm_backend_refuses_a_vision_language_model(ray_session, vlm_dir):
+    with pytest.raises(ValueError, match="vision-language model.*generation.backend=hf"):
+        make_generation(None, GenerationConfig(backend="vllm", colocated=False), str(vlm_dir))

@@ -15,6 +15,7 @@ import torch
 
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
+from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill
 
 # ----------------------------------------------------------------------------------------------------
 # Pure functions: padding, filtering, sampling
@@ -163,18 +164,26 @@ def decode_batch(
     greedy: bool,
     uniforms: torch.Tensor,
     stop_strings: list[list[str]],
+    images: dict[str, Any] | None = None,
 ) -> DecodeState:
     """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
     Finished samples leave the batch (and the cache) as it halves, so a step costs little more than the
-    samples still running; a finished sample still in the batch decodes on, and its tokens are dropped."""
+    samples still running; a finished sample still in the batch decodes on, and its tokens are dropped.
+    `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts."""
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
     state = DecodeState([[] for _ in range(num_samples)], [[] for _ in range(num_samples)],
                         [False] * num_samples, [False] * num_samples)
     attention_mask = attention_mask.to(device)
-    cache, logits = prefill(model, left_ids.to(device), attention_mask)
     next_positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]
+    if is_vision_language_model(model):
+        cache, logits, offsets = vision_prefill(model, left_ids.to(device), attention_mask, images or {})
+        next_positions = next_positions + offsets  # [B, 1]: M-RoPE text positions continue after the images
+    elif concat_row_images(images or {}, device)[0] is not None:
+        raise ValueError(f"{type(model).__name__} is a text-only model but the prompts have images")
+    else:
+        cache, logits = prefill(model, left_ids.to(device), attention_mask)
     rows = list(range(num_samples))  # the samples of the decoded batch, in its row order
     for step in range(cfg.max_new_tokens):
         tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device))
@@ -275,8 +284,9 @@ class HFGenerationWorker:
         left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
         uniforms = per_sample_uniforms(seed, list(range(sample_offset, sample_offset + num_samples)),
                                        self.cfg.max_new_tokens)
+        images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
         state = decode_batch(self.model, self.tokenizer, left_ids, attention_mask, self.cfg, greedy, uniforms,
-                             stop_strings)
+                             stop_strings, images)
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
 
     def check_context_fits(self, longest_prompt: int) -> None:
