@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from posttrain.data.vision import batch_vision_inputs, has_images, image_parts, process_message_images, strip_image_payloads
+from posttrain.data.vision import (
+    batch_vision_inputs,
+    has_images,
+    image_parts,
+    process_message_images,
+    strip_image_payloads,
+)
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 
 Message = dict[str, Any]

@@ -239,3 +239,11 @@ def vision_prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mas
     out = model(input_ids=left_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
                 logits_to_keep=1, **images)
     return out.past_key_values, out.logits[:, -1, :], offsets.to(left_ids.device)
+
+
+def processor_for(model_name: str | Path, tokenizer_name: str | Path | None = None) -> VisionProcessor | None:
+    """The processor the data pipeline needs for a vision-language model directory; None for a text-only
+    model (rows with images then fail, naming file and line)."""
+    if not is_vision_language_dir(model_name):
+        return None
+    return load_processor(tokenizer_name or model_name)

@@ -30,7 +30,12 @@ from posttrain.distributed.batched_data_dict import (
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
-from posttrain.models.vlm import is_vision_language_dir, load_processor, vision_forward_inputs, vision_tower_anchor
+from posttrain.models.vlm import (
+    is_vision_language_dir,
+    load_processor,
+    vision_forward_inputs,
+    vision_tower_anchor,
+)
 from posttrain.utils.metrics import metric_reductions, reduce_metrics, reduction_of
 from posttrain.utils.timer import Timer
 
