@@ -21,6 +21,7 @@ from posttrain.models.generation import GenerationConfig, HFGeneration, make_gen
 from posttrain.models.policy.config import PolicyConfig
 from posttrain.models.policy.policy import Policy
 from posttrain.models.vlm import load_processor
+from posttrain.utils.native_checkpoint import export_checkpoint_to_hf
 
 NUM_ROWS, NUM_STEPS = 8, 2
 # Rows 0-3 go to rank 0 and 4-7 to rank 1 on two workers: with micro-batches of 2, rank 1's second
@@ -167,3 +168,18 @@ def test_vlm_generation_after_refit_matches_training_logprobs(ray_session, runs,
 def test_vllm_backend_refuses_a_vision_language_model(ray_session, vlm_dir):
     with pytest.raises(ValueError, match="vision-language model.*generation.backend=hf"):
         make_generation(None, GenerationConfig(backend="vllm", colocated=False), str(vlm_dir))
+
+
+def test_vlm_checkpoint_and_hf_exports_reproduce_the_trained_logprobs(ray_session, runs, vlm_dir, image_batch, tmp_path):
+    """The trained policy's logprobs = those of its HF export (written by the workers) and of the offline
+    export of its checkpoint (`posttrain export`), both loaded by AutoModelForImageTextToText; the exports
+    carry the image processor."""
+    policy, mask = runs["one_worker_all"].policy, image_batch["token_mask"]
+    trained = policy.get_logprobs(image_batch)["logprobs"] * mask
+    policy.export_hf(str(tmp_path / "hf"))
+    policy.save_checkpoint(str(tmp_path / "checkpoint"))
+    export_checkpoint_to_hf(tmp_path / "checkpoint", tmp_path / "from_checkpoint")
+    for exported in (tmp_path / "hf", tmp_path / "from_checkpoint"):
+        assert (exported / "preprocessor_config.json").is_file()
+        torch.testing.assert_close(direct_logprobs(exported, image_batch) * mask, trained, atol=1e-5, rtol=0)
+    assert float((direct_logprobs(vlm_dir, image_batch) * mask - trained).abs().max()) > 1e-2  # it did train
