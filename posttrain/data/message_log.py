@@ -45,10 +45,23 @@ def tokenize_message_log(messages: list[Message], tokenizer: Any, add_generation
             vision = process_message_images(message, processor, base_dir)
             delta = processor.expand_image_tokens(delta, vision["image_grid_thw"])
         ids = tokenizer(delta, add_special_tokens=False)["input_ids"]
+        if processor is not None:
+            check_image_tokens(ids, processor, vision)
         result.append({**message, "content": strip_image_payloads(message["content"]),
                        "token_ids": torch.tensor(ids, dtype=torch.long), **vision})
         previous = text
     return result
+
+
+def check_image_tokens(ids: list[int], processor: Any, vision: dict[str, torch.Tensor]) -> None:
+    """A message's image pad tokens must be exactly its images' merged patches (a pad typed in the text
+    would leave the model a placeholder without pixels)."""
+    expected = sum(processor.num_image_tokens(vision["image_grid_thw"])) if vision else 0
+    found = sum(1 for i in ids if i == processor.image_token_id)
+    if found != expected:
+        raise ValueError(f"a message has {found} image placeholder tokens ({processor.image_token}) where its "
+                         f"{len(vision.get('image_grid_thw', []))} image(s) need {expected}; remove placeholders "
+                         "from the text, images are given as {'type': 'image'} parts")
 
 
 def message_log_length(message_log: list[Message]) -> int:

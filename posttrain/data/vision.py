@@ -103,3 +103,10 @@ def batch_vision_inputs(message_logs: list[list[dict]]) -> dict[str, list[torch.
         return {}
     rows = [row_vision_inputs(log) for log in message_logs]
     return {"pixel_values": [p for p, _ in rows], "image_grid_thw": [g for _, g in rows]}
+
+
+def content_text(content: Any) -> str:
+    """A message's content as text: a string as is; a content list's text parts, each image as `<image>`."""
+    if not isinstance(content, list):
+        return content
+    return "".join("<image>" if part.get("type") == "image" else part.get("text", "") for part in content)

@@ -247,3 +247,12 @@ def processor_for(model_name: str | Path, tokenizer_name: str | Path | None = No
     if not is_vision_language_dir(model_name):
         return None
     return load_processor(tokenizer_name or model_name)
+
+
+def vision_token_ids(model: torch.nn.Module) -> list[int]:
+    """The placeholder tokens of images and videos and their delimiters, which generation must never draw
+    (each stands for patches that a generated text has not got); [] for a text-only model."""
+    if not is_vision_language_model(model):
+        return []
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [int(getattr(model.config, name)) for name in names if getattr(model.config, name, None) is not None]

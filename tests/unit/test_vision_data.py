@@ -60,7 +60,7 @@ def test_missing_unreadable_and_text_only_images_name_file_and_line(tmp_path):
     path = write_rows(tmp_path, [image_message_row("ok.png"), image_message_row("missing.png")])
     with pytest.raises(DataError, match=rf"{path}:2: image file missing.png does not exist"):
         load(tmp_path, [image_message_row("ok.png"), image_message_row("missing.png")])
-    with pytest.raises(DataError, match=rf"train.jsonl:1: image broken.png is not a readable image"):
+    with pytest.raises(DataError, match=r"train.jsonl:1: image broken.png is not a readable image"):
         load(tmp_path, [image_message_row("broken.png")])
     with pytest.raises(DataError, match=r"train.jsonl:1: the row has images but the model is text-only"):
         load(tmp_path, [image_message_row("ok.png")], processor=None, tokenizer=build_char_tokenizer())

@@ -15,7 +15,7 @@ import torch
 
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
-from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill
+from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill, vision_token_ids
 
 # ----------------------------------------------------------------------------------------------------
 # Pure functions: padding, filtering, sampling
@@ -79,14 +79,19 @@ def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) ->
 
 
 def choose_tokens(
-    logits: torch.Tensor, cfg: GenerationConfig, greedy: bool, uniforms: torch.Tensor
+    logits: torch.Tensor, cfg: GenerationConfig, greedy: bool, uniforms: torch.Tensor,
+    banned_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B].
 
-    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter.
+    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter and
+    before `banned_ids` (tokens never drawn: a vision-language model's image placeholders) are removed.
     """
     tempered = logits.float() / cfg.temperature  # [B, V]
     logprobs_all = tempered.log_softmax(dim=-1)  # [B, V]
+    if banned_ids:
+        banned = torch.tensor(banned_ids, device=logits.device)
+        logits, tempered = logits.index_fill(-1, banned, float("-inf")), tempered.index_fill(-1, banned, float("-inf"))
     if greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -185,8 +190,9 @@ def decode_batch(
     else:
         cache, logits = prefill(model, left_ids.to(device), attention_mask)
     rows = list(range(num_samples))  # the samples of the decoded batch, in its row order
+    banned_ids = vision_token_ids(model)  # a generated image placeholder would need an image behind it
     for step in range(cfg.max_new_tokens):
-        tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device))
+        tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device), banned_ids)
         update_decode_state(state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer)
         running = [j for j, i in enumerate(rows) if not state.finished[i]]
         if not running or step == cfg.max_new_tokens - 1:
