@@ -82,3 +82,21 @@ def test_red_squares_task_is_seeded_and_its_answer_counts_red_cells():
         pixels = list(row["images"][0].getdata())
         assert pixels.count((220, 30, 30)) == 16 * int(row["answer"])  # each red cell is 4x4 pixels
     assert list(train[0]["images"][0].getdata()) == list(again[0]["images"][0].getdata())
+
+
+def test_parquet_image_bytes_column_as_datasets_stores_it(tmp_path):
+    """An `images` column of {"bytes": PNG, "path": None} structs (how Hugging Face datasets write images to
+    Parquet) gives the same patches as the picture itself."""
+    import io
+
+    import pandas
+
+    image = Image.new("RGB", (16, 16), (10, 200, 30))
+    png = io.BytesIO()
+    image.save(png, format="PNG")
+    path = tmp_path / "train.parquet"
+    pandas.DataFrame([{"prompt": "Colour?", "images": {"bytes": png.getvalue(), "path": None}, "response": "green"}]
+                     ).to_parquet(path)
+    train, _, _ = load_datasets(DataConfig(dataset=str(path), val_fraction=0.0, max_length=64), TOKENIZER, PROCESSOR)
+    expected = PROCESSOR.process_images([image])["pixel_values"]
+    torch.testing.assert_close(train[0]["message_log"][0]["pixel_values"], expected)
