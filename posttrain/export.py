@@ -41,7 +41,9 @@ def main(args: Any) -> int:
                                 "its weights are already full, export it without --merge")
     else:
         out_dir = export_checkpoint_to_hf(policy_dir, args.out_dir)
-    reward_model = is_sequence_classifier(AutoConfig.from_pretrained(out_dir))
-    auto_class = "AutoModelForSequenceClassification" if reward_model else "AutoModelForCausalLM"
+    config = AutoConfig.from_pretrained(out_dir)
+    auto_class = "AutoModelForSequenceClassification" if is_sequence_classifier(config) else "AutoModelForCausalLM"
+    if getattr(config, "vision_config", None) is not None:
+        auto_class = "AutoModelForImageTextToText"
     print(f"exported {args.checkpoint_dir} -> {out_dir} (load it with {auto_class}.from_pretrained)")
     return 0

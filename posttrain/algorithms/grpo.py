@@ -59,6 +59,7 @@ from posttrain.experience.trajectory_buffer import TrajectoryBatch
 from posttrain.models.build import load_tokenizer
 from posttrain.models.generation import GenerationConfig, GenerationInterface, make_generation
 from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig, step_timing
 from posttrain.utils.metrics import mean_over_steps
@@ -214,7 +215,8 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
     log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
+    processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
+    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
     missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
     if missing:
         raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")

@@ -21,6 +21,7 @@ from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualClust
 from posttrain.evals.supervised_samples import log_supervised_samples
 from posttrain.models.build import load_tokenizer
 from posttrain.models.policy import Policy
+from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.logger import Logger, step_timing
 from posttrain.utils.progress import StepProgress
@@ -102,7 +103,8 @@ def setup_run(cfg: ConfigT, recipe: Recipe[ConfigT]) -> SupervisedRun[ConfigT]:
     loop = recipe.loop(cfg)
     log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
-    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer)
+    processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
+    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
     records_per_step = recipe.records_per_step(cfg)
     batch_size = cfg.policy.train_global_batch_size
     check_batch_fits(len(train_records), records_per_step, "policy.train_global_batch_size", batch_size, cfg.data.dataset)

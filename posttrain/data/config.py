@@ -28,6 +28,7 @@ class DataConfig:
     answer_key: str = field(default="answer", metadata={"help": "column of the ground-truth answer (rl)"})
     chosen_key: str = field(default="chosen", metadata={"help": "column of the chosen response (preference)"})
     rejected_key: str = field(default="rejected", metadata={"help": "column of the rejected response (preference)"})
+    image_key: str = field(default="images", metadata={"help": "column of image paths/bytes (one or a list) shown before the prompt (rl, prompt_response)"})
     task_key: str = field(default="task_name", metadata={"help": "column naming the task/environment (rl)"})
     task_name: str = field(default="math", metadata={"help": "task of rows without a task column (rl)"})
     system_prompt: str | None = field(default=None, metadata={"help": "system message; '@path' reads it from a file"})

@@ -41,11 +41,19 @@ def _require(row: dict, key: str, fmt: str) -> Any:
 
 
 def _prompt_messages(row: dict, cfg: DataConfig, fmt: str) -> list[dict]:
+    """[system], user: the prompt (templated), after the row's images (column `image_key`) when it has any."""
     prompt = str(_require(row, cfg.prompt_key, fmt))
     template = _text_or_file(cfg.prompt_template)
     system = _text_or_file(cfg.system_prompt)
     messages = [{"role": "system", "content": system}] if system else []
-    return messages + [{"role": "user", "content": template.format(prompt=prompt) if template else prompt}]
+    text = template.format(prompt=prompt) if template else prompt
+    images = row.get(cfg.image_key)
+    if images is not None and not isinstance(images, list):
+        images = [images]
+    if images:
+        return messages + [{"role": "user", "content": [{"type": "image", "image": image} for image in images]
+                            + [{"type": "text", "text": text}]}]
+    return messages + [{"role": "user", "content": text}]
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,9 +70,13 @@ def _clip_contents(messages: list[dict], cfg: DataConfig, tokenizer: Any) -> lis
             else m for m in messages]
 
 
-def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> DatumSpec:
-    """One row -> one record in the row's format (errors are KeyError/ValueError; the caller adds where)."""
+def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int, processor: Any = None,
+                  base_dir: str | None = None) -> DatumSpec:
+    """One row -> one record in the row's format (errors are KeyError/ValueError; the caller adds where).
+    `processor` (a vision-language model's) turns the rows' images into patches; `base_dir` is where
+    relative image paths are looked up first."""
     fmt = detect_format(row, cfg)
+    tokenize = functools.partial(tokenize_message_log, processor=processor, base_dir=base_dir)
     record: DatumSpec = {"idx": idx, "task_name": row.get(cfg.task_key) or cfg.task_name, "extra_env_info": {}}
     if fmt == "messages":
         messages = _require(row, cfg.messages_key, fmt)
@@ -72,13 +84,13 @@ def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> Datum
             raise ValueError(f"{cfg.messages_key!r} must be a list of {{role, content}} messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{cfg.messages_key!r} has no assistant turn: nothing to train on")
-        record["message_log"] = tokenize_message_log(_clip_contents(messages, cfg, tokenizer), tokenizer)
+        record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "prompt_response":
         messages = _prompt_messages(row, cfg, fmt) + [{"role": "assistant", "content": str(_require(row, cfg.response_key, fmt))}]
-        record["message_log"] = tokenize_message_log(_clip_contents(messages, cfg, tokenizer), tokenizer)
+        record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "rl":
         prompt = _clip_contents(_prompt_messages(row, cfg, fmt), cfg, tokenizer)
-        record["message_log"] = tokenize_message_log(prompt, tokenizer, add_generation_prompt=True)
+        record["message_log"] = tokenize(prompt, tokenizer, add_generation_prompt=True)
         answer = row.get(cfg.answer_key)
         if answer is None and record["task_name"] != "sliding_puzzle":
             _require(row, cfg.answer_key, fmt)
@@ -87,7 +99,7 @@ def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int) -> Datum
         prompt = _prompt_messages(row, cfg, fmt)
         for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key)):
             response = [{"role": "assistant", "content": str(_require(row, key, fmt))}]
-            record[f"{side}_message_log"] = tokenize_message_log(_clip_contents(prompt + response, cfg, tokenizer), tokenizer)
+            record[f"{side}_message_log"] = tokenize(_clip_contents(prompt + response, cfg, tokenizer), tokenizer)
         record["message_log"] = record["chosen_message_log"]
     else:
         raise ValueError(f"unknown data.format {fmt!r}")
@@ -108,7 +120,7 @@ def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> Datu
         log = record[key]
         excess = message_log_length(log) - cfg.max_length
         if excess > 0:
-            if excess >= len(log[-1]["token_ids"]):
+            if excess >= len(log[-1]["token_ids"]) or "pixel_values" in log[-1]:  # never cut an image's tokens
                 counter.dropped += 1  # nothing sensible is left after cutting the last message
                 return None
             log[-1] = {**log[-1], "token_ids": log[-1]["token_ids"][:-excess]}
@@ -117,13 +129,15 @@ def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> Datu
     return record
 
 
-def rows_to_records(rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: SkipCounter) -> list[DatumSpec]:
+def rows_to_records(rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: SkipCounter,
+                    processor: Any = None) -> list[DatumSpec]:
     records = []
     for row in rows:
         try:
             if "_invalid" in row.values:
                 raise ValueError(f"expected an object, got {row.values['_invalid']!r}")
-            record = row_to_record(row.values, cfg, tokenizer, idx=len(records))
+            record = row_to_record(row.values, cfg, tokenizer, idx=len(records), processor=processor,
+                                   base_dir=row.base_dir)
         except Exception as error:  # a template that cannot render a role raises from jinja
             if not cfg.skip_invalid:
                 raise DataError(f"{row.where}: {error}") from None
@@ -153,8 +167,10 @@ def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[R
     return train_rows, None
 
 
-def load_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[list[DatumSpec], list[DatumSpec], dict[str, float]]:
-    """(training records, validation records, counts of skipped/truncated/dropped samples)."""
+def load_datasets(cfg: DataConfig, tokenizer: Any, processor: Any = None
+                  ) -> tuple[list[DatumSpec], list[DatumSpec], dict[str, float]]:
+    """(training records, validation records, counts of skipped/truncated/dropped samples). `processor`: a
+    vision-language model's (posttrain.models.vlm.load_processor), needed by rows with images."""
     counter = SkipCounter()
     train_rows, val_rows = _read_rows(cfg, counter)
     if val_rows is None:  # carve a validation split off with the seed
@@ -167,8 +183,8 @@ def load_datasets(cfg: DataConfig, tokenizer: Any) -> tuple[list[DatumSpec], lis
         train_rows = train_rows[: cfg.num_train]
     if cfg.num_val is not None and cfg.dataset not in BUILTIN_TASKS:
         val_rows = val_rows[: cfg.num_val]
-    train = rows_to_records(train_rows, cfg, tokenizer, counter)
-    val = rows_to_records(val_rows, cfg, tokenizer, counter)
+    train = rows_to_records(train_rows, cfg, tokenizer, counter, processor)
+    val = rows_to_records(val_rows, cfg, tokenizer, counter, processor)
     if not train:
         raise DataError(f"data.dataset={cfg.dataset}: no usable training rows")
     stats = {"num_train": float(len(train)), "num_val": float(len(val)), "skipped_invalid": float(counter.invalid),

@@ -24,6 +24,7 @@ class DataError(ValueError):
 class Row:
     values: dict[str, Any]
     where: str  # "data/train.jsonl:12" or "data/train.csv row 3" or "hf:gsm8k[train] row 5"
+    base_dir: str | None = None  # the data file's directory: relative image paths are looked up there first
 
 
 @dataclass
@@ -147,10 +148,14 @@ def read_file(path: str, skip_invalid: bool, counter: SkipCounter, key: str = "d
     if not file.is_file():
         raise FileNotFoundError(f"{key}: data file {file} does not exist")
     if file.suffix == ".jsonl":
-        return read_jsonl(file, skip_invalid, counter)
-    if file.suffix == ".csv":
-        return read_csv(file, skip_invalid, counter)
-    return read_table(file)
+        rows = read_jsonl(file, skip_invalid, counter)
+    elif file.suffix == ".csv":
+        rows = read_csv(file, skip_invalid, counter)
+    else:
+        rows = read_table(file)
+    for row in rows:
+        row.base_dir = str(file.parent)
+    return rows
 
 
 def read_hf_dataset(name: str, split: str) -> list[Row]:

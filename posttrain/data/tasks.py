@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 from posttrain.data.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
+from posttrain.data.visual_tasks import red_squares_rows
 
-BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle", "math_words")
+BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle", "math_words", "red_squares")
 
 
 def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> tuple[list, list]:
@@ -88,6 +89,8 @@ def builtin_rows(name: str, num_train: int | None, num_val: int | None, seed: in
     if name == "sliding_puzzle":
         make = lambda i: puzzle_row(puzzle_size, scramble_moves, seed * 1_000_003 + i)  # noqa: E731
         return [make(i) for i in range(num_train)], [make(-1 - i) for i in range(num_val)]
+    if name == "red_squares":  # images: needs a vision-language model
+        return red_squares_rows(num_train, num_val, seed)
     if name == "math_words":
         train, val = word_problems(num_digits, num_train, num_val, seed)
         return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]

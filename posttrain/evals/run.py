@@ -31,6 +31,7 @@ from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokeni
 from posttrain.models.generation import GenerationConfig, make_generation
 from posttrain.models.gguf import gguf_model_dir
 from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
+from posttrain.models.vlm import processor_for
 from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
@@ -170,9 +171,10 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
 # ------------------------------------------------------------------------------------------------ scoring
 
 
-def load_eval_records(cfg: EvalConfig, tokenizer: Any) -> list[dict]:
-    """The validation records of `cfg.data` (the first `eval.max_samples`), checked against `cfg.env`."""
-    _, val_records, _ = load_datasets(cfg.data, tokenizer)
+def load_eval_records(cfg: EvalConfig, tokenizer: Any, processor: Any = None) -> list[dict]:
+    """The validation records of `cfg.data` (the first `eval.max_samples`), checked against `cfg.env`;
+    `processor`: a vision-language model's, for rows with images."""
+    _, val_records, _ = load_datasets(cfg.data, tokenizer, processor)
     records = val_records[: cfg.eval.max_samples] if cfg.eval.max_samples else val_records
     if not records:
         raise ConfigError("data", "the dataset has no validation records to evaluate (see data.val_* keys)")
@@ -349,7 +351,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult:
         model_dir = materialize_model(cfg.model, scratch_dir)
         tokenizer_name = cfg.model.tokenizer_name or model_dir
         tokenizer = load_tokenizer(tokenizer_name)
-        records = load_eval_records(cfg, tokenizer)
+        records = load_eval_records(cfg, tokenizer, processor_for(model_dir, cfg.model.tokenizer_name))
         cluster = RayVirtualCluster(cfg.cluster)
         stack.callback(cluster.shutdown)
         generation = make_generation(

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from posttrain.data.vision import VISION_KEYS
 from posttrain.models.generation import GenerationConfig
 
 
@@ -40,15 +41,18 @@ def pick_rows(batches: list[Any], num_rows: int, stride: int) -> list[dict[str, 
             if "sample_mask" in batch and not batch["sample_mask"][i]:
                 continue
             row = {key: batch[key][i] for key in ("input_ids", "token_mask", "input_lengths")}
+            row.update({key: batch[key][i] for key in VISION_KEYS if key in batch})  # a VLM's images
             if stride == 2:
                 row.update({f"rejected_{key}": batch[key][i + 1] for key in ("input_ids", "token_mask", "input_lengths")})
             rows.append(row)
     return rows
 
 
-def greedy_answers(policy: Any, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuations of `prompts` by the policy's current weights, decoded on the driver with the
-    Hugging Face generation code (one copy of the model, loaded for this call)."""
+def greedy_answers(policy: Any, prompts: list[list[int]], max_new_tokens: int,
+                   images: dict[str, list] | None = None) -> list[list[int]]:
+    """Greedy continuations of `prompts` (with their per-row `images` for a vision-language model) by the
+    policy's current weights, decoded on the driver with the Hugging Face generation code (one copy of the
+    model, loaded for this call)."""
     from posttrain.models.generation.hf import HFGenerationWorker
 
     cfg = GenerationConfig(backend="hf", max_new_tokens=max_new_tokens)
@@ -58,7 +62,7 @@ def greedy_answers(policy: Any, prompts: list[list[int]], max_new_tokens: int) -
     input_ids = torch.full((len(prompts), int(lengths.max())), worker.pad_id, dtype=torch.long)  # [B, T]
     for i, prompt in enumerate(prompts):
         input_ids[i, : len(prompt)] = torch.tensor(prompt)
-    out = worker.generate({"input_ids": input_ids, "input_lengths": lengths}, greedy=True)
+    out = worker.generate({"input_ids": input_ids, "input_lengths": lengths, **(images or {})}, greedy=True)
     return [
         out["output_ids"][i, lengths[i]: out["unpadded_sequence_lengths"][i]].tolist() for i in range(len(prompts))
     ]
@@ -68,7 +72,8 @@ def causal_lm_samples(policy: Any, tokenizer: Any, rows: list[dict[str, torch.Te
     """prompt / reference / greedy answer per row; reward 1 when the answer's text equals the reference's."""
     cuts = [split_row(r["input_ids"], r["token_mask"], int(r["input_lengths"])) for r in rows]
     max_new_tokens = max(len(cut.reference_ids) for cut in cuts) + 8
-    answers = greedy_answers(policy, [cut.prompt_ids for cut in cuts], max_new_tokens)
+    images = {key: [r[key] for r in rows] for key in VISION_KEYS if key in rows[0]}
+    answers = greedy_answers(policy, [cut.prompt_ids for cut in cuts], max_new_tokens, images)
     samples = []
     for cut, answer_ids in zip(cuts, answers):
         reference = tokenizer.decode(cut.reference_ids, skip_special_tokens=True).strip()

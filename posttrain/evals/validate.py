@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from posttrain.data.vision import content_text
 from posttrain.evals.metrics import eval_pass_k
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
 
@@ -27,8 +28,8 @@ def sample_records(rollouts: Any) -> list[dict[str, Any]]:
         samples.append({
             "idx": rollouts["idx"][i],
             "task_name": rollouts["task_name"][i],
-            "prompt": "".join(m["content"] for m in log[:first_assistant]),
-            "response": "".join(m["content"] for m in log[first_assistant:]),
+            "prompt": "".join(content_text(m["content"]) for m in log[:first_assistant]),
+            "response": "".join(content_text(m["content"]) for m in log[first_assistant:]),
             "message_log": [{"role": m["role"], "content": m["content"]} for m in log],
             "reward": float(rollouts["total_reward"][i]),
             "answer": rollouts["answer"][i],

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from posttrain.data.vision import batch_vision_inputs
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.utils.timer import Timer
 
@@ -22,13 +23,15 @@ def flat_token_ids(message_log: list[dict[str, Any]]) -> torch.Tensor:
 
 
 def build_generation_input(message_logs: list[list[dict]], stop_strings: list, pad_token_id: int) -> BatchedDataDict:
-    """Right-padded `input_ids`, `input_lengths` and per-sample `stop_strings` for the generator."""
+    """Right-padded `input_ids`, `input_lengths`, per-sample `stop_strings` and, for prompts with images,
+    per-row `pixel_values` / `image_grid_thw` for the generator."""
     sequences = [flat_token_ids(log) for log in message_logs]
     lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
     input_ids = torch.full((len(sequences), int(lengths.max())), pad_token_id, dtype=torch.long)
     for i, sequence in enumerate(sequences):
         input_ids[i, : len(sequence)] = sequence
-    return BatchedDataDict(input_ids=input_ids, input_lengths=lengths, stop_strings=list(stop_strings))
+    return BatchedDataDict(input_ids=input_ids, input_lengths=lengths, stop_strings=list(stop_strings),
+                           **batch_vision_inputs(message_logs))
 
 
 def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) -> list[int]:

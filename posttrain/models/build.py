@@ -24,13 +24,14 @@ from transformers import (
 from posttrain.models.tokenizer import TOKENIZERS
 
 ARCHITECTURES: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+VISION_ARCHITECTURES = ("qwen2_vl",)  # built by posttrain.models.vlm (a tiny vision tower + this text model)
 
 
 @dataclass
 class ModelFromConfig:
     """A decoder-only model with seeded random weights and a built-in tokenizer (character or byte-level)."""
 
-    architecture: str = field(default="qwen2", metadata={"help": "Model family: 'qwen2' or 'llama'."})
+    architecture: str = field(default="qwen2", metadata={"help": "Model family: 'qwen2', 'llama', or 'qwen2_vl' (a vision-language Qwen2-VL)."})
     hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
     num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
     num_attention_heads: int = field(default=4, metadata={"help": "Number of query heads per layer."})
@@ -59,9 +60,10 @@ class ModelFromConfig:
             raise ValueError(
                 f"model.from_config.tokenizer={self.tokenizer!r} is not one of {sorted(TOKENIZERS)}"
             )
-        if self.architecture not in ARCHITECTURES:
+        if self.architecture not in ARCHITECTURES and self.architecture not in VISION_ARCHITECTURES:
             raise ValueError(
-                f"model.from_config.architecture={self.architecture!r} is not one of {sorted(ARCHITECTURES)}"
+                f"model.from_config.architecture={self.architecture!r} is not one of "
+                f"{sorted(ARCHITECTURES) + list(VISION_ARCHITECTURES)}"
             )
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
@@ -100,6 +102,10 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
 
     The same `cfg` (seed included) always gives identical weights. Returns the directory.
     """
+    if cfg.architecture in VISION_ARCHITECTURES:
+        from posttrain.models.vlm import build_vlm_dir
+
+        return build_vlm_dir(cfg, out_dir)
     out_dir = Path(out_dir)
     tokenizer = TOKENIZERS[cfg.tokenizer]()
     hf_config = make_hf_config(cfg, tokenizer)
@@ -120,8 +126,20 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
 
 
 def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """A causal LM from a local Hugging Face directory or a hub name, in `dtype`."""
-    return AutoModelForCausalLM.from_pretrained(str(path_or_name), dtype=dtype)
+    """A causal LM (or an image-text-to-text model, for a vision-language directory) from a local Hugging Face
+    directory or a hub name, in `dtype`."""
+    return causal_lm_class(path_or_name).from_pretrained(str(path_or_name), dtype=dtype)
+
+
+def causal_lm_class(path_or_name: str | Path) -> Any:
+    """AutoModelForImageTextToText for a local vision-language directory, else AutoModelForCausalLM."""
+    from posttrain.models.vlm import is_vision_language_dir
+
+    if is_vision_language_dir(path_or_name):
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def load_tokenizer(path_or_name: str | Path) -> PreTrainedTokenizerBase:

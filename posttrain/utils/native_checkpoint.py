@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -312,10 +313,17 @@ def is_sequence_classifier(model_config: Any) -> bool:
 
 def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """An HF model of `model_config` with uninitialised CPU weights in `dtype` (no random init cost): a
-    sequence classifier when the config's architecture names one (a reward model), else a causal LM."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    sequence classifier when the config's architecture names one (a reward model), an image-text-to-text
+    model when it has a vision tower, else a causal LM."""
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSequenceClassification,
+    )
 
     auto_class = AutoModelForSequenceClassification if is_sequence_classifier(model_config) else AutoModelForCausalLM
+    if getattr(model_config, "vision_config", None) is not None:
+        auto_class = AutoModelForImageTextToText
     with torch.device("meta"):
         model = auto_class.from_config(model_config, dtype=dtype)
     model.to_empty(device="cpu")
@@ -382,6 +390,8 @@ def export_checkpoint_to_hf(
     model.tie_weights()
     try:
         _write_hf_dir(model, AutoTokenizer.from_pretrained(tokenizer_dir), out_dir)
+        if (Path(tokenizer_dir) / "preprocessor_config.json").is_file():  # a vision-language model's images
+            shutil.copy(Path(tokenizer_dir) / "preprocessor_config.json", out_dir / "preprocessor_config.json")
     except OSError as exc:
         raise CheckpointWriteError(f"could not export the Hugging Face directory {out_dir}: {exc}") from exc
     return out_dir

@@ -17,6 +17,7 @@ from posttrain.distributed.shared_weights import SharedWeights, map_shared_weigh
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
 from posttrain.models.lora import AdapterWeights, apply_adapter
+from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill, vision_token_ids
 
 # ----------------------------------------------------------------------------------------------------
 # Pure functions: padding, filtering, sampling
@@ -80,14 +81,19 @@ def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) ->
 
 
 def choose_tokens(
-    logits: torch.Tensor, cfg: GenerationConfig, greedy: bool, uniforms: torch.Tensor
+    logits: torch.Tensor, cfg: GenerationConfig, greedy: bool, uniforms: torch.Tensor,
+    banned_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B].
 
-    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter.
+    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter and
+    before `banned_ids` (tokens never drawn: a vision-language model's image placeholders) are removed.
     """
     tempered = logits.float() / cfg.temperature  # [B, V]
     logprobs_all = tempered.log_softmax(dim=-1)  # [B, V]
+    if banned_ids:
+        banned = torch.tensor(banned_ids, device=logits.device)
+        logits, tempered = logits.index_fill(-1, banned, float("-inf")), tempered.index_fill(-1, banned, float("-inf"))
     if greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -165,21 +171,30 @@ def decode_batch(
     greedy: bool,
     uniforms: torch.Tensor,
     stop_strings: list[list[str]],
+    images: dict[str, Any] | None = None,
 ) -> DecodeState:
     """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
     Finished samples leave the batch (and the cache) as it halves, so a step costs little more than the
-    samples still running; a finished sample still in the batch decodes on, and its tokens are dropped."""
+    samples still running; a finished sample still in the batch decodes on, and its tokens are dropped.
+    `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts."""
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
     state = DecodeState([[] for _ in range(num_samples)], [[] for _ in range(num_samples)],
                         [False] * num_samples, [False] * num_samples)
     attention_mask = attention_mask.to(device)
-    cache, logits = prefill(model, left_ids.to(device), attention_mask)
     next_positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]
+    if is_vision_language_model(model):
+        cache, logits, offsets = vision_prefill(model, left_ids.to(device), attention_mask, images or {})
+        next_positions = next_positions + offsets  # [B, 1]: M-RoPE text positions continue after the images
+    elif concat_row_images(images or {}, device)[0] is not None:
+        raise ValueError(f"{type(model).__name__} is a text-only model but the prompts have images")
+    else:
+        cache, logits = prefill(model, left_ids.to(device), attention_mask)
     rows = list(range(num_samples))  # the samples of the decoded batch, in its row order
+    banned_ids = vision_token_ids(model)  # a generated image placeholder would need an image behind it
     for step in range(cfg.max_new_tokens):
-        tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device))
+        tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device), banned_ids)
         update_decode_state(state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer)
         running = [j for j, i in enumerate(rows) if not state.finished[i]]
         if not running or step == cfg.max_new_tokens - 1:
@@ -278,8 +293,9 @@ class HFGenerationWorker:
         left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
         uniforms = per_sample_uniforms(seed, list(range(sample_offset, sample_offset + num_samples)),
                                        self.cfg.max_new_tokens)
+        images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
         state = decode_batch(self.model, self.tokenizer, left_ids, attention_mask, self.cfg, greedy, uniforms,
-                             stop_strings)
+                             stop_strings, images)
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
 
     def check_context_fits(self, longest_prompt: int) -> None:

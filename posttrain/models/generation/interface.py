@@ -15,6 +15,8 @@ import torch
 #   input_ids      [B, T]  prompt token ids, right-padded
 #   input_lengths  [B]     prompt lengths
 #   stop_strings   list[list[str] | None] of length B (optional), per-sample stop strings
+#   pixel_values, image_grid_thw  lists of length B (optional): each prompt's image patches [P_i, D] and
+#                  grids [N_i, 3] for a vision-language model (posttrain.data.vision)
 # Output keys:
 #   output_ids                [B, T_out]  prompt + generation, right-padded with the pad id
 #   logprobs                  [B, T_out]  log p(token t | tokens < t) under logits / temperature at the
@@ -75,8 +77,9 @@ def split_contiguous(num_samples: int, num_shards: int) -> list[tuple[int, int]]
 
 
 def slice_batch(data: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
-    """Rows [start, end) of the keys a worker reads (prompt ids, lengths, per-sample stop strings)."""
-    keys = [key for key in GENERATION_INPUT_KEYS + ("stop_strings",) if data.get(key) is not None]
+    """Rows [start, end) of the keys a worker reads (prompt ids, lengths, per-sample stop strings, images)."""
+    optional = ("stop_strings", "pixel_values", "image_grid_thw")
+    keys = [key for key in GENERATION_INPUT_KEYS + optional if data.get(key) is not None]
     return {key: data[key][start:end] for key in keys}
 
 

@@ -34,6 +34,13 @@ from posttrain.models.build import load_tokenizer
 from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.models.policy.shared_prefix import shared_prefix_logprobs
 from posttrain.models.policy.token_logprobs import compute_token_logprobs, first_trained_position
+from posttrain.models.vlm import (
+    is_vision_language_dir,
+    is_vision_language_model,
+    load_processor,
+    vision_forward_inputs,
+    vision_tower_anchor,
+)
 from posttrain.utils.metrics import metric_reductions, reduce_metrics, reduction_of
 from posttrain.utils.timer import Timer
 
@@ -150,13 +157,15 @@ def ensure_process_group() -> None:
 
 def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     """The configured model in fp32 on CPU with SDPA attention (causal LM or a 1-label sequence classifier)."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.build import causal_lm_class
 
     if cfg.model_name is None:
         raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     if cfg.model_kind == "causal_lm":
-        return AutoModelForCausalLM.from_pretrained(cfg.model_name, **kwargs)
+        return causal_lm_class(cfg.model_name).from_pretrained(cfg.model_name, **kwargs)
     model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
     model.config.architectures = [type(model).__name__]  # exports and checkpoints rebuild this class
     if model.config.pad_token_id is None:
@@ -165,8 +174,9 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated transformer blocks (the classes the model lists in `_no_split_modules`)."""
-    block_names = set(getattr(model, "_no_split_modules", None) or [])
+    """The repeated transformer blocks (the classes the model lists in `_no_split_modules`); a vision tower's
+    blocks stay with the root module (see posttrain.models.vlm.vision_tower_anchor)."""
+    block_names = {name for name in getattr(model, "_no_split_modules", None) or [] if "Vision" not in name}
     layers = [module for module in model.modules() if type(module).__name__ in block_names]
     if not layers:
         raise ValueError(
@@ -315,6 +325,10 @@ class DTensorPolicyWorker:
 
     def _build_model(self) -> torch.nn.Module:
         model = load_hf_model(self.cfg)
+        if getattr(model.config, "vision_config", None) is not None and (
+                self.cfg.tensor_parallel_size > 1 or self.cfg.sequence_packing.enabled):
+            raise ValueError("policy: a vision-language model runs without tensor_parallel_size > 1 and "
+                             "sequence_packing (its M-RoPE positions and vision tower are not split)")
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
@@ -328,6 +342,9 @@ class DTensorPolicyWorker:
         return model
 
     def _load_tokenizer(self) -> Any:
+        """The tokenizer saved with checkpoints and exports (a vision-language model's: with its image processor)."""
+        if is_vision_language_dir(self.cfg.model_name):
+            return load_processor(self.cfg.tokenizer_name or self.cfg.model_name)
         return load_tokenizer(self.cfg.tokenizer_name or self.cfg.model_name)
 
     def _all_reduce_dp(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
@@ -395,7 +412,8 @@ class DTensorPolicyWorker:
             input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, pad_id))
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
             return logits.float().squeeze(-1)  # [b]
-        if self.cfg.prefix_sharing and "token_mask" in data:  # prompts shared by several rows computed once
+        text_only = not is_vision_language_model(self.model)  # equal VLM prompts may show different images
+        if self.cfg.prefix_sharing and text_only and "token_mask" in data:  # shared prompts computed once
             logprobs = shared_prefix_logprobs(self.model, data["input_ids"], self._lengths(data).tolist(),
                                               data["token_mask"], self.cfg.logprob_temperature, self.device)
             if logprobs is not None:
@@ -403,11 +421,12 @@ class DTensorPolicyWorker:
         # Logits only from the position before the first trained token: a GRPO prompt's logits are never
         # read, and at a real vocabulary they are most of the memory and a good share of the time.
         num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
+        vision = vision_forward_inputs(self.model, data, input_ids, attention_mask)  # {} for a text-only model
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            logits_to_keep=num_kept).logits  # [b, K, V]
+                            logits_to_keep=num_kept, **vision).logits  # [b, K, V]
         logprobs = compute_token_logprobs(logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature)  # [b, K]
         logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
-        return logprobs * attention_mask
+        return logprobs * attention_mask + vision_tower_anchor(self.model)
 
     def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
         logits = self.model(
