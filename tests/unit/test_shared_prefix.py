@@ -1,11 +1,14 @@
 """Shared-prefix rows: rows with a common prompt computed as one tree-masked row give the logprobs and
 gradients of the plain rows at every trained position."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
 from posttrain.models.policy.shared_prefix import (
+    attention_cost_ratio,
     build_shared_prefix_rows,
     prefix_groups,
     shared_prefix_logprobs,
@@ -59,6 +62,23 @@ def test_a_group_becomes_one_row_with_restarting_positions_and_a_tree_mask():
 def test_no_shared_prompt_means_plain_rows():
     input_ids, lengths, token_mask = batch([([5, 6, 7], [1, 2]), ([8, 6, 7], [3])], width=5)
     assert build_shared_prefix_rows(input_ids, lengths, token_mask) is None
+
+
+def test_long_continuations_after_a_short_prompt_stay_in_plain_rows():
+    """A 3-token prompt and 8 continuations of 40: plain 8 rows x 43 tokens; one tree row of the 2 shared
+    tokens + 8 x 41 = 330. Linear cost alone favours the tree row (330 < 344); with attention at 1e-3 per
+    pair per token of linear cost, 330 x 1.33 = 438.9 > 8 x 43 x 1.043 = 358.8: the rows stay plain."""
+    input_ids, lengths, token_mask = batch([([5, 6, 8], [7] * 40)] * 8, width=43)
+    assert build_shared_prefix_rows(input_ids, lengths, token_mask, attention_ratio=0.0) is not None
+    assert build_shared_prefix_rows(input_ids, lengths, token_mask, attention_ratio=1e-3) is None
+
+
+def test_attention_cost_ratio_of_a_llama_layer():
+    """SmolLM2-135M: hidden 576, 9 heads of 64 with 3 key/value heads (kv width 192), MLP 1536:
+    2 / (1152 + 384 + 4608) = 2 / 6144."""
+    config = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    assert attention_cost_ratio(config) == pytest.approx(2 / 6144)
+    assert attention_cost_ratio(SimpleNamespace()) == 0.0
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ logits of every trained token come from the row's own continuation."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,11 +60,30 @@ def prefix_groups(input_ids: torch.Tensor, lengths: list[int], token_mask: torch
     return list(groups.values())
 
 
+def attention_cost_ratio(config: Any) -> float:
+    """FLOPs of attention per (query, key) pair over the FLOPs of the linear layers per token, per layer:
+    4h / 2h(2h + 2kv + 3i) for hidden size h, key/value width kv and MLP width i (0 if unknown)."""
+    hidden, intermediate = getattr(config, "hidden_size", None), getattr(config, "intermediate_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not (hidden and intermediate and heads):
+        return 0.0
+    kv_width = getattr(config, "num_key_value_heads", None) or heads
+    kv_width *= getattr(config, "head_dim", None) or hidden // heads
+    return 2.0 / (2 * hidden + 2 * kv_width + 3 * intermediate)
+
+
+def rows_cost(num_rows: int, width: int, attention_ratio: float) -> float:
+    """Relative cost of a forward over num_rows padded rows of `width` tokens: linear layers per token plus
+    (dense-mask) attention per pair."""
+    return num_rows * (width + attention_ratio * width * width)
+
+
 def build_shared_prefix_rows(
-    input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor
+    input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float = 0.0
 ) -> SharedPrefixRows | None:
-    """The batch [b, T] as one row per prompt group, or None when no two rows share a prompt (then the
-    plain rows are as cheap)."""
+    """The batch [b, T] as one row per prompt group, or None when that would not be cheaper: no two rows
+    share a prompt, or the continuations are long next to the prompt, so that attention over the long
+    tree rows costs more than the prompts it saves (`attention_ratio`: see attention_cost_ratio)."""
     groups = prefix_groups(input_ids, lengths, token_mask)
     if len(groups) == len(lengths):
         return None
@@ -87,6 +107,8 @@ def build_shared_prefix_rows(
         segments.append(torch.cat(seg))
     width = max(len(piece) for piece in pieces)  # N
     num_rows = len(pieces)  # R
+    if rows_cost(num_rows, width, attention_ratio) >= rows_cost(len(lengths), max(lengths), attention_ratio):
+        return None
     row_ids = input_ids.new_zeros(num_rows, width)
     row_positions = torch.zeros(num_rows, width, dtype=torch.long)
     row_segments = torch.full((num_rows, width), -1, dtype=torch.long)  # -1: padding
@@ -124,7 +146,7 @@ def shared_prefix_logprobs(
 ) -> torch.Tensor | None:
     """Logprobs [b, T] of a causal LM at every trained position, each shared prompt computed once (zeros up
     to each row's prompt end, as no loss reads them); None when no two rows share a prompt."""
-    rows = build_shared_prefix_rows(input_ids, lengths, token_mask)
+    rows = build_shared_prefix_rows(input_ids, lengths, token_mask, attention_cost_ratio(model.config))
     if rows is None:
         return None
     width = rows.input_ids.shape[1]  # N
