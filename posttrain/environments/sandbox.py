@@ -84,14 +84,16 @@ def _mount_args(code_path: str, scratch_mb: int) -> list[str]:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    made: set[str] = set()
+    # /tmp first: a venv or interpreter that lives under /tmp (a clone in /tmp) is bound on top of it.
+    args += ["--tmpfs", "/tmp"]
+    made: set[str] = {"/tmp"}
     for root in _readonly_roots():
         for parent in reversed(Path(root).parents):  # parents bwrap would otherwise create with mode 0700
             if str(parent) != "/" and str(parent) not in made:
                 args += ["--perms", "0755", "--dir", str(parent)]
                 made.add(str(parent))
         args += ["--ro-bind", root, root]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--perms", "1777", "--size", str(scratch_mb * 1024 * 1024), "--tmpfs", SCRATCH_DIR]
     args += ["--perms", "0755", "--dir", CODE_DIR, "--ro-bind", code_path, f"{CODE_DIR}/main.py"]
     return args

@@ -318,3 +318,22 @@ def test_escapes_fail_when_an_unprivileged_user_runs_the_sandbox(tcp_listener, t
         "forks stopped: True 0",
     ]
     assert connected == [] and not target.exists()
+
+
+@mode_param
+def test_an_interpreter_in_a_venv_under_tmp_still_runs(mode):
+    """A clone (and its .venv) under /tmp: the sandbox's empty /tmp must not hide the interpreter. The
+    sandbox module is stdlib-only, so a bare venv runs it straight from its file."""
+    import sys
+
+    venv = Path("/tmp") / f"posttrain-venv-{uuid.uuid4().hex[:8]}"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    try:
+        program = ("import importlib.util as u, sys; spec = u.spec_from_file_location('sandbox', sys.argv[1]); "
+                   "box = u.module_from_spec(spec); sys.modules['sandbox'] = box; spec.loader.exec_module(box); "
+                   f"print(box.run_python('print(6 * 7)', mode={mode!r}).stdout, end='')")
+        result = subprocess.run([str(venv / "bin" / "python"), "-c", program, sandbox.__file__],
+                                capture_output=True, text=True, timeout=60)
+        assert result.stdout == "42\n", result.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(venv)], check=True)
