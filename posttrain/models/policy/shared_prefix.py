@@ -90,7 +90,7 @@ def build_shared_prefix_rows(
     pieces, positions, segments, placements = [], [], [], []
     for tree_row, rows in enumerate(groups):
         trained = token_mask[rows[0], : lengths[rows[0]]].nonzero()
-        prefix_length = max(0, int(trained[0]) - 1) if len(groups[tree_row]) > 1 else 0
+        prefix_length = int(trained[0]) - 1 if len(rows) > 1 else 0  # a group has a prompt of >= 2 tokens
         ids = [input_ids[rows[0], :prefix_length]]
         pos = [torch.arange(prefix_length)]
         seg = [torch.zeros(prefix_length, dtype=torch.long)]  # segment 0: the shared prompt
