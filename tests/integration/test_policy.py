@@ -45,6 +45,22 @@ def test_token_logprobs_follow_contract_with_temperature():
     torch.testing.assert_close(hot[0, 1], torch.log(torch.tensor(root3 / (1 + root3))))
 
 
+def test_token_logprobs_gradient_equals_autograd_of_log_softmax():
+    """The hand-written backward (onehot - softmax) * grad / temperature against finite differences (fp64
+    gradcheck) and against autograd through log_softmax + gather; fp32 logits keep an fp32 result."""
+    torch.manual_seed(0)
+    input_ids = torch.randint(0, 11, (2, 5))
+    for temperature in (1.0, 0.7):
+        logits = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda x: compute_token_logprobs(x, input_ids, temperature), (logits,))
+        weights = torch.randn(2, 5, dtype=torch.float64)
+        (grad,) = torch.autograd.grad((compute_token_logprobs(logits, input_ids, temperature) * weights).sum(), logits)
+        composed = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        (expected,) = torch.autograd.grad((composed * weights[:, 1:]).sum(), logits)
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
+    assert compute_token_logprobs(torch.randn(1, 3, 4), torch.tensor([[0, 1, 2]])).dtype == torch.float32
+
+
 def test_packed_row_masks_across_sequences_and_unpacks():
     """Two sequences of lengths 2 and 3: positions [0,1,0,1,2]; token 2 (start of the second) sees only
     itself; unpacking puts row logprobs back with zeros at each start and past each length."""

@@ -61,10 +61,13 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     cdf = probs.double().cumsum(dim=-1)  # [B, V]
     targets = (uniforms.to(cdf) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(-1)  # [B]
-    # Guard against rounding at the top end: never return a token of zero probability.
+    # Guard against rounding at the top end: never return a token of zero probability (rare: checked first).
     num_vocab = probs.shape[-1]
-    last_allowed = num_vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
-    return torch.minimum(tokens, last_allowed)
+    tokens = tokens.clamp(max=num_vocab - 1)
+    if bool((probs.gather(1, tokens[:, None]) == 0).any()):
+        last_allowed = num_vocab - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [B]
+        tokens = torch.minimum(tokens, last_allowed)
+    return tokens
 
 
 def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) -> torch.Tensor:
@@ -89,13 +92,15 @@ def choose_tokens(
     The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter and
     before `banned_ids` (tokens never drawn: a vision-language model's image placeholders) are removed.
     """
-    tempered = logits.float() / cfg.temperature  # [B, V]
+    tempered = logits.float() if cfg.temperature == 1.0 else logits.float() / cfg.temperature  # [B, V]
     logprobs_all = tempered.log_softmax(dim=-1)  # [B, V]
     if banned_ids:
         banned = torch.tensor(banned_ids, device=logits.device)
         logits, tempered = logits.index_fill(-1, banned, float("-inf")), tempered.index_fill(-1, banned, float("-inf"))
     if greedy:
         tokens = logits.argmax(dim=-1)
+    elif cfg.top_k is None and cfg.top_p >= 1.0 and not banned_ids:  # nothing filtered: the softmax is at hand
+        tokens = sample_from_probs(logprobs_all.exp(), uniforms)
     else:
         probs = filter_logits(tempered, cfg.top_k, cfg.top_p).softmax(dim=-1)
         tokens = sample_from_probs(probs, uniforms)
