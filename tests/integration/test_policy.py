@@ -52,7 +52,7 @@ def test_token_logprobs_gradient_equals_autograd_of_log_softmax():
     input_ids = torch.randint(0, 11, (2, 5))
     for temperature in (1.0, 0.7):
         logits = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x: compute_token_logprobs(x, input_ids, temperature), (logits,))
+        assert torch.autograd.gradcheck(lambda x, t=temperature: compute_token_logprobs(x, input_ids, t), (logits,))
         weights = torch.randn(2, 5, dtype=torch.float64)
         (grad,) = torch.autograd.grad((compute_token_logprobs(logits, input_ids, temperature) * weights).sum(), logits)
         composed = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
