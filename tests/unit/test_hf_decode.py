@@ -54,3 +54,32 @@ def test_groups_and_early_stops_decode_like_single_samples(model_and_tokenizer):
         assert batched.stopped[i] == alone.stopped[0]
         torch.testing.assert_close(torch.tensor(batched.generated_logprobs[i]),
                                    torch.tensor(alone.generated_logprobs[0]), atol=1e-5, rtol=0)
+
+
+def test_reserved_cache_layer_holds_what_concatenation_holds():
+    """A reserved layer (room for 3 more positions) against transformers' concatenating layer, through
+    appends past its reservation (it doubles), a row selection, and a crop: the same keys and values."""
+    from transformers.cache_utils import DynamicLayer
+
+    from posttrain.models.generation.kv_cache import ReservedLayer
+
+    torch.manual_seed(0)
+    prompt_keys, prompt_values = torch.randn(4, 2, 5, 3), torch.randn(4, 2, 5, 3)
+    plain = DynamicLayer()
+    plain.update(prompt_keys, prompt_values)
+    reserved = ReservedLayer(prompt_keys, prompt_values, capacity=8)
+    for step in range(6):  # 5 + 6 = 11 positions > 8 reserved
+        batch = plain.keys.shape[0]
+        new_keys, new_values = torch.randn(batch, 2, 1, 3), torch.randn(batch, 2, 1, 3)
+        expected, got = plain.update(new_keys, new_values), reserved.update(new_keys, new_values)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+        if step == 2:
+            rows = torch.tensor([3, 1])
+            plain.reorder_cache(rows)
+            reserved.reorder_cache(rows)
+    assert reserved.get_seq_length() == plain.get_seq_length() == 11 and reserved.key_buffer.shape[2] == 16
+    plain.crop(-4)
+    reserved.crop(-4)
+    torch.testing.assert_close(reserved.keys, plain.keys, rtol=0, atol=0)
+    torch.testing.assert_close(reserved.values, plain.values, rtol=0, atol=0)

@@ -16,6 +16,7 @@ import torch
 from posttrain.distributed.shared_weights import SharedWeights, map_shared_weights
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
+from posttrain.models.generation.kv_cache import reserve
 from posttrain.models.lora import AdapterWeights, apply_adapter
 from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill, vision_token_ids
 
@@ -196,6 +197,7 @@ def decode_batch(
         raise ValueError(f"{type(model).__name__} is a text-only model but the prompts have images")
     else:
         cache, logits = prefill(model, left_ids.to(device), attention_mask)
+    cache = reserve(cache, cfg.max_new_tokens)  # decode steps write in place: no copy of the cache per step
     rows = list(range(num_samples))  # the samples of the decoded batch, in its row order
     banned_ids = vision_token_ids(model)  # a generated image placeholder would need an image behind it
     for step in range(cfg.max_new_tokens):
