@@ -1,4 +1,5 @@
-"""The training worker: one Ray actor per bundle holding an FSDP2 (DTensor) shard of the policy model;
+"""The training worker: one Ray actor per bundle holding an FSDP2 (DTensor) shard of the policy model (one
+fp32 worker alone holds the plain model: see needs_fsdp), optionally tensor-parallel. It computes
 logprobs, reference logprobs, micro-batched train steps whose summed loss is the global-batch loss,
 native checkpoints, HF export and full weights for refit."""
 
@@ -212,6 +213,12 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         parallelize_module(layer, tp_mesh, plan)
 
 
+def needs_fsdp(world_size: int, cfg: PolicyConfig, device: torch.device) -> bool:
+    """FSDP2 unless one worker trains in fp32 without CPU offload: a 1-rank FSDP shards nothing, yet copies
+    every parameter in (forward and again for backward) and every gradient out (7% of a SmolLM2 step)."""
+    return world_size > 1 or cfg.precision != "float32" or (cfg.cpu_offload and device.type == "cuda")
+
+
 def shard_model(model: torch.nn.Module, dp_mesh: DeviceMesh, cfg: PolicyConfig, device: torch.device) -> None:
     """fully_shard every decoder layer and the root; gradients are SUMMED over ranks (no averaging)."""
     mp_policy = MixedPrecisionPolicy()
@@ -336,7 +343,8 @@ class DTensorPolicyWorker:
         if self.cfg.tensor_parallel_size > 1:
             model.to(self.device)
             apply_tensor_parallel(model, self.mesh["tp"])
-        shard_model(model, self.mesh["dp"], self.cfg, self.device)
+        if needs_fsdp(self.world_size, self.cfg, self.device):
+            shard_model(model, self.mesh["dp"], self.cfg, self.device)
         if not (self.cfg.cpu_offload and self.device.type == "cuda"):
             model.to(self.device)
         return model
