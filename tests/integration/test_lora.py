@@ -186,6 +186,7 @@ def lora_tp(lora, model_dir, ray_session, tmp_path_factory):
     cluster, policy = start_policy(model_dir, 2, init_reference_model=True, tensor_parallel_size=2)
     found = {"out": out, "checkpoint": out / "step_2"}
     try:
+        found["footprints"] = policy.memory_footprint()
         found["losses"] = train_losses(policy, data, 2)
         policy.save_checkpoint(str(found["checkpoint"] / "policy"))
         found["losses"] += train_losses(policy, data, 2)
@@ -205,6 +206,10 @@ def lora_tp(lora, model_dir, ray_session, tmp_path_factory):
 def test_lora_tensor_parallel_pair_trains_like_one_worker_and_refits_full_adapters(lora, lora_tp):
     """q,k,v,gate,up: base and B column-parallel, A replicated; o,down: base and A row-parallel, B
     replicated. Same losses and logprobs as one worker; the payload holds the full (gathered) adapter."""
+    # Each rank holds A whole and half of B for q, k, v (4x32 + 32x4/2 = 192 each) and gate, up (4x32 +
+    # 64x4/2 = 256 each), half of A and B whole for o (4x32/2 + 32x4 = 192) and down (4x64/2 + 32x4 = 256):
+    # 1536 per layer, 3072 x 4 bytes = 12,288 of the 17,408 adapter bytes.
+    assert [footprint["trainable_param_bytes"] for footprint in lora_tp["footprints"]] == [12_288, 12_288]
     assert lora_tp["losses"] == pytest.approx(lora["one_losses"], abs=1e-5)
     torch.testing.assert_close(lora_tp["trained_logprobs"], lora["trained_logprobs"], atol=1e-5, rtol=0)
     payload, expected = lora_tp["payload"], lora["payload"]
