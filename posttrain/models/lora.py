@@ -280,3 +280,50 @@ def export_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path, merge: b
         write_adapter_dir(peft_model, out_dir)
         tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tensor parallelism (dtensor worker): the TP plan of a decoder layer whose projections peft wrapped
+# ----------------------------------------------------------------------------------------------------
+
+
+def is_lora_linear(module: torch.nn.Module) -> bool:
+    """A peft LoRA layer around an nn.Linear (`base_layer`, `lora_A`/`lora_B` ModuleDicts of nn.Linear)."""
+    return (isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+            and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
+            and isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict))
+
+
+def tensor_parallel_plan(layer: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
+    """`plan` (module name -> ColwiseParallel/RowwiseParallel) for `layer`, with every projection that peft
+    wrapped split into its base linear and its adapter so that the adapter's output is laid out like the
+    base's (exact, no extra collective in the forward beyond the adapter's own):
+
+    - column-parallel base (full input, output split over heads / MLP columns): B (out x r) is column-
+      parallel too, A (r x in) stays replicated on the full input; B's input gradient is all-reduced like
+      the base's, so A's gradient is complete on every TP rank.
+    - row-parallel base (input split, partial sums all-reduced): A (r x in) is row-parallel (its r outputs
+      are all-reduced, r numbers per token), B (out x r) stays replicated and adds to the full output.
+
+    Layers without a peft wrapper (target_modules that leave a projection out) keep `plan`'s style."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    expanded: dict[str, Any] = {}
+    for name, style in plan.items():
+        module = layer.get_submodule(name)
+        if isinstance(module, torch.nn.Linear):
+            expanded[name] = style
+            continue
+        if not is_lora_linear(module) or getattr(module, "lora_variant", None):
+            raise ValueError(f"policy.tensor_parallel_size > 1 splits {name} ({type(module).__name__}), which must "
+                             "be an nn.Linear or a plain LoRA adapter around one: leave it out of "
+                             "policy.lora.modules_to_save")
+        expanded[f"{name}.base_layer"] = style
+        for adapter in module.lora_A:
+            if type(style) is ColwiseParallel:
+                expanded[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            elif type(style) is RowwiseParallel:
+                expanded[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+            else:
+                raise ValueError(f"{name}: no LoRA tensor-parallel layout for {type(style).__name__}")
+    return expanded

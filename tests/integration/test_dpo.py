@@ -97,3 +97,17 @@ def test_settings_that_would_split_pairs_are_a_config_error_naming_the_key(tmp_p
     with pytest.raises(ConfigError) as error:
         load_typed_config(dpo.DPOConfig, CONFIG, overrides(tmp_path, tmp_path, **dict([override.split("=")])))
     assert error.value.key == key
+
+
+def test_dpo_with_lora_learns_the_preference_against_the_base_model_as_reference(arithmetic_sft_model, tmp_path):
+    """20 DPO steps training only rank-8 adapters (lr 2e-3; the reference is the same model with the
+    adapter disabled): step 1 is exactly ln 2 (B = 0, so policy = reference), and the held-out preference
+    accuracy and reward margin rise (measured: val loss 0.561, accuracy 0.738, margin +0.50)."""
+    steps = run_dpo(tmp_path, arithmetic_sft_model, **{
+        "policy.lora.enabled": "true", "policy.optimizer.kwargs.lr": 2e-3, "dpo.max_num_steps": 20,
+        "dpo.val_period": 20, "checkpointing.enabled": "false"})
+    assert steps[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    final = steps[20]
+    assert final["val/loss"] < math.log(2) - 0.05
+    assert final["val/accuracy"] >= 0.62  # 256 held-out pairs: chance is 0.5 +- 0.03
+    assert final["val/rewards_chosen_mean"] - final["val/rewards_rejected_mean"] > 0.2

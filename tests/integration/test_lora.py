@@ -176,6 +176,77 @@ def test_export_writes_a_peft_adapter_and_a_merged_model_equal_to_the_policy(lor
     assert (out / "hf_model" / "adapter" / "adapter_config.json").is_file()
 
 
+@pytest.fixture(scope="module")
+def lora_tp(lora, model_dir, ray_session, tmp_path_factory):
+    """The 1-worker run of `lora` again with tensor_parallel_size=2 (2 workers, one model split in two): 4
+    steps with a checkpoint after 2, its refit payload, reference logprobs and end-of-run export; then it
+    loads the 1-worker run's step-2 checkpoint and trains steps 3 and 4 again."""
+    out = tmp_path_factory.mktemp("lora_tp")
+    data = lora["data"]
+    cluster, policy = start_policy(model_dir, 2, init_reference_model=True, tensor_parallel_size=2)
+    found = {"out": out, "checkpoint": out / "step_2"}
+    try:
+        found["footprints"] = policy.memory_footprint()
+        found["losses"] = train_losses(policy, data, 2)
+        policy.save_checkpoint(str(found["checkpoint"] / "policy"))
+        found["losses"] += train_losses(policy, data, 2)
+        found["payload"] = ray_session.get(policy.get_weights_ref(only_changed=False))
+        found["refit_bytes"] = policy.last_refit_bytes()
+        found["trained_logprobs"] = policy.get_logprobs(data)["logprobs"]
+        found["reference_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
+        policy.export_hf(str(out / "hf_model"))
+        policy.load_checkpoint(str(lora["checkpoint"] / "policy"))
+        found["resumed_losses"] = train_losses(policy, data, 2)
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    return found
+
+
+def test_lora_tensor_parallel_pair_trains_like_one_worker_and_refits_full_adapters(lora, lora_tp):
+    """q,k,v,gate,up: base and B column-parallel, A replicated; o,down: base and A row-parallel, B
+    replicated. Same losses and logprobs as one worker; the payload holds the full (gathered) adapter."""
+    # Each rank holds A whole and half of B for q, k, v (4x32 + 32x4/2 = 192 each) and gate, up (4x32 +
+    # 64x4/2 = 256 each), half of A and B whole for o (4x32/2 + 32x4 = 192) and down (4x64/2 + 32x4 = 256):
+    # 1536 per layer, 3072 x 4 bytes = 12,288 of the 17,408 adapter bytes.
+    assert [footprint["trainable_param_bytes"] for footprint in lora_tp["footprints"]] == [12_288, 12_288]
+    assert lora_tp["losses"] == pytest.approx(lora["one_losses"], abs=1e-5)
+    torch.testing.assert_close(lora_tp["trained_logprobs"], lora["trained_logprobs"], atol=1e-5, rtol=0)
+    payload, expected = lora_tp["payload"], lora["payload"]
+    assert isinstance(payload, AdapterWeights) and payload.tensors.keys() == expected.tensors.keys()
+    assert payload.num_bytes == lora_tp["refit_bytes"] == ADAPTER_BYTES
+    for name, tensor in expected.tensors.items():
+        assert payload.tensors[name].shape == tensor.shape and payload.tensors[name].dtype == tensor.dtype
+        torch.testing.assert_close(payload.tensors[name], tensor, atol=1e-5, rtol=0, msg=name)
+
+
+def test_lora_tensor_parallel_reference_and_export(lora_tp, lora, model_dir):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    expected = direct_logprobs(base, lora["data"])
+    torch.testing.assert_close(lora_tp["reference_logprobs"], expected, atol=1e-5, rtol=0)
+    final = AutoModelForCausalLM.from_pretrained(lora_tp["out"] / "hf_model", dtype=torch.float32).eval()
+    torch.testing.assert_close(direct_logprobs(final, lora["data"]), lora_tp["trained_logprobs"], atol=1e-5, rtol=0)
+
+
+def test_lora_checkpoints_move_between_tensor_parallel_layouts(lora, lora_tp, model_dir):
+    """The 1-worker step-2 checkpoint resumes at TP 2 with the uninterrupted losses; the TP 2 step-2
+    checkpoint holds the full adapter tensors, so `posttrain export` (one process) reproduces the 1-worker
+    policy at step 2."""
+    assert lora_tp["resumed_losses"] == pytest.approx(lora["one_losses"][2:], abs=1e-5)
+    policy_dir = lora_tp["checkpoint"] / "policy"
+    model_keys = read_metadata_safely(policy_dir / "model" / ".metadata").state_dict_metadata.keys()
+    assert len(model_keys) == NUM_ADAPTER_TENSORS and all(".lora_" in key for key in model_keys)
+    out = lora_tp["out"]
+    assert posttrain_main(["export", str(lora_tp["checkpoint"]), str(out / "adapter")]) == 0
+    assert posttrain_main(["export", str(lora_tp["checkpoint"]), str(out / "merged"), "--merge"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
+    data, expected = lora["data"], lora["checkpoint_logprobs"]
+    torch.testing.assert_close(direct_logprobs(with_adapter, data), expected, atol=1e-5, rtol=0)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+    torch.testing.assert_close(direct_logprobs(merged, data), expected, atol=1e-5, rtol=0)
+
+
 def test_grpo_with_lora_refits_the_adapter_only_and_generation_matches_training(ray_session, tmp_path):
     """Step 1 generates with the initial weights (no refit); step 2's refit is the rank-4 adapter of the
     same 32-wide 2-layer model as above (17,408 bytes), and the generation workers' logprobs of the

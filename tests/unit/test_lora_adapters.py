@@ -80,8 +80,10 @@ def test_target_modules_that_match_nothing_name_the_key(model_dir):
 def test_lora_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"lora\.rank: must be >= 1"):
         validate_config(PolicyConfig, {"model_name": "m", "lora": {"enabled": True, "rank": 0}})
-    with pytest.raises(ConfigError, match=r"policy\.lora\.enabled=true with policy\.tensor_parallel_size=2"):
-        validate_config(PolicyConfig, {"model_name": "m", "tensor_parallel_size": 2, "lora": {"enabled": True}})
+    validate_config(PolicyConfig, {"model_name": "m", "tensor_parallel_size": 2, "lora": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"policy\.lora\.modules_to_save=\['o_proj'\] with policy\.tensor_parallel_size=2"):
+        validate_config(PolicyConfig, {"model_name": "m", "tensor_parallel_size": 2,
+                                       "lora": {"enabled": True, "modules_to_save": ["o_proj", "score"]}})
 
 
 def test_vllm_lora_rank_must_be_a_vllm_bucket_at_least_the_adapter_rank():

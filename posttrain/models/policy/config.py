@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from posttrain.config import ConfigError
 from posttrain.models.build import ModelFromConfig
-from posttrain.models.lora import LoraConfig
+from posttrain.models.lora import DEFAULT_TARGET_MODULES, LoraConfig
 
 
 @dataclass
@@ -236,11 +236,12 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
-    if cfg.lora.enabled and cfg.tensor_parallel_size > 1:
-        raise ValueError(
-            f"policy.lora.enabled=true with policy.tensor_parallel_size={cfg.tensor_parallel_size}: LoRA "
-            "runs with FSDP2 data parallelism only; set policy.tensor_parallel_size=1"
-        )
+    split = sorted(set(cfg.lora.modules_to_save or []) & set(DEFAULT_TARGET_MODULES))
+    if cfg.lora.enabled and cfg.tensor_parallel_size > 1 and split:
+        raise ValueError(f"policy.lora.modules_to_save={split} with policy.tensor_parallel_size="
+                         f"{cfg.tensor_parallel_size}: tensor parallelism splits these projections, so they cannot "
+                         "be trained in full beside the adapters; name them in policy.lora.target_modules instead "
+                         "or set policy.tensor_parallel_size=1")
     if cfg.lora.enabled and cfg.backend != "dtensor":
         raise ValueError(f"policy.lora.enabled=true needs policy.backend=dtensor (LoRA is not wired into the "
                          f"Megatron worker), got {cfg.backend!r}")

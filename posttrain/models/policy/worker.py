@@ -210,7 +210,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         missing = [name for name in plan if layer.get_submodule(name) is None]
         if missing:
             raise ValueError(f"{type(layer).__name__}: no {missing} for tensor parallelism")
-        parallelize_module(layer, tp_mesh, plan)
+        parallelize_module(layer, tp_mesh, lora.tensor_parallel_plan(layer, plan))  # peft-wrapped: base + adapter
 
 
 def needs_fsdp(world_size: int, cfg: PolicyConfig, device: torch.device) -> bool:
