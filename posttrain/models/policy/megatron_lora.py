@@ -229,6 +229,8 @@ def write_peft_dir(adapter: lora.AdapterWeights, out_dir: str | Path, base_model
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if Path(base_model).exists():  # a checkpoint read from another directory still finds it
+        base_model = str(Path(base_model).resolve())
     lora.peft_config(adapter.cfg, adapter.model_kind, base_model).save_pretrained(str(out_dir))
     save_file({name: t.contiguous() for name, t in adapter.tensors.items()}, str(out_dir / "adapter_model.safetensors"))
     return out_dir
