@@ -23,7 +23,15 @@ def main(args: Any) -> int:
 
     policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
     merge = bool(args.merge)
-    if (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
+    if (policy_dir / "megatron").is_dir() and is_lora_checkpoint(policy_dir):  # megatron + LoRA
+        from posttrain.models.policy.megatron_lora import export_megatron_lora_checkpoint
+
+        out_dir = export_megatron_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
+        if not merge:
+            print(f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
+                  "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)")
+            return 0
+    elif (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
         from posttrain.models.policy.megatron_export import export_megatron_checkpoint
 
         if merge:

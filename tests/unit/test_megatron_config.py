@@ -46,3 +46,14 @@ def test_megatron_keys_load_and_default_to_dtensor():
 ])
 def test_what_megatron_cannot_run_is_a_config_error(overrides, message):
     assert message in error_of(*overrides)
+
+
+def test_lora_loads_with_megatron_and_what_it_does_not_cover_names_the_key():
+    cfg = load("policy.backend=megatron", "policy.lora.enabled=true")
+    assert cfg.policy.lora.enabled and cfg.policy.backend == "megatron"
+    assert "policy.lora.target_modules: ['lm_head']" in error_of(
+        "policy.backend=megatron", "policy.lora.enabled=true", "++policy.lora.target_modules=[q_proj,lm_head]")
+    assert "policy.lora.modules_to_save=['lm_head']" in error_of(
+        "policy.backend=megatron", "policy.lora.enabled=true", "++policy.lora.modules_to_save=[lm_head]")
+    assert "policy.model_kind=reward_model: not supported" in error_of(
+        "policy.backend=megatron", "policy.lora.enabled=true", "policy.model_kind=reward_model")

@@ -242,9 +242,8 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
                          f"{cfg.tensor_parallel_size}: tensor parallelism splits these projections, so they cannot "
                          "be trained in full beside the adapters; name them in policy.lora.target_modules instead "
                          "or set policy.tensor_parallel_size=1")
-    if cfg.lora.enabled and cfg.backend != "dtensor":
-        raise ValueError(f"policy.lora.enabled=true needs policy.backend=dtensor (LoRA is not wired into the "
-                         f"Megatron worker), got {cfg.backend!r}")
+    if cfg.lora.enabled and cfg.backend == "megatron":
+        validate_megatron_lora(cfg)
     if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
         raise ValueError(
             f"policy.scheduler_milestones: {len(cfg.scheduler)} schedulers need "
@@ -287,3 +286,21 @@ def validate_megatron_policy(cfg: PolicyConfig) -> None:
     if extra:
         raise ValueError(f"policy.optimizer.kwargs: {sorted(extra)} not supported by the Megatron "
                          f"{cfg.optimizer.name} (takes {sorted(allowed)})")
+
+
+MEGATRON_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def validate_megatron_lora(cfg: PolicyConfig) -> None:
+    """What LoRA covers on the Megatron backend: adapters on a causal LM's attention/MLP linears."""
+    if cfg.model_kind != "causal_lm":
+        raise ValueError("policy.lora.enabled=true with policy.backend=megatron and policy.model_kind=reward_model: "
+                         "not supported (the score head would have to train beside the adapters); use "
+                         "policy.backend=dtensor for a LoRA reward model")
+    if cfg.lora.modules_to_save:
+        raise ValueError(f"policy.lora.modules_to_save={cfg.lora.modules_to_save}: not supported with "
+                         "policy.backend=megatron (adapters only); leave it unset or use policy.backend=dtensor")
+    unknown = sorted(set(cfg.lora.target_modules) - set(MEGATRON_LORA_TARGETS))
+    if unknown:
+        raise ValueError(f"policy.lora.target_modules: {unknown} cannot take adapters with policy.backend=megatron "
+                         f"(it maps {list(MEGATRON_LORA_TARGETS)} to Megatron's parallel linears)")

@@ -177,7 +177,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(local[name])
-        model.to(self.device)
+        model = self._prepare_model(model.to(self.device))
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
             use_distributed_optimizer=mcfg.distributed_optimizer, check_for_nan_in_grad=False,
@@ -190,6 +190,10 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             megatron_optimizer_config(self.cfg, bf16), [self.model], config_overrides={}
         )
         self.scheduler = build_scheduler(self._torch_optimizer(), self.cfg)
+
+    def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """This stage's GPTModel, loaded, before Megatron's DDP wraps it (the LoRA worker adds adapters)."""
+        return model
 
     @staticmethod
     def _finalize_grads(model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
@@ -352,7 +356,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
     def _full_hf_weights(self) -> dict[str, torch.Tensor]:
         """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective)."""
         stage: dict[str, torch.Tensor] = {}
-        for name, param in self.model.module.named_parameters():
+        for name, param in self._hf_named_parameters():
             shards = [param.detach()]
             if self.tp_size > 1:
                 shards = [torch.empty_like(param) for _ in range(self.tp_size)]
@@ -365,6 +369,10 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
             if self.rank == 0:
                 hf = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
         return hf if self.rank == 0 else {}
+
+    def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """The model's parameters that are HF weights (all of them; not LoRA adapters)."""
+        return self.model.module.named_parameters()
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory refit)."""
@@ -387,10 +395,14 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
         with self._megatron():
             weights = self._full_hf_weights()
+        self._write_hf_dir(weights, out_dir)
+
+    def _write_hf_dir(self, weights: dict[str, torch.Tensor], out_dir: str) -> None:
+        """Rank 0 writes `weights` (HF names) as a Hugging Face directory; all ranks wait (collective)."""
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
         if self.rank == 0:
             auto_class = AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
             with torch.device("meta"):
@@ -404,8 +416,14 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
     # -- native checkpoints ----------------------------------------------------------------------------------
 
+    def _sharded_model_state(self) -> dict[str, Any]:
+        return self.model.module.sharded_state_dict()
+
+    def _load_model_state(self, state: dict[str, Any]) -> None:
+        self.model.module.load_state_dict(state)
+
     def _sharded_state(self, with_optimizer: bool, is_loading: bool) -> dict[str, Any]:
-        model_state = self.model.module.sharded_state_dict()
+        model_state = self._sharded_model_state()
         state = {"model": model_state}
         if with_optimizer:
             # dp_reshardable: a distributed-optimizer checkpoint loads at another tp/pp/dp layout
@@ -445,7 +463,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         with self._megatron():
             with_optimizer = json.loads((path / CONTENTS_FILE).read_text())["optimizer"]
             state = dist_checkpointing.load(self._sharded_state(with_optimizer, True), str(path / MEGATRON_DIR))
-            self.model.module.load_state_dict(state["model"])
+            self._load_model_state(state["model"])
             if with_optimizer:
                 with torch.no_grad():
                     self.optimizer.load_state_dict(state["optimizer"])

@@ -44,6 +44,8 @@ def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) 
     if cfg.backend == "megatron":
         from posttrain.models.policy.megatron_worker import MegatronPolicyWorker
 
+        if cfg.lora.enabled:
+            from posttrain.models.policy.megatron_lora import MegatronLoraPolicyWorker as MegatronPolicyWorker
         shape = (cfg.megatron.pipeline_model_parallel_size, dp_size, cfg.megatron.tensor_model_parallel_size)
         return MegatronPolicyWorker, NamedSharding(ranks.reshape(shape), ["pp", "dp", "tp"])
     return DTensorPolicyWorker, NamedSharding(ranks.reshape(dp_size, cfg.tensor_parallel_size), ["dp", "tp"])
