@@ -14,6 +14,10 @@ class ReservedLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         super().__init__()
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self._allocate(keys, values, capacity)
+
+    def _allocate(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Buffers of `capacity` positions holding `keys` / `values` [B, H, T, D] at the start."""
         self.key_buffer = keys.new_empty(*keys.shape[:2], max(capacity, keys.shape[2]), keys.shape[3])
         self.value_buffer = values.new_empty(*values.shape[:2], self.key_buffer.shape[2], values.shape[3])
         self.key_buffer[:, :, : keys.shape[2]] = keys
@@ -27,7 +31,7 @@ class ReservedLayer(DynamicLayer):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         start, count = self.keys.shape[2], key_states.shape[2]
         if start + count > self.key_buffer.shape[2]:  # past the reservation: double it
-            self.__init__(self.keys, self.values, max(2 * self.key_buffer.shape[2], start + count))
+            self._allocate(self.keys, self.values, max(2 * self.key_buffer.shape[2], start + count))
         self.key_buffer[:, :, start : start + count] = key_states
         self.value_buffer[:, :, start : start + count] = value_states
         self._set_length(start + count)

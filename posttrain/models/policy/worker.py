@@ -215,7 +215,7 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
 
 def needs_fsdp(world_size: int, cfg: PolicyConfig, device: torch.device) -> bool:
     """FSDP2 unless one worker trains in fp32 without CPU offload: a 1-rank FSDP shards nothing, yet copies
-    every parameter in (forward and again for backward) and every gradient out (7% of a SmolLM2 step)."""
+    every parameter in (forward and again for backward) and every gradient out (~7% of SmolLM2's training)."""
     return world_size > 1 or cfg.precision != "float32" or (cfg.cpu_offload and device.type == "cuda")
 
 
