@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import PeftModel
+from test_policy import make_train_data as policy_train_data
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss
@@ -16,7 +17,7 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.models.generation import GenerationConfig, HFGeneration
-from posttrain.models.lora import AdapterWeights
+from posttrain.models.lora import ADAPTER_DIR, AdapterWeights
 from posttrain.models.policy.config import PolicyConfig
 from posttrain.models.policy.policy import Policy
 from posttrain.utils.safe_dcp import read_metadata_safely
@@ -31,14 +32,10 @@ NUM_ADAPTER_TENSORS = 2 * 7 * 2  # layers x modules x (A, B)
 
 
 def make_train_data() -> BatchedDataDict:
-    generator = torch.Generator().manual_seed(1)
-    input_lengths = torch.randint(5, SEQ_LEN + 1, (NUM_ROWS,), generator=generator)  # [B]
-    real = torch.arange(SEQ_LEN).unsqueeze(0) < input_lengths.unsqueeze(1)  # [B, T]
-    input_ids = torch.randint(4, 100, (NUM_ROWS, SEQ_LEN), generator=generator) * real  # [B, T]
-    token_mask = real.long()
-    token_mask[:, 0] = 0
-    return BatchedDataDict(input_ids=input_ids, input_lengths=input_lengths, token_mask=token_mask,
-                           sample_mask=torch.ones(NUM_ROWS))
+    """test_policy's rows (lengths 5..12, every real token but the first trained) with no row masked out."""
+    data = policy_train_data(NUM_ROWS, SEQ_LEN)
+    data["sample_mask"] = torch.ones(NUM_ROWS)
+    return data
 
 
 def direct_logprobs(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tensor:
@@ -161,19 +158,24 @@ def test_hf_generation_applies_the_adapter_to_its_resident_base(lora, model_dir,
     torch.testing.assert_close(outputs["logprobs"][generated], policy_logprobs[generated], atol=1e-5, rtol=0)
 
 
-def test_export_writes_a_peft_adapter_and_a_merged_model_equal_to_the_policy(lora, model_dir):
-    checkpoint, out, data = lora["checkpoint"], lora["out"], lora["data"]
+def assert_exports_reproduce(checkpoint, out, model_dir, data, checkpoint_logprobs, final_logprobs) -> None:
+    """`posttrain export` of `checkpoint` as a PEFT adapter (on the base model) and `--merge`d give the
+    checkpoint's logprobs; the run's end-of-run `hf_model` (merged, adapter beside it) gives the final ones."""
     assert posttrain_main(["export", str(checkpoint), str(out / "adapter")]) == 0
     assert posttrain_main(["export", str(checkpoint), str(out / "merged"), "--merge"]) == 0
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with_adapter = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
-    torch.testing.assert_close(direct_logprobs(with_adapter, data), lora["checkpoint_logprobs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(direct_logprobs(with_adapter, data), checkpoint_logprobs, atol=1e-5, rtol=0)
     merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
-    torch.testing.assert_close(direct_logprobs(merged, data), lora["checkpoint_logprobs"], atol=1e-5, rtol=0)
-    # The end-of-run export of the live policy: merged weights (and the adapter beside them).
+    torch.testing.assert_close(direct_logprobs(merged, data), checkpoint_logprobs, atol=1e-5, rtol=0)
     final = AutoModelForCausalLM.from_pretrained(out / "hf_model", dtype=torch.float32).eval()
-    torch.testing.assert_close(direct_logprobs(final, data), lora["trained_logprobs"], atol=1e-5, rtol=0)
-    assert (out / "hf_model" / "adapter" / "adapter_config.json").is_file()
+    torch.testing.assert_close(direct_logprobs(final, data), final_logprobs, atol=1e-5, rtol=0)
+    assert (out / "hf_model" / ADAPTER_DIR / "adapter_config.json").is_file()
+
+
+def test_export_writes_a_peft_adapter_and_a_merged_model_equal_to_the_policy(lora, model_dir):
+    assert_exports_reproduce(lora["checkpoint"], lora["out"], model_dir, lora["data"], lora["checkpoint_logprobs"],
+                             lora["trained_logprobs"])
 
 
 @pytest.fixture(scope="module")

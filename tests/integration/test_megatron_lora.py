@@ -11,12 +11,16 @@ import torch
 
 pytest.importorskip("megatron.core", reason="policy.backend=megatron needs posttrain[megatron]")
 
-from peft import PeftModel  # noqa: E402
-from test_lora import direct_logprobs, make_train_data, start_policy, train_losses  # noqa: E402
+from test_lora import (  # noqa: E402
+    assert_exports_reproduce,
+    direct_logprobs,
+    make_train_data,
+    start_policy,
+    train_losses,
+)
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from posttrain.algorithms.loss import NLLLoss  # noqa: E402
-from posttrain.cli import main as posttrain_main  # noqa: E402
 from posttrain.models import lora  # noqa: E402
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
 
@@ -141,14 +145,5 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2_like_the_uninterrupted_run(runs)
 
 
 def test_export_of_a_megatron_lora_checkpoint_reproduces_the_policy(runs, model_dir):
-    checkpoint, out, data = runs["checkpoint"].parent, runs["out"], make_train_data()
-    assert posttrain_main(["export", str(checkpoint), str(out / "adapter")]) == 0
-    assert posttrain_main(["export", str(checkpoint), str(out / "merged"), "--merge"]) == 0
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with_adapter = PeftModel.from_pretrained(base, str(out / "adapter")).eval()
-    torch.testing.assert_close(direct_logprobs(with_adapter, data), runs["checkpoint_logprobs"], atol=1e-5, rtol=0)
-    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
-    torch.testing.assert_close(direct_logprobs(merged, data), runs["checkpoint_logprobs"], atol=1e-5, rtol=0)
-    final = AutoModelForCausalLM.from_pretrained(out / "hf_model", dtype=torch.float32).eval()
-    torch.testing.assert_close(direct_logprobs(final, data), runs["logprobs"], atol=1e-5, rtol=0)
-    assert (out / "hf_model" / lora.ADAPTER_DIR / "adapter_config.json").is_file()
+    assert_exports_reproduce(runs["checkpoint"].parent, runs["out"], model_dir, make_train_data(),
+                             runs["checkpoint_logprobs"], runs["logprobs"])
