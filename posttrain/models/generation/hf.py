@@ -17,6 +17,7 @@ from posttrain.distributed.shared_weights import SharedWeights, map_shared_weigh
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.interface import RayGeneration, sample_seed
 from posttrain.models.generation.kv_cache import reserve
+from posttrain.models.generation.packed_linear import pack_linears
 from posttrain.models.lora import AdapterWeights, apply_adapter
 from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill, vision_token_ids
 
@@ -289,6 +290,7 @@ class HFGenerationWorker:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
+        pack_linears(self.model)  # CPU fp32: weights laid out once for oneDNN; repacked after every refit
 
     def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
                  ) -> dict[str, torch.Tensor]:
@@ -315,15 +317,20 @@ class HFGenerationWorker:
 
     def update_weights(self, weights: Any) -> float:
         """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an
-        adapter onto the resident base model; return seconds."""
+        adapter onto the resident base model, and repack the linear layers; return seconds."""
         start = time.perf_counter()
+        self.load_weights(weights)
+        pack_linears(self.model)  # shared-memory weights too: the policy rewrote them in place
+        return time.perf_counter() - start
+
+    def load_weights(self, weights: Any) -> None:
         if isinstance(weights, SharedWeights):
             self.map_shared_weights(weights)
-            return time.perf_counter() - start
+            return
         state_dict = resolve_weights(weights)
         if isinstance(state_dict, AdapterWeights):  # LoRA: the adapter goes on top of the resident base
             self.model = apply_adapter(self.model, state_dict)
-            return time.perf_counter() - start
+            return
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
         unknown = sorted(set(state_dict) - set(targets))
         if unknown:
@@ -334,7 +341,6 @@ class HFGenerationWorker:
                     raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                      f"the model expects {tuple(targets[name].shape)}")
                 targets[name].copy_(tensor)
-        return time.perf_counter() - start
 
     def map_shared_weights(self, handle: SharedWeights) -> None:
         """Make the model's parameters views of the policy's shared-memory weights (once per file: the

@@ -1,0 +1,61 @@
+"""Prepacked (oneDNN) linear layers for CPU generation: the same model function, the same parameters, and
+a packed copy that is only as new as the last `pack_linears`."""
+
+import pytest
+import torch
+
+from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
+from posttrain.models.generation.packed_linear import PACKED_ATTR, pack_linears, packing_available, unpack_linears
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture()
+def model(tmp_path):
+    spec = ModelFromConfig(architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, seed=5)
+    return load_model(str(build_model_dir(spec, tmp_path))).eval()
+
+
+def logits(model, input_ids):
+    with torch.inference_mode():
+        return model(input_ids=input_ids).logits
+
+
+def test_packed_model_gives_the_plain_logits_and_keeps_its_parameters(model):
+    """Qwen2 (biased q/k/v, unbiased o/MLP, tied head): 2 layers x 7 projections + the head = 15 packed;
+    logits over a [3, 9] batch equal the plain model's (fp32, 1e-5); state dict names and tensors unchanged."""
+    input_ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
+    plain = logits(model, input_ids)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert pack_linears(model) == 15
+    torch.testing.assert_close(logits(model, input_ids), plain, atol=1e-5, rtol=0)
+    state_after = model.state_dict()
+    assert state_after.keys() == state_before.keys()
+    for name, tensor in state_before.items():
+        assert torch.equal(state_after[name], tensor), name
+    unpack_linears(model)
+    assert not any(hasattr(m, PACKED_ATTR) for m in model.modules())
+    assert torch.equal(logits(model, input_ids), plain)
+
+
+def test_the_packed_copy_follows_the_weights_only_when_repacked(model):
+    """An in-place change of a weight (what a refit does) reaches the packed forward at the next
+    pack_linears, not before: the reason the generation worker repacks after every refit."""
+    input_ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
+    pack_linears(model)
+    old = logits(model, input_ids)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+    torch.testing.assert_close(logits(model, input_ids), old, atol=0, rtol=0)  # stale until repacked
+    pack_linears(model)
+    repacked = logits(model, input_ids)
+    unpack_linears(model)
+    torch.testing.assert_close(repacked, logits(model, input_ids), atol=1e-5, rtol=0)
+    assert (repacked - old).abs().max() > 1e-3
+
+
+def test_only_fp32_linears_on_a_cpu_are_packed():
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    assert pack_linears(layers) == 1
+    assert hasattr(layers[0], PACKED_ATTR) and not hasattr(layers[1], PACKED_ATTR)
