@@ -4,17 +4,24 @@ a packed copy that is only as new as the last `pack_linears`."""
 import pytest
 import torch
 
-from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
+from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
+from posttrain.models.generation.config import GenerationConfig
+from posttrain.models.generation.hf import HFGenerationWorker
 from posttrain.models.generation.packed_linear import PACKED_ATTR, pack_linears, packing_available, unpack_linears
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
 
 @pytest.fixture()
-def model(tmp_path):
+def model_dir(tmp_path):
     spec = ModelFromConfig(architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=128, seed=5)
-    return load_model(str(build_model_dir(spec, tmp_path))).eval()
+    return str(build_model_dir(spec, tmp_path))
+
+
+@pytest.fixture()
+def model(model_dir):
+    return load_model(model_dir).eval()
 
 
 def logits(model, input_ids):
@@ -59,3 +66,22 @@ def test_only_fp32_linears_on_a_cpu_are_packed():
     layers = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
     assert pack_linears(layers) == 1
     assert hasattr(layers[0], PACKED_ATTR) and not hasattr(layers[1], PACKED_ATTR)
+
+
+def test_generation_workers_pack_unless_told_not_to_and_sample_alike(model_dir):
+    """HFGenerationWorker packs its 15 linear layers by default and none with generation.packed_weights=False;
+    both draw the same 16 tokens for 4 prompts (same seed) with logprobs within 1e-4."""
+    tokenizer = load_tokenizer(model_dir)
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["12+34=", "7+8=", "abc", "x"]]
+    lengths = torch.tensor([len(i) for i in ids])
+    input_ids = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
+    for row, sequence in enumerate(ids):
+        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+    outputs = {}
+    for packed in (True, False):
+        cfg = GenerationConfig(backend="hf", max_new_tokens=4, stop_token_ids=[], packed_weights=packed)
+        worker = HFGenerationWorker(cfg, model_dir)
+        assert sum(hasattr(m, PACKED_ATTR) for m in worker.model.modules()) == (15 if packed else 0)
+        outputs[packed] = worker.generate({"input_ids": input_ids, "input_lengths": lengths}, seed=3)
+    assert torch.equal(outputs[True]["output_ids"], outputs[False]["output_ids"])
+    torch.testing.assert_close(outputs[True]["logprobs"], outputs[False]["logprobs"], atol=1e-4, rtol=0)

@@ -290,7 +290,7 @@ class HFGenerationWorker:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
-        pack_linears(self.model)  # CPU fp32: weights laid out once for oneDNN; repacked after every refit
+        self.repack()  # CPU fp32: weights laid out once for oneDNN; repacked after every refit
 
     def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
                  ) -> dict[str, torch.Tensor]:
@@ -320,8 +320,12 @@ class HFGenerationWorker:
         adapter onto the resident base model, and repack the linear layers; return seconds."""
         start = time.perf_counter()
         self.load_weights(weights)
-        pack_linears(self.model)  # shared-memory weights too: the policy rewrote them in place
+        self.repack()  # shared-memory weights too: the policy rewrote them in place
         return time.perf_counter() - start
+
+    def repack(self) -> None:
+        if self.cfg.packed_weights:
+            pack_linears(self.model)
 
     def load_weights(self, weights: Any) -> None:
         if isinstance(weights, SharedWeights):
