@@ -1,9 +1,9 @@
 """Linear layers with prepacked weights for generation on a CPU.
 
 A decode step multiplies a few dozen rows by every weight matrix. At that shape MKL's sgemm (what
-`torch.nn.functional.linear` calls for fp32 on a CPU) re-lays out the weight on every call and reaches
-half of the cores' peak; oneDNN with the weight laid out once, in its own blocked format, does the same
-product 1.5-2.5x faster (SmolLM2-135M at 32 rows: 30 layers 69 -> 44 ms, its 49k-token head 24 -> 10 ms).
+`torch.nn.functional.linear` calls for fp32 on a CPU) reaches about half of the cores' peak; oneDNN with
+the weight laid out once, in its own blocked format, does the same product 1.5-2.5x faster (SmolLM2-135M
+at 32 rows on 2 cores: 30 layers 69 -> 44 ms, its 49k-token head 24 -> 10 ms).
 This is what torch's own compiler does for frozen CPU inference (`torch._inductor` "weight prepacking").
 
 The packed copy does not follow in-place changes of the weight: the owner repacks after every refit
