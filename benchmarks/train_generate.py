@@ -1,9 +1,9 @@
 """Training and generation throughput of posttrain's backends, with model FLOPs utilisation (MFU).
 
-For each model size: `Policy.train` tokens/s (an FSDP2 worker, NLL on random token rows, one optimizer
+For each model size: `Policy.train` tokens/s (one training worker, NLL on random token rows, one optimizer
 step per global batch) and `generate` tokens/s (the HF backend; vLLM too where it is importable), each
-set against the matrix-multiply FLOP/s measured inside a Ray worker of the same size (same threads or
-GPU share, same dtype). Prints a table and writes JSON. A benchmark, not a test: numbers vary by machine.
+set against the matrix-multiply FLOP/s measured in a Ray worker with the same threads (the trainer: the
+machine's CPUs; the generation worker: half of them) or GPU share, same dtype. Prints a table and writes JSON. A benchmark, not a test: numbers vary by machine.
 
 FLOPs per token (Kaplan et al. 2020, PaLM appendix B): forward = 2 x (matmul parameters, output
 projection included) + 2 x layers x context x hidden for causal attention (QK^T and AV over on average
@@ -92,8 +92,10 @@ def forward_flops_per_token(cfg: ModelFromConfig, vocab_size: int, mean_context:
 
 
 @ray.remote
-def measure_matmul_flops(device: str, dtype_name: str, n: int, repeats: int = 10) -> dict:
-    """Best-of-repeats FLOP/s of an n x n x n matrix product in this worker (its threads or GPU)."""
+def measure_matmul_flops(device: str, dtype_name: str, n: int, threads: int, repeats: int = 10) -> dict:
+    """Best-of-repeats FLOP/s of an n x n x n matrix product in this worker (`threads` on a CPU, or its GPU)."""
+    if device == "cpu":
+        torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -152,11 +154,16 @@ def bench_train(model_dir: Path, device: str, work: Workload, steps: int) -> lis
     return seconds
 
 
+def generation_threads() -> int:
+    """Threads of the generation worker: as many as its bundle's CPUs (half of the machine's here)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
 def bench_generate(model_dir: Path, device: str, backend: str, work: Workload, calls: int) -> list[float]:
     """Seconds of each timed generate call (after one warm-up call); every sample runs to new_tokens."""
     cfg = GenerationConfig(
         backend=backend, max_new_tokens=work.new_tokens, stop_token_ids=[], colocated=False,
-        num_cpus_per_worker=float(os.cpu_count() or 2) / 2,
+        num_cpus_per_worker=float(generation_threads()),
         precision="bfloat16" if device == "cuda" else "float32", vllm_gpu_memory_utilization=0.3,
     )
     generation = make_generation(None, cfg, str(model_dir))
@@ -205,9 +212,13 @@ def run(args: argparse.Namespace) -> dict:
     work = WORKLOADS[device]
     dtype = "bfloat16" if device == "cuda" else "float32"
     start_local_ray(max(4, os.cpu_count() or 2), log_to_driver=False)
+    # The peak of each worker's own threads: the trainer computes with the whole bundle (the machine's CPUs),
+    # the generation worker with its half (on a GPU both measure the device).
     half = {"num_cpus": (os.cpu_count() or 2) / 2, "num_gpus": 0.5 if device == "cuda" else 0}
-    peak = ray.get(measure_matmul_flops.options(**half).remote(device, dtype, 4096 if device == "cuda" else 1024))
-    peaks = {f"{dtype}, one worker": peak}
+    n = 4096 if device == "cuda" else 1024
+    train_peak, generate_peak = (ray.get(measure_matmul_flops.options(**half).remote(device, dtype, n, threads))
+                                 for threads in (os.cpu_count() or 2, generation_threads()))
+    peaks = {f"{dtype}, trainer": train_peak, f"{dtype}, generation worker": generate_peak}
     backends = [b for b in args.backends.split(",") if b != "vllm" or vllm_available()]
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="posttrain_bench_") as tmp:
@@ -219,13 +230,13 @@ def run(args: argparse.Namespace) -> dict:
             seconds = bench_train(model_dir, device, work, args.steps)
             per_token = 3 * forward_flops_per_token(model_cfg, vocab_size, work.seq_len / 2)
             results.append(result(size, params, "train", work.train_rows * work.seq_len, seconds, per_token,
-                                  peak["flops"]))
+                                  train_peak["flops"]))
             for backend in backends:
                 seconds = bench_generate(model_dir, device, backend, work, args.calls)
                 context = work.prompt_len + work.new_tokens / 2
                 per_token = forward_flops_per_token(model_cfg, vocab_size, context / 2)
                 results.append(result(size, params, f"generate:{backend}", work.gen_prompts * work.new_tokens,
-                                      seconds, per_token, peak["flops"]))
+                                      seconds, per_token, generate_peak["flops"]))
             print_table(results[-1 - len(backends):], {})
     ray.shutdown()
     print_table(results, peaks)
