@@ -3,7 +3,8 @@
 For each model size: `Policy.train` tokens/s (one training worker, NLL on random token rows, one optimizer
 step per global batch) and `generate` tokens/s (the HF backend; vLLM too where it is importable), each
 set against the matrix-multiply FLOP/s measured in a Ray worker with the same threads (the trainer: the
-machine's CPUs; the generation worker: half of them) or GPU share, same dtype. Prints a table and writes JSON. A benchmark, not a test: numbers vary by machine.
+machine's CPUs; the generation worker: half of them) or GPU share, same dtype. Prints a table and writes
+JSON. A benchmark, not a test: numbers vary by machine.
 
 FLOPs per token (Kaplan et al. 2020, PaLM appendix B): forward = 2 x (matmul parameters, output
 projection included) + 2 x layers x context x hidden for causal attention (QK^T and AV over on average

@@ -7,7 +7,12 @@ import torch
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.hf import HFGenerationWorker
-from posttrain.models.generation.packed_linear import PACKED_ATTR, pack_linears, packing_available, unpack_linears
+from posttrain.models.generation.packed_linear import (
+    PACKED_ATTR,
+    pack_linears,
+    packing_available,
+    unpack_linears,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -48,15 +53,18 @@ def test_packed_model_gives_the_plain_logits_and_keeps_its_parameters(model):
 
 def test_the_packed_copy_follows_the_weights_only_when_repacked(model):
     """An in-place change of a weight (what a refit does) reaches the packed forward at the next
-    pack_linears, not before: the reason the generation worker repacks after every refit."""
+    pack_linears, not before: the reason the generation worker repacks after every refit. A repack redoes
+    only the changed layer (1 of 15); `force` redoes all (weights written by another process)."""
     input_ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(1))
-    pack_linears(model)
+    assert pack_linears(model) == 15
+    assert pack_linears(model) == 0  # nothing changed
     old = logits(model, input_ids)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(3.0)
     torch.testing.assert_close(logits(model, input_ids), old, atol=0, rtol=0)  # stale until repacked
-    pack_linears(model)
+    assert pack_linears(model) == 1
     repacked = logits(model, input_ids)
+    assert pack_linears(model, force=True) == 15
     unpack_linears(model)
     torch.testing.assert_close(repacked, logits(model, input_ids), atol=1e-5, rtol=0)
     assert (repacked - old).abs().max() > 1e-3

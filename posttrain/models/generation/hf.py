@@ -290,7 +290,7 @@ class HFGenerationWorker:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
-        self.repack()  # CPU fp32: weights laid out once for oneDNN; repacked after every refit
+        self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
 
     def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
                  ) -> dict[str, torch.Tensor]:
@@ -317,15 +317,16 @@ class HFGenerationWorker:
 
     def update_weights(self, weights: Any) -> float:
         """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an
-        adapter onto the resident base model, and repack the linear layers; return seconds."""
+        adapter onto the resident base model, and repack the changed linear layers; return seconds."""
         start = time.perf_counter()
         self.load_weights(weights)
-        self.repack()  # shared-memory weights too: the policy rewrote them in place
+        self.repack(force=isinstance(weights, SharedWeights))  # shared memory: the policy rewrote them all
         return time.perf_counter() - start
 
-    def repack(self) -> None:
+    def repack(self, force: bool = False) -> None:
+        """Packed copies of the weights changed since the last packing (all with `force`)."""
         if self.cfg.packed_weights:
-            pack_linears(self.model)
+            pack_linears(self.model, force)
 
     def load_weights(self, weights: Any) -> None:
         if isinstance(weights, SharedWeights):
