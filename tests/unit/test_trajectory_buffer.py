@@ -46,9 +46,15 @@ def test_age_zero_accepts_only_the_current_version():
 def test_put_blocks_while_full_until_a_take():
     buffer = TrajectoryBuffer(capacity=1, max_age=0)
     buffer.put(batch(1, 0))
-    waited = []
-    producer = threading.Thread(target=lambda: waited.append(buffer.put(batch(2, 0))))
+    waited, started = [], threading.Event()
+
+    def produce():
+        started.set()
+        waited.append(buffer.put(batch(2, 0)))
+
+    producer = threading.Thread(target=produce)
     producer.start()
+    started.wait(5)  # on a loaded machine the thread may start late: time the block from its start
     time.sleep(0.3)
     assert len(buffer) == 1 and not waited  # still blocked
     assert buffer.take(0).batch.index == 1
