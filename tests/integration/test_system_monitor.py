@@ -33,7 +33,10 @@ def test_real_node_cpu_and_memory_arrive_under_system_prefix(ray_session, tmp_pa
     wait_for_node_metrics(monitor)
     metrics_file = logger.log_dir / "metrics.jsonl"
     deadline = time.monotonic() + 30  # at least one flush from the background thread (every second)
-    while "system/" not in (metrics_file.read_text() if metrics_file.exists() else "") and time.monotonic() < deadline:
+    def flushed() -> bool:
+        return metrics_file.exists() and "system/" in metrics_file.read_text()
+
+    while not flushed() and time.monotonic() < deadline:
         time.sleep(0.2)
     logger.log_metrics({"loss": 1.0}, step=1, prefix="train")
     logger.finish()
