@@ -14,6 +14,7 @@ import pytest
 from posttrain.algorithms import sft
 from posttrain.config import load_typed_config
 from posttrain.demo import AccuracyProbe, DemoConfig
+from posttrain.utils.checkpoint import CheckpointManager
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "sft_tiny.yaml")
@@ -71,7 +72,8 @@ def test_sigkill_after_a_checkpoint_then_restart_reproduces_the_uninterrupted_lo
         time.sleep(0.01)
     os.killpg(process.pid, signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL, "the run ended before it could be killed"
-    saved = sorted(int(d.name.removeprefix("step_")) for d in (log_dir / "checkpoints").glob("step_*"))
+    checkpoints = CheckpointManager({"checkpoint_dir": str(log_dir / "checkpoints")})
+    saved = [step for step, _ in checkpoints.list_checkpoints()]  # finalized ones, by step
     assert saved[0] == 3
     last = saved[-1] + 3
     uninterrupted = run_sft(tmp_path / "uninterrupted", **settings, **{"sft.max_num_steps": last})

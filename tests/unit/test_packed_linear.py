@@ -4,6 +4,7 @@ a packed copy that is only as new as the last `pack_linears`."""
 import pytest
 import torch
 
+from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
 from posttrain.models.generation.config import GenerationConfig
 from posttrain.models.generation.hf import HFGenerationWorker
@@ -80,16 +81,16 @@ def test_generation_workers_pack_unless_told_not_to_and_sample_alike(model_dir):
     """HFGenerationWorker packs its 15 linear layers by default and none with generation.packed_weights=False;
     both draw the same 16 tokens for 4 prompts (same seed) with logprobs within 1e-4."""
     tokenizer = load_tokenizer(model_dir)
-    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["12+34=", "7+8=", "abc", "x"]]
-    lengths = torch.tensor([len(i) for i in ids])
-    input_ids = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
-    for row, sequence in enumerate(ids):
-        input_ids[row, : len(sequence)] = torch.tensor(sequence)
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in ["12+34=", "7+8=", "abc", "x"]]
+    prompts = BatchedDataDict.from_batches(
+        [{"input_ids": torch.tensor([ids]), "input_lengths": torch.tensor([len(ids)])} for ids in rows],
+        pad_value_dict={"input_ids": tokenizer.pad_token_id},
+    )
     outputs = {}
     for packed in (True, False):
         cfg = GenerationConfig(backend="hf", max_new_tokens=4, stop_token_ids=[], packed_weights=packed)
         worker = HFGenerationWorker(cfg, model_dir)
         assert sum(hasattr(m, PACKED_ATTR) for m in worker.model.modules()) == (15 if packed else 0)
-        outputs[packed] = worker.generate({"input_ids": input_ids, "input_lengths": lengths}, seed=3)
+        outputs[packed] = worker.generate(prompts, seed=3)
     assert torch.equal(outputs[True]["output_ids"], outputs[False]["output_ids"])
     torch.testing.assert_close(outputs[True]["logprobs"], outputs[False]["logprobs"], atol=1e-4, rtol=0)
