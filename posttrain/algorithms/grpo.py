@@ -29,6 +29,7 @@ Run: posttrain grpo --config configs/grpo_tiny.yaml
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -53,6 +54,7 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
+from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
 from posttrain.experience.trajectory_buffer import TrajectoryBatch
@@ -65,6 +67,9 @@ from posttrain.utils.logger import Logger, LoggerConfig, step_timing
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,6 +119,15 @@ class GRPOLoopConfig:
     val_num_generations: int = field(default=1, metadata={"help": "samples per validation prompt"})
     val_greedy: bool = field(default=True, metadata={"help": "greedy validation (needs val_num_generations 1)"})
     val_pass_k: int = field(default=1, metadata={"help": "k of the reported validation pass@k"})
+    val_grader: str | None = field(
+        default="final_number",
+        metadata={"help": "strict grade of validation replies beside the reward ('final_number': the reply's "
+                          "last number equals a numeric ground truth; file.py:function or module:function; "
+                          "null: none)"},
+    )
+    val_max_reward_gap: float = field(
+        default=0.1, metadata={"help": "warn when val reward exceeds the strict grade by more than this"}
+    )
     early_stop_val_accuracy: float | None = field(default=None, metadata={"help": "stop when val accuracy >= this"})
     seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
     async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"})
@@ -400,7 +414,11 @@ def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, f
         result = run_validation(
             run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
             num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
+            grader=resolve_grader(cfg.val_grader),
         )
+    warning = reward_hacking_warning(result.metrics, result.samples, cfg.val_max_reward_gap)
+    if warning:
+        log.warning("step %d: %s", step, warning)
     run.logger.log_metrics(result.metrics, step, prefix="val")
     run.logger.log_val_samples(result.samples, step)
     run.last_val = result.metrics

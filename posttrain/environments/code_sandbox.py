@@ -11,14 +11,13 @@ from typing import Any
 
 import torch
 
+from posttrain.environments.answers import grade_reply
 from posttrain.environments.interface import (
     EnvironmentInterface,
     EnvironmentReturn,
     Message,
     last_assistant_text,
-    strip_special_tokens,
 )
-from posttrain.environments.math_env import verify_answer
 from posttrain.environments.sandbox import SandboxLimits, SandboxResult, run_python, sandbox_mode
 
 __all__ = ["CodeToolEnvironment", "SandboxResult", "run_python"]
@@ -28,8 +27,8 @@ CODE_PATTERN = re.compile(r"<code>(.*?)</code>|```python\n(.*?)```", re.DOTALL)
 
 class CodeToolEnvironment(EnvironmentInterface):
     """A turn with a `<code>...</code>` (or fenced python) block runs it and returns its output as a
-    `tool` message; a turn without code is the final answer, scored with math-verify against
-    `metadata["ground_truth"]`. `max_turns` tool calls end the episode with reward 0.
+    `tool` message; a turn without code is the final answer, graded like the math environment's
+    (`answers.grade_reply`: only the answer the turn commits to) against `metadata["ground_truth"]`. `max_turns` tool calls end the episode with reward 0.
     """
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4):
@@ -53,7 +52,7 @@ class CodeToolEnvironment(EnvironmentInterface):
             output = self._tool_output(match.group(1) or match.group(2))
             return {"role": "tool", "content": output}, {**meta, "num_tool_calls": turns + 1}, 0.0, False, None, 0
         try:
-            reward, answer = verify_answer(strip_special_tokens(text), str(meta["ground_truth"]))
+            reward, answer = grade_reply(text, str(meta["ground_truth"]))
             errors = 0
         except Exception:
             reward, answer, errors = 0.0, None, 1

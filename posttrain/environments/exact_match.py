@@ -6,23 +6,25 @@ from typing import Any
 
 import torch
 
+from posttrain.environments.answers import strip_end_markers
 from posttrain.environments.interface import (
     EnvironmentInterface,
     EnvironmentReturn,
     Message,
     last_assistant_text,
-    strip_special_tokens,
 )
 
 
 class ExactMatchEnvironment(EnvironmentInterface):
-    """Single-turn: the stripped response must equal `metadata["ground_truth"]` exactly."""
+    """Single-turn: the response, without end-of-turn markers at its end and surrounding whitespace, must
+    equal `metadata["ground_truth"]` (stripped) character for character: `092` against 092 scores 1;
+    `92`, `092.`, `0 92`, `The answer is 092` score 0."""
 
     def __init__(self, ground_truth_key: str = "ground_truth"):
         self.ground_truth_key = ground_truth_key
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        answers = [strip_special_tokens(last_assistant_text(log)) for log in message_logs]
+        answers = [strip_end_markers(last_assistant_text(log)) for log in message_logs]
         rewards = [float(a == str(m[self.ground_truth_key]).strip()) for a, m in zip(answers, metadata)]
         batch_size = len(message_logs)
         return EnvironmentReturn(

@@ -43,10 +43,3 @@ def last_assistant_text(message_log: list[Message]) -> str:
         if message["role"] == "assistant":
             return message["content"]
     return ""
-
-
-def strip_special_tokens(text: str, special_tokens: tuple[str, ...] = ("<eos>", "</s>", "<|im_end|>", "<|endoftext|>")) -> str:
-    """The response without trailing end-of-sequence markers, stripped of surrounding whitespace."""
-    for token in special_tokens:
-        text = text.replace(token, "")
-    return text.strip()

@@ -1,4 +1,5 @@
-"""Math environment: verifies responses against the ground truth with math-verify (boxed, plain, fractions)."""
+"""Math environment: grades the answer a reply commits to (the last `\\boxed{}`, else the answer stated last)
+against the ground truth; what is graded, with examples, is in `posttrain.environments.answers`."""
 
 from __future__ import annotations
 
@@ -7,37 +8,23 @@ from typing import Any
 
 import torch
 
+from posttrain.environments.answers import grade_reply
 from posttrain.environments.interface import (
     EnvironmentInterface,
     EnvironmentReturn,
     Message,
     last_assistant_text,
-    strip_special_tokens,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def verify_answer(response: str, ground_truth: str, timeout_seconds: int | None = 5) -> tuple[float, str | None]:
-    """(1.0 or 0.0, the extracted answer). Raises whatever math-verify raises; callers count it.
-
-    math-verify's timeouts use signals, which only work on a main thread: pass `timeout_seconds=None`
-    from a threaded or async actor (plain Ray actors run methods on their main thread).
-    """
-    from math_verify import parse, verify
-
-    kwargs = {} if timeout_seconds else {"parsing_timeout": None}
-    gold = parse(ground_truth if "$" in ground_truth or "\\" in ground_truth else f"${ground_truth}$", **kwargs)
-    predicted = parse(response, **kwargs)
-    verify_kwargs = {"timeout_seconds": timeout_seconds} if timeout_seconds else {"timeout_seconds": None}
-    correct = verify(gold, predicted, **verify_kwargs)
-    extracted = str(predicted[1]) if len(predicted) > 1 else (str(predicted[0]) if predicted else None)
-    return float(bool(correct)), extracted
-
-
 class MathEnvironment(EnvironmentInterface):
-    """Single-turn math: reward 1 when math-verify says the response equals `metadata[ground_truth_key]`.
+    """Single-turn math: reward 1 when the reply's final answer equals `metadata[ground_truth_key]`.
 
+    Only the answer the reply commits to is graded (`answers.final_answer`): `59 + 63 = 122` and
+    `\\boxed{122}` score 1 against 122; `59 + 63 = ?`, the restated question, `122 or 123` score 0.
+    Numbers compare exactly (`0.5`, `1/2`, `\\frac{1}{2}` match); other answers through math-verify.
     A verifier exception or timeout scores 0 and is counted in `num_errors`; it never crashes the run.
     """
 
@@ -48,11 +35,11 @@ class MathEnvironment(EnvironmentInterface):
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         rewards, answers, num_errors = [], [], 0
         for log, meta in zip(message_logs, metadata):
-            response = strip_special_tokens(last_assistant_text(log))
             try:
-                reward, answer = verify_answer(response, str(meta[self.ground_truth_key]), self.timeout_seconds)
+                reward, answer = grade_reply(last_assistant_text(log), str(meta[self.ground_truth_key]),
+                                             self.timeout_seconds)
             except Exception as error:  # a verifier failure is a 0 reward, never a crashed run
-                logger.warning("math-verify failed on sample %s: %r", meta.get("idx"), error)
+                logger.warning("grading failed on sample %s: %r", meta.get("idx"), error)
                 reward, answer, num_errors = 0.0, None, num_errors + 1
             rewards.append(reward)
             answers.append(answer)

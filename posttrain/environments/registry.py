@@ -45,7 +45,8 @@ def register_environment(name: str, cls: type[EnvironmentInterface]) -> None:
     _REGISTRY[name] = cls
 
 
-def _import_attribute(spec: str) -> Any:
+def import_attribute(spec: str) -> Any:
+    """The attribute named by `path/to/file.py:name` or `package.module:name`."""
     location, _, attribute = spec.rpartition(":")
     if location.endswith(".py"):
         path = Path(location).resolve()
@@ -68,7 +69,7 @@ def resolve_environment_class(spec: str) -> type[EnvironmentInterface]:
         return target
     if ":" not in target:
         raise KeyError(f"unknown environment {spec!r}; registered: {sorted(_REGISTRY)} (or use file.py:Class)")
-    cls = _import_attribute(target)
+    cls = import_attribute(target)
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(f"environment {spec!r} is not an EnvironmentInterface subclass")
     return cls

@@ -25,6 +25,7 @@ from posttrain.config import ConfigError, load_run_config, save_config
 from posttrain.data import DataConfig, load_datasets
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, create_environments
+from posttrain.evals.graders import resolve_grader, summarize_strict_grades
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
@@ -57,6 +58,11 @@ class EvalSettings:
     batch_size: int = field(default=256, metadata={"help": "prompts per generation round (one progress step)"})
     max_seq_len: int = field(default=256, metadata={"help": "most tokens of a conversation; longer is truncated"})
     max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
+    grader: str | None = field(
+        default="final_number",
+        metadata={"help": "strict grade reported beside the reward ('final_number': the reply's last number "
+                          "equals a numeric ground truth; file.py:function or module:function; null: none)"},
+    )
 
     def validate(self) -> None:
         if self.k_value < 1:
@@ -195,6 +201,8 @@ def merge_results(parts: list[ValidationResult]) -> ValidationResult:
         "truncation_rate": sum(s["truncated"] for s in samples) / len(samples),
         "num_samples": float(len(samples)),
     }
+    if any("strict_grade" in s for s in samples):
+        metrics.update(summarize_strict_grades(samples))
     return ValidationResult(metrics, samples, rewards)
 
 
@@ -206,12 +214,13 @@ def roll_out(cfg: EvalSettings, generation: Any, records: list[dict], tokenizer:
     """
     parts: list[ValidationResult] = []
     starts = range(0, len(records), cfg.batch_size)
+    grader = resolve_grader(cfg.grader)
     with StepProgress("eval", len(starts)) as progress:
         for batch_index, start in enumerate(starts):
             part = run_validation(
                 generation, records[start:start + cfg.batch_size], tokenizer, envs, cfg.max_seq_len,
                 cfg.max_rollout_turns, num_generations=cfg.num_tests_per_prompt, greedy=cfg.greedy,
-                k=cfg.k_value, batch_size=cfg.batch_size, seed=cfg.seed + start,
+                k=cfg.k_value, batch_size=cfg.batch_size, seed=cfg.seed + start, grader=grader,
             )
             parts.append(part)
             num_correct = sum(float(p.rewards.sum()) for p in parts)
@@ -251,6 +260,7 @@ def sample_rows(samples: list[dict], num_tests_per_prompt: int) -> list[dict]:
             "extracted_answer": s["answer"],
             "ground_truth": s["ground_truth"],
             "truncated": s["truncated"],
+            "strict_grade": s.get("strict_grade"),
         }
         for i, s in enumerate(samples)
     ]
@@ -268,6 +278,9 @@ def build_summary(cfg: EvalConfig, result: ValidationResult, score: float, elaps
         "num_prompts": len(result.samples) // settings.num_tests_per_prompt,
         "num_samples": len(result.samples),
         "accuracy": result.metrics["accuracy"],
+        "grader": settings.grader,
+        "strict_accuracy": result.metrics.get("strict_accuracy"),
+        "num_strict_graded": int(result.metrics.get("num_strict_graded", 0)),
         "greedy": settings.greedy,
         "temperature": gen.temperature,
         "top_p": gen.top_p,
@@ -305,6 +318,10 @@ def summary_table(summary: dict[str, Any]) -> Table:
         "sampling": sampling_text(summary),
         "backend": summary["backend"],
         "accuracy (mean reward)": f"{summary['accuracy']:.4f}",
+        f"strict accuracy ({summary['grader']})": (
+            "-" if summary["strict_accuracy"] is None
+            else f"{summary['strict_accuracy']:.4f} of {summary['num_strict_graded']} graded"
+        ),
         "score": f"[bold]{summary['score']:.4f}[/bold]",
     }
     for name, value in rows.items():

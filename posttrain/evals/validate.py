@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from posttrain.data.vision import content_text
+from posttrain.evals.graders import Grader, strict_grades
 from posttrain.evals.metrics import eval_pass_k
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
 
@@ -51,11 +52,13 @@ def run_validation(
     k: int = 1,
     batch_size: int = 256,
     seed: int = 0,
+    grader: Grader | None = None,
 ) -> ValidationResult:
     """Roll out every record `num_generations` times (in batches of `batch_size` prompts).
 
     `accuracy` is the mean reward (the fraction correct for 0/1 rewards); `pass@k` is the unbiased
-    estimator over each prompt's samples.
+    estimator over each prompt's samples. With a `grader`, each sample also gets a `strict_grade` and the
+    metrics `strict_accuracy` and `reward_gap` (`graders.strict_grades`).
     """
     rewards, samples, lengths = [], [], []
     for start in range(0, len(records), batch_size):
@@ -75,4 +78,6 @@ def run_validation(
         "truncation_rate": sum(s["truncated"] for s in samples) / len(samples),
         "num_samples": float(len(samples)),
     }
+    if grader is not None:
+        metrics.update(strict_grades(samples, grader))
     return ValidationResult(metrics, samples, all_rewards)

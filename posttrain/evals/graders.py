@@ -1,0 +1,81 @@
+"""Strict graders of validation replies, kept beside the environment's reward so that a reward the
+policy has learned to game shows up as a gap between the two.
+
+A grader is a plain function `grader(sample) -> 1.0 | 0.0 | None` of one validation sample (the dict
+`run_validation` makes: `prompt`, `response`, `reward`, `answer`, `ground_truth`, ...); None means "cannot
+grade this sample" (it is left out of the strict accuracy). `resolve_grader` takes a built-in name or a
+user's function as `path/to/file.py:function` or `package.module:function`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+from posttrain.environments.answers import parse_number, strip_end_markers
+from posttrain.environments.registry import import_attribute
+
+Grader = Callable[[dict[str, Any]], "float | None"]
+
+_NUMBER = re.compile(r"[+\-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+
+
+def final_number(sample: dict[str, Any]) -> float | None:
+    """1.0 when the last number in the reply equals the ground truth, else 0.0; None when the ground truth
+    is not a number. `59 + 63 = 122` -> 1 and `59 + 63 = ?` -> 0 (its last number is 63) for 122."""
+    gold = parse_number(str(sample.get("ground_truth", "")))
+    if gold is None:
+        return None
+    numbers = _NUMBER.findall(strip_end_markers(sample["response"]))
+    return float(bool(numbers) and parse_number(numbers[-1]) == gold)
+
+
+BUILTIN_GRADERS: dict[str, Grader] = {"final_number": final_number}
+
+
+def resolve_grader(spec: str | None) -> Grader | None:
+    """The grader for a built-in name or an import spec (None: no strict grading)."""
+    if spec is None:
+        return None
+    if spec in BUILTIN_GRADERS:
+        return BUILTIN_GRADERS[spec]
+    if ":" not in spec:
+        raise KeyError(f"unknown grader {spec!r}; built-in: {sorted(BUILTIN_GRADERS)} (or file.py:function)")
+    grader = import_attribute(spec)
+    if not callable(grader):
+        raise TypeError(f"grader {spec!r} is not a function")
+    return grader
+
+
+def strict_grades(samples: list[dict[str, Any]], grader: Grader) -> dict[str, float]:
+    """Grade every sample in place (`strict_grade`, None where the grader cannot) and summarise them."""
+    for sample in samples:
+        grade = grader(sample)
+        sample["strict_grade"] = None if grade is None else float(grade)
+    return summarize_strict_grades(samples)
+
+
+def summarize_strict_grades(samples: list[dict[str, Any]]) -> dict[str, float]:
+    """`strict_accuracy` and `reward_gap` (mean reward minus mean strict grade) over the graded samples."""
+    graded = [s for s in samples if s.get("strict_grade") is not None]
+    if not graded:
+        return {"num_strict_graded": 0.0}
+    strict = sum(s["strict_grade"] for s in graded) / len(graded)
+    reward = sum(s["reward"] for s in graded) / len(graded)
+    return {"strict_accuracy": strict, "reward_gap": reward - strict, "num_strict_graded": float(len(graded))}
+
+
+def reward_hacking_warning(metrics: dict[str, float], samples: list[dict[str, Any]], max_gap: float) -> str | None:
+    """A warning naming one sample when the reward runs ahead of the strict grade by more than `max_gap`."""
+    gap = metrics.get("reward_gap")
+    if gap is None or gap <= max_gap:
+        return None
+    sample = max((s for s in samples if s.get("strict_grade") is not None),
+                 key=lambda s: s["reward"] - s["strict_grade"])
+    return (
+        f"validation reward {metrics['strict_accuracy'] + gap:.3f} runs ahead of the strict grade "
+        f"{metrics['strict_accuracy']:.3f} by {gap:.3f} (> {max_gap}): the policy may be gaming its reward. "
+        f"Sample idx {sample.get('idx')}: prompt {sample['prompt'][-120:]!r} -> reply {sample['response'][:120]!r}, "
+        f"reward {sample['reward']:.2f}, strict grade {sample['strict_grade']:.0f} "
+        f"(ground truth {sample.get('ground_truth')!r})"
+    )
