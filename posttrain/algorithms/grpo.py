@@ -68,7 +68,6 @@ from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 
-
 log = logging.getLogger(__name__)
 
 
