@@ -9,12 +9,14 @@ user's function as `path/to/file.py:function` or `package.module:function`.
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Callable
 
 from posttrain.environments.answers import parse_number, strip_end_markers
 from posttrain.environments.registry import import_attribute
 
+log = logging.getLogger(__name__)
 Grader = Callable[[dict[str, Any]], "float | None"]
 
 _NUMBER = re.compile(r"[+\-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
@@ -48,11 +50,20 @@ def resolve_grader(spec: str | None) -> Grader | None:
 
 
 def strict_grades(samples: list[dict[str, Any]], grader: Grader) -> dict[str, float]:
-    """Grade every sample in place (`strict_grade`, None where the grader cannot) and summarise them."""
+    """Grade every sample in place (`strict_grade`, None where the grader cannot) and summarise them. A
+    grader that raises leaves the sample ungraded; the failures are counted (`num_strict_errors`) and the
+    first is logged with its sample."""
+    num_errors = 0
     for sample in samples:
-        grade = grader(sample)
+        try:
+            grade = grader(sample)
+        except Exception as error:  # a validation grader's bug must not end the training run
+            if not num_errors:
+                log.warning("grader %s failed on sample idx %s: %r", getattr(grader, "__name__", grader),
+                            sample.get("idx"), error)
+            grade, num_errors = None, num_errors + 1
         sample["strict_grade"] = None if grade is None else float(grade)
-    return summarize_strict_grades(samples)
+    return {**summarize_strict_grades(samples), **({"num_strict_errors": float(num_errors)} if num_errors else {})}
 
 
 def summarize_strict_grades(samples: list[dict[str, Any]]) -> dict[str, float]:
