@@ -9,7 +9,8 @@ Workloads (`--model`):
   tokens, exact-match rewards on 2-digit additions.
 - `smollm2`: SmolLM2-135M-Instruct (the directory `make real-model` writes, or `--model-dir`), its own
   49k-token tokenizer and ChatML template; 8 prompts x 4 generations of up to 32 new tokens ("What is
-  51 - 29? Reply with the number only."), math-verify rewards, stop at `<|im_end|>`.
+  51 - 29? Reply with the number only."), the `math` environment's rewards (the reply's final answer),
+  stop at `<|im_end|>`.
 - `0.5b`: a seeded Qwen2 of 477M parameters (hidden 896, 32 layers, 14 heads, 2 KV heads, MLP 4864, the
   byte tokenizer), 8 prompts x 8 generations of up to 128 new tokens: generation dominates (for GPUs).
 Every step: temperature 1 (no top-k / top-p), one AdamW step over all samples (weight decay 0.01, grad-
@@ -70,7 +71,7 @@ class Workload:
     num_prompts: int
     num_generations: int
     max_new_tokens: int
-    env: str  # posttrain environment: exact_match (answers compared as text) or math (math-verify)
+    env: str  # posttrain environment: exact_match (answers compared as text) or math (final answer)
     model: ModelFromConfig | None = None  # built from config; None: a model directory (--model-dir)
     optimizer: dict = field(default_factory=lambda: {"lr": 1.0e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
                                                       "eps": 1.0e-8})

@@ -33,8 +33,8 @@ def exact_match(completions: list, answer: list[str], **kwargs) -> list[float]:
 
 
 def numeric_match(completions: list, answer: list[str], **kwargs) -> list[float]:
-    """1.0 when the last number in the response equals the answer (posttrain's `math` environment
-    verifies with math-verify, which TRL's environment does not have; the reward's cost is negligible)."""
+    """1.0 when the last number in the response equals the answer (posttrain's `math` environment grades
+    the answer the reply commits to, a stricter rule; the reward's cost is negligible on both sides)."""
     rewards = []
     for completion, truth in zip(completions, answer):
         numbers = re.findall(r"-?\d+", completion[0]["content"])

@@ -1,4 +1,4 @@
-"""Environments score rollouts: math (math-verify), exact match, a sliding-tile game, a code tool, a reward model."""
+"""Environments score rollouts: math (final answer), exact match, sliding puzzle, code tool, reward model."""
 
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn
 from posttrain.environments.pool import EnvironmentPool, create_environments

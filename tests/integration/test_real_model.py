@@ -159,13 +159,13 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray
     for name, env_cls in (("loose", loose), ("math", "math")):
         cfg = load_typed_config(grpo.GRPOConfig, str(REPO / "configs" / "grpo_smollm2.yaml"), overrides({
             "policy.model_name": smollm2_dir, "logger.log_dir": tmp_path / name, "logger.tensorboard_enabled": "false",
-            "grpo.max_num_steps": 0, "grpo.max_val_samples": 16, "data.num_train": 16, "data.num_val": 16,
+            "grpo.max_val_samples": 16, "data.num_train": 16, "data.num_val": 16,
             "env.math.cls": env_cls, "checkpointing.enabled": "false",
         }))
         caplog.clear()
         run = grpo.setup(cfg)
         try:
-            results[name] = grpo.grpo_train(run), [r.getMessage() for r in caplog.records if "runs ahead" in r.getMessage()]
+            results[name] = grpo.validate(run, 0), [r.getMessage() for r in caplog.records if "runs ahead" in r.getMessage()]
         finally:
             run.shutdown()
     loose_val, loose_warnings = results["loose"]
@@ -175,3 +175,22 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray
     assert "Sample idx" in loose_warnings[0] and "What is" in loose_warnings[0]
     assert math_val["reward_gap"] <= 0.1 and math_warnings == [], math_val
     assert math_val["strict_accuracy"] == pytest.approx(loose_val["strict_accuracy"])  # the same greedy replies
+
+
+def test_restating_the_question_earns_the_run_nothing(grpo_run):
+    """The run's own environment actors score the greedy rollouts with each reply replaced by a
+    restatement of its question (`59 + 63 = ?`, the question itself): every reward is 0, so every group's
+    advantage is 0 and a GRPO step has nothing to reinforce."""
+    run, greedy, _ = grpo_run
+    logs, metadata = [], []
+    for log, info in zip(greedy["message_log"], greedy["extra_env_info"]):
+        question = next(m["content"] for m in log if m["role"] == "user")
+        a, word, b = question.removeprefix("What is ").split("?")[0].split(" ")
+        for reply in (f"{a} {'+' if word == 'plus' else '-'} {b} = ?", question):
+            prompt = log[: next(i for i, m in enumerate(log) if m["role"] == "assistant")]
+            logs.append([*prompt, {"role": "assistant", "content": reply + IM_END}])
+            metadata.append(info)
+    result = run.envs["math"].step(logs, metadata)
+    assert result.rewards.tolist() == [0.0] * len(logs) and result.num_errors == 0
+    advantages = grpo.compute_advantages(run.cfg.grpo, result.rewards)
+    assert advantages.abs().sum() == 0

@@ -1,4 +1,4 @@
-"""Environments without Ray: math-verify scoring, exact match, the sliding puzzle, the code sandbox."""
+"""Environments without Ray: final-answer grading, exact match, the sliding puzzle, the code sandbox."""
 
 import pytest
 
