@@ -61,6 +61,9 @@ def test_cli_eval_writes_summary_and_samples_whose_rewards_give_the_score(ray_se
     rewards = [s["reward"] for s in samples]
     assert summary["score"] == eval_pass_k(rewards, n, k)
     assert summary["accuracy"] == pytest.approx(sum(rewards) / len(rewards))
+    grades = [s["strict_grade"] for s in samples]  # final_number: every arithmetic answer is a number
+    assert summary["grader"] == "final_number" and summary["num_strict_graded"] == len(samples)
+    assert set(grades) <= {0.0, 1.0} and summary["strict_accuracy"] == pytest.approx(sum(grades) / len(grades))
     assert (save_path / "config.yaml").is_file()
     assert not list(save_path.glob(".model-*"))  # the temporary model directory is removed
 
@@ -131,5 +134,6 @@ def test_eval_of_a_grpo_checkpoint_matches_the_runs_own_validation(grpo_run_dir,
     val = [row for row in read_jsonl(grpo_run_dir / "metrics.jsonl") if row["step"] == 1 and "val/accuracy" in row]
     assert result.summary["accuracy"] == pytest.approx(val[0]["val/accuracy"], abs=1e-7)
     assert result.summary["score"] == pytest.approx(val[0]["val/pass@2"], abs=1e-7)
+    assert result.summary["strict_accuracy"] == pytest.approx(val[0]["val/strict_accuracy"], abs=1e-7)
     logged = read_jsonl(tmp_path / "metrics.jsonl")  # the eval's own logger: at the checkpoint's step
     assert [(row["step"], row["eval/score"]) for row in logged] == [(1, result.summary["score"])]
