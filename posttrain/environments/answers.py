@@ -64,7 +64,8 @@ def _clean(candidate: str) -> str:
     while changed:
         changed = False
         for left, right in _DELIMITERS:
-            if len(candidate) > len(left) + len(right) and candidate.startswith(left) and candidate.endswith(right):
+            wrapped = candidate.startswith(left) and candidate.endswith(right)
+            if wrapped and len(candidate) > len(left) + len(right):
                 candidate = candidate[len(left): -len(right)].strip().rstrip(".!,;").strip()
                 changed = True
     return candidate

@@ -28,7 +28,8 @@ CODE_PATTERN = re.compile(r"<code>(.*?)</code>|```python\n(.*?)```", re.DOTALL)
 class CodeToolEnvironment(EnvironmentInterface):
     """A turn with a `<code>...</code>` (or fenced python) block runs it and returns its output as a
     `tool` message; a turn without code is the final answer, graded like the math environment's
-    (`answers.grade_reply`: only the answer the turn commits to) against `metadata["ground_truth"]`. `max_turns` tool calls end the episode with reward 0.
+    (`answers.grade_reply`: only the answer the turn commits to) against `metadata["ground_truth"]`.
+    `max_turns` tool calls end the episode with reward 0.
     """
 
     def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4):

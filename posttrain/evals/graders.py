@@ -63,7 +63,10 @@ def strict_grades(samples: list[dict[str, Any]], grader: Grader) -> dict[str, fl
                             sample.get("idx"), error)
             grade, num_errors = None, num_errors + 1
         sample["strict_grade"] = None if grade is None else float(grade)
-    return {**summarize_strict_grades(samples), **({"num_strict_errors": float(num_errors)} if num_errors else {})}
+    summary = summarize_strict_grades(samples)
+    if num_errors:
+        summary["num_strict_errors"] = float(num_errors)
+    return summary
 
 
 def summarize_strict_grades(samples: list[dict[str, Any]]) -> dict[str, float]:
@@ -76,7 +79,8 @@ def summarize_strict_grades(samples: list[dict[str, Any]]) -> dict[str, float]:
     return {"strict_accuracy": strict, "reward_gap": reward - strict, "num_strict_graded": float(len(graded))}
 
 
-def reward_hacking_warning(metrics: dict[str, float], samples: list[dict[str, Any]], max_gap: float) -> str | None:
+def reward_hacking_warning(metrics: dict[str, float], samples: list[dict[str, Any]],
+                           max_gap: float) -> str | None:
     """A warning naming one sample when the reward runs ahead of the strict grade by more than `max_gap`."""
     gap = metrics.get("reward_gap")
     if gap is None or gap <= max_gap:
@@ -86,7 +90,8 @@ def reward_hacking_warning(metrics: dict[str, float], samples: list[dict[str, An
     return (
         f"validation reward {metrics['strict_accuracy'] + gap:.3f} runs ahead of the strict grade "
         f"{metrics['strict_accuracy']:.3f} by {gap:.3f} (> {max_gap}): the policy may be gaming its reward. "
-        f"Sample idx {sample.get('idx')}: prompt {sample['prompt'][-120:]!r} -> reply {sample['response'][:120]!r}, "
+        f"Sample idx {sample.get('idx')}: prompt {sample['prompt'][-120:]!r} "
+        f"-> reply {sample['response'][:120]!r}, "
         f"reward {sample['reward']:.2f}, strict grade {sample['strict_grade']:.0f} "
         f"(ground truth {sample.get('ground_truth')!r})"
     )

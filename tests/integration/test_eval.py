@@ -63,7 +63,8 @@ def test_cli_eval_writes_summary_and_samples_whose_rewards_give_the_score(ray_se
     assert summary["accuracy"] == pytest.approx(sum(rewards) / len(rewards))
     grades = [s["strict_grade"] for s in samples]  # final_number: every arithmetic answer is a number
     assert summary["grader"] == "final_number" and summary["num_strict_graded"] == len(samples)
-    assert set(grades) <= {0.0, 1.0} and summary["strict_accuracy"] == pytest.approx(sum(grades) / len(grades))
+    assert set(grades) <= {0.0, 1.0}
+    assert summary["strict_accuracy"] == pytest.approx(sum(grades) / len(grades))
     assert (save_path / "config.yaml").is_file()
     assert not list(save_path.glob(".model-*"))  # the temporary model directory is removed
 

@@ -150,7 +150,8 @@ def test_one_sft_step_gives_the_same_loss_on_one_and_two_workers(ray_session, sm
     assert two[1] == pytest.approx(one[1], rel=1e-5)
 
 
-def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray_session, smollm2_dir, tmp_path, caplog):
+def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray_session, smollm2_dir, tmp_path,
+                                                                             caplog):
     """The same 16 held-out questions, greedy, scored by a reward that pays for mentioning the operands
     (most SmolLM2 replies restate them: `59 + 63 = 152`) and by the built-in math environment: the first run
     logs the reward-gap warning naming a sample, the second logs none (its reward is the strict grade)."""
@@ -158,14 +159,15 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray
     results = {}
     for name, env_cls in (("loose", loose), ("math", "math")):
         cfg = load_typed_config(grpo.GRPOConfig, str(REPO / "configs" / "grpo_smollm2.yaml"), overrides({
-            "policy.model_name": smollm2_dir, "logger.log_dir": tmp_path / name, "logger.tensorboard_enabled": "false",
-            "grpo.max_val_samples": 16, "data.num_train": 16, "data.num_val": 16,
-            "env.math.cls": env_cls, "checkpointing.enabled": "false",
+            "policy.model_name": smollm2_dir, "logger.log_dir": tmp_path / name,
+            "logger.tensorboard_enabled": "false", "grpo.max_val_samples": 16, "data.num_train": 16,
+            "data.num_val": 16, "env.math.cls": env_cls, "checkpointing.enabled": "false",
         }))
         caplog.clear()
         run = grpo.setup(cfg)
         try:
-            results[name] = grpo.validate(run, 0), [r.getMessage() for r in caplog.records if "runs ahead" in r.getMessage()]
+            metrics = grpo.validate(run, 0)
+            results[name] = metrics, [r.getMessage() for r in caplog.records if "runs ahead" in r.getMessage()]
         finally:
             run.shutdown()
     loose_val, loose_warnings = results["loose"]
@@ -174,7 +176,7 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray
     assert loose_val["reward_gap"] > 0.1 and len(loose_warnings) == 1
     assert "Sample idx" in loose_warnings[0] and "What is" in loose_warnings[0]
     assert math_val["reward_gap"] <= 0.1 and math_warnings == [], math_val
-    assert math_val["strict_accuracy"] == pytest.approx(loose_val["strict_accuracy"])  # the same greedy replies
+    assert math_val["strict_accuracy"] == pytest.approx(loose_val["strict_accuracy"])  # same greedy replies
 
 
 def test_restating_the_question_earns_the_run_nothing(grpo_run):

@@ -43,7 +43,8 @@ def test_strict_grades_summarise_only_the_graded_samples():
 
 
 def test_the_warning_names_the_sample_where_reward_and_grade_differ_most():
-    samples = [sample("122", "122", 1.0, idx=0), sample("59 + 63 = ?", "122", 1.0, idx=7), sample("7", "8", 0.0, idx=2)]
+    samples = [sample("122", "122", 1.0, idx=0), sample("59 + 63 = ?", "122", 1.0, idx=7),
+               sample("7", "8", 0.0, idx=2)]
     metrics = strict_grades(samples, final_number)
     warning = reward_hacking_warning(metrics, samples, max_gap=0.1)
     assert "Sample idx 7" in warning and "'59 + 63 = ?'" in warning and "by 0.333" in warning

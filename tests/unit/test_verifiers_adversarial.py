@@ -65,11 +65,15 @@ MATH_ROWS = [  # (reply, ground truth, reward)
 ]
 
 
+def row_ids(name: str, rows: list) -> list[str]:
+    return [f"{name}{i}" for i in range(len(rows))]
+
+
 def conversation(reply: str) -> list[dict]:
     return [{"role": "user", "content": "q"}, {"role": "assistant", "content": reply}]
 
 
-@pytest.mark.parametrize("reply,ground_truth,reward", MATH_ROWS, ids=[f"math{i}" for i in range(len(MATH_ROWS))])
+@pytest.mark.parametrize("reply,ground_truth,reward", MATH_ROWS, ids=row_ids("math", MATH_ROWS))
 def test_math_environment_pays_only_for_the_committed_answer(reply, ground_truth, reward):
     start = time.perf_counter()
     result = MathEnvironment().step([conversation(reply)], [{"ground_truth": ground_truth}])
@@ -115,7 +119,7 @@ EXACT_ROWS = [  # (reply, ground truth, reward)
 ]
 
 
-@pytest.mark.parametrize("reply,ground_truth,reward", EXACT_ROWS, ids=[f"exact{i}" for i in range(len(EXACT_ROWS))])
+@pytest.mark.parametrize("reply,ground_truth,reward", EXACT_ROWS, ids=row_ids("exact", EXACT_ROWS))
 def test_exact_match_pays_only_for_the_exact_answer(reply, ground_truth, reward):
     result = ExactMatchEnvironment().step([conversation(reply)], [{"ground_truth": ground_truth}])
     assert result.rewards.tolist() == [reward]
@@ -162,7 +166,7 @@ MATH_WORDS_ROWS = [  # (operands, reply, reward): replies of the kinds SmolLM2-1
 ]
 
 
-@pytest.mark.parametrize("operands,reply,reward", MATH_WORDS_ROWS, ids=[f"words{i}" for i in range(len(MATH_WORDS_ROWS))])
+@pytest.mark.parametrize("operands,reply,reward", MATH_WORDS_ROWS, ids=row_ids("words", MATH_WORDS_ROWS))
 def test_math_words_task_pays_only_for_the_right_final_number(operands, reply, reward):
     problem = word_problem(*operands)
     result = MathEnvironment().step([conversation(reply)], [{"ground_truth": problem["ground_truth"]}])
@@ -177,7 +181,8 @@ def test_restating_any_built_in_question_scores_zero():
         a, op, b = row["prompt"].split("?")[0].removeprefix("What is ").split(" ")
         symbol = "+" if op == "plus" else "-"
         replies = [f"{a} {symbol} {b} = ?", row["prompt"], f"{a} {symbol} {b}", f"{a} {op} {b}"]
-        result = env.step([conversation(r) for r in replies], [{"ground_truth": row["answer"]}] * len(replies))
+        metadata = [{"ground_truth": row["answer"]}] * len(replies)
+        result = env.step([conversation(r) for r in replies], metadata)
         assert result.rewards.sum() == 0, (row, replies)
 
 
@@ -203,7 +208,7 @@ def code_env():
 CODE_ROWS = CODE_FINAL_ROWS + MATH_ROWS
 
 
-@pytest.mark.parametrize("reply,ground_truth,reward", CODE_ROWS, ids=[f"code{i}" for i in range(len(CODE_ROWS))])
+@pytest.mark.parametrize("reply,ground_truth,reward", CODE_ROWS, ids=row_ids("code", CODE_ROWS))
 def test_code_tool_final_answer_pays_only_for_the_committed_answer(code_env, reply, ground_truth, reward):
     log = [
         {"role": "user", "content": "What is 59 + 63?"},
