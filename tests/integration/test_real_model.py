@@ -150,8 +150,8 @@ def test_one_sft_step_gives_the_same_loss_on_one_and_two_workers(ray_session, sm
     assert two[1] == pytest.approx(one[1], rel=1e-5)
 
 
-def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray_session, smollm2_dir, tmp_path,
-                                                                             caplog):
+def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(
+        ray_session, smollm2_dir, tmp_path, caplog):
     """The same 16 held-out questions, greedy, scored by a reward that pays for mentioning the operands
     (most SmolLM2 replies restate them: `59 + 63 = 152`) and by the built-in math environment: the first run
     logs the reward-gap warning naming a sample, the second logs none (its reward is the strict grade)."""
@@ -167,7 +167,8 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(ray
         run = grpo.setup(cfg)
         try:
             metrics = grpo.validate(run, 0)
-            results[name] = metrics, [r.getMessage() for r in caplog.records if "runs ahead" in r.getMessage()]
+            messages = [record.getMessage() for record in caplog.records]
+            results[name] = metrics, [m for m in messages if "runs ahead" in m]
         finally:
             run.shutdown()
     loose_val, loose_warnings = results["loose"]
