@@ -2,7 +2,7 @@
 state (AdamW) and of one refit (what the policy sends to the generation workers).
 
 `measured` rows train a real policy (one FSDP2 worker in Ray, one AdamW step on random rows) and read
-`Policy.memory_footprint()` and `Policy.last_refit_bytes()`: the model of configs/sft_tiny.yaml. `shapes`
+`Policy.memory_footprint()` and `Policy.last_weights_bytes()`: the model of configs/sft_tiny.yaml. `shapes`
 rows count the same quantities from the parameter shapes of larger architectures built on the meta device
 (no weights, no training): trainable parameters x 4 bytes (fp32), AdamW state = 2 x that + a 4-byte step
 per tensor, refit = the trainable tensors in the generation dtype (fp32 here). Prints a table, writes JSON.
@@ -25,7 +25,7 @@ from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualClus
 from posttrain.distributed.virtual_cluster import start_local_ray
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.models.lora import LoraConfig, wrap_with_lora
-from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.workers.policy import Policy, PolicyConfig
 
 TINY = dict(architecture="llama", hidden_size=128, num_layers=4, num_attention_heads=4, intermediate_size=512)
 # Architectures counted from shapes (Hugging Face configs of the public models).
@@ -54,9 +54,9 @@ def measure_policy(model_dir: Path, lora: bool) -> dict[str, int]:
         policy.train(BatchedDataDict(input_ids=input_ids, input_lengths=torch.full((8,), 16), token_mask=token_mask,
                                      sample_mask=torch.ones(8)), NLLLoss())
         footprint = policy.memory_footprint()[0]
-        policy.get_weights_ref(only_changed=False)
+        policy.get_weights(only_changed=False)
         return {"param_bytes": footprint["param_bytes"], "trainable_param_bytes": footprint["trainable_param_bytes"],
-                "optimizer_state_bytes": footprint["optimizer_state_bytes"], "refit_bytes": policy.last_refit_bytes()}
+                "optimizer_state_bytes": footprint["optimizer_state_bytes"], "refit_bytes": policy.last_weights_bytes()}
     finally:
         policy.shutdown()
         cluster.shutdown()

@@ -35,8 +35,8 @@ from posttrain.config import validate_config
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
 from posttrain.distributed.virtual_cluster import start_local_ray
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
-from posttrain.models.generation import GenerationConfig, make_generation
-from posttrain.models.policy import Policy, PolicyConfig
+from posttrain.workers.generation import GenerationConfig, make_generation
+from posttrain.workers.policy import Policy, PolicyConfig
 
 # Head size 64 everywhere: vLLM's CPU attention kernels need it (16 is not supported).
 SIZES = {

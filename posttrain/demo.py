@@ -31,11 +31,11 @@ from posttrain.distributed.virtual_cluster import ClusterConfig, join_ray, start
 from posttrain.environments import EnvironmentConfig, create_environments
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.generation import GenerationConfig, make_generation
-from posttrain.models.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.plot import metric_series, plot_curves, read_metrics
+from posttrain.workers.generation import GenerationConfig, make_generation
+from posttrain.workers.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 
 
 @dataclass
@@ -122,7 +122,7 @@ class AccuracyProbe:
 
     def accuracy(self, refit: bool = True) -> float:
         if refit:
-            self.generation.update_weights(self.run.policy.get_weights_ref(only_changed=True))
+            self.generation.update_weights(self.run.policy.get_weights(only_changed=True))
         result = run_validation(self.generation, self.val_records, self.run.tokenizer, self.envs, max_seq_len=32)
         return result.metrics["accuracy"]
 

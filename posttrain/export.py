@@ -24,7 +24,7 @@ def main(args: Any) -> int:
     policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
     merge = bool(args.merge)
     if (policy_dir / "megatron").is_dir() and is_lora_checkpoint(policy_dir):  # megatron + LoRA
-        from posttrain.models.policy.megatron_lora import export_megatron_lora_checkpoint
+        from posttrain.workers.policy.megatron_lora import export_megatron_lora_checkpoint
 
         out_dir = export_megatron_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
         if not merge:
@@ -32,7 +32,7 @@ def main(args: Any) -> int:
                   "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)")
             return 0
     elif (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
-        from posttrain.models.policy.megatron_export import export_megatron_checkpoint
+        from posttrain.workers.policy.megatron_export import export_megatron_checkpoint
 
         if merge:
             raise FileNotFoundError(f"--merge: {policy_dir} is a Megatron checkpoint, not a LoRA one; "

@@ -8,6 +8,8 @@ from typing import Any
 
 from posttrain.config import ConfigError
 from posttrain.data.sources import looks_like_hub_name
+from posttrain.distributed.virtual_cluster import ClusterConfig
+from posttrain.workers.policy.config import PolicyConfig, check_parallel_sizes
 
 
 def check_loop_lengths(loop_cfg: Any) -> None:
@@ -22,26 +24,10 @@ def check_loop_lengths(loop_cfg: Any) -> None:
             raise ConfigError.at(key, f"must be >= 1, got {value}")
 
 
-def check_parallelism(policy_cfg: Any, cluster_cfg: Any) -> None:
-    """policy.tensor_parallel_size (dtensor) or policy.megatron tp x pp (megatron) must divide the cluster's
-    workers."""
-    num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
-    if policy_cfg.backend == "megatron":
-        mcfg = policy_cfg.megatron
-        model_parallel = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
-        if num_workers % model_parallel:
-            raise ConfigError(
-                "policy.megatron",
-                f"tensor_model_parallel_size x pipeline_model_parallel_size = {model_parallel} does not divide "
-                f"the {num_workers} workers (cluster.num_nodes x cluster.workers_per_node)",
-            )
-        return
-    if num_workers % policy_cfg.tensor_parallel_size:
-        raise ConfigError(
-            "policy.tensor_parallel_size",
-            f"{policy_cfg.tensor_parallel_size} does not divide the {num_workers} workers "
-            f"(cluster.num_nodes x cluster.workers_per_node)",
-        )
+def check_parallelism(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:
+    """The policy's model-parallel size must divide the cluster's workers (see check_parallel_sizes)."""
+    check_parallel_sizes(policy_cfg, cluster_cfg.num_nodes * cluster_cfg.workers_per_node,
+                         "cluster.num_nodes x cluster.workers_per_node")
 
 
 def check_batch_fits(num_records: int, batch_size: int, key: str, value: int, dataset: str) -> None:

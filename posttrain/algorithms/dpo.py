@@ -32,11 +32,11 @@ from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
-from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
+from posttrain.workers.policy import Policy, PolicyConfig
 
 
 @dataclass

@@ -59,14 +59,14 @@ from posttrain.evals.validate import run_validation
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
 from posttrain.experience.trajectory_buffer import TrajectoryBatch
 from posttrain.models.build import load_tokenizer
-from posttrain.models.generation import GenerationConfig, GenerationInterface, make_generation
-from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig, step_timing
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
+from posttrain.workers.generation import GenerationConfig, GenerationInterface, make_generation
+from posttrain.workers.policy import Policy, PolicyConfig
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,7 @@ def refit_weights(run: GRPORun) -> Any:
     store, in the generation precision."""
     if shares_memory_with_generation(run):
         return run.policy.share_weights(dtype=run.cfg.generation.precision)
-    return run.policy.get_weights_ref(dtype=run.cfg.generation.precision)
+    return run.policy.get_weights(dtype=run.cfg.generation.precision)
 
 
 @contextmanager
@@ -398,7 +398,7 @@ def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
         with timer.time("refit"):
             run.generation.update_weights(weights)
         run.weights_stale = False
-        run.refit_bytes += run.policy.last_refit_bytes()  # with LoRA: the adapter only
+        run.refit_bytes += run.policy.last_weights_bytes()  # with LoRA: the adapter only
     try:
         yield
     finally:

@@ -73,9 +73,9 @@ class AsyncRollouts:
     def publish_weights(self, run: Any, version: int) -> None:
         """All of the policy's weights (any version may follow any other in the generation workers), in
         the generation dtype, as the synchronous refit sends them."""
-        weights = run.policy.get_weights_ref(only_changed=False, dtype=run.cfg.generation.precision)
+        weights = run.policy.get_weights(only_changed=False, dtype=run.cfg.generation.precision)
         self.producer.publish(version, weights)
-        run.refit_bytes += run.policy.last_refit_bytes()  # published once, fetched by every generation worker
+        run.refit_bytes += run.policy.last_weights_bytes()  # published once, fetched by every generation worker
 
     def validation_phase(self, run: Any, timer: Timer):
         return self.producer.paused_at(run.step)

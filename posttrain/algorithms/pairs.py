@@ -15,10 +15,10 @@ from posttrain.config import ConfigError
 from posttrain.data import message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
-from posttrain.models.policy import Policy, PolicyConfig
-from posttrain.models.policy.config import model_parallel_size
-from posttrain.models.policy.worker import LossFn
 from posttrain.utils.metrics import single_step_metrics
+from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy.base import LossFn
+from posttrain.workers.policy.config import model_parallel_size
 
 
 def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:

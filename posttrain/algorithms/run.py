@@ -15,9 +15,9 @@ from typing import Any, Protocol, TypeVar
 from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError, config_to_dict, save_config
 from posttrain.models.gguf import gguf_model_dir
-from posttrain.models.policy import Policy, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import LoggerConfig
+from posttrain.workers.policy import Policy, PolicyConfig
 
 
 def default_log_dir(algorithm: str) -> str:

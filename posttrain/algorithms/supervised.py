@@ -20,12 +20,12 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.evals.supervised_samples import log_supervised_samples
 from posttrain.models.build import load_tokenizer
-from posttrain.models.policy import Policy
 from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.logger import Logger, step_timing
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
+from posttrain.workers.policy import Policy
 
 
 @dataclass

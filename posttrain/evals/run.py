@@ -29,13 +29,13 @@ from posttrain.evals.graders import resolve_grader, summarize_strict_grades
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
-from posttrain.models.generation import GenerationConfig, make_generation
 from posttrain.models.gguf import gguf_model_dir
 from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
 from posttrain.models.vlm import processor_for
 from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
+from posttrain.workers.generation import GenerationConfig, make_generation
 
 # ------------------------------------------------------------------------------------------------ config
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from posttrain.data.vision import VISION_KEYS
-from posttrain.models.generation import GenerationConfig
+from posttrain.workers.generation import GenerationConfig
 
 
 @dataclass
@@ -53,11 +53,11 @@ def greedy_answers(policy: Any, prompts: list[list[int]], max_new_tokens: int,
     """Greedy continuations of `prompts` (with their per-row `images` for a vision-language model) by the
     policy's current weights, decoded on the driver with the Hugging Face generation code (one copy of the
     model, loaded for this call)."""
-    from posttrain.models.generation.hf import HFGenerationWorker
+    from posttrain.workers.generation.hf_worker import HFGenerationWorker
 
     cfg = GenerationConfig(backend="hf", max_new_tokens=max_new_tokens)
     worker = HFGenerationWorker(cfg, policy.cfg.model_name, policy.cfg.tokenizer_name)
-    worker.update_weights(policy.get_weights_ref(only_changed=False))
+    worker.update_weights(policy.get_weights(only_changed=False))
     lengths = torch.tensor([len(p) for p in prompts])  # [B]
     input_ids = torch.full((len(prompts), int(lengths.max())), worker.pad_id, dtype=torch.long)  # [B, T]
     for i, prompt in enumerate(prompts):

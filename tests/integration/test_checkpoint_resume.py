@@ -13,7 +13,7 @@ import pytest
 
 from posttrain.algorithms import sft
 from posttrain.config import load_typed_config
-from posttrain.models.policy.policy import NonFiniteLossError
+from posttrain.workers.policy.handle import NonFiniteLossError
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "sft_tiny.yaml")

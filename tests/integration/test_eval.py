@@ -18,10 +18,10 @@ from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.evals import eval_cons_k, eval_pass_k
 from posttrain.evals.run import EvalConfig, EvalModelConfig, EvalSettings, run_eval
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.generation import GenerationConfig
-from posttrain.models.policy import OptimizerConfig, PolicyConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
+from posttrain.workers.generation import GenerationConfig
+from posttrain.workers.policy import OptimizerConfig, PolicyConfig
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "eval_tiny.yaml"
 NUM_VAL = 8  # validation prompts of the GRPO / eval comparison

@@ -13,8 +13,8 @@ from test_policy import NUM_STEPS, make_train_data, policy_config
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.models.generation import GenerationConfig, HFGeneration
-from posttrain.models.policy import Policy
+from posttrain.workers.generation import GenerationConfig, HFGeneration
+from posttrain.workers.policy import Policy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -98,7 +98,7 @@ def test_colocated_cuda_generation_agrees_with_training_and_refits(ray_session, 
         assert 1.0 <= float(error) <= 1.01
 
         policy.train(make_train_data(), NLLLoss())
-        generation.update_weights(policy.get_weights_ref())
+        generation.update_weights(policy.get_weights())
         greedy = generation.generate(prompts, greedy=True)
         policy.export_hf(tmp_path / "trained")
         model = load_model(tmp_path / "trained").eval()

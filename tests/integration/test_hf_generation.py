@@ -9,8 +9,8 @@ import torch
 
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.models.generation import GenerationConfig, HFGeneration
-from posttrain.models.generation.hf import filter_logits, right_to_left_padded, sample_from_probs
+from posttrain.workers.generation import GenerationConfig, HFGeneration
+from posttrain.workers.generation.decode import filter_logits, right_to_left_padded, sample_from_probs
 
 MAX_NEW_TOKENS = 12
 PROMPTS = ["hello", "ab", "the quick brown", "2+2=", "xyz", "Once upon", "k", "(1, 2)"]

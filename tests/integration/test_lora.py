@@ -16,11 +16,11 @@ from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.generation import GenerationConfig, HFGeneration
 from posttrain.models.lora import ADAPTER_DIR, AdapterWeights
-from posttrain.models.policy.config import PolicyConfig
-from posttrain.models.policy.policy import Policy
 from posttrain.utils.safe_dcp import read_metadata_safely
+from posttrain.workers.generation import GenerationConfig, HFGeneration
+from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.handle import Policy
 
 NUM_ROWS, SEQ_LEN = 8, 12
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "dropout": 0.0}
@@ -89,8 +89,8 @@ def lora(ray_session, model_dir, tmp_path_factory):
     found["two_losses"] = train_losses(two, data, 4)
     two.load_checkpoint(str(found["checkpoint"] / "policy"))
     found["resumed_losses"] = train_losses(two, data, 2)
-    found["payload"] = ray_session.get(one.get_weights_ref(only_changed=False))
-    found["refit_bytes"] = one.last_refit_bytes()
+    found["payload"] = ray_session.get(one.get_weights(only_changed=False))
+    found["refit_bytes"] = one.last_weights_bytes()
     found["footprint_after"] = one.memory_footprint()[0]
     found["trained_logprobs"] = one.get_logprobs(data)["logprobs"]
     found["reference_logprobs"] = one.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
@@ -192,8 +192,8 @@ def lora_tp(lora, model_dir, ray_session, tmp_path_factory):
         found["losses"] = train_losses(policy, data, 2)
         policy.save_checkpoint(str(found["checkpoint"] / "policy"))
         found["losses"] += train_losses(policy, data, 2)
-        found["payload"] = ray_session.get(policy.get_weights_ref(only_changed=False))
-        found["refit_bytes"] = policy.last_refit_bytes()
+        found["payload"] = ray_session.get(policy.get_weights(only_changed=False))
+        found["refit_bytes"] = policy.last_weights_bytes()
         found["trained_logprobs"] = policy.get_logprobs(data)["logprobs"]
         found["reference_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
         policy.export_hf(str(out / "hf_model"))

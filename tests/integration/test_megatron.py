@@ -21,7 +21,7 @@ from posttrain.algorithms.loss import BradleyTerryLoss, ClippedPGLoss, NLLLoss  
 from posttrain.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster  # noqa: E402
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
-from posttrain.models.policy.policy import Policy  # noqa: E402
+from posttrain.workers.policy.handle import Policy  # noqa: E402
 
 NUM_STEPS = 3
 LAYOUTS = {  # name -> policy overrides (2 workers each)
@@ -86,12 +86,12 @@ def runs(ray_session, model_dir, tmp_path_factory):
         if name == "pp2":  # resume the TP 2 checkpoint at PP 2 and redo SFT steps 2 and 3
             run.policy.load_checkpoint(checkpoint_dir)
             run.checkpoint_dir = checkpoint_dir
-            run.checkpoint_weights = ray_session.get(run.policy.get_weights_ref(only_changed=False))
+            run.checkpoint_weights = ray_session.get(run.policy.get_weights(only_changed=False))
             data = make_train_data()
             run.resumed = [run.policy.train(data, NLLLoss()) for _ in range(NUM_STEPS - 1)]
             run.export_dir = tmp_path_factory.mktemp("megatron_export")
             run.policy.export_hf(run.export_dir)
-            run.weights = ray_session.get(run.policy.get_weights_ref(only_changed=False))
+            run.weights = ray_session.get(run.policy.get_weights(only_changed=False))
         if name == "dp2":  # the distributed optimizer's own checkpoint: one more step, twice
             run.policy.save_checkpoint(checkpoint_dir.parent / "dp2")
             run.after_save = run.policy.train(make_train_data(), NLLLoss())
@@ -158,10 +158,10 @@ def megatron_round_trip(model_dir: str) -> dict[str, float]:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from posttrain.models.policy import megatron_convert as mc
-    from posttrain.models.policy.megatron_cpu_shim import cpu_shim
-    from posttrain.models.policy.megatron_worker import causal_mask
-    from posttrain.models.policy.worker import ensure_process_group
+    from posttrain.workers.policy import megatron_convert as mc
+    from posttrain.workers.policy.dtensor import ensure_process_group
+    from posttrain.workers.policy.megatron import causal_mask
+    from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
 
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ensure_process_group()

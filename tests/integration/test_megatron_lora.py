@@ -52,16 +52,16 @@ def runs(ray_session, model_dir, tmp_path_factory):
     data, found = make_train_data(), {"out": out, "checkpoint": out / "step_1" / "policy"}
 
     cluster, policy = start_policy(model_dir, 1, init_reference_model=True)
-    found["initial_adapter"] = ray_session.get(policy.get_weights_ref(only_changed=False))
+    found["initial_adapter"] = ray_session.get(policy.get_weights(only_changed=False))
     found["dtensor_reference"] = policy.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
     found["dtensor_steps"] = [policy.train(data, NLLLoss()) for _ in range(NUM_STEPS)]
-    found["dtensor_adapter"] = ray_session.get(policy.get_weights_ref(only_changed=False))
+    found["dtensor_adapter"] = ray_session.get(policy.get_weights(only_changed=False))
     policy.shutdown()
     cluster.shutdown()
 
     cluster, policy = start_policy(model_dir, 2, init_reference_model=True,
                                    **megatron(tensor_model_parallel_size=2, sequence_parallel=True))
-    found["own_initial_adapter"] = ray_session.get(policy.get_weights_ref(only_changed=False))
+    found["own_initial_adapter"] = ray_session.get(policy.get_weights(only_changed=False))
     policy.worker_group.run_all("load_adapter", adapter=found["initial_adapter"])
     found["footprint"] = policy.memory_footprint()
     found["reference"] = policy.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
@@ -70,8 +70,8 @@ def runs(ray_session, model_dir, tmp_path_factory):
     found["checkpoint_logprobs"] = policy.get_logprobs(data)["logprobs"]
     found["steps"] += [policy.train(data, NLLLoss()) for _ in range(NUM_STEPS - 1)]
     found["footprint_after"] = policy.memory_footprint()
-    found["adapter"] = ray_session.get(policy.get_weights_ref())
-    found["refit_bytes"] = policy.last_refit_bytes()
+    found["adapter"] = ray_session.get(policy.get_weights())
+    found["refit_bytes"] = policy.last_weights_bytes()
     found["logprobs"] = policy.get_logprobs(data)["logprobs"]
     policy.export_hf(str(out / "hf_model"))
     policy.shutdown()
@@ -80,7 +80,7 @@ def runs(ray_session, model_dir, tmp_path_factory):
     cluster, policy = start_policy(model_dir, 2, **megatron(pipeline_model_parallel_size=2))
     policy.load_checkpoint(str(found["checkpoint"]))
     found["resumed_losses"] = train_losses(policy, data, NUM_STEPS - 1)
-    found["resumed_adapter"] = ray_session.get(policy.get_weights_ref())
+    found["resumed_adapter"] = ray_session.get(policy.get_weights())
     policy.shutdown()
     cluster.shutdown()
     return found

@@ -15,13 +15,10 @@ from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.policy.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
-from posttrain.models.policy.policy import Policy
-from posttrain.models.policy.worker import (
-    build_packed_row,
-    compute_token_logprobs,
-    unpack_row_logprobs,
-)
+from posttrain.workers.policy.config import DynamicBatchingConfig, PolicyConfig, SequencePackingConfig
+from posttrain.workers.policy.handle import Policy
+from posttrain.workers.policy.microbatches import build_packed_row, unpack_row_logprobs
+from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 
 NUM_ROWS, SEQ_LEN, NUM_STEPS = 8, 12, 3
 
@@ -137,7 +134,7 @@ class Run:
         self.steps = [self.policy.train(self.data, NLLLoss()) for _ in range(NUM_STEPS)]
         self.losses = [step["loss"][0] for step in self.steps]
         self.grad_norms = [step["grad_norm"][0] for step in self.steps]
-        self.weights = ray_session.get(self.policy.get_weights_ref(only_changed=False))
+        self.weights = ray_session.get(self.policy.get_weights(only_changed=False))
         return self
 
     def shutdown(self) -> None:
@@ -236,9 +233,9 @@ def test_reference_logprobs_come_from_the_initial_weights(runs):
 
 def test_get_weights_sends_only_changed_tensors(runs, ray_session):
     run = runs["one_worker_8x1"]
-    assert ray_session.get(run.policy.get_weights_ref(only_changed=True)) == {}
+    assert ray_session.get(run.policy.get_weights(only_changed=True)) == {}
     run.policy.train(run.data, NLLLoss())
-    changed = ray_session.get(run.policy.get_weights_ref(only_changed=True))
+    changed = ray_session.get(run.policy.get_weights(only_changed=True))
     assert "model.layers.0.self_attn.q_proj.weight" in changed
     assert set(changed) <= set(run.weights)
 
@@ -262,9 +259,9 @@ def test_export_then_from_pretrained_reproduces_logprobs(runs, tmp_path):
 
 def test_evaluate_reports_loss_without_changing_weights(runs, ray_session):
     run = runs["one_worker_packed"]
-    before = copy.deepcopy(ray_session.get(run.policy.get_weights_ref(only_changed=False)))
+    before = copy.deepcopy(ray_session.get(run.policy.get_weights(only_changed=False)))
     metrics = run.policy.evaluate(run.data, NLLLoss())
-    after = ray_session.get(run.policy.get_weights_ref(only_changed=False))
+    after = ray_session.get(run.policy.get_weights(only_changed=False))
     assert metrics["loss"][0] > 0
     for name, tensor in before.items():
         assert torch.equal(after[name], tensor), name

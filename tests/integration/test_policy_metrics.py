@@ -10,8 +10,8 @@ from posttrain.algorithms.loss import NLLLoss
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.policy.config import PolicyConfig
-from posttrain.models.policy.policy import Policy
+from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.handle import Policy
 
 LENGTHS = [5, 9, 7, 12, 6, 8, 11, 10]  # 8 rows: 2 workers x 2 micro-batches of 2 rows
 

@@ -106,7 +106,7 @@ def test_checkpoint_export_reproduces_the_policys_weights_and_logprobs(grpo_run,
     run, greedy, _ = grpo_run
     checkpoint = run.log_dir / "checkpoints" / "step_1"
     assert posttrain_main(["export", str(checkpoint), str(tmp_path / "hf")]) == 0
-    policy_weights = ray.get(run.policy.get_weights_ref(only_changed=False))
+    policy_weights = ray.get(run.policy.get_weights(only_changed=False))
     exported_weights = load_file(tmp_path / "hf" / "model.safetensors")
     assert set(exported_weights) <= set(policy_weights) and len(exported_weights) >= 272
     for name, tensor in exported_weights.items():

@@ -13,9 +13,9 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import SharedWeights
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.generation import GenerationConfig
-from posttrain.models.generation.hf import HFGeneration
-from posttrain.models.policy.policy import Policy
+from posttrain.workers.generation import GenerationConfig
+from posttrain.workers.generation.hf import HFGeneration
+from posttrain.workers.policy.handle import Policy
 
 NUM_STEPS = 3
 
@@ -52,7 +52,7 @@ def train(ray_session, model_dir, num_workers: int, **overrides) -> tuple[list[f
         data = grouped_data()
         logprobs = policy.get_logprobs(data)["logprobs"] * data["token_mask"]
         losses = [policy.train(data, NLLLoss())["loss"][0] for _ in range(NUM_STEPS)]
-        return losses, ray_session.get(policy.get_weights_ref(only_changed=False)), logprobs
+        return losses, ray_session.get(policy.get_weights(only_changed=False)), logprobs
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -79,7 +79,7 @@ def test_colocated_generation_maps_the_policy_weights_and_sees_each_update(ray_s
             handle = policy.share_weights()
             assert isinstance(handle, SharedWeights)
             generation.update_weights(handle)
-            expected = ray_session.get(policy.get_weights_ref(only_changed=False))
+            expected = ray_session.get(policy.get_weights(only_changed=False))
             for worker_weights in generation.worker_group.run_all("get_weights"):
                 for name, tensor in expected.items():
                     torch.testing.assert_close(worker_weights[name], tensor, atol=0, rtol=0, msg=name)

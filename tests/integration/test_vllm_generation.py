@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.models.generation import GenerationConfig, VllmGeneration
-from posttrain.models.generation.vllm import VllmNotInstalledError
+from posttrain.workers.generation import GenerationConfig, VllmGeneration
+from posttrain.workers.generation.vllm_worker import VllmNotInstalledError
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MAX_NEW_TOKENS = 12

@@ -17,11 +17,11 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.experience.rollouts import build_generation_input
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.generation import GenerationConfig, HFGeneration, make_generation
-from posttrain.models.policy.config import PolicyConfig
-from posttrain.models.policy.policy import Policy
 from posttrain.models.vlm import load_processor
 from posttrain.utils.native_checkpoint import export_checkpoint_to_hf
+from posttrain.workers.generation import GenerationConfig, HFGeneration, make_generation
+from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.handle import Policy
 
 NUM_ROWS, NUM_STEPS = 8, 2
 # Rows 0-3 go to rank 0 and 4-7 to rank 1 on two workers: with micro-batches of 2, rank 1's second
@@ -81,7 +81,7 @@ class Run:
     def train(self, ray_session, data) -> Run:
         self.initial_logprobs = self.policy.get_logprobs(data)["logprobs"]
         self.losses = [self.policy.train(data, NLLLoss())["loss"][0] for _ in range(NUM_STEPS)]
-        self.weights = ray_session.get(self.policy.get_weights_ref(only_changed=False))
+        self.weights = ray_session.get(self.policy.get_weights(only_changed=False))
         return self
 
     def shutdown(self) -> None:
@@ -149,7 +149,7 @@ def test_vlm_generation_after_refit_matches_training_logprobs(ray_session, runs,
     try:
         untrained = generation.generate(prompts, seed=3)
         policy = runs["one_worker_2"].policy
-        generation.update_weights(policy.get_weights_ref(only_changed=False))
+        generation.update_weights(policy.get_weights(only_changed=False))
         out = generation.generate(prompts, seed=3)
     finally:
         generation.shutdown()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.models.generation import hf
-from posttrain.models.generation.config import GenerationConfig
+from posttrain.workers.generation import decode as decoding
+from posttrain.workers.generation.config import GenerationConfig
 
 MAX_NEW_TOKENS = 12
 
@@ -28,9 +28,9 @@ def decode(model, tokenizer, prompts: list[str], sample_indices: list[int], cfg:
     padded = torch.full((len(ids), int(lengths.max())), tokenizer.pad_token_id)
     for row, sequence in enumerate(ids):
         padded[row, : len(sequence)] = torch.tensor(sequence)
-    left_ids, mask = hf.right_to_left_padded(padded, lengths, tokenizer.pad_token_id)
-    uniforms = hf.per_sample_uniforms(7, sample_indices, cfg.max_new_tokens)
-    return hf.decode_batch(model, tokenizer, left_ids, mask, cfg, False, uniforms, [[]] * len(prompts))
+    left_ids, mask = decoding.right_to_left_padded(padded, lengths, tokenizer.pad_token_id)
+    uniforms = decoding.per_sample_uniforms(7, sample_indices, cfg.max_new_tokens)
+    return decoding.decode_batch(model, tokenizer, left_ids, mask, cfg, False, uniforms, [[]] * len(prompts))
 
 
 def test_groups_and_early_stops_decode_like_single_samples(model_and_tokenizer):
@@ -61,7 +61,7 @@ def test_reserved_cache_layer_holds_what_concatenation_holds():
     appends past its reservation (it doubles), a row selection, and a crop: the same keys and values."""
     from transformers.cache_utils import DynamicLayer
 
-    from posttrain.models.generation.kv_cache import ReservedLayer
+    from posttrain.workers.generation.kv_cache import ReservedLayer
 
     torch.manual_seed(0)
     prompt_keys, prompt_values = torch.randn(4, 2, 5, 3), torch.randn(4, 2, 5, 3)

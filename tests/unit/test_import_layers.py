@@ -1,5 +1,5 @@
-"""Every import inside `posttrain/` points down the module map of DESIGN.md (read with `ast`, nothing is
-imported): a module may import from its own layer or a lower one, never from a higher one."""
+"""Every import inside `posttrain/` points down the module map of docs/architecture.md (read with `ast`,
+nothing is imported): a module may import from its own layer or a lower one, never from a higher one."""
 
 import ast
 from pathlib import Path
@@ -17,17 +17,18 @@ LAYERS = {
     "posttrain.data": 1,
     "posttrain.algorithms.loss": 1,
     "posttrain.algorithms.advantages": 1,
-    "posttrain.models": 2,
-    "posttrain.experience": 2,
+    "posttrain.models": 2,  # weights: build, tokenizer, LoRA, vision-language, GGUF
     "posttrain.environments": 2,
-    "posttrain.evals": 2,
-    "posttrain.algorithms": 3,  # the loops: sft, grpo, dpo, rm and their shared run plumbing
-    "posttrain.cli": 4,
-    "posttrain.demo": 4,
-    "posttrain.export": 4,
+    "posttrain.workers": 3,  # Ray actors and their driver-side handles: policy, generation, refit
+    "posttrain.experience": 3,
+    "posttrain.evals": 3,
+    "posttrain.algorithms": 4,  # the loops: sft, grpo, dpo, rm and their shared run plumbing
+    "posttrain.cli": 5,
+    "posttrain.demo": 5,
+    "posttrain.export": 5,
 }
-LAYER_NAMES = ["config, utils", "distributed, data, loss math", "models, experience, environments, evals",
-               "algorithm loops", "commands"]
+LAYER_NAMES = ["config, utils", "distributed, data, loss math", "models, environments",
+               "workers, experience, evals", "algorithm loops", "commands"]
 
 
 def layer_of(module: str) -> int:
@@ -75,9 +76,18 @@ def test_every_import_points_down_the_module_map():
     assert not upward, "imports pointing up the module map:\n" + "\n".join(upward)
 
 
-def test_the_policy_worker_gets_its_loss_as_a_callable_and_imports_no_algorithm():
-    worker = PACKAGE_DIR / "models" / "policy" / "worker.py"
-    assert [name for _, name in imported_modules(worker) if name.startswith("posttrain.algorithms")] == []
+def test_the_policy_workers_get_their_loss_as_a_callable_and_import_no_algorithm():
+    workers = sorted((PACKAGE_DIR / "workers").rglob("*.py"))
+    assert len(workers) > 10
+    found = [(path.name, name) for path in workers for _, name in imported_modules(path)
+             if name.startswith("posttrain.algorithms")]
+    assert found == []
+
+
+def test_models_hold_weights_and_start_no_worker():
+    """models/ is what the weights are (build, tokenizer, LoRA, VLM, GGUF): no Ray actor lives there."""
+    models = sorted((PACKAGE_DIR / "models").rglob("*.py"))
+    assert not [path.name for path in models if "import ray" in path.read_text() or "ray.remote" in path.read_text()]
 
 
 def test_the_walk_resolves_absolute_relative_and_nested_imports():

@@ -17,7 +17,7 @@ from posttrain.models.lora import (
     payload_num_bytes,
     wrap_with_lora,
 )
-from posttrain.models.policy.config import PolicyConfig
+from posttrain.workers.policy.config import PolicyConfig
 
 
 def test_merge_adds_scaled_b_times_a_to_the_base_weight():

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from posttrain.models.policy import megatron_convert as mc
+from posttrain.workers.policy import megatron_convert as mc
 
 
 def test_qkv_rows_interleave_per_kv_group_by_hand():

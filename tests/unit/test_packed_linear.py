@@ -6,9 +6,9 @@ import torch
 
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.models.generation.config import GenerationConfig
-from posttrain.models.generation.hf import HFGenerationWorker
-from posttrain.models.generation.packed_linear import (
+from posttrain.workers.generation.config import GenerationConfig
+from posttrain.workers.generation.hf_worker import HFGenerationWorker
+from posttrain.workers.generation.packed_linear import (
     PACKED_ATTR,
     pack_linears,
     packing_available,

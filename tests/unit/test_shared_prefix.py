@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
-from posttrain.models.policy.shared_prefix import (
+from posttrain.workers.policy.shared_prefix import (
     attention_cost_ratio,
     build_shared_prefix_rows,
     prefix_groups,
     shared_prefix_logprobs,
 )
-from posttrain.models.policy.token_logprobs import compute_token_logprobs
+from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 
 CPU = torch.device("cpu")
 

@@ -258,6 +258,21 @@ def model_parallel_size(cfg: PolicyConfig) -> int:
     return cfg.tensor_parallel_size
 
 
+def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> None:
+    """ConfigError unless the model-parallel size (policy.tensor_parallel_size, or policy.megatron tp x pp)
+    divides the `num_workers` workers (described by `workers`, e.g. "cluster.num_nodes x
+    cluster.workers_per_node"). The one place this is checked: at config load, and by `Policy` for a cluster
+    built in Python."""
+    model_parallel = model_parallel_size(cfg)
+    if num_workers % model_parallel == 0:
+        return
+    if cfg.backend == "megatron":
+        raise ConfigError("policy.megatron", f"tensor_model_parallel_size x pipeline_model_parallel_size = "
+                                             f"{model_parallel} does not divide the {num_workers} workers ({workers})")
+    raise ConfigError("policy.tensor_parallel_size",
+                      f"{model_parallel} does not divide the {num_workers} workers ({workers})")
+
+
 def validate_megatron_policy(cfg: PolicyConfig) -> None:
     """Raise ValueError naming the first setting the Megatron backend does not take."""
     mcfg = cfg.megatron

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from posttrain.models.policy.token_logprobs import compute_token_logprobs
+from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 
 
 @dataclass

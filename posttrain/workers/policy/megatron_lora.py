@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from posttrain.models import lora
-from posttrain.models.policy import megatron_convert
-from posttrain.models.policy.megatron_worker import MegatronPolicyWorker
+from posttrain.workers.policy import megatron_convert
+from posttrain.workers.policy.megatron import MegatronPolicyWorker
 
 ADAPTER_ATTR = "lora_adapter"  # the adapter's attribute on its base linear (parameter names contain it)
 PEFT_PREFIX = "base_model.model."
@@ -286,14 +286,12 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> lora.AdapterWeights | dict:
         """The adapter only (AdapterWeights in PEFT names, gathered over TP and PP) on rank 0, {} elsewhere;
         {} when nothing changed since the last call (see DTensorPolicyWorker.get_weights)."""
-        unchanged = only_changed and self.sent_weights_version == self.weights_version
-        self.sent_weights_version = self.weights_version
-        if unchanged:
-            self.last_weights_bytes = 0
+        self.sent_bytes = 0
+        if not self.versions.take_send(only_changed):
             return {}
-        with self._megatron():
+        with self._backend():
             adapter = self._gather_adapter(dtype)
-        self.last_weights_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
+        self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
         return adapter
 
     @torch.no_grad()
@@ -305,12 +303,12 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
                              f"policy.lora {self.cfg.lora.rank}/{self.cfg.lora.alpha}")
         for name, dim, param in adapter_params(self.model.module, self.layer_offset):
             param.copy_(shard(adapter.tensors[name], dim, self.tp_rank, self.tp_size).to(param))
-        self.weights_version += 1
+        self.versions.bump()
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory with the adapter merged into the weights, and the PEFT adapter itself in
         `<out_dir>/adapter/` (collective)."""
-        with self._megatron():
+        with self._backend():
             weights = self._full_hf_weights()
             adapter = self._gather_adapter()
         if self.rank == 0:
@@ -342,7 +340,7 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """The Megatron checkpoint of the adapter (and optimizer), plus `lora/`: the PEFT adapter directory
         naming the base model, which `posttrain export` reads (collective)."""
-        with self._megatron():
+        with self._backend():
             adapter = self._gather_adapter()
         if self.rank == 0:
             write_peft_dir(adapter, Path(path) / lora.LORA_DIR, self.cfg.model_name)

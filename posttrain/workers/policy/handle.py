@@ -16,9 +16,10 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group import RayWorkerGroup
-from posttrain.models.policy.config import PolicyConfig, model_parallel_size
-from posttrain.models.policy.worker import DTensorPolicyWorker, LossFn
 from posttrain.utils.metrics import reduce_timing
+from posttrain.workers.policy.base import LossFn
+from posttrain.workers.policy.config import PolicyConfig, check_parallel_sizes, model_parallel_size
+from posttrain.workers.policy.dtensor import DTensorPolicyWorker
 
 
 class NonFiniteLossError(RuntimeError):
@@ -42,10 +43,12 @@ def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) 
     (pp, dp, tp) for megatron (Megatron's default order tp-cp-ep-dp-pp, tp fastest)."""
     ranks = np.arange(world_size)
     if cfg.backend == "megatron":
-        from posttrain.models.policy.megatron_worker import MegatronPolicyWorker
+        from posttrain.workers.policy.megatron import MegatronPolicyWorker
 
         if cfg.lora.enabled:
-            from posttrain.models.policy.megatron_lora import MegatronLoraPolicyWorker as MegatronPolicyWorker
+            from posttrain.workers.policy.megatron_lora import (
+                MegatronLoraPolicyWorker as MegatronPolicyWorker,
+            )
         shape = (cfg.megatron.pipeline_model_parallel_size, dp_size, cfg.megatron.tensor_model_parallel_size)
         return MegatronPolicyWorker, NamedSharding(ranks.reshape(shape), ["pp", "dp", "tp"])
     return DTensorPolicyWorker, NamedSharding(ranks.reshape(dp_size, cfg.tensor_parallel_size), ["dp", "tp"])
@@ -65,11 +68,8 @@ class Policy:
         self.cfg = cfg
         if cfg.model_name is None:
             raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
-        model_parallel = model_parallel_size(cfg)
-        if cluster.world_size % model_parallel:
-            key = "policy.megatron tp x pp" if cfg.backend == "megatron" else "policy.tensor_parallel_size"
-            raise ValueError(f"{key}={model_parallel} does not divide the cluster's {cluster.world_size} bundles")
-        self.dp_size = cluster.world_size // model_parallel
+        check_parallel_sizes(cfg, cluster.world_size, "the cluster's bundles")
+        self.dp_size = cluster.world_size // model_parallel_size(cfg)
         worker_cls, self.sharding = worker_class_and_sharding(cfg, cluster.world_size, self.dp_size)
         self.worker_group = RayWorkerGroup(
             cluster,
@@ -178,8 +178,8 @@ class Policy:
         """Write a Hugging Face directory (safetensors, config, tokenizer) with the current weights."""
         self.worker_group.run_all("export_hf", out_dir=str(out_dir))
 
-    def get_weights_ref(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
-        """ObjectRef of rank 0's dict name -> full CPU tensor (with LoRA: `AdapterWeights`, the adapter tensors
+    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
+        """The workers' get_weights, left in the object store: an ObjectRef of rank 0's dict name -> full CPU tensor (with LoRA: `AdapterWeights`, the adapter tensors
         only): {} when `only_changed` and no optimizer step or checkpoint load happened since the last call;
         floating tensors cast to `dtype` when given."""
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
@@ -190,9 +190,10 @@ class Policy:
         step or checkpoint load changed them: generation workers on its machine map it once."""
         return self.worker_group.run_all("share_weights", dtype=dtype)[0]
 
-    def last_refit_bytes(self) -> int:
-        """Bytes of the tensors the last get_weights_ref sent (the adapter only with LoRA; 0 when unchanged)."""
-        return int(self.worker_group.run_on([0], "get_last_weights_bytes")[0])
+    def last_weights_bytes(self) -> int:
+        """Bytes of the tensors the last get_weights or share_weights sent (the adapter only with LoRA; 0 when
+        unchanged)."""
+        return int(self.worker_group.run_on([0], "last_weights_bytes")[0])
 
     def offload(self) -> None:
         """Move weights and optimizer state off the accelerator (for colocated generation)."""

@@ -3,10 +3,12 @@
 
 import importlib.util
 
-from posttrain.models.generation.config import GenerationConfig
-from posttrain.models.generation.hf import HFGeneration, HFGenerationWorker
-from posttrain.models.generation.interface import GenerationInterface, RayGeneration
-from posttrain.models.generation.vllm import VllmGeneration, VllmGenerationWorker
+from posttrain.workers.generation.config import GenerationConfig
+from posttrain.workers.generation.hf import HFGeneration
+from posttrain.workers.generation.hf_worker import HFGenerationWorker
+from posttrain.workers.generation.interface import GenerationInterface, RayGeneration
+from posttrain.workers.generation.vllm import VllmGeneration
+from posttrain.workers.generation.vllm_worker import VllmGenerationWorker
 
 
 def resolve_backend(cfg: GenerationConfig, on_gpus: bool) -> str:

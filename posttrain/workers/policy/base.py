@@ -1,0 +1,292 @@
+"""What every policy worker (one Ray actor per rank) does the same way, whatever holds the model: joining
+the process group, micro-batching, logprobs and scores in the original row order, the reference-weight
+swap, train steps normalised by global counts and their reduction over data-parallel ranks, and
+shared-memory refit. The DTensor/FSDP2 worker (`dtensor.py`) and the Megatron Core worker (`megatron.py`)
+are its siblings: each builds its model and optimizer, runs forwards and optimizer steps, and saves,
+exports and gathers weights its own way."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsWriter
+from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
+from posttrain.models import lora
+from posttrain.models.build import load_tokenizer
+from posttrain.models.vlm import is_vision_language_dir, load_processor
+from posttrain.utils.metrics import metric_reductions
+from posttrain.utils.timer import Timer
+from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.microbatches import (
+    MicroBatch,
+    length_mask,
+    pad_microbatches,
+    plan_microbatches,
+    row_lengths,
+    select_rows,
+)
+from posttrain.workers.policy.step_metrics import StepMetrics, reduce_steps
+from posttrain.workers.refit import WeightVersions
+
+LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+def ensure_process_group() -> None:
+    """Join the process group from RANK/WORLD_SIZE/MASTER_* env vars, or form a 1-rank group when absent."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if assigned_device().type == "cuda" else "gloo"
+    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        init_torch_distributed(backend)
+    else:  # a file store: a TCP store would listen on every interface
+        path = os.path.join(tempfile.mkdtemp(prefix="posttrain-pg-"), "store")
+        dist.init_process_group(backend=backend, init_method=f"file://{path}", rank=0, world_size=1)
+
+
+def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
+    """The configured model in fp32 on CPU with SDPA attention (causal LM or a 1-label sequence classifier)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from posttrain.models.build import causal_lm_class
+
+    if cfg.model_name is None:
+        raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
+    kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
+    if cfg.model_kind == "causal_lm":
+        return causal_lm_class(cfg.model_name).from_pretrained(cfg.model_name, **kwargs)
+    model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
+    model.config.architectures = [type(model).__name__]  # exports and checkpoints rebuild this class
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = model.config.eos_token_id
+    return model
+
+
+class PolicyWorker:
+    """One rank of the policy. A backend sets `dp_group` and `dp_size` in `_init_parallel`, `model`,
+    `optimizer` and `scheduler` in `_build_model_and_optimizer`, and implements `_forward_all`,
+    `_run_global_batch`, `_full_weights`, `get_weights`, checkpoints, export and memory hooks."""
+
+    def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
+        self.cfg = cfg
+        self.timer = Timer()  # this rank's stage times, collected by get_timing_metrics
+        ensure_process_group()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.device = assigned_device()
+        self._init_parallel()
+        torch.manual_seed(cfg.seed)
+        self._build_model_and_optimizer()
+        self.tokenizer = self._load_tokenizer()
+        self.reference_weights: dict[str, torch.Tensor] | None = None
+        self.versions = WeightVersions()  # optimizer steps and loads so far, and what refit last carried
+        self.sent_bytes = 0  # what the last get_weights / share_weights sent or wrote (rank 0)
+        self.shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file
+        if init_reference_model:
+            self.init_reference_model()
+
+    # -- backend hooks ---------------------------------------------------------------------------------
+
+    def _init_parallel(self) -> None:
+        raise NotImplementedError
+
+    def _build_model_and_optimizer(self) -> None:
+        raise NotImplementedError
+
+    def _backend(self) -> contextlib.AbstractContextManager:
+        """Entered around every public call that runs the model (the Megatron worker's CPU shim)."""
+        return contextlib.nullcontext()
+
+    def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _run_global_batch(self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool,
+                          micro_batch_size: int) -> StepMetrics:
+        raise NotImplementedError
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def _load_tokenizer(self) -> Any:
+        """The tokenizer saved with checkpoints and exports (a vision-language model's: with its image processor)."""
+        if is_vision_language_dir(self.cfg.model_name):
+            return load_processor(self.cfg.tokenizer_name or self.cfg.model_name)
+        return load_tokenizer(self.cfg.tokenizer_name or self.cfg.model_name)
+
+    # -- cross-rank reductions -------------------------------------------------------------------------
+
+    def _all_reduce_dp(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """All-reduce ("sum", "min", "max") over the data-parallel ranks (on the worker's device: NCCL needs
+        CUDA tensors); CPU out."""
+        reduced = tensor.to(self.device)
+        dist.all_reduce(reduced, op=REDUCE_OPS[op], group=self.dp_group)
+        return reduced.cpu()
+
+    def _global_counts(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid sequences, valid tokens) of the global batch: this rank's sums all-reduced over dp."""
+        batch_size, seq_len = batch["input_ids"].shape
+        sample_mask = batch.get("sample_mask", torch.ones(batch_size)).float()  # [B]
+        token_mask = batch.get("token_mask")
+        if token_mask is None:
+            token_mask = length_mask(row_lengths(batch), seq_len)
+        counts = torch.stack([sample_mask.sum(), (token_mask.float() * sample_mask.unsqueeze(1)).sum()])
+        counts = self._all_reduce_dp(counts, "sum")
+        return counts[0].to(self.device), counts[1].to(self.device)
+
+    # -- micro-batches ---------------------------------------------------------------------------------
+
+    def make_microbatches(self, data: dict[str, Any], batch_size: int) -> list[MicroBatch]:
+        """This rank's micro-batches of `data` (see microbatches.plan_microbatches), padded with repeats to
+        the largest count of any dp rank."""
+        microbatches = plan_microbatches(data, batch_size, self.cfg)
+        count = self._all_reduce_dp(torch.tensor([len(microbatches)]), "max")
+        return pad_microbatches(microbatches, int(count.item()), self.rank)
+
+    # -- logprobs and scores ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"logprobs": [B, T]} in fp32: position t = log p(token t | < t), position 0 and padding 0."""
+        if self.cfg.model_kind != "causal_lm":
+            raise ValueError("get_logprobs: policy.model_kind is 'reward_model'; use get_scores")
+        batch_size, seq_len = data["input_ids"].shape
+        with self._backend(), self.timer.time("logprobs"):
+            return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
+
+    @torch.no_grad()
+    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
+        if self.cfg.model_kind != "reward_model":
+            raise ValueError("get_scores: policy.model_kind is 'causal_lm'; use get_logprobs")
+        with self._backend():
+            return BatchedDataDict({"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))})
+
+    # -- reference model -------------------------------------------------------------------------------
+
+    def _local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's shards of every parameter, copied to CPU."""
+        return {
+            name: (p.to_local() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
+            for name, p in self.model.named_parameters()
+        }
+
+    @torch.no_grad()
+    def _load_local_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        for name, p in self.model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(weights[name].to(local.device))
+
+    def init_reference_model(self) -> None:
+        """Keep a frozen CPU copy of the current (initial) weights for reference logprobs; with LoRA the
+        reference is the base model with the adapter disabled, so nothing is copied."""
+        self.reference_weights = {} if self.cfg.lora.enabled else self._local_weights()
+
+    def get_reference_policy_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"reference_policy_logprobs": [B, T]} from the frozen initial weights (swapped in, then back)."""
+        if self.reference_weights is None:
+            raise RuntimeError(
+                f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
+            )
+        if self.cfg.lora.enabled:
+            with lora.adapter_disabled(self.model):
+                return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
+        current_weights = self._local_weights()
+        self._load_local_weights(self.reference_weights)
+        try:
+            logprobs = self.get_logprobs(data)["logprobs"]
+        finally:
+            self._load_local_weights(current_weights)
+        return BatchedDataDict({"reference_policy_logprobs": logprobs})
+
+    # -- training --------------------------------------------------------------------------------------
+
+    def train(
+        self,
+        data: dict[str, Any],
+        loss_fn: LossFn,
+        eval_mode: bool = False,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> dict[str, Any]:
+        """One optimizer step per global batch (this rank holds global_batch_size / dp rows of each);
+        forward only when `eval_mode`.
+
+        Returns per-step lists, already reduced over dp ranks (step_metrics.reduce_steps): loss
+        (global-batch loss), grad_norm, lr, num_microbatches (summed), and the loss function's metrics.
+        """
+        global_batch_size = global_batch_size or self.cfg.train_global_batch_size
+        micro_batch_size = micro_batch_size or self.cfg.train_micro_batch_size
+        if global_batch_size % self.dp_size:
+            raise ValueError(f"train: global batch size {global_batch_size} is not divisible by "
+                             f"{self.dp_size} data-parallel ranks")
+        local_batch_size = global_batch_size // self.dp_size
+        num_rows = data["input_ids"].shape[0]
+        if num_rows % local_batch_size:
+            raise ValueError(f"train: rank {self.rank} got {num_rows} rows, not a multiple of global batch "
+                             f"size / dp = {local_batch_size}")
+        self.model.train(not eval_mode)
+        with self._backend(), self.timer.time("eval" if eval_mode else "train"):
+            steps = [
+                self._run_global_batch(select_rows(data, list(range(start, start + local_batch_size))), loss_fn,
+                                       eval_mode, micro_batch_size)
+                for start in range(0, num_rows, local_batch_size)
+            ]
+            return reduce_steps(steps, eval_mode, metric_reductions(loss_fn), self._all_reduce_dp)
+
+    # -- refit -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def share_weights(self, dtype: str | None = None) -> SharedWeights | None:
+        """Full weights written into a shared-memory file that generation workers on this machine map once
+        (see distributed/shared_weights.py); rank 0 returns its handle, other ranks None (collective).
+        Nothing is copied when no optimizer step or checkpoint load changed the weights since the last call."""
+        import ray
+
+        self.sent_bytes = 0
+        if self.versions.take_share():
+            weights = self._full_weights()
+            if self.rank == 0:
+                if self.shared_weights is None:
+                    target = getattr(torch, dtype) if dtype is not None else None
+                    layout = {name: (tuple(t.shape), target or t.dtype) for name, t in weights.items()}
+                    self.shared_weights = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
+                for name, tensor in weights.items():
+                    self.shared_weights.views[name].copy_(tensor)
+                self.sent_bytes = sum(view.nbytes for view in self.shared_weights.views.values())
+        return self.shared_weights.handle if self.rank == 0 else None
+
+    def last_weights_bytes(self) -> int:
+        """Bytes of the tensors the last get_weights or share_weights sent (0 when nothing changed; rank 0)."""
+        return self.sent_bytes
+
+    # -- timing, description, shutdown -----------------------------------------------------------------
+
+    def get_timing_metrics(self) -> dict[str, float]:
+        """Seconds this rank spent per stage (train, eval, logprobs) since the last call, then reset."""
+        timing = self.timer.get_timing_metrics(reduction="sum")
+        self.timer.reset()
+        return timing
+
+    def describe(self) -> dict[str, Any]:
+        """Where this rank runs: device, process-group backend, world size, CPU threads, and the
+        accelerator memory its tensors hold (0 on CPU)."""
+        on_gpu = self.device.type == "cuda"
+        return {"device": str(self.device), "backend": str(dist.get_backend()), "world_size": self.world_size,
+                "num_threads": torch.get_num_threads(),
+                "memory_allocated": torch.cuda.memory_allocated(self.device) if on_gpu else 0}
+
+    def shutdown(self) -> bool:
+        """Leave the process group; the actor can then be killed."""
+        if self.shared_weights is not None:
+            self.shared_weights.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return True

@@ -1,0 +1,322 @@
+"""The DTensor/FSDP2 policy worker (`policy.backend: dtensor`): one Ray actor per bundle holding an FSDP2
+shard of the policy model (one fp32 worker alone holds the plain model: see needs_fsdp), optionally
+tensor-parallel. On the shared base (`base.PolicyWorker`) it builds the model, optimizer and schedulers,
+runs forwards (plain, packed, shared-prefix, vision-language) and optimizer steps, writes native
+checkpoints and HF exports, gathers full weights for refit, and moves its state off the accelerator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor
+
+from posttrain.models import lora
+from posttrain.models.vlm import is_vision_language_model, vision_forward_inputs, vision_tower_anchor
+from posttrain.utils.metrics import metric_reductions, reduce_metrics
+from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
+from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.microbatches import (
+    MicroBatch,
+    PackedRow,
+    length_mask,
+    row_lengths,
+    unpack_row_logprobs,
+)
+from posttrain.workers.policy.optim import build_optimizer, build_scheduler, clip_gradients
+from posttrain.workers.policy.shared_prefix import shared_prefix_logprobs
+from posttrain.workers.policy.step_metrics import StepMetrics
+from posttrain.workers.policy.token_logprobs import compute_token_logprobs, first_trained_position
+from posttrain.workers.refit import cast_floating
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks (the classes the model lists in `_no_split_modules`); a vision tower's
+    blocks stay with the root module (see posttrain.models.vlm.vision_tower_anchor)."""
+    block_names = {name for name in getattr(model, "_no_split_modules", None) or [] if "Vision" not in name}
+    layers = [module for module in model.modules() if type(module).__name__ in block_names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__}: found no decoder layers to shard (_no_split_modules={block_names})"
+        )
+    return layers
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP of attention and MLP projections (Qwen2/Llama layout); embeddings stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {
+        "self_attn.q_proj": ColwiseParallel(),
+        "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(),
+        "self_attn.o_proj": RowwiseParallel(),
+        "mlp.gate_proj": ColwiseParallel(),
+        "mlp.up_proj": ColwiseParallel(),
+        "mlp.down_proj": RowwiseParallel(),
+    }
+    config = model.config
+    tp = tp_mesh.size()
+    if config.num_attention_heads % tp or config.num_key_value_heads % tp:
+        raise ValueError(
+            f"policy.tensor_parallel_size={tp} must divide num_attention_heads={config.num_attention_heads} "
+            f"and num_key_value_heads={config.num_key_value_heads}"
+        )
+    for layer in decoder_layers(model):
+        missing = [name for name in plan if layer.get_submodule(name) is None]
+        if missing:
+            raise ValueError(f"{type(layer).__name__}: no {missing} for tensor parallelism")
+        parallelize_module(layer, tp_mesh, lora.tensor_parallel_plan(layer, plan))  # peft-wrapped: base + adapter
+
+
+def needs_fsdp(world_size: int, cfg: PolicyConfig, device: torch.device) -> bool:
+    """FSDP2 unless one worker trains in fp32 without CPU offload: a 1-rank FSDP shards nothing, yet copies
+    every parameter in (forward and again for backward) and every gradient out (~7% of SmolLM2's training)."""
+    return world_size > 1 or cfg.precision != "float32" or (cfg.cpu_offload and device.type == "cuda")
+
+
+def shard_model(model: torch.nn.Module, dp_mesh: DeviceMesh, cfg: PolicyConfig, device: torch.device) -> None:
+    """fully_shard every decoder layer and the root; gradients are SUMMED over ranks (no averaging)."""
+    mp_policy = MixedPrecisionPolicy()
+    if cfg.precision == "bfloat16":
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = CPUOffloadPolicy() if cfg.cpu_offload and device.type == "cuda" else OffloadPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+    # The loss of each micro-batch is already normalised by GLOBAL counts, so the global gradient is the
+    # sum over ranks: turn FSDP's default averaging off (and use plain SUM, which gloo supports).
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+
+class DTensorPolicyWorker(PolicyWorker):
+    """One rank of the policy: an FSDP2-sharded (optionally TP) model, its optimizer and scheduler."""
+
+    def _init_parallel(self) -> None:
+        """A (dp, tp) device mesh; FSDP2 shards over dp, tensor parallelism splits over tp."""
+        tp = self.cfg.tensor_parallel_size
+        self.mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.dp_group = self.mesh["dp"].get_group()
+        self.dp_size = self.mesh["dp"].size()
+
+    def _build_model_and_optimizer(self) -> None:
+        self.model = self._build_model()
+        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg)
+
+    def _build_model(self) -> torch.nn.Module:
+        model = load_hf_model(self.cfg)
+        if getattr(model.config, "vision_config", None) is not None and (
+                self.cfg.tensor_parallel_size > 1 or self.cfg.sequence_packing.enabled):
+            raise ValueError("policy: a vision-language model runs without tensor_parallel_size > 1 and "
+                             "sequence_packing (its M-RoPE positions and vision tower are not split)")
+        if self.cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
+            model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
+        if self.cfg.tensor_parallel_size > 1:
+            model.to(self.device)
+            apply_tensor_parallel(model, self.mesh["tp"])
+        if needs_fsdp(self.world_size, self.cfg, self.device):
+            shard_model(model, self.mesh["dp"], self.cfg, self.device)
+        if not (self.cfg.cpu_offload and self.device.type == "cuda"):
+            model.to(self.device)
+        return model
+
+    # -- forward ---------------------------------------------------------------------------------------
+
+    def _forward(self, microbatch: MicroBatch) -> torch.Tensor:
+        """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model (fp32)."""
+        data = microbatch.data
+        input_ids = data["input_ids"].to(self.device)  # [b, T_mb]
+        if microbatch.packed is not None:
+            return self._forward_packed(microbatch.packed, input_ids.shape[1])
+        attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
+        if self.cfg.model_kind == "reward_model":
+            # HF pools the last non-pad token: make every position past the length a pad token.
+            pad_id = self.model.config.pad_token_id
+            input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, pad_id))
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
+            return logits.float().squeeze(-1)  # [b]
+        text_only = not is_vision_language_model(self.model)  # equal VLM prompts may show different images
+        if self.cfg.prefix_sharing and text_only and "token_mask" in data:  # shared prompts computed once
+            logprobs = shared_prefix_logprobs(self.model, data["input_ids"], row_lengths(data).tolist(),
+                                              data["token_mask"], self.cfg.logprob_temperature, self.device)
+            if logprobs is not None:
+                return logprobs * attention_mask
+        # Logits only from the position before the first trained token: a GRPO prompt's logits are never
+        # read, and at a real vocabulary they are most of the memory and a good share of the time.
+        num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
+        vision = vision_forward_inputs(self.model, data, input_ids, attention_mask)  # {} for a text-only model
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                            logits_to_keep=num_kept, **vision).logits  # [b, K, V]
+        logprobs = compute_token_logprobs(logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature)  # [b, K]
+        logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
+        return logprobs * attention_mask + vision_tower_anchor(self.model)
+
+    def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
+        logits = self.model(
+            input_ids=packed.input_ids.to(self.device),
+            position_ids=packed.position_ids.to(self.device),
+            attention_mask=packed.attention_mask.to(self.device),
+        ).logits  # [1, L, V]
+        row_logprobs = compute_token_logprobs(
+            logits, packed.input_ids.to(self.device), self.cfg.logprob_temperature
+        )
+        return unpack_row_logprobs(row_logprobs, packed.lengths, seq_len)  # [n, T_mb]
+
+    def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
+        """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row order."""
+        self.model.eval()
+        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size):
+            outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
+            if microbatch.is_padding:
+                continue
+            if outputs.dim() == 2:
+                out[microbatch.indices, : outputs.shape[1]] = outputs
+            else:
+                out[microbatch.indices] = outputs
+        return out
+
+    # -- training --------------------------------------------------------------------------------------
+
+    def _optimizer_step(self) -> tuple[float, float]:
+        """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr used)."""
+        grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.versions.bump()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm, float(lr)
+
+    def _run_global_batch(
+        self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
+    ) -> StepMetrics:
+        valid_seqs, valid_toks = self._global_counts(batch)
+        step, parts = StepMetrics(), []
+        for microbatch in self.make_microbatches(batch, micro_batch_size):
+            with torch.set_grad_enabled(not eval_mode):
+                outputs = self._forward(microbatch)  # [b, T_mb] logprobs or [b] scores
+                loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
+            if not eval_mode:
+                (loss * (0.0 if microbatch.is_padding else 1.0)).backward()
+            if microbatch.is_padding:
+                continue
+            step.loss += float(loss.detach())
+            step.num_microbatches += 1
+            parts.append({k: float(v) for k, v in metrics.items()})
+        step.loss_metrics = reduce_metrics(parts, metric_reductions(loss_fn))
+        if not eval_mode:
+            step.grad_norm, step.lr = self._optimizer_step()
+        return step
+
+    # -- checkpoints, export, refit ----------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
+        """Sharded model + optimizer (when `save_optimizer`) + scheduler state (DCP) under `path`, and this
+        rank's RNG states (collective)."""
+        from posttrain.utils import native_checkpoint
+
+        optimizer = self.optimizer if save_optimizer else None
+        native_checkpoint.save_checkpoint(self.model, optimizer, self.scheduler, path, tokenizer=self.tokenizer,
+                                          trainable_only=self.cfg.lora.enabled)
+        if self.cfg.lora.enabled:  # adapter + optimizer only; the config names the base model
+            native_checkpoint.on_rank0(lambda: lora.save_adapter_config(self.model, path), f"LoRA config in {path}")
+        native_checkpoint.save_rng_state(path, self.rank)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore model, optimizer and scheduler state saved by save_checkpoint (collective)."""
+        from posttrain.utils import native_checkpoint
+
+        native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path,
+                                          trainable_only=self.cfg.lora.enabled)
+        native_checkpoint.load_rng_state_if_saved(path, self.rank)
+        self.versions.bump()
+
+    def export_hf(self, out_dir: str) -> None:
+        """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
+        from posttrain.utils import native_checkpoint
+
+        if self.cfg.lora.enabled:  # merged weights, and the PEFT adapter in out_dir/adapter
+            lora.export_merged_hf(self.model, self.tokenizer, out_dir, self.model.config)
+            return
+        native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
+
+    def get_weights(self, only_changed: bool = True, dtype: str | None = None
+                    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """Full (gathered) CPU weights on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
+        elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
+        last call (see refit.WeightVersions). `dtype` ("bfloat16", "float32") casts floating tensors for the
+        receiver, halving what travels to a bf16 generation model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self.sent_bytes = 0
+        if not self.versions.take_send(only_changed):  # the same on every rank
+            return {}
+        if self.cfg.lora.enabled:  # the adapter only: the generation workers keep the base resident
+            adapter = lora.gather_adapter_weights(self.model, self.cfg.lora, self.cfg.model_kind, self.rank, dtype)
+            self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
+            return adapter
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full_weights = get_model_state_dict(self.model, options=options)  # collective
+        if self.rank != 0:
+            return {}
+        full_weights = cast_floating(full_weights, dtype)
+        self.sent_bytes = lora.payload_num_bytes(full_weights)
+        return full_weights
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every parameter in HF names (tied weights once), complete on rank 0, {} elsewhere (collective);
+        with one rank they are the parameters themselves, not copies."""
+        weights = {}
+        for name, p in self.model.named_parameters():
+            full = p.full_tensor() if isinstance(p, DTensor) and p.device_mesh.size() > 1 else p  # collective
+            weights[name] = (full.to_local() if isinstance(full, DTensor) else full).detach()
+        return weights if self.rank == 0 else {}
+
+    # -- memory --------------------------------------------------------------------------------------------
+
+    def _move_training_state(self, device: torch.device) -> None:
+        self.model.to(device)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+    def offload(self) -> None:
+        """Move weights and optimizer state to CPU to free accelerator memory (no-op on a CPU worker)."""
+        if self.device.type != "cpu":
+            self._move_training_state(torch.device("cpu"))
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring weights and optimizer state back to the worker's device."""
+        if self.device.type != "cpu" and not self.cfg.cpu_offload:
+            self._move_training_state(self.device)
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes of this rank's parameter shards (all, and those that train), of its optimizer state, and
+        the accelerator's total memory (0 on CPU)."""
+        def local_bytes(tensor: torch.Tensor) -> int:
+            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+        params = list(self.model.parameters())
+        optimizer_bytes = sum(local_bytes(value) for state in self.optimizer.state.values()
+                              for value in state.values() if isinstance(value, torch.Tensor))
+        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        return {"param_bytes": int(sum(local_bytes(p) for p in params)),
+                "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
+                "optimizer_state_bytes": int(optimizer_bytes), "device_total_bytes": int(total)}

@@ -1,0 +1,65 @@
+"""What one optimizer step of a policy worker produced, and its reduction over data-parallel ranks, written
+against an `all_reduce(values, op)` callable so that it runs (and is tested) without a process group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.utils.metrics import reduction_of
+
+AllReduce = Callable[[torch.Tensor, str], torch.Tensor]  # (values, "sum" | "min" | "max") -> reduced over dp
+
+
+@dataclass
+class StepMetrics:
+    """What one global batch (one optimizer step) produced on this rank, before the cross-rank reduction."""
+
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    num_microbatches: int = 0
+    loss_metrics: dict[str, float] = field(default_factory=dict)
+
+
+def step_value(step: StepMetrics, name: str) -> float:
+    """A named number of a step: its loss, its micro-batch count or one of the loss function's metrics."""
+    if name == "loss":
+        return step.loss
+    if name == "num_microbatches":
+        return float(step.num_microbatches)
+    return step.loss_metrics[name]
+
+
+def reduce_steps(steps: list[StepMetrics], eval_mode: bool, reductions: dict[str, str],
+                 all_reduce: AllReduce) -> dict[str, Any]:
+    """Per-step lists reduced over dp ranks, each loss metric by its reduction (`reduction_of`: named by the
+    loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
+    ranks); losses and micro-batch counts summed; grad norm and lr are global already. Every rank must
+    have the same metric keys."""
+    keys = sorted({key for step in steps for key in step.loss_metrics} - {"loss", "num_microbatches"})
+    columns: dict[str, list[str]] = {"sum": ["loss", "num_microbatches"], "min": [], "max": [], "mean": []}
+    for key in keys:
+        columns[reduction_of(key, reductions)].append(key)
+    counts = torch.tensor([float(step.num_microbatches) for step in steps], dtype=torch.float64)  # [S]
+    result: dict[str, Any] = {}
+    for kind, names in columns.items():
+        if not names:
+            continue
+        values = torch.tensor(
+            [[step_value(step, name) for name in names] for step in steps], dtype=torch.float64
+        )  # [num_steps, num_names]
+        if kind == "mean":  # each rank's micro-batch mean weighted by its micro-batch count
+            values = all_reduce(values * counts[:, None], "sum")
+            values = values / all_reduce(counts.clone(), "sum")[:, None].clamp(min=1)
+        else:
+            values = all_reduce(values, kind)
+        for column, name in enumerate(names):
+            result.setdefault(name, values[:, column].tolist())
+    if not eval_mode:
+        result["grad_norm"] = [step.grad_norm for step in steps]
+        result["lr"] = [step.lr for step in steps]
+    return result

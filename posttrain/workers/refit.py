@@ -1,0 +1,143 @@
+"""Refit: how a policy's new weights reach the generation workers. On the worker side, `WeightVersions`
+counts the changes of the weights so that a refit of unchanged weights sends nothing; on the driver side,
+`Refit` decides the path (shared memory or the object store), when weights are stale, and what was sent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain.utils.timer import Timer
+
+
+@dataclass
+class WeightVersions:
+    """A worker's weight version (optimizer steps, checkpoint and adapter loads so far) and the version each
+    refit path last carried: weights change only through those, so no copy is kept to compare with."""
+
+    current: int = 0
+    sent: int | None = None  # the version get_weights last returned
+    shared: int | None = None  # the version last written into shared memory
+
+    def bump(self) -> None:
+        """The weights changed (an optimizer step, a checkpoint or adapter load)."""
+        self.current += 1
+
+    def take_send(self, only_changed: bool) -> bool:
+        """Must get_weights send the weights? Yes unless `only_changed` and they were sent at this version;
+        records the current version as sent."""
+        send = not only_changed or self.sent != self.current
+        self.sent = self.current
+        return send
+
+    def take_share(self) -> bool:
+        """Must share_weights rewrite the shared-memory file? Records the current version as written."""
+        share = self.shared != self.current
+        self.shared = self.current
+        return share
+
+
+def cast_floating(weights: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
+    """Floating tensors cast to `dtype` ("bfloat16", "float32"; None: unchanged), for the receiver's precision."""
+    if dtype is None:
+        return weights
+    target = getattr(torch, dtype)
+    return {name: t.to(target) if t.is_floating_point() else t for name, t in weights.items()}
+
+
+def uses_shared_memory(colocated: bool, lora: bool, backend_name: str, num_nodes: int, num_gpus_per_worker: float,
+                       supported: bool) -> bool:
+    """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
+    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy. With
+    LoRA the adapter alone travels instead (it is smaller still)."""
+    return colocated and not lora and backend_name == "hf" and num_nodes == 1 and num_gpus_per_worker == 0 and supported
+
+
+def policy_must_leave(param_bytes: int, device_total_bytes: int, generation_precision: str) -> bool:
+    """Would the policy's training state and the generation model crowd one accelerator? True when 4 x
+    the policy's parameter bytes (fp32 weights, gradients, two Adam moments) plus the generation weights
+    (the same parameters in its precision) exceed half the device; the other half is left for
+    activations and the KV cache."""
+    generation_bytes = param_bytes * (0.5 if generation_precision == "bfloat16" else 1.0)
+    return 4 * param_bytes + generation_bytes > 0.5 * device_total_bytes
+
+
+class Refit:
+    """The driver's side of refit between a `Policy` and a generation backend: whether the generation
+    workers hold stale weights, the bytes sent since last asked, and (colocated on accelerators) whether the
+    policy's training state leaves the device while generation runs."""
+
+    def __init__(self, policy: Any, generation: Any, precision: str, shared_memory: bool, move_memory: bool,
+                 colocated_offload: bool | str = "auto", stale: bool = False) -> None:
+        self.policy, self.generation = policy, generation
+        self.precision = precision  # the generation workers' dtype: weights travel in it
+        self.shared_memory = shared_memory  # see uses_shared_memory
+        self.move_memory = move_memory  # colocated on accelerators: the two take turns on the device
+        self.colocated_offload = colocated_offload  # True / False / "auto" (see offload_needed)
+        self.stale = stale  # the policy has trained since the generation workers' last refit
+        self.bytes_sent = 0  # tensor bytes sent to the generation workers since take_bytes_sent
+        self.offload_decided: bool | None = None
+
+    def mark_stale(self) -> None:
+        """The policy's weights changed: the next generation phase refits."""
+        self.stale = True
+
+    def take_bytes_sent(self) -> int:
+        """Bytes sent since the last call, then 0."""
+        sent, self.bytes_sent = self.bytes_sent, 0
+        return sent
+
+    def weights(self) -> Any:
+        """What the generation workers load: a shared-memory handle, or the gathered weights in the object
+        store, in the generation precision."""
+        if self.shared_memory:
+            return self.policy.share_weights(dtype=self.precision)
+        return self.policy.get_weights(dtype=self.precision)
+
+    def publish_all(self) -> Any:
+        """All of the policy's weights (changed or not) in the object store, for a consumer that may load any
+        version after any other (asynchronous generation); counted as sent once."""
+        weights = self.policy.get_weights(only_changed=False, dtype=self.precision)
+        self.bytes_sent += self.policy.last_weights_bytes()
+        return weights
+
+    def offload_needed(self) -> bool:
+        """Does the policy's training state leave the device while the generation workers hold it?
+        `generation.colocated_offload`: True / False, or "auto": `policy_must_leave` for the rank with the
+        largest shard, decided once."""
+        if self.colocated_offload != "auto":
+            return bool(self.colocated_offload)
+        if self.offload_decided is None:
+            rank = max(self.policy.memory_footprint(), key=lambda footprint: footprint["param_bytes"])
+            self.offload_decided = policy_must_leave(rank["param_bytes"], rank["device_total_bytes"], self.precision)
+        return self.offload_decided
+
+    @contextmanager
+    def generation_phase(self, timer: Timer) -> Iterator[None]:
+        """The generation workers hold the accelerator: stale weights are gathered (while still on the
+        device); colocated, the policy's training state leaves the device when it must (`offload_needed`);
+        the generation workers wake up and take the weights. Afterwards they release the device and the
+        policy comes back. On CPUs, apart on GPUs, or when both fit, only the refit does any work."""
+        weights = None
+        if self.stale:
+            with timer.time("refit"):
+                weights = self.weights()
+        move_memory = self.move_memory and self.offload_needed()
+        if move_memory:
+            self.policy.offload()
+            self.generation.prepare_for_generation()
+        if weights is not None:
+            with timer.time("refit"):
+                self.generation.update_weights(weights)
+            self.stale = False
+            self.bytes_sent += self.policy.last_weights_bytes()  # with LoRA: the adapter only
+        try:
+            yield
+        finally:
+            if move_memory:
+                self.generation.finish_generation()
+                self.policy.onload()
