@@ -8,7 +8,7 @@ policy-gradient loss against the logprobs of the policy that generated the data 
 recomputed by the trainer before the first step, or, when the whole batch is one step, the trained
 forward's own logprobs with the gradient stopped), optionally with a KL penalty to the frozen initial
 policy. The new weights reach the generation workers (refit) when they next generate; colocated on an
-accelerator, the policy's training state leaves the device while they do (`generation_phase`).
+accelerator, the policy's training state leaves the device while they do (`Refit.generation_phase`).
 Departures from the paper: KL is off by default (beta = 0, as in DAPO); DAPO's dynamic sampling,
 clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are options of the config.
 
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,7 @@ import torch
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, check_parallelism
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
+from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
 from posttrain.algorithms.run import (
     prepare_run,
@@ -56,8 +55,6 @@ from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualClust
 from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
 from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
-from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
-from posttrain.experience.trajectory_buffer import TrajectoryBatch
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
@@ -67,6 +64,7 @@ from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 from posttrain.workers.generation import GenerationConfig, GenerationInterface, make_generation
 from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.refit import Refit, uses_shared_memory
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +189,8 @@ class GRPOConfig:
 
 @dataclass
 class GRPORun:
-    """Everything one GRPO run holds; `grpo_train` advances it."""
+    """The parts of one GRPO run and its position; `grpo_train` advances `step`. Refit state lives in
+    `refit`, the supply of batches (synchronous or asynchronous) in `rollouts`."""
 
     cfg: GRPOConfig
     log_dir: Path
@@ -200,19 +199,16 @@ class GRPORun:
     generation: GenerationInterface
     clusters: list[RayVirtualCluster]
     envs: dict[str, EnvironmentPool]
-    train_loader: StatefulDataLoader
     val_records: list[dict]
     logger: Logger
     checkpoints: CheckpointManager
+    refit: Refit
+    rollouts: RolloutSource
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
-    weights_stale: bool = False  # the policy has trained since the generation workers' last refit
-    refit_bytes: int = 0  # tensor bytes sent to the generation workers since the last logged step
-    offload_policy: bool | None = None  # colocated_offload "auto", once decided (see offload_needed)
-    rollout_source: Any = None  # SyncRollouts or AsyncRollouts: where each step's batch comes from
 
     def shutdown(self) -> None:
-        self.rollout_source.shutdown()
+        self.rollouts.shutdown()
         self.logger.finish()
         for env in self.envs.values():
             env.shutdown()
@@ -223,10 +219,20 @@ class GRPORun:
 
 
 # ------------------------------------------------------------------------------------------------ setup
+def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface, stale: bool) -> Refit:
+    """The refit between `policy` and `generation` as the config places them."""
+    colocated = cfg.generation.colocated
+    shared_memory = uses_shared_memory(colocated, cfg.policy.lora.enabled, generation.backend_name,
+                                       cfg.cluster.num_nodes, cfg.cluster.num_gpus_per_worker,
+                                       shared_memory_supported())
+    return Refit(policy, generation, cfg.generation.precision, shared_memory,
+                 move_memory=colocated and cfg.cluster.num_gpus_per_worker > 0,
+                 colocated_offload=cfg.generation.colocated_offload, stale=stale)
+
+
 def setup(cfg: GRPOConfig) -> GRPORun:
     """Data, policy, generation workers, environments, logger, checkpoints; resumes when it can."""
     cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
-    log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
@@ -239,78 +245,28 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     cluster = RayVirtualCluster(cfg.cluster)
     policy = Policy(cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0)
     generation = make_generation(cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name)
-    run = GRPORun(
-        cfg, log_dir, tokenizer, policy, generation, [cluster], create_environments(cfg.env), loader,
-        val_records[: cfg.grpo.max_val_samples], Logger(cfg.logger), CheckpointManager(cfg.checkpointing),
-    )
-    restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
+    envs = create_environments(cfg.env)
+    checkpoints = CheckpointManager(cfg.checkpointing)
+    restored = restore_run(checkpoints, policy) if cfg.checkpointing.enabled else None
+    step = int(restored.training_info["step"]) if restored is not None else 0
     if restored is not None:
-        run.step = int(restored.training_info["step"])
         loader.load_state_dict(restored.loader_state)
-        run.weights_stale = True
-    async_grpo = cfg.grpo.async_grpo.enabled
-    run.rollout_source = AsyncRollouts(run, lambda index: collect_rollouts(run, index)) if async_grpo else SyncRollouts()
+    refit = make_refit(cfg, policy, generation, stale=restored is not None)
+    collector = RolloutCollector(cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens)
+    async_cfg = cfg.grpo.async_grpo
+    rollouts: RolloutSource = SyncRollouts(collector, refit)
+    if async_cfg.enabled:
+        rollouts = AsyncRollouts(collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps)
     if restored is not None:
-        run.rollout_source.restore(restored.training_info)
-    run.logger.log_hyperparams({"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation})
-    run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
-    return run
+        rollouts.restore(restored.training_info)
+    logger = Logger(cfg.logger)
+    logger.log_hyperparams({"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation})
+    logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, step)
+    return GRPORun(cfg, Path(cfg.logger.log_dir), tokenizer, policy, generation, [cluster], envs,
+                   val_records[: cfg.grpo.max_val_samples], logger, checkpoints, refit, rollouts, step)
 
 
 # ----------------------------------------------------------------------------------------------- stages
-def shaped_rewards(cfg: GRPOLoopConfig, rollouts: BatchedDataDict, max_new_tokens: int) -> torch.Tensor:
-    """Environment rewards with the configured DAPO shaping applied. [N]"""
-    rewards = rollouts["total_reward"].float()
-    if cfg.overlong_shaping.enabled:
-        lengths = torch.tensor([
-            float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in rollouts["message_log"]
-        ])
-        rewards = rewards + adv.overlong_reward_penalty(
-            lengths, max_new_tokens, cfg.overlong_shaping.buffer_length, cfg.overlong_shaping.penalty_factor
-        )
-    if cfg.reward_scaling.enabled:
-        rewards = adv.scale_rewards(rewards, cfg.reward_scaling.scale, cfg.reward_scaling.shift)
-    return rewards
-
-
-def select_groups(batch: BatchedDataDict, keep_rows: torch.Tensor) -> BatchedDataDict:
-    return batch.select_indices(torch.nonzero(keep_rows).flatten().tolist())
-
-
-def collect_rollouts(run: GRPORun, step: int, timer: Timer | None = None) -> tuple[BatchedDataDict, dict[str, float]]:
-    """Prompts x generations -> rollouts with `rewards`. With DAPO dynamic sampling, groups whose rewards
-    are all equal are set aside and more rounds are generated (up to the limit) until the step is full;
-    a step still short after the last round is filled with set-aside groups (their advantages are 0).
-    The environments' share of the time is recorded in `timer` as "rewards"."""
-    cfg, n = run.cfg.grpo, run.cfg.grpo.num_generations_per_prompt
-    target = cfg.num_prompts_per_step * n
-    rounds = cfg.dynamic_sampling.max_num_gen_batches if cfg.dynamic_sampling.enabled else 1
-    kept, set_aside, metrics = [], [], {}
-    for round_index in range(rounds):
-        batch = records_to_rollout_batch(run.train_loader.next_batch(), n)
-        rollouts, metrics_round = run_multi_turn_rollout(
-            run.generation, batch, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
-            seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100, timer=timer,
-        )
-        rollouts["rewards"] = shaped_rewards(cfg, rollouts, run.cfg.generation.max_new_tokens)
-        metrics = metrics or metrics_round  # the first round describes the policy's samples
-        if cfg.dynamic_sampling.enabled:
-            signal = adv.groups_with_signal(rollouts["rewards"], n).repeat_interleave(n)
-            kept.append(select_groups(rollouts, signal))
-            set_aside.append(select_groups(rollouts, ~signal))
-        else:
-            kept.append(rollouts)
-        if sum(r.size for r in kept) >= target:
-            break
-    num_with_signal = sum(r.size for r in kept)
-    rollouts = BatchedDataDict.from_batches(kept + set_aside).slice(0, target)
-    metrics["num_generation_rounds"] = float(round_index + 1)
-    if cfg.dynamic_sampling.enabled:
-        metrics["dynamic_sampling/samples_with_signal"] = float(min(num_with_signal, target))
-        metrics["dynamic_sampling/filled_without_signal"] = float(max(0, target - num_with_signal))
-    return rollouts, metrics
-
-
 def build_train_data(rollouts: BatchedDataDict, advantages: torch.Tensor, pad_token_id: int,
                      overlong_filtering: bool) -> BatchedDataDict:
     """input_ids, input_lengths, token_mask (generated tokens), sample_mask, advantages [B,T] and
@@ -339,77 +295,9 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tens
     return adv.group_relative_advantages(rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards)
 
 
-def policy_must_leave(param_bytes: int, device_total_bytes: int, generation_precision: str) -> bool:
-    """Would the policy's training state and the generation model crowd one accelerator? True when 4 x
-    the policy's parameter bytes (fp32 weights, gradients, two Adam moments) plus the generation weights
-    (the same parameters in its precision) exceed half the device; the other half is left for
-    activations and the KV cache."""
-    generation_bytes = param_bytes * (0.5 if generation_precision == "bfloat16" else 1.0)
-    return 4 * param_bytes + generation_bytes > 0.5 * device_total_bytes
-
-
-def offload_needed(run: GRPORun) -> bool:
-    """Colocated on GPUs, does the policy's training state leave the device while the generation workers
-    hold it? `generation.colocated_offload`: True / False, or "auto": `policy_must_leave` for the rank
-    with the largest shard, decided once per run."""
-    setting = run.cfg.generation.colocated_offload
-    if setting != "auto":
-        return bool(setting)
-    if run.offload_policy is None:
-        rank = max(run.policy.memory_footprint(), key=lambda footprint: footprint["param_bytes"])
-        run.offload_policy = policy_must_leave(rank["param_bytes"], rank["device_total_bytes"],
-                                               run.cfg.generation.precision)
-    return run.offload_policy
-
-
-def shares_memory_with_generation(run: GRPORun) -> bool:
-    """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
-    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy. With
-    LoRA the adapter alone travels instead (it is smaller still)."""
-    cfg = run.cfg
-    return (cfg.generation.colocated and not cfg.policy.lora.enabled and run.generation.backend_name == "hf"
-            and cfg.cluster.num_nodes == 1 and cfg.cluster.num_gpus_per_worker == 0 and shared_memory_supported())
-
-
-def refit_weights(run: GRPORun) -> Any:
-    """What the generation workers load: a shared-memory handle, or the gathered weights in the object
-    store, in the generation precision."""
-    if shares_memory_with_generation(run):
-        return run.policy.share_weights(dtype=run.cfg.generation.precision)
-    return run.policy.get_weights(dtype=run.cfg.generation.precision)
-
-
-@contextmanager
-def generation_phase(run: GRPORun, timer: Timer) -> Iterator[None]:
-    """The generation workers hold the accelerator: when the policy has trained since their last refit its
-    new weights are gathered (while still on the device); colocated, the policy's training state leaves
-    the device; the generation workers wake up and take the weights (refit). Afterwards they release the
-    device and the policy comes back. On CPUs, apart on GPUs, or when both fit (`offload_needed`), only the
-    refit does any work."""
-    weights = None
-    if run.weights_stale:
-        with timer.time("refit"):
-            weights = refit_weights(run)
-    move_memory = run.cfg.cluster.num_gpus_per_worker > 0 and run.cfg.generation.colocated and offload_needed(run)
-    if move_memory:
-        run.policy.offload()
-        run.generation.prepare_for_generation()
-    if weights is not None:
-        with timer.time("refit"):
-            run.generation.update_weights(weights)
-        run.weights_stale = False
-        run.refit_bytes += run.policy.last_weights_bytes()  # with LoRA: the adapter only
-    try:
-        yield
-    finally:
-        if move_memory:
-            run.generation.finish_generation()
-            run.policy.onload()
-
-
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
     cfg = run.cfg.grpo
-    with run.rollout_source.validation_phase(run, timer or Timer()):
+    with run.rollouts.validation_phase(run.step, timer or Timer()):
         result = run_validation(
             run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
             num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
@@ -428,43 +316,15 @@ def maybe_checkpoint(run: GRPORun, force: bool = False) -> None:
     cfg = run.cfg.checkpointing
     if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
         return
-    info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollout_source.accounting()}
-    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.rollout_source.loader_state(run), run.cfg)
-
-
-# ------------------------------------------------------------------------------------- rollout sources
-class SyncRollouts:
-    """Each step generates its own batch with the current weights (colocated or not)."""
-
-    def next_batch(self, run: GRPORun, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
-        with generation_phase(run, timer), timer.time("generation"):
-            rollouts, metrics = collect_rollouts(run, run.step + 1, timer)  # "rewards" timed inside
-        return TrajectoryBatch(rollouts, metrics, run.step + 1, run.step), {}
-
-    def after_update(self, run: GRPORun) -> None:
-        run.weights_stale = True  # the next generation phase refits
-
-    def validation_phase(self, run: GRPORun, timer: Timer):
-        return generation_phase(run, timer)
-
-    def loader_state(self, run: GRPORun) -> dict[str, Any]:
-        return run.train_loader.state_dict()
-
-    def accounting(self) -> dict[str, int]:
-        return {}
-
-    def restore(self, training_info: dict[str, Any]) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
+    info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
+    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg)
 
 
 # ------------------------------------------------------------------------------------------------- loop
 def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
-    """One GRPO step, stage by stage (DESIGN.md)."""
+    """One GRPO step, stage by stage (docs/architecture.md shows its data flow)."""
     cfg = run.cfg.grpo
-    batch, async_metrics = run.rollout_source.next_batch(run, timer)
+    batch, async_metrics = run.rollouts.next_batch(run.step, timer)
     rollouts, rollout_metrics = batch.rollouts, batch.metrics
     with timer.time("advantages"):
         advantages = compute_advantages(cfg, rollouts["rewards"])
@@ -484,10 +344,10 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
-    run.rollout_source.after_update(run)  # sync: refit at the next generation; async: publish the weights
+    run.rollouts.after_update(run.step)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
-    metrics["refit_bytes"], run.refit_bytes = float(run.refit_bytes), 0
+    metrics["refit_bytes"] = float(run.refit.take_bytes_sent())
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
     metrics["advantage_abs_mean"] = float(advantages.abs().mean())
     return metrics

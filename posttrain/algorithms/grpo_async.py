@@ -1,16 +1,18 @@
 """Asynchronous GRPO's config and rollout source: the GRPO loop takes each step's batch from an
 `AsyncRolloutProducer` (experience/async_rollouts.py) that generates the coming steps on the generation
-workers while the policy trains, instead of generating it itself (`grpo.SyncRollouts`)."""
+workers while the policy trains, instead of generating it itself (`grpo_rollouts.SyncRollouts`)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.config import ConfigError
-from posttrain.experience.async_rollouts import AsyncRolloutProducer, ProduceFn
+from posttrain.experience.async_rollouts import AsyncRolloutProducer
 from posttrain.experience.trajectory_buffer import TrajectoryBatch, trajectory_age
 from posttrain.utils.timer import Timer
+from posttrain.workers.refit import Refit
 
 
 @dataclass
@@ -33,33 +35,33 @@ class AsyncGRPOConfig:
 
 
 class AsyncRollouts:
-    """Batches from an `AsyncRolloutProducer` thread that generates ahead on the generation workers.
+    """Batches from an `AsyncRolloutProducer` thread that generates ahead on the generation workers
+    (a `grpo_rollouts.RolloutSource`).
 
     The trainer publishes every version's full weights (ObjectRefs) for the producer. A checkpoint saves
     the loader position after the last batch trained on; on resume the batches that were in flight are
     generated again from there (same prompts and seeds), with the restored weights."""
 
-    def __init__(self, run: Any, produce: ProduceFn) -> None:
-        cfg = run.cfg.grpo
-        self.max_age = cfg.async_grpo.max_trajectory_age_steps
-        self.consumed_loader_state = run.train_loader.state_dict()
+    def __init__(self, collector: Any, refit: Refit, max_age: int, step: int, last_step: int) -> None:
+        self.refit = refit
+        loader = collector.loader
+        self.consumed_loader_state = loader.state_dict()
         self.num_trained = self.num_dropped = 0
         self.producer = AsyncRolloutProducer(
-            produce=produce, refit=run.generation.update_weights,
-            loader_state=run.train_loader.state_dict, max_age=self.max_age, first_index=run.step + 1,
-            last_index=cfg.max_num_steps, start_version=run.step,
-            generation_version=None if run.weights_stale else run.step,
+            produce=collector.collect, refit=collector.generation.update_weights,
+            loader_state=loader.state_dict, max_age=max_age, first_index=step + 1,
+            last_index=last_step, start_version=step, generation_version=None if refit.stale else step,
         )
-        self.publish_weights(run, run.step)
+        self.publish_weights(step)
 
-    def next_batch(self, run: Any, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
+    def next_batch(self, step: int, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
         with timer.time("rollout_wait"):
-            taken, generator_wait_s = self.producer.take(run.step)
+            taken, generator_wait_s = self.producer.take(step)
         batch = taken.batch
         self.consumed_loader_state = batch.loader_state
         self.num_trained += batch.num_trajectories
         self.num_dropped += taken.num_dropped
-        age = float(trajectory_age(run.step, batch.policy_version))  # one version per batch
+        age = float(trajectory_age(step, batch.policy_version))  # one version per batch
         return batch, {
             "trajectory_age_mean": age, "trajectory_age_max": age, "dropped_stale_trajectories": float(taken.num_dropped),
             "buffer_trajectories": float(taken.num_buffered), "trainer_wait_s": taken.wait_s,
@@ -67,20 +69,18 @@ class AsyncRollouts:
             "trained_trajectories_total": float(self.num_trained), "dropped_trajectories_total": float(self.num_dropped),
         }
 
-    def after_update(self, run: Any) -> None:
-        self.publish_weights(run, run.step + 1)
+    def after_update(self, step: int) -> None:
+        self.publish_weights(step + 1)
 
-    def publish_weights(self, run: Any, version: int) -> None:
+    def publish_weights(self, version: int) -> None:
         """All of the policy's weights (any version may follow any other in the generation workers), in
-        the generation dtype, as the synchronous refit sends them."""
-        weights = run.policy.get_weights(only_changed=False, dtype=run.cfg.generation.precision)
-        self.producer.publish(version, weights)
-        run.refit_bytes += run.policy.last_weights_bytes()  # published once, fetched by every generation worker
+        the generation dtype, as the synchronous refit sends them; fetched by every generation worker."""
+        self.producer.publish(version, self.refit.publish_all())
 
-    def validation_phase(self, run: Any, timer: Timer):
-        return self.producer.paused_at(run.step)
+    def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
+        return self.producer.paused_at(step)
 
-    def loader_state(self, run: Any) -> dict[str, Any]:
+    def loader_state(self) -> dict[str, Any]:
         return self.consumed_loader_state
 
     def accounting(self) -> dict[str, int]:

@@ -159,7 +159,7 @@ def megatron_round_trip(model_dir: str) -> dict[str, float]:
     from megatron.core import parallel_state
 
     from posttrain.workers.policy import megatron_convert as mc
-    from posttrain.workers.policy.dtensor import ensure_process_group
+    from posttrain.workers.policy.base import ensure_process_group
     from posttrain.workers.policy.megatron import causal_mask
     from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
 

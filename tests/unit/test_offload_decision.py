@@ -1,7 +1,7 @@
 """`generation.colocated_offload: auto`: the policy leaves the GPU only when it and the generation model
 would crowd it (4 x parameter bytes + generation weights > half the device)."""
 
-from posttrain.algorithms.grpo import policy_must_leave
+from posttrain.workers.refit import policy_must_leave
 
 GIB = 1024**3
 
