@@ -60,8 +60,9 @@ test-main: install $(VENV)/.smollm2
 test-vllm: install-vllm
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_generation.py
 
+# The quick check while working (under 5 minutes on 2 cores): everything but the `slow` learning runs.
 test-fast: install
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: install
 	$(VENV)/bin/posttrain demo
@@ -78,6 +79,7 @@ real-model: $(REAL_MODEL_DIR)/config.json
 $(REAL_MODEL_DIR)/config.json: $(VENV)/.smollm2
 	$(VENV)/bin/posttrain convert-gguf "$$($(PY) -c "from posttrain.models.gguf import packaged_gguf; print(packaged_gguf())")" $(REAL_MODEL_DIR)
 
+# Lint as declared in pyproject.toml (ruff, line length 110); .ci/run runs it before the tests.
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks
 

@@ -27,7 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
 from posttrain.algorithms.loss import DPOLoss, DPOLossConfig
-from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
+from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -99,31 +99,24 @@ def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
-RECIPE: Recipe[DPOConfig] = Recipe(
-    name="dpo",
-    loop=lambda cfg: cfg.dpo,
-    records_per_step=lambda cfg: cfg.policy.train_global_batch_size // 2,
-    val_batches=val_batches,
-    train_step=train_step,
-    validate=validate,
-    hyperparams=lambda cfg: {"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data},
-    shown=pairs.pair_progress,
-    init_reference_model=True,
-    pairs=True,
-)
-
-
 def setup(cfg: DPOConfig) -> DPORun:
     """Data, policy with its reference, logger and checkpoints; resumes from the latest checkpoint if any."""
-    return supervised.setup_run(cfg, RECIPE)
+    return supervised.setup_run(
+        cfg, "dpo", "dpo", cfg.policy.train_global_batch_size // 2, val_batches,
+        hyperparams={"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data}, init_reference_model=True,
+    )
 
 
 def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
-    return supervised.train(run, RECIPE, num_steps)
+    return supervised.train(run, train_step, validate, pairs.pair_progress, pairs=True, num_steps=num_steps)
 
 
 def main(args: Any) -> int:
-    run, val_metrics = supervised.run_to_end(load_run_config(DPOConfig, args), RECIPE)
+    run = setup(load_run_config(DPOConfig, args))
+    try:
+        val_metrics = dpo_train(run)
+    finally:
+        run.shutdown()
     print(pairs.pair_summary("dpo", run.step, val_metrics, run.log_dir))
     return 0

@@ -42,11 +42,7 @@ from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, ch
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
-from posttrain.algorithms.run import (
-    prepare_run,
-    restore_run,
-    save_run_checkpoint,
-)
+from posttrain.algorithms.run import checkpoint_if_due, log_step, prepare_run, restore_run
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -58,7 +54,7 @@ from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig, step_timing
+from posttrain.utils.logger import Logger, LoggerConfig
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
@@ -312,12 +308,11 @@ def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, f
     return result.metrics
 
 
-def maybe_checkpoint(run: GRPORun, force: bool = False) -> None:
-    cfg = run.cfg.checkpointing
-    if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
-        return
+def checkpoint(run: GRPORun, force: bool = False) -> None:
+    """The run's state when due: the step, the last validation metrics (`val_accuracy` ranks checkpoints)
+    and the rollout source's counters."""
     info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
-    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg)
+    checkpoint_if_due(run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg, force)
 
 
 # ------------------------------------------------------------------------------------------------- loop
@@ -366,12 +361,10 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
             metrics = grpo_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
-            run.logger.log_metrics(metrics, run.step, prefix="train")
-            run.logger.log_metrics(step_timing(timer, {"policy_worker": run.policy.get_timing_metrics()}), run.step, "timing")
-            timer.reset()
+            log_step(run.logger, run.policy, metrics, timer, run.step)
             if cfg.val_period and (run.step % cfg.val_period == 0 or run.step == last_step):
                 validate(run, run.step, timer)
-            maybe_checkpoint(run, force=run.step == last_step)
+            checkpoint(run, force=run.step == last_step)
             progress.advance(run.step, {"reward": metrics["reward_mean"], **{f"val_{k}": v for k, v in run.last_val.items() if k == "accuracy"}})
             if cfg.early_stop_val_accuracy is not None and run.last_val.get("accuracy", -1.0) >= cfg.early_stop_val_accuracy:
                 print(f"early stop at step {run.step}: val accuracy {run.last_val['accuracy']:.3f}")

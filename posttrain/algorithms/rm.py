@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
 from posttrain.algorithms.loss import BradleyTerryLoss
-from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
+from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -86,30 +86,24 @@ def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
-RECIPE: Recipe[RMConfig] = Recipe(
-    name="rm",
-    loop=lambda cfg: cfg.rm,
-    records_per_step=lambda cfg: cfg.policy.train_global_batch_size // 2,
-    val_batches=val_batches,
-    train_step=train_step,
-    validate=validate,
-    hyperparams=lambda cfg: {"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
-    shown=pairs.pair_progress,
-    pairs=True,
-)
-
-
 def setup(cfg: RMConfig) -> RMRun:
     """Data, reward model workers, logger and checkpoints; resumes from the latest checkpoint if any."""
-    return supervised.setup_run(cfg, RECIPE)
+    return supervised.setup_run(
+        cfg, "rm", "rm", cfg.policy.train_global_batch_size // 2, val_batches,
+        hyperparams={"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
+    )
 
 
 def rm_train(run: RMRun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
-    return supervised.train(run, RECIPE, num_steps)
+    return supervised.train(run, train_step, validate, pairs.pair_progress, pairs=True, num_steps=num_steps)
 
 
 def main(args: Any) -> int:
-    run, val_metrics = supervised.run_to_end(load_run_config(RMConfig, args), RECIPE)
+    run = setup(load_run_config(RMConfig, args))
+    try:
+        val_metrics = rm_train(run)
+    finally:
+        run.shutdown()
     print(pairs.pair_summary("rm", run.step, val_metrics, run.log_dir))
     return 0

@@ -1,13 +1,13 @@
-"""The plumbing of every algorithm's run: the run directory, the model directory (built from an
-architecture config for offline runs), and checkpoint save/restore of the whole run state (policy,
-data-loader position, step counters)."""
+"""The plumbing every algorithm's loop calls: the run directory, the model directory (built from an
+architecture config for offline runs), checkpoint save/restore of the whole run state (policy,
+data-loader position, step counters), and the end of a step (log its metrics and stage times; checkpoint
+when due)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -16,12 +16,9 @@ from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError, config_to_dict, save_config
 from posttrain.models.gguf import gguf_model_dir
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import LoggerConfig
+from posttrain.utils.logger import Logger, LoggerConfig, default_log_dir, step_timing
+from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
-
-
-def default_log_dir(algorithm: str) -> str:
-    return f"results/{algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class RunConfig(Protocol):
@@ -115,3 +112,20 @@ def restore_run(manager: CheckpointManager, policy: Policy) -> RunCheckpoint | N
     loader_state = json.loads(loader_file.read_text()) if loader_file.exists() else {}
     print(f"resumed from {path} (step {training_info.get('step')})", file=sys.stderr)
     return RunCheckpoint(path, training_info, loader_state)
+
+
+def log_step(logger: Logger, policy: Policy, metrics: dict[str, float], timer: Timer, step: int) -> None:
+    """The step's metrics (`train/`) and the stage times of the driver and the policy workers (`timing/`);
+    the timer restarts."""
+    logger.log_metrics(metrics, step, prefix="train")
+    logger.log_metrics(step_timing(timer, {"policy_worker": policy.get_timing_metrics()}), step, prefix="timing")
+    timer.reset()
+
+
+def checkpoint_if_due(manager: CheckpointManager, policy: Policy, step: int, training_info: dict[str, Any],
+                      loader_state: dict[str, Any], run_config: Any, force: bool = False) -> None:
+    """Save the run's state at `step` every `checkpointing.save_period` steps, or when forced (a run's
+    last step); nothing when checkpointing is off."""
+    cfg = run_config.checkpointing
+    if cfg.enabled and (force or step % cfg.save_period == 0):
+        save_run_checkpoint(manager, policy, step, training_info, loader_state, run_config)

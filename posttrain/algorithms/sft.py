@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.algorithms import supervised
 from posttrain.algorithms.checks import check_parallelism
 from posttrain.algorithms.loss import NLLLoss
-from posttrain.algorithms.supervised import LoopConfig, Recipe, SupervisedRun
+from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import load_run_config
 from posttrain.data import DataConfig, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -91,29 +91,29 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
-RECIPE: Recipe[SFTConfig] = Recipe(
-    name="sft",
-    loop=lambda cfg: cfg.sft,
-    records_per_step=lambda cfg: cfg.policy.train_global_batch_size,
-    val_batches=val_batches,
-    train_step=train_step,
-    validate=validate,
-    hyperparams=lambda cfg: {"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data},
-    shown=lambda metrics, val: {"loss": metrics["loss"], **({"val_loss": val["loss"]} if val else {})},
-)
-
-
 def setup(cfg: SFTConfig) -> SFTRun:
     """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
-    return supervised.setup_run(cfg, RECIPE)
+    return supervised.setup_run(
+        cfg, "sft", "sft", cfg.policy.train_global_batch_size, val_batches,
+        hyperparams={"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data},
+    )
+
+
+def sft_progress(metrics: dict[str, float], val_metrics: dict[str, float] | None) -> dict[str, float]:
+    """The progress line: the step's loss, and the validation loss when it validated."""
+    return {"loss": metrics["loss"], **({"val_loss": val_metrics["loss"]} if val_metrics else {})}
 
 
 def sft_train(run: SFTRun, num_steps: int | None = None) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
-    return supervised.train(run, RECIPE, num_steps)
+    return supervised.train(run, train_step, validate, sft_progress, pairs=False, num_steps=num_steps)
 
 
 def main(args: Any) -> int:
-    run, val_metrics = supervised.run_to_end(load_run_config(SFTConfig, args), RECIPE)
+    run = setup(load_run_config(SFTConfig, args))
+    try:
+        val_metrics = sft_train(run)
+    finally:
+        run.shutdown()
     print(f"sft finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}; run directory {run.log_dir}")
     return 0

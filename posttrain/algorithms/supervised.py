@@ -1,7 +1,9 @@
-"""The loop that SFT, DPO and reward-model training share. Each algorithm supplies its config, how a
-batch of records becomes train data, its train step and its validation; this module sets the run up
-(run directory, model, data, workers, logger, resume) and runs steps: train, log, validate every
-`val_period` steps and at the end, checkpoint when due, export the final model."""
+"""The supervised loop, which SFT, DPO and reward-model training share: they differ only in how a batch
+trains and how validation scores, which each algorithm's module passes in as plain functions. This
+module sets such a run up (run directory, model, data, workers, logger, resume) and runs it, as an
+explicit loop like GRPO's, calling the same end-of-step helpers (`run.log_step`, `run.checkpoint_if_due`):
+train, log, validate every `val_period` steps and at the end, checkpoint when due, export the final
+model."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
-from posttrain.algorithms.run import RunConfig, prepare_run, restore_run, save_run_checkpoint
+from posttrain.algorithms.run import RunConfig, checkpoint_if_due, log_step, prepare_run, restore_run
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -22,7 +24,7 @@ from posttrain.evals.supervised_samples import log_supervised_samples
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
 from posttrain.utils.checkpoint import CheckpointManager
-from posttrain.utils.logger import Logger, step_timing
+from posttrain.utils.logger import Logger
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy
@@ -62,6 +64,7 @@ class SupervisedRun(Generic[ConfigT]):
     """Everything one SFT, DPO or RM run holds; the algorithm's `*_train` advances it."""
 
     cfg: ConfigT
+    name: str  # the algorithm: run directory prefix and progress label
     loop: LoopConfig
     log_dir: Path
     tokenizer: PreTrainedTokenizerBase
@@ -81,31 +84,21 @@ class SupervisedRun(Generic[ConfigT]):
         self.cluster.shutdown()
 
 
-@dataclass
-class Recipe(Generic[ConfigT]):
-    """One supervised algorithm, as the pieces the shared loop calls."""
-
-    name: str  # run directory prefix and progress label
-    loop: Callable[[ConfigT], LoopConfig]  # the config's loop section
-    records_per_step: Callable[[ConfigT], int]  # training records (conversations or pairs) per step
-    val_batches: Callable[[ConfigT, Policy, PreTrainedTokenizerBase, list[dict]], list[BatchedDataDict]]
-    train_step: Callable[[SupervisedRun[ConfigT], Timer], dict[str, float]]  # one optimizer step
-    validate: Callable[[SupervisedRun[ConfigT]], dict[str, float]]  # metrics over `run.val_data`
-    hyperparams: Callable[[ConfigT], dict[str, Any]]  # the config sections logged as hyperparameters
-    shown: Callable[[dict[str, float], dict[str, float] | None], dict[str, float]]  # progress line
-    init_reference_model: bool = False  # keep the initial weights as a frozen reference
-    pairs: bool = False  # the validation batches hold chosen/rejected rows (printed samples show both)
+ValBatches = Callable[[ConfigT, Policy, PreTrainedTokenizerBase, list[dict]], list[BatchedDataDict]]
 
 
-def setup_run(cfg: ConfigT, recipe: Recipe[ConfigT]) -> SupervisedRun[ConfigT]:
-    """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
-    cfg = prepare_run(cfg, recipe.name)
-    loop = recipe.loop(cfg)
+def setup_run(cfg: ConfigT, name: str, loop_key: str, records_per_step: int, val_batches: ValBatches,
+              hyperparams: dict[str, Any], init_reference_model: bool = False) -> SupervisedRun[ConfigT]:
+    """Data, model, workers, logger and checkpoints for algorithm `name` (its loop section `loop_key`,
+    `records_per_step` training records per step, validation batches from `val_batches`); resumes from the
+    latest checkpoint if there is one. With `init_reference_model` the workers keep the initial weights as
+    a frozen reference."""
+    cfg = prepare_run(cfg, name)
+    loop = getattr(cfg, loop_key)
     log_dir = Path(cfg.logger.log_dir)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
-    records_per_step = recipe.records_per_step(cfg)
     batch_size = cfg.policy.train_global_batch_size
     check_batch_fits(len(train_records), records_per_step, "policy.train_global_batch_size", batch_size, cfg.data.dataset)
     loader = StatefulDataLoader(train_records, records_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
@@ -113,76 +106,63 @@ def setup_run(cfg: ConfigT, recipe: Recipe[ConfigT]) -> SupervisedRun[ConfigT]:
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
     cluster = RayVirtualCluster(cfg.cluster)
     # A reference is the weights the workers load now: the initial model, also when resuming below.
-    policy = Policy(cluster, cfg.policy, init_reference_model=recipe.init_reference_model)
+    policy = Policy(cluster, cfg.policy, init_reference_model=init_reference_model)
     val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
-    val_data = recipe.val_batches(cfg, policy, tokenizer, val_records)
+    val_data = val_batches(cfg, policy, tokenizer, val_records)
     run = SupervisedRun(
-        cfg, loop, log_dir, tokenizer, policy, cluster, loader, val_data, Logger(cfg.logger),
+        cfg, name, loop, log_dir, tokenizer, policy, cluster, loader, val_data, Logger(cfg.logger),
         CheckpointManager(cfg.checkpointing), total_steps, data_stats=data_stats,
     )
     restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
     if restored is not None:
         run.step = int(restored.training_info["step"])
         loader.load_state_dict(restored.loader_state)
-    run.logger.log_hyperparams(recipe.hyperparams(cfg))
+    run.logger.log_hyperparams(hyperparams)
     run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
     return run
 
 
-def checkpoint_if_due(run: SupervisedRun, val_loss: float | None, force: bool = False) -> None:
-    """Every `checkpointing.save_period` steps (or when forced): the run's state at `run.step`, with its
-    epoch and the latest validation loss (the default ranking metric) as training info."""
-    cfg = run.cfg.checkpointing
-    if not cfg.enabled or not (force or run.step % cfg.save_period == 0):
-        return
-    info = {"step": run.step, "epoch": run.train_loader.epoch}
-    if val_loss is not None:
-        info["val_loss"] = val_loss
-    save_run_checkpoint(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg)
+StepFn = Callable[[SupervisedRun, Timer], dict[str, float]]
+ValidateFn = Callable[[SupervisedRun], dict[str, float]]
+ShownFn = Callable[[dict[str, float], dict[str, float] | None], dict[str, float]]
 
 
-def end_of_step(run: SupervisedRun[ConfigT], recipe: Recipe[ConfigT], metrics: dict[str, float], timer: Timer,
-                last_step: int) -> dict[str, float] | None:
-    """Log the step's metrics and stage timings, validate every `val_period` steps and at `last_step`,
-    checkpoint when due (always at the run's final step). Returns the validation metrics when it validated."""
-    run.logger.log_metrics(metrics, run.step, prefix="train")
-    timing = step_timing(timer, {"policy_worker": run.policy.get_timing_metrics()})
-    run.logger.log_metrics(timing, run.step, prefix="timing")
-    timer.reset()
+def end_of_step(run: SupervisedRun, metrics: dict[str, float], timer: Timer, last_step: int,
+                validate: ValidateFn, pairs: bool) -> dict[str, float] | None:
+    """Log the step's metrics and stage timings, validate (`validate(run)`) every `val_period` steps and at
+    `last_step` and log samples (chosen and rejected with `pairs`), checkpoint when due (always at the
+    run's final step). Returns the validation metrics when it validated."""
+    log_step(run.logger, run.policy, metrics, timer, run.step)
     val_metrics = None
     if run.step % run.loop.val_period == 0 or run.step == last_step:
-        val_metrics = recipe.validate(run)
+        val_metrics = validate(run)
         run.logger.log_metrics(val_metrics, run.step, prefix="val")
-        log_supervised_samples(run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=recipe.pairs)
-    val_loss = val_metrics["loss"] if val_metrics else None
-    checkpoint_if_due(run, val_loss, force=run.step == last_step == run.total_steps)
+        log_supervised_samples(run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=pairs)
+    info = {"step": run.step, "epoch": run.train_loader.epoch}
+    if val_metrics is not None:
+        info["val_loss"] = val_metrics["loss"]  # the default ranking metric
+    checkpoint_if_due(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg,
+                      force=run.step == last_step == run.total_steps)
     return val_metrics
 
 
-def train(run: SupervisedRun[ConfigT], recipe: Recipe[ConfigT], num_steps: int | None = None) -> dict[str, float]:
-    """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
+def train(run: SupervisedRun, train_step: StepFn, validate: ValidateFn, shown: ShownFn, pairs: bool = False,
+          num_steps: int | None = None) -> dict[str, float]:
+    """Train until `run.total_steps` (or `num_steps` more steps), one `train_step` per optimizer step;
+    `shown` picks the progress line's numbers. Exports `<log_dir>/hf_model` at the run's end (unless
+    `export_final_model` is off). Returns the last validation metrics."""
     last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
     val_metrics: dict[str, float] = {}
     timer = Timer()
-    with StepProgress(recipe.name, last_step, start=run.step) as progress:
+    with StepProgress(run.name, last_step, start=run.step) as progress:
         while run.step < last_step:
             start = time.perf_counter()
-            metrics = recipe.train_step(run, timer)
+            metrics = train_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
-            step_val = end_of_step(run, recipe, metrics, timer, last_step)
+            step_val = end_of_step(run, metrics, timer, last_step, validate, pairs)
             val_metrics = step_val or val_metrics
-            progress.advance(run.step, recipe.shown(metrics, step_val))
+            progress.advance(run.step, shown(metrics, step_val))
     if run.step == run.total_steps and run.loop.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
     return val_metrics
-
-
-def run_to_end(cfg: ConfigT, recipe: Recipe[ConfigT]) -> tuple[SupervisedRun[ConfigT], dict[str, float]]:
-    """Set up, train to the end, shut the workers down: the run and its last validation metrics."""
-    run = setup_run(cfg, recipe)
-    try:
-        val_metrics = train(run, recipe)
-    finally:
-        run.shutdown()
-    return run, val_metrics

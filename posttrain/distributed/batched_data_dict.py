@@ -2,7 +2,7 @@
 share a batch dimension (dim 0), dealt to data-parallel ranks by global batch. Also the two micro-batch
 planners (token budget, sequence packing); the policy worker plans each rank's micro-batches with them.
 
-Batch keys used across posttrain (the contract of DESIGN.md):
+Batch keys used across posttrain (the batch contract; docs/architecture.md):
 - `input_ids [B, T]` right-padded token ids; `input_lengths [B]` unpadded lengths
 - `token_mask [B, T]` 1 where a token is trained on (never position 0, never padding)
 - `sample_mask [B]` 1 for samples that count in the loss

@@ -1,1 +1,3 @@
-"""Models: the trainable policy, generation backends, and the offline tiny-model builder."""
+"""Models as weights: building a model directory from an architecture config, tokenizers, LoRA adapters,
+vision-language processors and GGUF conversion. The workers that train and sample them live in
+`posttrain.workers`."""

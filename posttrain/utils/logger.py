@@ -86,10 +86,10 @@ class LoggerConfig:
         default_factory=GPUMonitoringConfig, metadata={"help": "System monitor intervals."}
     )
     gpu_collection_interval: float | None = field(
-        default=None, metadata={"help": "Alias of gpu_monitoring.collection_interval (the design doc's flat name)."}
+        default=None, metadata={"help": "Alias of gpu_monitoring.collection_interval (a flat name some configs use)."}
     )
     gpu_flush_interval: float | None = field(
-        default=None, metadata={"help": "Alias of gpu_monitoring.flush_interval (the design doc's flat name)."}
+        default=None, metadata={"help": "Alias of gpu_monitoring.flush_interval (a flat name some configs use)."}
     )
 
     def validate(self) -> None:
@@ -404,7 +404,7 @@ class Logger(LoggerInterface):
     runs the Ray system monitor when `monitor_gpus` is set and Ray is up."""
 
     def __init__(self, cfg: LoggerConfig | Mapping[str, Any]):
-        if isinstance(cfg, Mapping):  # the design document's plain dict, through the one typed loader
+        if isinstance(cfg, Mapping):  # a plain dict, through the one typed loader
             cfg = validate_config(LoggerConfig, dict(cfg))
         self.cfg = cfg
         log_dir = cfg.log_dir  # the config stays as given; a missing directory is derived here

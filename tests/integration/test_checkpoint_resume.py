@@ -15,6 +15,8 @@ from posttrain.algorithms import sft
 from posttrain.config import load_typed_config
 from posttrain.workers.policy.handle import NonFiniteLossError
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "sft_tiny.yaml")
 SHARD = Path("policy") / "model" / "__0_0.distcp"

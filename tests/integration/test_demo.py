@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
 
 
 def test_short_demo_writes_run_directory_plot_and_summary(ray_session, tmp_path):

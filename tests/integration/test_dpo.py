@@ -11,6 +11,8 @@ from run_logs import metrics_by_step
 from posttrain.algorithms import dpo
 from posttrain.config import ConfigError, load_typed_config
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "dpo_tiny.yaml")
 NUM_STEPS = 40

@@ -23,6 +23,8 @@ from posttrain.utils.logger import LoggerConfig
 from posttrain.workers.generation import GenerationConfig
 from posttrain.workers.policy import OptimizerConfig, PolicyConfig
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "eval_tiny.yaml"
 NUM_VAL = 8  # validation prompts of the GRPO / eval comparison
 MAX_SEQ_LEN = 48

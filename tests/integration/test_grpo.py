@@ -14,6 +14,8 @@ from posttrain.environments.interface import EnvironmentInterface, EnvironmentRe
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
 from posttrain.models.tokenizer import build_char_tokenizer
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "grpo_tiny.yaml")
 

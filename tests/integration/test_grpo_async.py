@@ -6,6 +6,8 @@ one with bound 0."""
 import pytest
 from test_grpo import run_grpo
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 ASYNC = {"grpo.async_grpo.enabled": "true", "generation.colocated": "false"}
 NO_CHECKPOINTS = {"checkpointing.enabled": "false"}
 

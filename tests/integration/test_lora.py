@@ -22,6 +22,8 @@ from posttrain.workers.generation import GenerationConfig, HFGeneration
 from posttrain.workers.policy.config import PolicyConfig
 from posttrain.workers.policy.handle import Policy
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 NUM_ROWS, SEQ_LEN = 8, 12
 LORA = {"enabled": True, "rank": 4, "alpha": 8.0, "dropout": 0.0}
 # Qwen2, hidden 32, 2 layers, MLP 64, rank 4 on q,k,v,o (32 -> 32) and gate, up (32 -> 64), down (64 -> 32):

@@ -10,6 +10,8 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 pytest.importorskip("megatron.core", reason="policy.backend=megatron needs posttrain[megatron]")
 
 from test_grpo import run_grpo  # noqa: E402

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 pytest.importorskip("megatron.core", reason="policy.backend=megatron needs posttrain[megatron]")
 
 from test_lora import (  # noqa: E402

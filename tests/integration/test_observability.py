@@ -1,11 +1,15 @@
-"""What the logger design document promises, on real runs: worker stage timing reaches the driver's
+"""What the logger promises (docs/architecture.md, README "Logging"), on real runs: worker stage timing reaches the driver's
 log (max over ranks), SFT and RM print their own validation samples, MLflow holds the run's artifacts."""
 
 import json
 from pathlib import Path
 
+import pytest
+
 from posttrain.algorithms import rm, sft
 from posttrain.config import load_typed_config
+
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
 """Training backend invariants on real Ray actors and FSDP2 over gloo: splits of a batch do not change
 the update (1 vs 2 workers, 2x4 vs 8x1 micro-batches, packed vs padded rows), logprobs follow the
-DESIGN.md contract, and checkpoints / exports / reference weights reproduce logprobs."""
+batch-key contract of distributed/batched_data_dict.py, and checkpoints / exports / reference weights reproduce logprobs."""
 
 from __future__ import annotations
 

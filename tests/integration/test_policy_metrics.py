@@ -13,6 +13,8 @@ from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.workers.policy.config import PolicyConfig
 from posttrain.workers.policy.handle import Policy
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 LENGTHS = [5, 9, 7, 12, 6, 8, 11, 10]  # 8 rows: 2 workers x 2 micro-batches of 2 rows
 
 

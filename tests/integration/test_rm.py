@@ -15,6 +15,8 @@ from posttrain.algorithms import grpo, rm
 from posttrain.config import ConfigError, load_typed_config
 from posttrain.models.build import load_tokenizer
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "rm_tiny.yaml")
 NUM_STEPS = 120

@@ -16,6 +16,8 @@ from posttrain.config import load_typed_config
 from posttrain.demo import AccuracyProbe, DemoConfig
 from posttrain.utils.checkpoint import CheckpointManager
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "sft_tiny.yaml")
 

@@ -17,6 +17,8 @@ from posttrain.workers.generation import GenerationConfig
 from posttrain.workers.generation.hf import HFGeneration
 from posttrain.workers.policy.handle import Policy
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 NUM_STEPS = 3
 
 

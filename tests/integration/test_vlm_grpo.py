@@ -4,10 +4,13 @@ resumed from its step-2 checkpoint equals the uninterrupted run."""
 
 from pathlib import Path
 
+import pytest
 from run_logs import metrics_by_step
 
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
+
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "vlm_grpo_tiny.yaml")

@@ -23,6 +23,8 @@ from posttrain.workers.generation import GenerationConfig, HFGeneration, make_ge
 from posttrain.workers.policy.config import PolicyConfig
 from posttrain.workers.policy.handle import Policy
 
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
 NUM_ROWS, NUM_STEPS = 8, 2
 # Rows 0-3 go to rank 0 and 4-7 to rank 1 on two workers: with micro-batches of 2, rank 1's second
 # micro-batch (rows 6, 7) has no image while rank 0's (rows 2, 3) has one.

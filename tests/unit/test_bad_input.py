@@ -1,5 +1,5 @@
 """Bad input stops a run early with an error naming the culprit: the config key (and its file), or the
-data file and line. One test per item of issue 13, part 4; none of them starts Ray."""
+data file and line. One test per kind of bad input; none of them starts Ray."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The logger design document (shared/seeds/002) and the evaluation overview (000), taken at their word:
-each test's docstring quotes the sentence it checks."""
+"""The logger's and evaluation's documented behaviour, taken at its word: each test's docstring states
+the promise it checks."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The orchestration document (shared/seeds/003): worker_group_utils "offers helper functions for merging
-configuration options and dictionaries, primarily used to consolidate settings for distributed worker
-groups"."""
+"""worker_group_utils: helper functions that merge configuration options and dictionaries, used to
+consolidate the settings of distributed worker groups (environment variables of each rank)."""
 
 import pytest
 

@@ -1,5 +1,6 @@
-"""The trainable policy: typed config, the FSDP2/DTensor training worker (or the Megatron Core one,
-`megatron_worker.py`) and the driver-side handle."""
+"""The trainable policy: its typed config (`config.py`), the worker base every backend shares (`base.py`),
+the DTensor/FSDP2 worker (`dtensor.py`) and the Megatron Core one (`megatron.py`), and the driver-side
+handle (`handle.py`, `Policy`)."""
 
 from posttrain.workers.policy.config import (
     DynamicBatchingConfig,
