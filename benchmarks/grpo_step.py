@@ -73,18 +73,49 @@ class Workload:
     max_new_tokens: int
     env: str  # posttrain environment: exact_match (answers compared as text) or math (final answer)
     model: ModelFromConfig | None = None  # built from config; None: a model directory (--model-dir)
-    optimizer: dict = field(default_factory=lambda: {"lr": 1.0e-5, "weight_decay": 0.01, "betas": [0.9, 0.999],
-                                                      "eps": 1.0e-8})
+    optimizer: dict = field(
+        default_factory=lambda: {"lr": 1.0e-5, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1.0e-8}
+    )
 
 
 WORKLOADS = {
-    "tiny": Workload("tiny", 2, 8, 64, "exact_match", ModelFromConfig(
-        architecture="qwen2", hidden_size=256, num_layers=4, num_attention_heads=8, num_key_value_heads=4,
-        intermediate_size=768, max_position_embeddings=512, tokenizer="byte", seed=0)),
+    "tiny": Workload(
+        "tiny",
+        2,
+        8,
+        64,
+        "exact_match",
+        ModelFromConfig(
+            architecture="qwen2",
+            hidden_size=256,
+            num_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            intermediate_size=768,
+            max_position_embeddings=512,
+            tokenizer="byte",
+            seed=0,
+        ),
+    ),
     "smollm2": Workload("smollm2", 8, 4, 32, "math"),
-    "0.5b": Workload("0.5b", 8, 8, 128, "exact_match", ModelFromConfig(
-        architecture="qwen2", hidden_size=896, num_layers=32, num_attention_heads=14, num_key_value_heads=2,
-        intermediate_size=4864, max_position_embeddings=1024, tokenizer="byte", seed=0)),
+    "0.5b": Workload(
+        "0.5b",
+        8,
+        8,
+        128,
+        "exact_match",
+        ModelFromConfig(
+            architecture="qwen2",
+            hidden_size=896,
+            num_layers=32,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            intermediate_size=4864,
+            max_position_embeddings=1024,
+            tokenizer="byte",
+            seed=0,
+        ),
+    ),
 }
 
 
@@ -97,17 +128,31 @@ def write_prompts(path: Path, workload: Workload, num_prompts: int) -> None:
         rows = []
         for _ in range(num_prompts):
             a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-")
-            rows.append({"prompt": f"What is {a} {op} {b}? Reply with the number only.",
-                         "answer": str(a + b if op == "+" else a - b)})
+            rows.append(
+                {
+                    "prompt": f"What is {a} {op} {b}? Reply with the number only.",
+                    "answer": str(a + b if op == "+" else a - b),
+                }
+            )
     else:
         rows, _ = builtin_rows("arithmetic", num_prompts, 0, seed=0)
     with open(path, "w") as f:
         for row in rows:
-            f.write(json.dumps({"prompt": row["prompt"], "answer": row["answer"], "task_name": "arithmetic"}) + "\n")
+            f.write(
+                json.dumps({"prompt": row["prompt"], "answer": row["answer"], "task_name": "arithmetic"})
+                + "\n"
+            )
 
 
-def posttrain_config(workload: Workload, model_dir: Path, data_file: Path, log_dir: Path, device: str,
-                     threads: int | None, mode: str = "sync") -> grpo.GRPOConfig:
+def posttrain_config(
+    workload: Workload,
+    model_dir: Path,
+    data_file: Path,
+    log_dir: Path,
+    device: str,
+    threads: int | None,
+    mode: str = "sync",
+) -> grpo.GRPOConfig:
     batch = workload.num_prompts * workload.num_generations
     cluster: dict = {"workers_per_node": 1}  # posttrain's default bundle: the machine's cores
     if threads is not None:  # the policy and the colocated generation worker each compute with the bundle's
@@ -116,18 +161,38 @@ def posttrain_config(workload: Workload, model_dir: Path, data_file: Path, log_d
         cluster["num_gpus_per_worker"] = 1.0
     tree = {
         "grpo": {
-            "num_prompts_per_step": workload.num_prompts, "num_generations_per_prompt": workload.num_generations,
-            "max_num_steps": 1000, "max_seq_len": 512, "val_period": 0, "val_at_start": False, "seed": 0,
+            "num_prompts_per_step": workload.num_prompts,
+            "num_generations_per_prompt": workload.num_generations,
+            "max_num_steps": 1000,
+            "max_seq_len": 512,
+            "val_period": 0,
+            "val_at_start": False,
+            "seed": 0,
         },
         "loss": {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "reference_policy_kl_penalty": 0.0},
         "policy": {
-            "model_name": str(model_dir), "train_global_batch_size": batch, "train_micro_batch_size": batch,
-            "logprob_batch_size": batch, "max_grad_norm": 1.0,
+            "model_name": str(model_dir),
+            "train_global_batch_size": batch,
+            "train_micro_batch_size": batch,
+            "logprob_batch_size": batch,
+            "max_grad_norm": 1.0,
             "optimizer": {"name": "AdamW", "kwargs": workload.optimizer},
         },
-        "generation": {"backend": "hf", "max_new_tokens": workload.max_new_tokens, "temperature": 1.0,
-                       "top_p": 1.0, "top_k": None, "colocated": True},
-        "data": {"dataset": str(data_file), "format": "rl", "shuffle": False, "val_fraction": 0.0, "max_length": 256},
+        "generation": {
+            "backend": "hf",
+            "max_new_tokens": workload.max_new_tokens,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": None,
+            "colocated": True,
+        },
+        "data": {
+            "dataset": str(data_file),
+            "format": "rl",
+            "shuffle": False,
+            "val_fraction": 0.0,
+            "max_length": 256,
+        },
         "env": {"arithmetic": {"cls": workload.env, "num_workers": 1}},
         "cluster": cluster,
         "logger": {"log_dir": str(log_dir), "tensorboard_enabled": False},
@@ -143,7 +208,9 @@ def posttrain_config(workload: Workload, model_dir: Path, data_file: Path, log_d
             cores = max(1, (os.cpu_count() or 2) // 2)
             tree["cluster"]["num_cpus_per_worker"] = float(threads or cores)
             tree["generation"]["num_cpus_per_worker"] = float(threads or cores)
-            tree["cluster"]["num_cpus"] = 2 * (threads or cores) + 1  # logical CPUs: both groups + environments
+            tree["cluster"]["num_cpus"] = (
+                2 * (threads or cores) + 1
+            )  # logical CPUs: both groups + environments
         else:
             tree["generation"]["num_cpus_per_worker"] = 1.0
     return validate_config(grpo.GRPOConfig, tree)
@@ -154,14 +221,17 @@ def posttrain_stage_times(timer: Timer, step_time: float) -> dict[str, float]:
     """The step's Timer as the table's stages; "generation" is the rollout less the environments' time
     (async: the trainer's wait for the buffer, since generation and rewards run beside training)."""
     timings = timer.get_timing_metrics(reduction="sum")
-    stages = {name: timings.get(name, 0.0) for name in ("rewards", "advantages", "logprobs", "training", "refit")}
+    stages = {
+        name: timings.get(name, 0.0) for name in ("rewards", "advantages", "logprobs", "training", "refit")
+    }
     stages["generation"] = timings.get("generation", timings.get("rollout_wait", 0.0)) - stages["rewards"]
     stages["other"] = step_time - sum(stages.values())
     return stages
 
 
-def run_posttrain(args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path,
-                  work_dir: Path, mode: str) -> tuple[list[dict], dict]:
+def run_posttrain(
+    args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path, work_dir: Path, mode: str
+) -> tuple[list[dict], dict]:
     """posttrain GRPO steps through the public API (`grpo.setup`, `grpo.grpo_step`); the timed steps."""
     log_dir = Path(tempfile.mkdtemp(prefix="posttrain_run_", dir=work_dir))
     cfg = posttrain_config(workload, model_dir, data_file, log_dir, args.device, args.threads, mode)
@@ -176,34 +246,54 @@ def run_posttrain(args: argparse.Namespace, workload: Workload, model_dir: Path,
             step_time = time.perf_counter() - start
             mean_length = metrics["rollout/mean_generated_length"]
             generation_wait = metrics.get("async/generator_wait_s", 0.0)
-            steps.append({"step": step_time, "stages": posttrain_stage_times(timer, step_time),
-                          "generation_busy": None if mode == "sync" else step_time - generation_wait,
-                          "mean_response_length": mean_length,
-                          "generated_tokens": mean_length * workload.num_prompts * workload.num_generations,
-                          "reward_mean": metrics["reward_mean"]})
+            steps.append(
+                {
+                    "step": step_time,
+                    "stages": posttrain_stage_times(timer, step_time),
+                    "generation_busy": None if mode == "sync" else step_time - generation_wait,
+                    "mean_response_length": mean_length,
+                    "generated_tokens": mean_length * workload.num_prompts * workload.num_generations,
+                    "reward_mean": metrics["reward_mean"],
+                }
+            )
         threads = run.policy.describe()[0]["num_threads"]
     finally:
         run.shutdown()
-    return steps[args.warmup:], {"torch_threads": threads}
+    return steps[args.warmup :], {"torch_threads": threads}
 
 
 # ------------------------------------------------------------------------------------------------- TRL
-def run_trl(args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path,
-            work_dir: Path) -> tuple[list[dict], dict]:
+def run_trl(
+    args: argparse.Namespace, workload: Workload, model_dir: Path, data_file: Path, work_dir: Path
+) -> tuple[list[dict], dict]:
     """`.venv-trl/bin/python benchmarks/trl_grpo.py JOB.json OUT.json`: the timed steps and the versions."""
     job = {
-        "model_dir": str(model_dir), "data_file": str(data_file), "output_dir": str(work_dir / "trl_run"),
-        "device": args.device, "num_prompts": workload.num_prompts, "num_generations": workload.num_generations,
-        "max_completion_length": workload.max_new_tokens, "temperature": 1.0, "optimizer": workload.optimizer,
-        "max_grad_norm": 1.0, "epsilon": 0.2, "warmup": args.warmup, "steps": args.steps, "seed": 0,
-        "torch_threads": args.threads, "numeric_answers": workload.env == "math",
+        "model_dir": str(model_dir),
+        "data_file": str(data_file),
+        "output_dir": str(work_dir / "trl_run"),
+        "device": args.device,
+        "num_prompts": workload.num_prompts,
+        "num_generations": workload.num_generations,
+        "max_completion_length": workload.max_new_tokens,
+        "temperature": 1.0,
+        "optimizer": workload.optimizer,
+        "max_grad_norm": 1.0,
+        "epsilon": 0.2,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "seed": 0,
+        "torch_threads": args.threads,
+        "numeric_answers": workload.env == "math",
     }
     job_file, out_file = work_dir / "trl_job.json", work_dir / "trl_result.json"
     job_file.write_text(json.dumps(job))
     command = [args.trl_python, str(ROOT / "benchmarks" / "trl_grpo.py"), str(job_file), str(out_file)]
     subprocess.run(command, check=True)
     result = json.loads(out_file.read_text())
-    return result["steps"][args.warmup:], {"versions": result["versions"], "torch_threads": result["torch_threads"]}
+    return result["steps"][args.warmup :], {
+        "versions": result["versions"],
+        "torch_threads": result["torch_threads"],
+    }
 
 
 # --------------------------------------------------------------------------------------------- report
@@ -211,8 +301,10 @@ def idle_fractions(step: dict) -> dict[str, float]:
     """The share of the step each worker group does not compute (trainer, generation)."""
     stages = step["stages"]
     generation_busy = step.get("generation_busy")
-    busy = {"trainer": stages["training"] + stages["logprobs"],
-            "generation": stages["generation"] if generation_busy is None else generation_busy}
+    busy = {
+        "trainer": stages["training"] + stages["logprobs"],
+        "generation": stages["generation"] if generation_busy is None else generation_busy,
+    }
     return {group: max(0.0, 1.0 - seconds / step["step"]) for group, seconds in busy.items()}
 
 
@@ -226,11 +318,13 @@ def summarize(runs: list[list[dict]]) -> dict:
         "step_time_median_s": median(s["step"] for s in steps),
         "step_time_median_s_per_run": [median(s["step"] for s in run) for run in runs],
         "stage_time_median_s": {name: median(s["stages"][name] for s in steps) for name in STAGES},
-        "idle_fraction_median": {group: median(idle_fractions(s)[group] for s in steps)
-                                 for group in ("trainer", "generation")},
+        "idle_fraction_median": {
+            group: median(idle_fractions(s)[group] for s in steps) for group in ("trainer", "generation")
+        },
         "mean_response_length": statistics.fmean(s["mean_response_length"] for s in steps),
-        "generated_tokens_per_s": median(s["generated_tokens"] / (s.get("generation_busy") or s["stages"]["generation"])
-                                         for s in steps),
+        "generated_tokens_per_s": median(
+            s["generated_tokens"] / (s.get("generation_busy") or s["stages"]["generation"]) for s in steps
+        ),
         "steps": steps,
     }
 
@@ -242,16 +336,27 @@ def print_table(results: dict) -> None:
         print(f"  {stage:<24}" + "".join(f"{results[s]['stage_time_median_s'][stage]:>16.3f}" for s in sides))
     print(f"{'step':<26}" + "".join(f"{results[s]['step_time_median_s']:>16.3f}" for s in sides))
     for group in ("trainer", "generation"):
-        print(f"{group + ' idle (share)':<26}" + "".join(
-            f"{results[s]['idle_fraction_median'][group]:>16.2f}" for s in sides))
-    print(f"{'generated tokens / s':<26}" + "".join(f"{results[s]['generated_tokens_per_s']:>16.0f}" for s in sides))
-    print(f"{'mean response length':<26}" + "".join(f"{results[s]['mean_response_length']:>16.1f}" for s in sides))
+        print(
+            f"{group + ' idle (share)':<26}"
+            + "".join(f"{results[s]['idle_fraction_median'][group]:>16.2f}" for s in sides)
+        )
+    print(
+        f"{'generated tokens / s':<26}"
+        + "".join(f"{results[s]['generated_tokens_per_s']:>16.0f}" for s in sides)
+    )
+    print(
+        f"{'mean response length':<26}"
+        + "".join(f"{results[s]['mean_response_length']:>16.1f}" for s in sides)
+    )
     print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>16}" for s in sides))
     for side in sides:
         per_run = ", ".join(f"{t:.3f}" for t in results[side]["step_time_median_s_per_run"])
         print(f"{side} step, median of each run: {per_run}")
     load = results["machine"]
-    print(f"load average (1 min) at start / end: {load['load_average_start'][0]:.1f} / {load['load_average_end'][0]:.1f}")
+    print(
+        f"load average (1 min) at start / end: {load['load_average_start'][0]:.1f} / "
+        f"{load['load_average_end'][0]:.1f}"
+    )
     for side in ("posttrain", "posttrain_async"):
         if f"ratio_{side}_over_trl" in results:
             print(f"{side} step time / TRL step time = {results[f'ratio_{side}_over_trl']:.2f}")
@@ -266,9 +371,15 @@ def cpu_model() -> str:
 
 
 def machine_description(device: str) -> dict:
-    info = {"platform": platform.platform(), "processor": cpu_model(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__, "device": device,
-            "load_average_start": os.getloadavg()}
+    info = {
+        "platform": platform.platform(),
+        "processor": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "load_average_start": os.getloadavg(),
+    }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
@@ -279,27 +390,41 @@ def prepare_model(args: argparse.Namespace, workload: Workload, work_dir: Path) 
         return build_model_dir(workload.model, work_dir / "model")
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
-        raise SystemExit(f"--model smollm2: no model in {model_dir}; run `make real-model` (or pass --model-dir)")
+        raise SystemExit(
+            f"--model smollm2: no model in {model_dir}; run `make real-model` (or pass --model-dir)"
+        )
     return model_dir
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(WORKLOADS), default="tiny", help="workload (see above)")
-    parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"),
-                        help="--model smollm2: the model directory")
+    parser.add_argument(
+        "--model-dir",
+        default=str(ROOT / "models" / "smollm2-135m-instruct"),
+        help="--model smollm2: the model directory",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where both frameworks run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (each side)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (each side)")
     parser.add_argument("--runs", type=int, default=1, help="runs per side, alternating (medians over all)")
     parser.add_argument("--skip-trl", action="store_true", help="time posttrain only")
     parser.add_argument("--modes", default="sync,async", help="posttrain modes to time: sync, async or both")
-    parser.add_argument("--trl-python", default=str(ROOT / ".venv-trl" / "bin" / "python"),
-                        help="python of the TRL environment (make install-trl)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="pin torch threads (posttrain: CPUs per bundle; TRL: torch.set_num_threads); "
-                             "default: each framework's own default")
-    parser.add_argument("--out", default=None, help="JSON result (default benchmarks/results/grpo_step[_MODEL].json)")
+    parser.add_argument(
+        "--trl-python",
+        default=str(ROOT / ".venv-trl" / "bin" / "python"),
+        help="python of the TRL environment (make install-trl)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="pin torch threads (posttrain: CPUs per bundle; TRL: torch.set_num_threads); "
+        "default: each framework's own default",
+    )
+    parser.add_argument(
+        "--out", default=None, help="JSON result (default benchmarks/results/grpo_step[_MODEL].json)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
@@ -323,19 +448,36 @@ def main(argv: list[str] | None = None) -> int:
         results: dict = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine_description(args.device),
-            "model": {"workload": workload.name, "architecture": config.model_type, "num_parameters": num_params,
-                      "hidden_size": config.hidden_size, "num_layers": config.num_hidden_layers,
-                      "num_attention_heads": config.num_attention_heads,
-                      "num_key_value_heads": config.num_key_value_heads,
-                      "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size},
-            "work": {"num_prompts": workload.num_prompts, "num_generations": workload.num_generations,
-                     "max_new_tokens": workload.max_new_tokens, "temperature": 1.0, "reward": workload.env,
-                     "optimizer": {"name": "AdamW", **workload.optimizer}, "kl": 0.0},
+            "model": {
+                "workload": workload.name,
+                "architecture": config.model_type,
+                "num_parameters": num_params,
+                "hidden_size": config.hidden_size,
+                "num_layers": config.num_hidden_layers,
+                "num_attention_heads": config.num_attention_heads,
+                "num_key_value_heads": config.num_key_value_heads,
+                "intermediate_size": config.intermediate_size,
+                "vocab_size": config.vocab_size,
+            },
+            "work": {
+                "num_prompts": workload.num_prompts,
+                "num_generations": workload.num_generations,
+                "max_new_tokens": workload.max_new_tokens,
+                "temperature": 1.0,
+                "reward": workload.env,
+                "optimizer": {"name": "AdamW", **workload.optimizer},
+                "kl": 0.0,
+            },
         }
-        print(f"model: {workload.name}, {num_params / 1e6:.2f}M parameters; {args.runs} run(s) of {args.warmup} "
-              f"warm-up + {args.steps} timed steps per side")
+        print(
+            f"model: {workload.name}, {num_params / 1e6:.2f}M parameters; {args.runs} run(s) of "
+            f"{args.warmup} "
+            f"warm-up + {args.steps} timed steps per side"
+        )
         modes = [mode for mode in args.modes.split(",") if mode]
-        runs: dict[str, list] = {side: [] for side in [f"posttrain{'' if m == 'sync' else '_async'}" for m in modes] + ["trl"]}
+        runs: dict[str, list] = {
+            side: [] for side in [f"posttrain{'' if m == 'sync' else '_async'}" for m in modes] + ["trl"]
+        }
         info: dict[str, dict] = {}
         for _ in range(args.runs):  # alternate the sides, so that a change of machine load hits both
             for mode in modes:
@@ -350,7 +492,9 @@ def main(argv: list[str] | None = None) -> int:
                 results[side] = {**summarize(side_runs), **info[side]}
         for side in ("posttrain", "posttrain_async"):
             if side in results and "trl" in results:
-                results[f"ratio_{side}_over_trl"] = results[side]["step_time_median_s"] / results["trl"]["step_time_median_s"]
+                results[f"ratio_{side}_over_trl"] = (
+                    results[side]["step_time_median_s"] / results["trl"]["step_time_median_s"]
+                )
         results["machine"]["load_average_end"] = os.getloadavg()
     print_table(results)
     out = Path(args.out)

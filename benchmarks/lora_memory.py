@@ -30,20 +30,42 @@ from posttrain.workers.policy import Policy, PolicyConfig
 TINY = dict(architecture="llama", hidden_size=128, num_layers=4, num_attention_heads=4, intermediate_size=512)
 # Architectures counted from shapes (Hugging Face configs of the public models).
 SHAPES = {
-    "SmolLM2-135M": dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
-    "Qwen2.5-7B": dict(model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
-                       num_key_value_heads=4, intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+    "SmolLM2-135M": dict(
+        model_type="llama",
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
+    "Qwen2.5-7B": dict(
+        model_type="qwen2",
+        hidden_size=3584,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        intermediate_size=18944,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
 }
 RANK, ALPHA = 8, 16.0
 
 
 def measure_policy(model_dir: Path, lora: bool) -> dict[str, int]:
     """One AdamW step of a 1-worker policy on 8 random rows; its footprint and the bytes of a full refit."""
-    cfg = validate_config(PolicyConfig, dict(
-        model_name=str(model_dir), train_global_batch_size=8, train_micro_batch_size=8, seed=0,
-        lora={"enabled": lora, "rank": RANK, "alpha": ALPHA},
-    ))
+    cfg = validate_config(
+        PolicyConfig,
+        dict(
+            model_name=str(model_dir),
+            train_global_batch_size=8,
+            train_micro_batch_size=8,
+            seed=0,
+            lora={"enabled": lora, "rank": RANK, "alpha": ALPHA},
+        ),
+    )
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, num_cpus_per_worker=1))
     policy = Policy(cluster, cfg)
     try:
@@ -51,12 +73,23 @@ def measure_policy(model_dir: Path, lora: bool) -> dict[str, int]:
         input_ids = torch.randint(4, 100, (8, 16), generator=generator)
         token_mask = torch.ones_like(input_ids)
         token_mask[:, 0] = 0
-        policy.train(BatchedDataDict(input_ids=input_ids, input_lengths=torch.full((8,), 16), token_mask=token_mask,
-                                     sample_mask=torch.ones(8)), NLLLoss())
+        policy.train(
+            BatchedDataDict(
+                input_ids=input_ids,
+                input_lengths=torch.full((8,), 16),
+                token_mask=token_mask,
+                sample_mask=torch.ones(8),
+            ),
+            NLLLoss(),
+        )
         footprint = policy.memory_footprint()[0]
         policy.get_weights(only_changed=False)
-        return {"param_bytes": footprint["param_bytes"], "trainable_param_bytes": footprint["trainable_param_bytes"],
-                "optimizer_state_bytes": footprint["optimizer_state_bytes"], "refit_bytes": policy.last_weights_bytes()}
+        return {
+            "param_bytes": footprint["param_bytes"],
+            "trainable_param_bytes": footprint["trainable_param_bytes"],
+            "optimizer_state_bytes": footprint["optimizer_state_bytes"],
+            "refit_bytes": policy.last_weights_bytes(),
+        }
     finally:
         policy.shutdown()
         cluster.shutdown()
@@ -74,8 +107,12 @@ def count_from_shapes(hf_config: dict, lora: bool) -> dict[str, int]:
     params = list(model.parameters())  # a tied embedding counts once
     trainable = [p for p in params if p.requires_grad]
     trainable_bytes = sum(p.numel() * 4 for p in trainable)
-    return {"param_bytes": sum(p.numel() * 4 for p in params), "trainable_param_bytes": trainable_bytes,
-            "optimizer_state_bytes": 2 * trainable_bytes + 4 * len(trainable), "refit_bytes": trainable_bytes}
+    return {
+        "param_bytes": sum(p.numel() * 4 for p in params),
+        "trainable_param_bytes": trainable_bytes,
+        "optimizer_state_bytes": 2 * trainable_bytes + 4 * len(trainable),
+        "refit_bytes": trainable_bytes,
+    }
 
 
 def human(num_bytes: int) -> str:
@@ -95,22 +132,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(ModelFromConfig(**TINY), Path(tmp) / "tiny")
         for lora in (False, True):
-            rows.append({"model": "sft_tiny (1.1M)", "how": "measured", "mode": "lora" if lora else "full",
-                         **measure_policy(model_dir, lora)})
+            rows.append(
+                {
+                    "model": "sft_tiny (1.1M)",
+                    "how": "measured",
+                    "mode": "lora" if lora else "full",
+                    **measure_policy(model_dir, lora),
+                }
+            )
     for name, hf_config in SHAPES.items():
         for lora in (False, True):
-            rows.append({"model": name, "how": "shapes", "mode": "lora" if lora else "full",
-                         **count_from_shapes(hf_config, lora)})
+            rows.append(
+                {
+                    "model": name,
+                    "how": "shapes",
+                    "mode": "lora" if lora else "full",
+                    **count_from_shapes(hf_config, lora),
+                }
+            )
     print(f"LoRA rank {RANK}, alpha {ALPHA:g}, on q,k,v,o,gate,up,down; AdamW; fp32")
-    print(f"{'model':<18}{'how':<10}{'mode':<6}{'trainable':>12}{'optimizer':>12}{'refit':>12}{'refit / full':>14}")
+    print(
+        f"{'model':<18}{'how':<10}{'mode':<6}{'trainable':>12}{'optimizer':>12}{'refit':>12}"
+        f"{'refit / full':>14}"
+    )
     full_refit = {}
     for row in rows:
         if row["mode"] == "full":
             full_refit[row["model"]] = row["refit_bytes"]
         row["refit_fraction_of_full"] = row["refit_bytes"] / full_refit[row["model"]]
-        print(f"{row['model']:<18}{row['how']:<10}{row['mode']:<6}{human(row['trainable_param_bytes']):>12}"
-              f"{human(row['optimizer_state_bytes']):>12}{human(row['refit_bytes']):>12}"
-              f"{row['refit_fraction_of_full']:>14.4f}")
+        print(
+            f"{row['model']:<18}{row['how']:<10}{row['mode']:<6}{human(row['trainable_param_bytes']):>12}"
+            f"{human(row['optimizer_state_bytes']):>12}{human(row['refit_bytes']):>12}"
+            f"{row['refit_fraction_of_full']:>14.4f}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"rank": RANK, "alpha": ALPHA, "rows": rows}, indent=1))
     print(f"wrote {args.out}")

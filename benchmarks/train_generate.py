@@ -62,8 +62,12 @@ class Workload:
 
 
 WORKLOADS = {
-    "cpu": Workload(train_rows=16, train_micro_batch=8, seq_len=128, gen_prompts=32, prompt_len=16, new_tokens=64),
-    "cuda": Workload(train_rows=64, train_micro_batch=16, seq_len=512, gen_prompts=128, prompt_len=32, new_tokens=128),
+    "cpu": Workload(
+        train_rows=16, train_micro_batch=8, seq_len=128, gen_prompts=32, prompt_len=16, new_tokens=64
+    ),
+    "cuda": Workload(
+        train_rows=64, train_micro_batch=16, seq_len=512, gen_prompts=128, prompt_len=32, new_tokens=128
+    ),
 }
 
 
@@ -94,7 +98,8 @@ def forward_flops_per_token(cfg: ModelFromConfig, vocab_size: int, mean_context:
 
 @ray.remote
 def measure_matmul_flops(device: str, dtype_name: str, n: int, threads: int, repeats: int = 10) -> dict:
-    """Best-of-repeats FLOP/s of an n x n x n matrix product in this worker (`threads` on a CPU, or its GPU)."""
+    """Best-of-repeats FLOP/s of an n x n x n matrix product in this worker (`threads` on a CPU, or its
+    GPU)."""
     if device == "cpu":
         torch.set_num_threads(threads)
     dtype = getattr(torch, dtype_name)
@@ -110,8 +115,11 @@ def measure_matmul_flops(device: str, dtype_name: str, n: int, threads: int, rep
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     best = min(times[2:])
-    return {"flops": 2.0 * n**3 / best, "threads": torch.get_num_threads(),
-            "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor()}
+    return {
+        "flops": 2.0 * n**3 / best,
+        "threads": torch.get_num_threads(),
+        "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+    }
 
 
 # ------------------------------------------------------------------------------------------- stages
@@ -121,24 +129,37 @@ def random_rows(num_rows: int, seq_len: int, vocab_size: int, seed: int) -> Batc
     input_ids = torch.randint(10, vocab_size, (num_rows, seq_len), generator=generator)
     token_mask = torch.ones(num_rows, seq_len, dtype=torch.long)
     token_mask[:, 0] = 0
-    return BatchedDataDict(input_ids=input_ids, input_lengths=torch.full((num_rows,), seq_len),
-                           token_mask=token_mask, sample_mask=torch.ones(num_rows))
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=torch.full((num_rows,), seq_len),
+        token_mask=token_mask,
+        sample_mask=torch.ones(num_rows),
+    )
 
 
 def cluster_config(device: str) -> ClusterConfig:
     """One bundle: the whole machine's CPUs, and its GPU on CUDA (the worker group takes half of each)."""
-    return ClusterConfig(workers_per_node=1, num_cpus_per_worker=float(os.cpu_count() or 2),
-                         num_gpus_per_worker=1.0 if device == "cuda" else 0.0)
+    return ClusterConfig(
+        workers_per_node=1,
+        num_cpus_per_worker=float(os.cpu_count() or 2),
+        num_gpus_per_worker=1.0 if device == "cuda" else 0.0,
+    )
 
 
 def bench_train(model_dir: Path, device: str, work: Workload, steps: int) -> list[float]:
     """Seconds of each timed optimizer step (after one warm-up step)."""
     cluster = RayVirtualCluster(cluster_config(device))
-    cfg = validate_config(PolicyConfig, dict(
-        model_name=str(model_dir), precision="bfloat16" if device == "cuda" else "float32",
-        train_global_batch_size=work.train_rows, train_micro_batch_size=work.train_micro_batch,
-        logprob_batch_size=work.train_micro_batch, optimizer={"name": "AdamW", "kwargs": {"lr": 1e-4}},
-    ))
+    cfg = validate_config(
+        PolicyConfig,
+        dict(
+            model_name=str(model_dir),
+            precision="bfloat16" if device == "cuda" else "float32",
+            train_global_batch_size=work.train_rows,
+            train_micro_batch_size=work.train_micro_batch,
+            logprob_batch_size=work.train_micro_batch,
+            optimizer={"name": "AdamW", "kwargs": {"lr": 1e-4}},
+        ),
+    )
     policy = Policy(cluster, cfg)
     vocab_size = len(load_tokenizer(model_dir))
     seconds = []
@@ -163,9 +184,13 @@ def generation_threads() -> int:
 def bench_generate(model_dir: Path, device: str, backend: str, work: Workload, calls: int) -> list[float]:
     """Seconds of each timed generate call (after one warm-up call); every sample runs to new_tokens."""
     cfg = GenerationConfig(
-        backend=backend, max_new_tokens=work.new_tokens, stop_token_ids=[], colocated=False,
+        backend=backend,
+        max_new_tokens=work.new_tokens,
+        stop_token_ids=[],
+        colocated=False,
         num_cpus_per_worker=float(generation_threads()),
-        precision="bfloat16" if device == "cuda" else "float32", vllm_gpu_memory_utilization=0.3,
+        precision="bfloat16" if device == "cuda" else "float32",
+        vllm_gpu_memory_utilization=0.3,
     )
     generation = make_generation(None, cfg, str(model_dir))
     vocab_size = len(load_tokenizer(model_dir))
@@ -179,15 +204,18 @@ def bench_generate(model_dir: Path, device: str, backend: str, work: Workload, c
                 seconds.append(time.perf_counter() - start)
             generated = int(out["generation_lengths"].sum())
             if generated != work.gen_prompts * work.new_tokens:
-                raise RuntimeError(f"{backend}: generated {generated} tokens, expected every sample to run to the limit")
+                raise RuntimeError(
+                    f"{backend}: generated {generated} tokens, expected every sample to run to the limit"
+                )
     finally:
         generation.shutdown()
     return seconds
 
 
 # ------------------------------------------------------------------------------------------- report
-def result(size: str, params: int, task: str, tokens: int, seconds: list[float], flops_per_token: float,
-           peak: float) -> Result:
+def result(
+    size: str, params: int, task: str, tokens: int, seconds: list[float], flops_per_token: float, peak: float
+) -> Result:
     tokens_per_s = tokens / statistics.median(seconds)
     achieved = tokens_per_s * flops_per_token
     return Result(size, params / 1e6, task, tokens_per_s, achieved / 1e12, achieved / peak, seconds)
@@ -195,11 +223,16 @@ def result(size: str, params: int, task: str, tokens: int, seconds: list[float],
 
 def print_table(results: list[Result], peaks: dict[str, dict]) -> None:
     for name, peak in peaks.items():
-        print(f"measured matmul peak ({name}): {peak['flops'] / 1e12:.3f} TFLOP/s, {peak['threads']} threads, "
-              f"{peak['device_name']}")
+        print(
+            f"measured matmul peak ({name}): {peak['flops'] / 1e12:.3f} TFLOP/s, {peak['threads']} threads, "
+            f"{peak['device_name']}"
+        )
     print(f"{'size':<5}{'params':>9}  {'task':<15}{'tokens/s':>12}{'TFLOP/s':>10}{'MFU':>8}")
     for r in results:
-        print(f"{r.size:<5}{r.params_m:>8.1f}M  {r.task:<15}{r.tokens_per_s:>12,.0f}{r.tflops:>10.3f}{r.mfu:>8.1%}")
+        print(
+            f"{r.size:<5}{r.params_m:>8.1f}M  "
+            f"{r.task:<15}{r.tokens_per_s:>12,.0f}{r.tflops:>10.3f}{r.mfu:>8.1%}"
+        )
 
 
 def vllm_available() -> bool:
@@ -217,34 +250,61 @@ def run(args: argparse.Namespace) -> dict:
     # the generation worker with its half (on a GPU both measure the device).
     half = {"num_cpus": (os.cpu_count() or 2) / 2, "num_gpus": 0.5 if device == "cuda" else 0}
     n = 4096 if device == "cuda" else 1024
-    train_peak, generate_peak = (ray.get(measure_matmul_flops.options(**half).remote(device, dtype, n, threads))
-                                 for threads in (os.cpu_count() or 2, generation_threads()))
+    train_peak, generate_peak = (
+        ray.get(measure_matmul_flops.options(**half).remote(device, dtype, n, threads))
+        for threads in (os.cpu_count() or 2, generation_threads())
+    )
     peaks = {f"{dtype}, trainer": train_peak, f"{dtype}, generation worker": generate_peak}
     backends = [b for b in args.backends.split(",") if b != "vllm" or vllm_available()]
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="posttrain_bench_") as tmp:
         for size in args.sizes.split(","):
-            model_cfg = ModelFromConfig(architecture="qwen2", seed=0, max_position_embeddings=1024, **SIZES[size])
+            model_cfg = ModelFromConfig(
+                architecture="qwen2", seed=0, max_position_embeddings=1024, **SIZES[size]
+            )
             model_dir = build_model_dir(model_cfg, Path(tmp) / size)
             vocab_size = len(load_tokenizer(model_dir))
             params = param_count(model_dir)
             seconds = bench_train(model_dir, device, work, args.steps)
             per_token = 3 * forward_flops_per_token(model_cfg, vocab_size, work.seq_len / 2)
-            results.append(result(size, params, "train", work.train_rows * work.seq_len, seconds, per_token,
-                                  train_peak["flops"]))
+            results.append(
+                result(
+                    size,
+                    params,
+                    "train",
+                    work.train_rows * work.seq_len,
+                    seconds,
+                    per_token,
+                    train_peak["flops"],
+                )
+            )
             for backend in backends:
                 seconds = bench_generate(model_dir, device, backend, work, args.calls)
                 context = work.prompt_len + work.new_tokens / 2
                 per_token = forward_flops_per_token(model_cfg, vocab_size, context / 2)
-                results.append(result(size, params, f"generate:{backend}", work.gen_prompts * work.new_tokens,
-                                      seconds, per_token, generate_peak["flops"]))
-            print_table(results[-1 - len(backends):], {})
+                results.append(
+                    result(
+                        size,
+                        params,
+                        f"generate:{backend}",
+                        work.gen_prompts * work.new_tokens,
+                        seconds,
+                        per_token,
+                        generate_peak["flops"],
+                    )
+                )
+            print_table(results[-1 - len(backends) :], {})
     ray.shutdown()
     print_table(results, peaks)
     return {
-        "date": time.strftime("%Y-%m-%d"), "device": device, "machine": platform.node(),
-        "cpu_count": os.cpu_count(), "torch": torch.__version__, "peaks": peaks,
-        "workload": asdict(work), "results": [asdict(r) for r in results],
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device,
+        "machine": platform.node(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "peaks": peaks,
+        "workload": asdict(work),
+        "results": [asdict(r) for r in results],
         "skipped_backends": sorted(set(args.backends.split(",")) - set(backends)),
     }
 
@@ -257,12 +317,18 @@ def param_count(model_dir: Path) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--sizes", default=None, help=f"comma list of {sorted(SIZES)} (default: per device)")
-    parser.add_argument("--backends", default="hf,vllm", help="generation backends (vllm: only where importable)")
+    parser.add_argument(
+        "--backends", default="hf,vllm", help="generation backends (vllm: only where importable)"
+    )
     parser.add_argument("--steps", type=int, default=3, help="timed optimizer steps per size")
     parser.add_argument("--calls", type=int, default=2, help="timed generate calls per size and backend")
-    parser.add_argument("--out", default="benchmarks/results/train_generate_{device}.json", help="JSON output")
+    parser.add_argument(
+        "--out", default="benchmarks/results/train_generate_{device}.json", help="JSON output"
+    )
     args = parser.parse_args()
     args.sizes = args.sizes or DEFAULT_SIZES[args.device]
     report = run(args)

@@ -29,7 +29,10 @@ from trl.extras import profiling
 
 def exact_match(completions: list, answer: list[str], **kwargs) -> list[float]:
     """1.0 when the response, stripped, equals the answer (the posttrain `exact_match` environment)."""
-    return [float(completion[0]["content"].strip() == str(truth).strip()) for completion, truth in zip(completions, answer)]
+    return [
+        float(completion[0]["content"].strip() == str(truth).strip())
+        for completion, truth in zip(completions, answer)
+    ]
 
 
 def numeric_match(completions: list, answer: list[str], **kwargs) -> list[float]:
@@ -72,8 +75,14 @@ def stage_times(record: dict) -> dict[str, float]:
     generation = profile.get("transformers.generate", 0.0)
     rewards = profile.get("_calculate_rewards", 0.0)
     prepare = profile.get("_prepare_inputs", generation + rewards)
-    stages = {"generation": generation, "rewards": rewards, "advantages": prepare - generation - rewards,
-              "logprobs": 0.0, "training": step - prepare, "refit": 0.0}
+    stages = {
+        "generation": generation,
+        "rewards": rewards,
+        "advantages": prepare - generation - rewards,
+        "logprobs": 0.0,
+        "training": step - prepare,
+        "refit": 0.0,
+    }
     stages["other"] = step - sum(stages.values())
     return stages
 
@@ -84,33 +93,65 @@ def main(job_file: str, out_file: str) -> int:
         torch.set_num_threads(job["torch_threads"])
     batch = job["num_prompts"] * job["num_generations"]
     rows = [json.loads(line) for line in open(job["data_file"])]
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+    )
     tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
     model = AutoModelForCausalLM.from_pretrained(job["model_dir"], dtype=torch.float32)
     optimizer = job["optimizer"]
     config = GRPOConfig(
-        output_dir=job["output_dir"], use_cpu=job["device"] == "cpu", seed=job["seed"],
-        per_device_train_batch_size=batch, gradient_accumulation_steps=1, num_generations=job["num_generations"],
-        max_completion_length=job["max_completion_length"], temperature=job["temperature"], top_p=1.0, top_k=0,
-        beta=0.0, epsilon=job["epsilon"], num_iterations=1, shuffle_dataset=False, use_vllm=False,
-        learning_rate=optimizer["lr"], weight_decay=optimizer["weight_decay"], adam_beta1=optimizer["betas"][0],
-        adam_beta2=optimizer["betas"][1], adam_epsilon=optimizer["eps"], optim="adamw_torch",
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=job["max_grad_norm"],
-        max_steps=job["warmup"] + job["steps"], logging_steps=1, save_strategy="no", report_to="none",
-        disable_tqdm=True, fp16=False, dataloader_num_workers=0,
+        output_dir=job["output_dir"],
+        use_cpu=job["device"] == "cpu",
+        seed=job["seed"],
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        num_generations=job["num_generations"],
+        max_completion_length=job["max_completion_length"],
+        temperature=job["temperature"],
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        epsilon=job["epsilon"],
+        num_iterations=1,
+        shuffle_dataset=False,
+        use_vllm=False,
+        learning_rate=optimizer["lr"],
+        weight_decay=optimizer["weight_decay"],
+        adam_beta1=optimizer["betas"][0],
+        adam_beta2=optimizer["betas"][1],
+        adam_epsilon=optimizer["eps"],
+        optim="adamw_torch",
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_grad_norm=job["max_grad_norm"],
+        max_steps=job["warmup"] + job["steps"],
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        fp16=False,
+        dataloader_num_workers=0,
         bf16=job["device"] == "cuda",  # TRL's default; on a CPU fp32 (its bf16 autocast runs 2x slower there)
     )
     timer = StepTimes()
     profiling.ProfilingContext._log_metrics = lambda self, seconds: timer.record_profile(self.name, seconds)
-    trainer = GRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=numeric_match if job["numeric_answers"] else exact_match, args=config,
-                          train_dataset=dataset, callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=numeric_match if job["numeric_answers"] else exact_match,
+        args=config,
+        train_dataset=dataset,
+        callbacks=[timer],
+    )
     trainer.train()
     for record in timer.steps:
         record["stages"] = stage_times(record)
         record["generated_tokens"] = record.get("mean_response_length", float("nan")) * batch
     result = {
         "steps": timer.steps,
-        "versions": {name: version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")},
+        "versions": {
+            name: version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")
+        },
         "torch_threads": torch.get_num_threads(),
     }
     with open(out_file, "w") as f:

@@ -21,10 +21,14 @@ def main(results: Path, out_png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sft = sorted((int(p.name.rsplit("_", 1)[1]), json.loads((p / "summary.json").read_text())["accuracy"])
-                 for p in results.glob("eval_sft_step_*"))
+    sft = sorted(
+        (int(p.name.rsplit("_", 1)[1]), json.loads((p / "summary.json").read_text())["accuracy"])
+        for p in results.glob("eval_sft_step_*")
+    )
     sft_steps = max(step for step, _ in sft)
-    grpo_steps, grpo_acc = metric_series(read_metrics(results / "vlm_grpo_tiny" / "metrics.jsonl"), "val/accuracy")
+    grpo_steps, grpo_acc = metric_series(
+        read_metrics(results / "vlm_grpo_tiny" / "metrics.jsonl"), "val/accuracy"
+    )
     print("SFT   (step, greedy val accuracy):", sft)
     print("GRPO  (step, greedy val accuracy):", list(zip(grpo_steps, grpo_acc)))
     fig, ax = plt.subplots(figsize=(7, 3))

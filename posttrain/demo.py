@@ -45,7 +45,9 @@ class DemoConfig:
     seed: int = field(default=0, metadata={"help": "seed of the model, data and sampling"})
     num_digits: int = field(default=2, metadata={"help": "digits per operand of the addition task"})
     num_val: int = field(default=400, metadata={"help": "validation prompts (never trained on)"})
-    sft_target_accuracy: float = field(default=0.35, metadata={"help": "stop SFT at this greedy val accuracy"})
+    sft_target_accuracy: float = field(
+        default=0.35, metadata={"help": "stop SFT at this greedy val accuracy"}
+    )
     sft_check_every: int = field(default=25, metadata={"help": "SFT steps between accuracy checks"})
     sft_max_steps: int = field(default=600, metadata={"help": "most SFT steps"})
     sft_lr: float = field(default=2e-3, metadata={"help": "SFT learning rate"})
@@ -54,32 +56,61 @@ class DemoConfig:
     grpo_val_period: int = field(default=25, metadata={"help": "GRPO validation period"})
     num_prompts_per_step: int = field(default=32, metadata={"help": "GRPO prompts per step"})
     num_generations_per_prompt: int = field(default=8, metadata={"help": "GRPO samples per prompt"})
-    grpo_async: bool = field(default=False, metadata={"help": "asynchronous GRPO (generation overlaps training)"})
-    grpo_max_trajectory_age: int = field(default=1, metadata={"help": "async GRPO: most steps a trajectory is old"})
+    grpo_async: bool = field(
+        default=False, metadata={"help": "asynchronous GRPO (generation overlaps training)"}
+    )
+    grpo_max_trajectory_age: int = field(
+        default=1, metadata={"help": "async GRPO: most steps a trajectory is old"}
+    )
 
 
 def tiny_model() -> ModelFromConfig:
-    return ModelFromConfig(architecture="llama", hidden_size=128, num_layers=4, num_attention_heads=4,
-                           intermediate_size=512, max_position_embeddings=64)
+    return ModelFromConfig(
+        architecture="llama",
+        hidden_size=128,
+        num_layers=4,
+        num_attention_heads=4,
+        intermediate_size=512,
+        max_position_embeddings=64,
+    )
 
 
 def data_config(cfg: DemoConfig, fmt: str) -> DataConfig:
-    return DataConfig(dataset="arithmetic", format=fmt, num_digits=cfg.num_digits, num_train=8000,
-                      num_val=cfg.num_val, max_length=32, seed=cfg.seed)
+    return DataConfig(
+        dataset="arithmetic",
+        format=fmt,
+        num_digits=cfg.num_digits,
+        num_train=8000,
+        num_val=cfg.num_val,
+        max_length=32,
+        seed=cfg.seed,
+    )
 
 
 def sft_config(cfg: DemoConfig, out: Path, model_dir: Path) -> sft.SFTConfig:
     policy = PolicyConfig(
-        model_name=str(model_dir), train_global_batch_size=64, train_micro_batch_size=64, logprob_batch_size=128,
+        model_name=str(model_dir),
+        train_global_batch_size=64,
+        train_micro_batch_size=64,
+        logprob_batch_size=128,
         optimizer=OptimizerConfig(kwargs={"lr": cfg.sft_lr, "weight_decay": 0.0, "betas": [0.9, 0.98]}),
-        scheduler=[SchedulerConfig("LinearLR", {"start_factor": 0.05, "total_iters": 20}),
-                   SchedulerConfig("ConstantLR", {"factor": 1.0, "total_iters": 1})],
-        scheduler_milestones=[20], seed=cfg.seed,
+        scheduler=[
+            SchedulerConfig("LinearLR", {"start_factor": 0.05, "total_iters": 20}),
+            SchedulerConfig("ConstantLR", {"factor": 1.0, "total_iters": 1}),
+        ],
+        scheduler_milestones=[20],
+        seed=cfg.seed,
     )
     return sft.SFTConfig(
-        sft=LoopConfig(max_num_epochs=100, max_num_steps=cfg.sft_max_steps, val_period=cfg.sft_check_every,
-                              val_max_samples=256),
-        policy=policy, data=data_config(cfg, "prompt_response"), cluster=ClusterConfig(),
+        sft=LoopConfig(
+            max_num_epochs=100,
+            max_num_steps=cfg.sft_max_steps,
+            val_period=cfg.sft_check_every,
+            val_max_samples=256,
+        ),
+        policy=policy,
+        data=data_config(cfg, "prompt_response"),
+        cluster=ClusterConfig(),
         logger=LoggerConfig(log_dir=str(out / "sft")),
         checkpointing=CheckpointingConfig(save_period=10**9, keep_top_k=1),
     )
@@ -88,23 +119,39 @@ def sft_config(cfg: DemoConfig, out: Path, model_dir: Path) -> sft.SFTConfig:
 def grpo_config(cfg: DemoConfig, out: Path, model_dir: Path) -> grpo.GRPOConfig:
     num_samples = cfg.num_prompts_per_step * cfg.num_generations_per_prompt
     policy = PolicyConfig(
-        model_name=str(model_dir), train_global_batch_size=num_samples, train_micro_batch_size=num_samples,
-        logprob_batch_size=num_samples, optimizer=OptimizerConfig(kwargs={"lr": cfg.grpo_lr, "betas": [0.9, 0.98]}),
+        model_name=str(model_dir),
+        train_global_batch_size=num_samples,
+        train_micro_batch_size=num_samples,
+        logprob_batch_size=num_samples,
+        optimizer=OptimizerConfig(kwargs={"lr": cfg.grpo_lr, "betas": [0.9, 0.98]}),
         seed=cfg.seed,
     )
     # Async: generation on a worker of its own; stale data weighted by the truncated IS ratio.
-    async_grpo = grpo.AsyncGRPOConfig(enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age)
+    async_grpo = grpo.AsyncGRPOConfig(
+        enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age
+    )
     return grpo.GRPOConfig(
         grpo=grpo.GRPOLoopConfig(
-            num_prompts_per_step=cfg.num_prompts_per_step, num_generations_per_prompt=cfg.num_generations_per_prompt,
-            max_num_steps=cfg.grpo_steps, max_seq_len=32, val_period=cfg.grpo_val_period, val_at_start=False,
-            max_val_samples=cfg.num_val, seed=cfg.seed, async_grpo=async_grpo,
+            num_prompts_per_step=cfg.num_prompts_per_step,
+            num_generations_per_prompt=cfg.num_generations_per_prompt,
+            max_num_steps=cfg.grpo_steps,
+            max_seq_len=32,
+            val_period=cfg.grpo_val_period,
+            val_at_start=False,
+            max_val_samples=cfg.num_val,
+            seed=cfg.seed,
+            async_grpo=async_grpo,
         ),
-        loss=ClippedPGLossConfig(use_importance_sampling_correction=cfg.grpo_async,
-                                 truncated_importance_sampling_ratio=2.0 if cfg.grpo_async else None),
-        policy=policy, generation=GenerationConfig(max_new_tokens=8, seed=cfg.seed, colocated=not cfg.grpo_async),
-        data=data_config(cfg, "rl"), env={"arithmetic": EnvironmentConfig(cls="exact_match")},
-        cluster=ClusterConfig(), logger=LoggerConfig(log_dir=str(out / "grpo"), num_val_samples_to_print=4),
+        loss=ClippedPGLossConfig(
+            use_importance_sampling_correction=cfg.grpo_async,
+            truncated_importance_sampling_ratio=2.0 if cfg.grpo_async else None,
+        ),
+        policy=policy,
+        generation=GenerationConfig(max_new_tokens=8, seed=cfg.seed, colocated=not cfg.grpo_async),
+        data=data_config(cfg, "rl"),
+        env={"arithmetic": EnvironmentConfig(cls="exact_match")},
+        cluster=ClusterConfig(),
+        logger=LoggerConfig(log_dir=str(out / "grpo"), num_val_samples_to_print=4),
         checkpointing=CheckpointingConfig(save_period=50, keep_top_k=2),
     )
 
@@ -116,14 +163,18 @@ class AccuracyProbe:
         from posttrain.data import load_datasets
 
         _, self.val_records, _ = load_datasets(data_config(cfg, "rl"), run.tokenizer)
-        self.generation = make_generation(run.cluster, GenerationConfig(max_new_tokens=8), run.cfg.policy.model_name)
+        self.generation = make_generation(
+            run.cluster, GenerationConfig(max_new_tokens=8), run.cfg.policy.model_name
+        )
         self.envs = create_environments({"arithmetic": EnvironmentConfig(cls="exact_match")})
         self.run = run
 
     def accuracy(self, refit: bool = True) -> float:
         if refit:
             self.generation.update_weights(self.run.policy.get_weights(only_changed=True))
-        result = run_validation(self.generation, self.val_records, self.run.tokenizer, self.envs, max_seq_len=32)
+        result = run_validation(
+            self.generation, self.val_records, self.run.tokenizer, self.envs, max_seq_len=32
+        )
         return result.metrics["accuracy"]
 
     def shutdown(self) -> None:
@@ -144,8 +195,12 @@ def run_sft_stage(cfg: DemoConfig, out: Path, model_dir: Path) -> dict[str, Any]
     run.policy.export_hf(str(out / "sft" / "hf_model"))
     probe.shutdown()
     run.shutdown()
-    return {"untrained_accuracy": curve[0][1], "sft_accuracy": curve[-1][1], "sft_steps": run.step,
-            "sft_accuracy_curve": curve}
+    return {
+        "untrained_accuracy": curve[0][1],
+        "sft_accuracy": curve[-1][1],
+        "sft_steps": run.step,
+        "sft_accuracy_curve": curve,
+    }
 
 
 def run_grpo_stage(cfg: DemoConfig, out: Path) -> dict[str, Any]:
@@ -154,17 +209,25 @@ def run_grpo_stage(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     final = grpo.grpo_train(run)
     run.policy.export_hf(str(out / "grpo" / "hf_model"))
     run.shutdown()
-    return {"grpo_start_accuracy": start_accuracy, "grpo_accuracy": final["accuracy"], "grpo_steps": run.step,
-            "grpo_async": cfg.grpo_async}
+    return {
+        "grpo_start_accuracy": start_accuracy,
+        "grpo_accuracy": final["accuracy"],
+        "grpo_steps": run.step,
+        "grpo_async": cfg.grpo_async,
+    }
 
 
 def plot_demo(out: Path, sft_curve: list) -> Path:
     records = read_metrics(out / "grpo" / "metrics.jsonl")
-    return plot_curves({
-        "SFT val accuracy": ([s for s, _ in sft_curve], [a for _, a in sft_curve]),
-        "GRPO train reward": metric_series(records, "train/reward_mean"),
-        "GRPO val accuracy": metric_series(records, "val/accuracy"),
-    }, out / "curves.png", title="posttrain demo: 2-digit addition")
+    return plot_curves(
+        {
+            "SFT val accuracy": ([s for s, _ in sft_curve], [a for _, a in sft_curve]),
+            "GRPO train reward": metric_series(records, "train/reward_mean"),
+            "GRPO val accuracy": metric_series(records, "val/accuracy"),
+        },
+        out / "curves.png",
+        title="posttrain demo: 2-digit addition",
+    )
 
 
 def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
@@ -197,13 +260,21 @@ def main(args: Any) -> int:
     overrides = dict(item.split("=", 1) for item in args.overrides)
     import yaml
 
-    cfg = validate_config(DemoConfig, {k: yaml.safe_load(v) for k, v in overrides.items()},
-                          {k: "command line" for k in overrides})
+    cfg = validate_config(
+        DemoConfig,
+        {k: yaml.safe_load(v) for k, v in overrides.items()},
+        {k: "command line" for k in overrides},
+    )
     out = Path(args.out or f"results/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     summary = run_demo(cfg, out)
-    print(f"\nvalidation accuracy: untrained {summary['untrained_accuracy']:.3f} -> after SFT "
-          f"{summary['sft_accuracy']:.3f} -> after GRPO {summary['grpo_accuracy']:.3f} "
-          f"({summary['grpo_gain_points']:+.1f} points from GRPO)")
-    print(f"wall time: {summary['wall_time_s']['total']:.0f}s; summary {out / 'summary.json'}; plot {summary['curves_png']}; "
-          f"TensorBoard: tensorboard --logdir {out}")
+    print(
+        f"\nvalidation accuracy: untrained {summary['untrained_accuracy']:.3f} -> after SFT "
+        f"{summary['sft_accuracy']:.3f} -> after GRPO {summary['grpo_accuracy']:.3f} "
+        f"({summary['grpo_gain_points']:+.1f} points from GRPO)"
+    )
+    print(
+        f"wall time: {summary['wall_time_s']['total']:.0f}s; summary {out / 'summary.json'}; plot "
+        f"{summary['curves_png']}; "
+        f"TensorBoard: tensorboard --logdir {out}"
+    )
     return 0

@@ -28,29 +28,38 @@ def main(args: Any) -> int:
 
         out_dir = export_megatron_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
         if not merge:
-            print(f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
-                  "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)")
+            print(
+                f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
+                "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)"
+            )
             return 0
     elif (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
         from posttrain.workers.policy.megatron_export import export_megatron_checkpoint
 
         if merge:
-            raise FileNotFoundError(f"--merge: {policy_dir} is a Megatron checkpoint, not a LoRA one; "
-                                    "export it without --merge")
+            raise FileNotFoundError(
+                f"--merge: {policy_dir} is a Megatron checkpoint, not a LoRA one; export it without --merge"
+            )
         out_dir = export_megatron_checkpoint(policy_dir, args.out_dir)
     elif is_lora_checkpoint(policy_dir):
         out_dir = export_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
         if not merge:
-            print(f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
-                  "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)")
+            print(
+                f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
+                "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)"
+            )
             return 0
     elif merge:
-        raise FileNotFoundError(f"--merge: {policy_dir} is not a LoRA checkpoint (no lora/adapter_config.json); "
-                                "its weights are already full, export it without --merge")
+        raise FileNotFoundError(
+            f"--merge: {policy_dir} is not a LoRA checkpoint (no lora/adapter_config.json); "
+            "its weights are already full, export it without --merge"
+        )
     else:
         out_dir = export_checkpoint_to_hf(policy_dir, args.out_dir)
     config = AutoConfig.from_pretrained(out_dir)
-    auto_class = "AutoModelForSequenceClassification" if is_sequence_classifier(config) else "AutoModelForCausalLM"
+    auto_class = (
+        "AutoModelForSequenceClassification" if is_sequence_classifier(config) else "AutoModelForCausalLM"
+    )
     if getattr(config, "vision_config", None) is not None:
         auto_class = "AutoModelForImageTextToText"
     print(f"exported {args.checkpoint_dir} -> {out_dir} (load it with {auto_class}.from_pretrained)")

@@ -23,11 +23,17 @@ def ray_session():
     # Workers must import classes defined in test modules (pytest imports them as top-level modules).
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     python_path = os.pathsep.join(
-        [os.path.join(tests_dir, "integration"), os.path.join(tests_dir, "unit"), os.environ.get("PYTHONPATH", "")]
+        [
+            os.path.join(tests_dir, "integration"),
+            os.path.join(tests_dir, "unit"),
+            os.environ.get("PYTHONPATH", ""),
+        ]
     )
     if not ray.is_initialized():
         start_local_ray(
-            RAY_TEST_NUM_CPUS, dashboard_agent=True, log_to_driver=False,
+            RAY_TEST_NUM_CPUS,
+            dashboard_agent=True,
+            log_to_driver=False,
             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path}},
         )
     yield ray
@@ -46,19 +52,31 @@ def arithmetic_sft_model(ray_session, tmp_path_factory):
 
     log_dir = tmp_path_factory.mktemp("arithmetic_sft")
     config = Path(__file__).resolve().parents[1] / "configs" / "sft_tiny.yaml"
-    cfg = load_typed_config(sft.SFTConfig, str(config), [
-        f"logger.log_dir={log_dir}", "logger.tensorboard_enabled=false", "checkpointing.enabled=false",
-        "policy.model.from_config.hidden_size=64", "policy.model.from_config.num_layers=2",
-        "policy.model.from_config.intermediate_size=256", "policy.optimizer.kwargs.lr=3e-3",
-        "sft.max_num_steps=600", "sft.val_max_samples=64", "sft.export_final_model=false",
-        "cluster.num_cpus_per_worker=0.5",
-    ])
+    cfg = load_typed_config(
+        sft.SFTConfig,
+        str(config),
+        [
+            f"logger.log_dir={log_dir}",
+            "logger.tensorboard_enabled=false",
+            "checkpointing.enabled=false",
+            "policy.model.from_config.hidden_size=64",
+            "policy.model.from_config.num_layers=2",
+            "policy.model.from_config.intermediate_size=256",
+            "policy.optimizer.kwargs.lr=3e-3",
+            "sft.max_num_steps=600",
+            "sft.val_max_samples=64",
+            "sft.export_final_model=false",
+            "cluster.num_cpus_per_worker=0.5",
+        ],
+    )
     run = sft.setup(cfg)
     try:
         val_loss = float("inf")
         while val_loss >= 0.4 and run.step < run.total_steps:
             val_loss = sft.sft_train(run, num_steps=25)["loss"]
-        assert val_loss < 0.4, f"the SFT start model did not take off in {run.step} steps (val loss {val_loss:.3f})"
+        assert val_loss < 0.4, (
+            f"the SFT start model did not take off in {run.step} steps (val loss {val_loss:.3f})"
+        )
         run.policy.export_hf(str(log_dir / "hf_model"))
     finally:
         run.shutdown()

@@ -18,7 +18,12 @@ def check_loop_lengths(loop_cfg: Any) -> None:
     steps = getattr(loop_cfg, "max_num_steps", None)
     if steps is not None and steps < 1:
         raise ConfigError.at("max_num_steps", f"must be >= 1 (or null where epochs decide), got {steps}")
-    for key in ("max_num_epochs", "val_global_batch_size", "num_prompts_per_step", "num_generations_per_prompt"):
+    for key in (
+        "max_num_epochs",
+        "val_global_batch_size",
+        "num_prompts_per_step",
+        "num_generations_per_prompt",
+    ):
         value = getattr(loop_cfg, key, 1)
         if value is not None and value < 1:
             raise ConfigError.at(key, f"must be >= 1, got {value}")
@@ -26,15 +31,21 @@ def check_loop_lengths(loop_cfg: Any) -> None:
 
 def check_parallelism(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:
     """The policy's model-parallel size must divide the cluster's workers (see check_parallel_sizes)."""
-    check_parallel_sizes(policy_cfg, cluster_cfg.num_nodes * cluster_cfg.workers_per_node,
-                         "cluster.num_nodes x cluster.workers_per_node")
+    check_parallel_sizes(
+        policy_cfg,
+        cluster_cfg.num_nodes * cluster_cfg.workers_per_node,
+        "cluster.num_nodes x cluster.workers_per_node",
+    )
 
 
 def check_batch_fits(num_records: int, batch_size: int, key: str, value: int, dataset: str) -> None:
     """One step must not need more records (`batch_size`, set by `key`=`value`) than the data has."""
     if batch_size > num_records:
-        raise ConfigError(key, f"{value} needs {batch_size} training records per step, but data.dataset={dataset} "
-                               f"has {num_records} usable ones")
+        raise ConfigError(
+            key,
+            f"{value} needs {batch_size} training records per step, but data.dataset={dataset} "
+            f"has {num_records} usable ones",
+        )
 
 
 def check_model_exists(key: str, name: str) -> None:

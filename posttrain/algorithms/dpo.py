@@ -50,7 +50,9 @@ class DPOConfig:
         default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
         metadata={"help": "preference pairs (prompt, chosen, rejected)"},
     )
-    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
+    )
     logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
     checkpointing: CheckpointingConfig = field(
         default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
@@ -67,12 +69,15 @@ DPORun = SupervisedRun[DPOConfig]  # val_data: interleaved pairs with their refe
 
 def add_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
     """`reference_policy_logprobs [B, T]` from the frozen initial policy, added to `data`."""
-    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)["reference_policy_logprobs"]
+    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)[
+        "reference_policy_logprobs"
+    ]
     return data
 
 
-def val_batches(cfg: DPOConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase,
-                records: list[dict]) -> list[BatchedDataDict]:
+def val_batches(
+    cfg: DPOConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+) -> list[BatchedDataDict]:
     return [
         add_reference_logprobs(policy, batch)
         for batch in pairs.pair_batches(
@@ -102,8 +107,13 @@ def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
 def setup(cfg: DPOConfig) -> DPORun:
     """Data, policy with its reference, logger and checkpoints; resumes from the latest checkpoint if any."""
     return supervised.setup_run(
-        cfg, "dpo", "dpo", cfg.policy.train_global_batch_size // 2, val_batches,
-        hyperparams={"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data}, init_reference_model=True,
+        cfg,
+        "dpo",
+        "dpo",
+        cfg.policy.train_global_batch_size // 2,
+        val_batches,
+        hyperparams={"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data},
+        init_reference_model=True,
     )
 
 

@@ -78,7 +78,9 @@ class OverlongShapingConfig:
     """DAPO soft overlong punishment added to the reward of long responses."""
 
     enabled: bool = field(default=False, metadata={"help": "penalise responses near max_new_tokens"})
-    buffer_length: int = field(default=16, metadata={"help": "tokens before the limit where the penalty ramps up"})
+    buffer_length: int = field(
+        default=16, metadata={"help": "tokens before the limit where the penalty ramps up"}
+    )
     penalty_factor: float = field(default=1.0, metadata={"help": "penalty at the limit"})
 
 
@@ -99,31 +101,49 @@ class GRPOLoopConfig:
     num_generations_per_prompt: int = field(default=8, metadata={"help": "samples per prompt (the group)"})
     max_num_steps: int = field(default=100, metadata={"help": "training steps"})
     max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
-    max_seq_len: int = field(default=256, metadata={"help": "most tokens of a conversation; longer is truncated"})
+    max_seq_len: int = field(
+        default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
+    )
     normalize_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
-    use_leave_one_out_baseline: bool = field(default=False, metadata={"help": "RLOO baseline instead of the mean"})
+    use_leave_one_out_baseline: bool = field(
+        default=False, metadata={"help": "RLOO baseline instead of the mean"}
+    )
     overlong_filtering: bool = field(default=False, metadata={"help": "DAPO: no loss on truncated samples"})
-    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig, metadata={"help": "DAPO"})
-    overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig, metadata={"help": "DAPO"})
-    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig, metadata={"help": "shaping"})
+    dynamic_sampling: DynamicSamplingConfig = field(
+        default_factory=DynamicSamplingConfig, metadata={"help": "DAPO"}
+    )
+    overlong_shaping: OverlongShapingConfig = field(
+        default_factory=OverlongShapingConfig, metadata={"help": "DAPO"}
+    )
+    reward_scaling: RewardScalingConfig = field(
+        default_factory=RewardScalingConfig, metadata={"help": "shaping"}
+    )
     val_period: int = field(default=10, metadata={"help": "validate every this many steps (0: never)"})
     val_at_start: bool = field(default=True, metadata={"help": "validate before the first step"})
     max_val_samples: int = field(default=256, metadata={"help": "validation prompts used"})
     val_num_generations: int = field(default=1, metadata={"help": "samples per validation prompt"})
-    val_greedy: bool = field(default=True, metadata={"help": "greedy validation (needs val_num_generations 1)"})
+    val_greedy: bool = field(
+        default=True, metadata={"help": "greedy validation (needs val_num_generations 1)"}
+    )
     val_pass_k: int = field(default=1, metadata={"help": "k of the reported validation pass@k"})
     val_grader: str | None = field(
         default="final_number",
-        metadata={"help": "strict grade of validation replies beside the reward ('final_number': the reply's "
-                          "last number equals a numeric ground truth; file.py:function or module:function; "
-                          "null: none)"},
+        metadata={
+            "help": "strict grade of validation replies beside the reward ('final_number': the reply's "
+            "last number equals a numeric ground truth; file.py:function or module:function; "
+            "null: none)"
+        },
     )
     val_max_reward_gap: float = field(
         default=0.1, metadata={"help": "warn when val reward exceeds the strict grade by more than this"}
     )
-    early_stop_val_accuracy: float | None = field(default=None, metadata={"help": "stop when val accuracy >= this"})
+    early_stop_val_accuracy: float | None = field(
+        default=None, metadata={"help": "stop when val accuracy >= this"}
+    )
     seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
-    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"})
+    async_grpo: AsyncGRPOConfig = field(
+        default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"}
+    )
 
     def validate(self) -> None:
         check_loop_lengths(self)
@@ -140,15 +160,21 @@ class GRPOConfig:
     grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
     loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
-    generation: GenerationConfig = field(default_factory=GenerationConfig, metadata={"help": "rollout sampling"})
+    generation: GenerationConfig = field(
+        default_factory=GenerationConfig, metadata={"help": "rollout sampling"}
+    )
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "prompts (rl format)"})
     env: dict[str, EnvironmentConfig] = field(
-        default_factory=lambda: {"arithmetic": EnvironmentConfig()}, metadata={"help": "task name -> environment"}
+        default_factory=lambda: {"arithmetic": EnvironmentConfig()},
+        metadata={"help": "task name -> environment"},
     )
-    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
+    )
     logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
     checkpointing: CheckpointingConfig = field(
-        default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_accuracy by default)"}
+        default_factory=CheckpointingConfig,
+        metadata={"help": "checkpoints (ranked by val_accuracy by default)"},
     )
 
     def validate(self) -> None:
@@ -162,8 +188,10 @@ class GRPOConfig:
         self.validate_async()
         max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
         if lora.enabled and max_rank is not None and lora.rank > max_rank:
-            raise ConfigError.at("generation.vllm_lora_max_rank",
-                                 f"{max_rank} is below policy.lora.rank={lora.rank}: vLLM could not load the adapter")
+            raise ConfigError.at(
+                "generation.vllm_lora_max_rank",
+                f"{max_rank} is below policy.lora.rank={lora.rank}: vLLM could not load the adapter",
+            )
 
     def validate_async(self) -> None:
         """Async GRPO generates on workers of its own and, with stale data, needs the IS correction."""
@@ -174,11 +202,17 @@ class GRPOConfig:
                 "asynchronous GRPO generates while the policy trains, so the generation workers need bundles "
                 "of their own: set generation.colocated=false (and generation.num_workers)",
             )
-        if async_cfg.enabled and async_cfg.max_trajectory_age_steps > 0 and not self.loss.use_importance_sampling_correction:
+        if (
+            async_cfg.enabled
+            and async_cfg.max_trajectory_age_steps > 0
+            and not self.loss.use_importance_sampling_correction
+        ):
             raise ConfigError.at(
                 "loss.use_importance_sampling_correction",
-                f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) old: "
-                "set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the loss weights "
+                f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) "
+                "old: "
+                "set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the loss "
+                "weights "
                 "them by pi_prev / pi_generation, or set grpo.async_grpo.max_trajectory_age_steps=0",
             )
 
@@ -218,12 +252,23 @@ class GRPORun:
 def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface, stale: bool) -> Refit:
     """The refit between `policy` and `generation` as the config places them."""
     colocated = cfg.generation.colocated
-    shared_memory = uses_shared_memory(colocated, cfg.policy.lora.enabled, generation.backend_name,
-                                       cfg.cluster.num_nodes, cfg.cluster.num_gpus_per_worker,
-                                       shared_memory_supported())
-    return Refit(policy, generation, cfg.generation.precision, shared_memory,
-                 move_memory=colocated and cfg.cluster.num_gpus_per_worker > 0,
-                 colocated_offload=cfg.generation.colocated_offload, stale=stale)
+    shared_memory = uses_shared_memory(
+        colocated,
+        cfg.policy.lora.enabled,
+        generation.backend_name,
+        cfg.cluster.num_nodes,
+        cfg.cluster.num_gpus_per_worker,
+        shared_memory_supported(),
+    )
+    return Refit(
+        policy,
+        generation,
+        cfg.generation.precision,
+        shared_memory,
+        move_memory=colocated and cfg.cluster.num_gpus_per_worker > 0,
+        colocated_offload=cfg.generation.colocated_offload,
+        stale=stale,
+    )
 
 
 def setup(cfg: GRPOConfig) -> GRPORun:
@@ -240,7 +285,9 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     cluster = RayVirtualCluster(cfg.cluster)
     policy = Policy(cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0)
-    generation = make_generation(cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name)
+    generation = make_generation(
+        cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
+    )
     envs = create_environments(cfg.env)
     checkpoints = CheckpointManager(cfg.checkpointing)
     restored = restore_run(checkpoints, policy) if cfg.checkpointing.enabled else None
@@ -252,19 +299,37 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     async_cfg = cfg.grpo.async_grpo
     rollouts: RolloutSource = SyncRollouts(collector, refit)
     if async_cfg.enabled:
-        rollouts = AsyncRollouts(collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps)
+        rollouts = AsyncRollouts(
+            collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps
+        )
     if restored is not None:
         rollouts.restore(restored.training_info)
     logger = Logger(cfg.logger)
-    logger.log_hyperparams({"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation})
+    logger.log_hyperparams(
+        {"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation}
+    )
     logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, step)
-    return GRPORun(cfg, Path(cfg.logger.log_dir), tokenizer, policy, generation, [cluster], envs,
-                   val_records[: cfg.grpo.max_val_samples], logger, checkpoints, refit, rollouts, step)
+    return GRPORun(
+        cfg,
+        Path(cfg.logger.log_dir),
+        tokenizer,
+        policy,
+        generation,
+        [cluster],
+        envs,
+        val_records[: cfg.grpo.max_val_samples],
+        logger,
+        checkpoints,
+        refit,
+        rollouts,
+        step,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- stages
-def build_train_data(rollouts: BatchedDataDict, advantages: torch.Tensor, pad_token_id: int,
-                     overlong_filtering: bool) -> BatchedDataDict:
+def build_train_data(
+    rollouts: BatchedDataDict, advantages: torch.Tensor, pad_token_id: int, overlong_filtering: bool
+) -> BatchedDataDict:
     """input_ids, input_lengths, token_mask (generated tokens), sample_mask, advantages [B,T] and
     generation_logprobs [B,T] aligned with input_ids."""
     logs = rollouts["message_log"]
@@ -272,8 +337,10 @@ def build_train_data(rollouts: BatchedDataDict, advantages: torch.Tensor, pad_to
     generation_logprobs = torch.zeros(train_data["input_ids"].shape, dtype=torch.float32)
     for i, log in enumerate(logs):
         per_token = [
-            torch.as_tensor(m["generation_logprobs"], dtype=torch.float32) if "generation_logprobs" in m
-            else torch.zeros(len(m["token_ids"])) for m in log
+            torch.as_tensor(m["generation_logprobs"], dtype=torch.float32)
+            if "generation_logprobs" in m
+            else torch.zeros(len(m["token_ids"]))
+            for m in log
         ]
         flat = torch.cat(per_token)
         generation_logprobs[i, : len(flat)] = flat
@@ -288,15 +355,25 @@ def build_train_data(rollouts: BatchedDataDict, advantages: torch.Tensor, pad_to
 
 def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tensor:
     baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
-    return adv.group_relative_advantages(rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards)
+    return adv.group_relative_advantages(
+        rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards
+    )
 
 
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
     cfg = run.cfg.grpo
     with run.rollouts.validation_phase(run.step, timer or Timer()):
         result = run_validation(
-            run.generation, run.val_records, run.tokenizer, run.envs, cfg.max_seq_len, cfg.max_rollout_turns,
-            num_generations=cfg.val_num_generations, greedy=cfg.val_greedy, k=cfg.val_pass_k, seed=cfg.seed,
+            run.generation,
+            run.val_records,
+            run.tokenizer,
+            run.envs,
+            cfg.max_seq_len,
+            cfg.max_rollout_turns,
+            num_generations=cfg.val_num_generations,
+            greedy=cfg.val_greedy,
+            k=cfg.val_pass_k,
+            seed=cfg.seed,
             grader=resolve_grader(cfg.val_grader),
         )
     warning = reward_hacking_warning(result.metrics, result.samples, cfg.val_max_reward_gap)
@@ -312,7 +389,9 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
     """The run's state when due: the step, the last validation metrics (`val_accuracy` ranks checkpoints)
     and the rollout source's counters."""
     info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
-    checkpoint_if_due(run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg, force)
+    checkpoint_if_due(
+        run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg, force
+    )
 
 
 # ------------------------------------------------------------------------------------------------- loop
@@ -323,7 +402,9 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     rollouts, rollout_metrics = batch.rollouts, batch.metrics
     with timer.time("advantages"):
         advantages = compute_advantages(cfg, rollouts["rewards"])
-        train_data = build_train_data(rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering)
+        train_data = build_train_data(
+            rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering
+        )
     # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
     # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first. This holds
     # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
@@ -365,8 +446,17 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
             if cfg.val_period and (run.step % cfg.val_period == 0 or run.step == last_step):
                 validate(run, run.step, timer)
             checkpoint(run, force=run.step == last_step)
-            progress.advance(run.step, {"reward": metrics["reward_mean"], **{f"val_{k}": v for k, v in run.last_val.items() if k == "accuracy"}})
-            if cfg.early_stop_val_accuracy is not None and run.last_val.get("accuracy", -1.0) >= cfg.early_stop_val_accuracy:
+            progress.advance(
+                run.step,
+                {
+                    "reward": metrics["reward_mean"],
+                    **{f"val_{k}": v for k, v in run.last_val.items() if k == "accuracy"},
+                },
+            )
+            if (
+                cfg.early_stop_val_accuracy is not None
+                and run.last_val.get("accuracy", -1.0) >= cfg.early_stop_val_accuracy
+            ):
                 print(f"early stop at step {run.step}: val accuracy {run.last_val['accuracy']:.3f}")
                 break
     return run.last_val
@@ -380,5 +470,8 @@ def main(args: Any) -> int:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
     finally:
         run.shutdown()
-    print(f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run directory {run.log_dir}")
+    print(
+        f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run "
+        f"directory {run.log_dir}"
+    )
     return 0

@@ -21,17 +21,22 @@ class AsyncGRPOConfig:
     generation.colocated=false)."""
 
     enabled: bool = field(
-        default=False, metadata={"help": "overlap generation of the next steps with training (separate workers)"}
+        default=False,
+        metadata={"help": "overlap generation of the next steps with training (separate workers)"},
     )
     max_trajectory_age_steps: int = field(
         default=1,
-        metadata={"help": "most optimizer steps between the weights that generated a trajectory and the weights "
-                          "trained on it (0: on-policy, equals the synchronous loop)"},
+        metadata={
+            "help": "most optimizer steps between the weights that generated a trajectory and the weights "
+            "trained on it (0: on-policy, equals the synchronous loop)"
+        },
     )
 
     def validate(self) -> None:
         if self.max_trajectory_age_steps < 0:
-            raise ConfigError.at("max_trajectory_age_steps", f"must be >= 0, got {self.max_trajectory_age_steps}")
+            raise ConfigError.at(
+                "max_trajectory_age_steps", f"must be >= 0, got {self.max_trajectory_age_steps}"
+            )
 
 
 class AsyncRollouts:
@@ -48,9 +53,14 @@ class AsyncRollouts:
         self.consumed_loader_state = loader.state_dict()
         self.num_trained = self.num_dropped = 0
         self.producer = AsyncRolloutProducer(
-            produce=collector.collect, refit=collector.generation.update_weights,
-            loader_state=loader.state_dict, max_age=max_age, first_index=step + 1,
-            last_index=last_step, start_version=step, generation_version=None if refit.stale else step,
+            produce=collector.collect,
+            refit=collector.generation.update_weights,
+            loader_state=loader.state_dict,
+            max_age=max_age,
+            first_index=step + 1,
+            last_index=last_step,
+            start_version=step,
+            generation_version=None if refit.stale else step,
         )
         self.publish_weights(step)
 
@@ -63,10 +73,15 @@ class AsyncRollouts:
         self.num_dropped += taken.num_dropped
         age = float(trajectory_age(step, batch.policy_version))  # one version per batch
         return batch, {
-            "trajectory_age_mean": age, "trajectory_age_max": age, "dropped_stale_trajectories": float(taken.num_dropped),
-            "buffer_trajectories": float(taken.num_buffered), "trainer_wait_s": taken.wait_s,
-            "generator_wait_s": generator_wait_s, "generation_s": batch.metrics.pop("generation_s", 0.0),
-            "trained_trajectories_total": float(self.num_trained), "dropped_trajectories_total": float(self.num_dropped),
+            "trajectory_age_mean": age,
+            "trajectory_age_max": age,
+            "dropped_stale_trajectories": float(taken.num_dropped),
+            "buffer_trajectories": float(taken.num_buffered),
+            "trainer_wait_s": taken.wait_s,
+            "generator_wait_s": generator_wait_s,
+            "generation_s": batch.metrics.pop("generation_s", 0.0),
+            "trained_trajectories_total": float(self.num_trained),
+            "dropped_trajectories_total": float(self.num_dropped),
         }
 
     def after_update(self, step: int) -> None:
@@ -84,7 +99,10 @@ class AsyncRollouts:
         return self.consumed_loader_state
 
     def accounting(self) -> dict[str, int]:
-        return {"async_trained_trajectories": self.num_trained, "async_dropped_trajectories": self.num_dropped}
+        return {
+            "async_trained_trajectories": self.num_trained,
+            "async_dropped_trajectories": self.num_dropped,
+        }
 
     def restore(self, training_info: dict[str, Any]) -> None:
         self.num_trained = int(training_info.get("async_trained_trajectories", 0))

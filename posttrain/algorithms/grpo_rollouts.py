@@ -54,8 +54,12 @@ def shaped_rewards(cfg: Any, rollouts: BatchedDataDict, max_new_tokens: int) -> 
     applied. [N]"""
     rewards = rollouts["total_reward"].float()
     if cfg.overlong_shaping.enabled:
-        lengths = torch.tensor([float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant"))
-                                for log in rollouts["message_log"]])
+        lengths = torch.tensor(
+            [
+                float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant"))
+                for log in rollouts["message_log"]
+            ]
+        )
         rewards = rewards + adv.overlong_reward_penalty(
             lengths, max_new_tokens, cfg.overlong_shaping.buffer_length, cfg.overlong_shaping.penalty_factor
         )
@@ -89,8 +93,14 @@ class RolloutCollector:
         for round_index in range(rounds):
             batch = records_to_rollout_batch(self.loader.next_batch(), n)
             rollouts, metrics_round = run_multi_turn_rollout(
-                self.generation, batch, self.tokenizer, self.envs, cfg.max_seq_len, cfg.max_rollout_turns,
-                seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100, timer=timer,
+                self.generation,
+                batch,
+                self.tokenizer,
+                self.envs,
+                cfg.max_seq_len,
+                cfg.max_rollout_turns,
+                seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100,
+                timer=timer,
             )
             rollouts["rewards"] = shaped_rewards(cfg, rollouts, self.max_new_tokens)
             metrics = metrics or metrics_round  # the first round describes the policy's samples

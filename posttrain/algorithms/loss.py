@@ -224,8 +224,11 @@ class ClippedPGLoss:
         loss = self._reduce(token_loss, mask, data, global_valid_seqs, global_valid_toks)
         num_toks = _count(global_valid_toks, logprobs)
         metrics = self._ratio_metrics(ratio.detach(), mask, num_toks)
-        metrics.update(self._other_metrics(logprobs.detach(), prev_logprobs, kl.detach(), is_weight, data, mask,
-                                           num_toks))
+        metrics.update(
+            self._other_metrics(
+                logprobs.detach(), prev_logprobs, kl.detach(), is_weight, data, mask, num_toks
+            )
+        )
         metrics["loss"] = float(loss.detach())
         return loss, metrics
 
@@ -260,10 +263,13 @@ class ClippedPGLoss:
         )
 
     def _importance_weight(self, data: Mapping[str, Any], prev_logprobs: torch.Tensor) -> torch.Tensor:
-        """Detached exp(prev - generation logprobs), truncated above [B, T]; ones when the correction is off."""
+        """Detached exp(prev - generation logprobs), truncated above [B, T]; ones when the correction is
+        off."""
         if not self.cfg.use_importance_sampling_correction:
             return torch.ones_like(prev_logprobs)
-        generation_logprobs = _require(data, "generation_logprobs", "ClippedPGLoss").to(prev_logprobs.device).float()
+        generation_logprobs = (
+            _require(data, "generation_logprobs", "ClippedPGLoss").to(prev_logprobs.device).float()
+        )
         weight = torch.exp(prev_logprobs - generation_logprobs).detach()  # [B, T]
         if self.cfg.truncated_importance_sampling_ratio is not None:
             weight = weight.clamp(max=self.cfg.truncated_importance_sampling_ratio)
@@ -315,12 +321,15 @@ class ClippedPGLoss:
             "approx_entropy": float(-_masked_sum(logprobs, mask) / num_toks),
             "is_weight_mean": float(_masked_sum(is_weight, mask) / num_toks),
             "token_mult_prob_error": float(
-                _masked_sum(token_mult_prob_error(prev_logprobs, data.get("generation_logprobs")), mask) / num_toks
+                _masked_sum(token_mult_prob_error(prev_logprobs, data.get("generation_logprobs")), mask)
+                / num_toks
             ),
         }
 
 
-def token_mult_prob_error(prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor | None) -> torch.Tensor:
+def token_mult_prob_error(
+    prev_logprobs: torch.Tensor, generation_logprobs: torch.Tensor | None
+) -> torch.Tensor:
     """exp(|prev_logprobs - generation_logprobs|) per token [B, T]; ones without generation logprobs."""
     if generation_logprobs is None:
         return torch.ones_like(prev_logprobs)
@@ -341,7 +350,8 @@ class DPOLossConfig:
     preference_average_log_probs: bool = field(
         default=False,
         metadata={
-            "help": "sequence log-prob = mean (not sum) of the response's token logprobs in the preference term"
+            "help": "sequence log-prob = mean (not sum) of the response's token logprobs in the preference "
+            "term"
         },
     )
     preference_loss_weight: float = field(

@@ -26,7 +26,9 @@ def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) ->
     check_parallelism(policy_cfg, cluster_cfg)
     for key in ("dynamic_batching", "sequence_packing"):
         if getattr(policy_cfg, key).enabled:
-            raise ConfigError(f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off")
+            raise ConfigError(
+                f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off"
+            )
     num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
     num_ranks = max(1, num_workers // model_parallel_size(policy_cfg))
     if policy_cfg.train_global_batch_size % (2 * num_ranks):
@@ -38,7 +40,8 @@ def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) ->
     if policy_cfg.train_micro_batch_size % 2:
         raise ConfigError(
             "policy.train_micro_batch_size",
-            f"must be even (a micro-batch holds whole chosen/rejected pairs), got {policy_cfg.train_micro_batch_size}",
+            "must be even (a micro-batch holds whole chosen/rejected pairs), got "
+            f"{policy_cfg.train_micro_batch_size}",
         )
 
 
@@ -56,29 +59,35 @@ def pairs_to_train_data(records: list[dict], pad_token_id: int, num_masked_pairs
         logs += [record["chosen_message_log"], record["rejected_message_log"]]
     data = message_log_to_flat(logs, pad_token_id, train_on="last_assistant")
     if num_masked_pairs:
-        data["sample_mask"][-2 * num_masked_pairs:] = 0
+        data["sample_mask"][-2 * num_masked_pairs :] = 0
     return data
 
 
-def pair_batches(records: list[dict], pairs_per_batch: int, num_ranks: int, pad_token_id: int) -> list[BatchedDataDict]:
+def pair_batches(
+    records: list[dict], pairs_per_batch: int, num_ranks: int, pad_token_id: int
+) -> list[BatchedDataDict]:
     """Evaluation batches of `pairs_per_batch` pairs, each padded with masked copies of its last pair to a
     multiple of `num_ranks` pairs, so that every data-parallel rank gets whole pairs."""
     batches = []
     for start in range(0, len(records), pairs_per_batch):
-        chunk = records[start:start + pairs_per_batch]
+        chunk = records[start : start + pairs_per_batch]
         num_padding = -len(chunk) % num_ranks
         batches.append(pairs_to_train_data(chunk + [chunk[-1]] * num_padding, pad_token_id, num_padding))
     return batches
 
 
-def evaluate_pairs(policy: Policy, batches: list[BatchedDataDict], loss_fn: LossFn, micro_batch_size: int) -> dict[str, float]:
+def evaluate_pairs(
+    policy: Policy, batches: list[BatchedDataDict], loss_fn: LossFn, micro_batch_size: int
+) -> dict[str, float]:
     """Forward-only `loss_fn` over evaluation batches: its metrics averaged with each batch weighted by
     its number of real (unmasked) pairs."""
     totals: dict[str, float] = {}
     num_pairs = 0.0
     for batch in batches:
         batch_pairs = float(batch["sample_mask"].sum()) / 2
-        metrics = policy.evaluate(batch, loss_fn, global_batch_size=batch.size, micro_batch_size=micro_batch_size)
+        metrics = policy.evaluate(
+            batch, loss_fn, global_batch_size=batch.size, micro_batch_size=micro_batch_size
+        )
         for key, value in single_step_metrics(metrics).items():
             if key != "num_microbatches":
                 totals[key] = totals.get(key, 0.0) + value * batch_pairs

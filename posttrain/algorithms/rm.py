@@ -48,7 +48,9 @@ class RMConfig:
         default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
         metadata={"help": "preference pairs (prompt, chosen, rejected)"},
     )
-    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
+    )
     logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
     checkpointing: CheckpointingConfig = field(
         default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
@@ -57,7 +59,8 @@ class RMConfig:
     def validate(self) -> None:
         if self.policy.model_kind != "reward_model":
             raise ConfigError(
-                "policy.model_kind", f"reward-model training needs 'reward_model', got {self.policy.model_kind!r}"
+                "policy.model_kind",
+                f"reward-model training needs 'reward_model', got {self.policy.model_kind!r}",
             )
         pairs.check_pair_batching(self.policy, self.cluster)
 
@@ -65,8 +68,9 @@ class RMConfig:
 RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs
 
 
-def val_batches(cfg: RMConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase,
-                records: list[dict]) -> list[BatchedDataDict]:
+def val_batches(
+    cfg: RMConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+) -> list[BatchedDataDict]:
     return pairs.pair_batches(records, cfg.rm.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
 
 
@@ -89,7 +93,11 @@ def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
 def setup(cfg: RMConfig) -> RMRun:
     """Data, reward model workers, logger and checkpoints; resumes from the latest checkpoint if any."""
     return supervised.setup_run(
-        cfg, "rm", "rm", cfg.policy.train_global_batch_size // 2, val_batches,
+        cfg,
+        "rm",
+        "rm",
+        cfg.policy.train_global_batch_size // 2,
+        val_batches,
         hyperparams={"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
     )
 

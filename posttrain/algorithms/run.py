@@ -38,7 +38,9 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
     model directory of an offline model). Creates the run directory and saves that config there."""
     resume_from = cfg.checkpointing.resume_from
     if resume_from and not Path(resume_from).is_dir():
-        raise ConfigError("checkpointing.resume_from", f"{resume_from} does not exist (a run's checkpoints/step_N)")
+        raise ConfigError(
+            "checkpointing.resume_from", f"{resume_from} does not exist (a run's checkpoints/step_N)"
+        )
     log_dir_text = cfg.logger.log_dir or default_log_dir(algorithm)
     log_dir = Path(log_dir_text)
     chosen = cfg.checkpointing
@@ -49,7 +51,9 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
         higher_is_better=metric[1] if chosen.higher_is_better is None else chosen.higher_is_better,
     )
     run_cfg = dataclasses.replace(
-        cfg, logger=dataclasses.replace(cfg.logger, log_dir=log_dir_text), checkpointing=checkpointing,
+        cfg,
+        logger=dataclasses.replace(cfg.logger, log_dir=log_dir_text),
+        checkpointing=checkpointing,
     )
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(run_cfg, log_dir / "config.yaml")
@@ -63,11 +67,15 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
     from_config = policy_cfg.model.from_config if policy_cfg.model is not None else None
     if from_config is None:
         if not policy_cfg.model_name:
-            raise ConfigError("policy.model_name", "set a model directory or hub name, or policy.model.from_config")
+            raise ConfigError(
+                "policy.model_name", "set a model directory or hub name, or policy.model.from_config"
+            )
         check_model_exists("policy.model_name", policy_cfg.model_name)
         if policy_cfg.tokenizer_name:
             check_model_exists("policy.tokenizer_name", policy_cfg.tokenizer_name)
-        return dataclasses.replace(policy_cfg, model_name=gguf_model_dir(policy_cfg.model_name))  # .gguf: plain dir
+        return dataclasses.replace(
+            policy_cfg, model_name=gguf_model_dir(policy_cfg.model_name)
+        )  # .gguf: plain dir
     from posttrain.models.build import build_model_dir
 
     model_dir = log_dir / "initial_model"
@@ -86,8 +94,12 @@ class RunCheckpoint:
 
 
 def save_run_checkpoint(
-    manager: CheckpointManager, policy: Policy, step: int, training_info: dict[str, Any],
-    loader_state: dict[str, Any], run_config: Any,
+    manager: CheckpointManager,
+    policy: Policy,
+    step: int,
+    training_info: dict[str, Any],
+    loader_state: dict[str, Any],
+    run_config: Any,
 ) -> Path:
     """tmp_step_N: training info + config, policy (DCP, RNG of every rank), loader; then finalize
     (which writes the sha256 manifest before the rename)."""
@@ -118,12 +130,21 @@ def log_step(logger: Logger, policy: Policy, metrics: dict[str, float], timer: T
     """The step's metrics (`train/`) and the stage times of the driver and the policy workers (`timing/`);
     the timer restarts."""
     logger.log_metrics(metrics, step, prefix="train")
-    logger.log_metrics(step_timing(timer, {"policy_worker": policy.get_timing_metrics()}), step, prefix="timing")
+    logger.log_metrics(
+        step_timing(timer, {"policy_worker": policy.get_timing_metrics()}), step, prefix="timing"
+    )
     timer.reset()
 
 
-def checkpoint_if_due(manager: CheckpointManager, policy: Policy, step: int, training_info: dict[str, Any],
-                      loader_state: dict[str, Any], run_config: Any, force: bool = False) -> None:
+def checkpoint_if_due(
+    manager: CheckpointManager,
+    policy: Policy,
+    step: int,
+    training_info: dict[str, Any],
+    loader_state: dict[str, Any],
+    run_config: Any,
+    force: bool = False,
+) -> None:
     """Save the run's state at `step` every `checkpointing.save_period` steps, or when forced (a run's
     last step); nothing when checkpointing is off."""
     cfg = run_config.checkpointing

@@ -40,7 +40,9 @@ class SFTConfig:
     sft: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the SFT loop"})
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "training and validation data"})
-    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
+    )
     logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
     checkpointing: CheckpointingConfig = field(
         default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
@@ -57,11 +59,12 @@ def to_train_data(records: list[dict], pad_token_id: int, train_on: str) -> Batc
     return message_log_to_flat([r["message_log"] for r in records], pad_token_id, train_on=train_on)
 
 
-def val_batches(cfg: SFTConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase,
-                records: list[dict]) -> list[BatchedDataDict]:
+def val_batches(
+    cfg: SFTConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+) -> list[BatchedDataDict]:
     size = cfg.sft.val_global_batch_size
     return [
-        to_train_data(records[i:i + size], tokenizer.pad_token_id, cfg.data.train_on)
+        to_train_data(records[i : i + size], tokenizer.pad_token_id, cfg.data.train_on)
         for i in range(0, len(records), size)
     ]
 
@@ -72,7 +75,10 @@ def validate(run: SFTRun) -> dict[str, float]:
     for batch in run.val_data:
         num_tokens = float((batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)).sum())
         metrics = run.policy.evaluate(
-            batch, NLLLoss(), global_batch_size=batch.size, micro_batch_size=run.cfg.policy.train_micro_batch_size
+            batch,
+            NLLLoss(),
+            global_batch_size=batch.size,
+            micro_batch_size=run.cfg.policy.train_micro_batch_size,
         )
         total_loss += float(metrics["loss"][0]) * num_tokens
         total_tokens += num_tokens
@@ -82,7 +88,9 @@ def validate(run: SFTRun) -> dict[str, float]:
 def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
     """One optimizer step on the next global batch."""
     with timer.time("data"):
-        batch = to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id, run.cfg.data.train_on)
+        batch = to_train_data(
+            run.train_loader.next_batch(), run.tokenizer.pad_token_id, run.cfg.data.train_on
+        )
     with timer.time("train"):
         metrics = mean_over_steps(run.policy.train(batch, NLLLoss()))
     num_tokens = float(batch["input_lengths"].sum())
@@ -94,7 +102,11 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
 def setup(cfg: SFTConfig) -> SFTRun:
     """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
     return supervised.setup_run(
-        cfg, "sft", "sft", cfg.policy.train_global_batch_size, val_batches,
+        cfg,
+        "sft",
+        "sft",
+        cfg.policy.train_global_batch_size,
+        val_batches,
         hyperparams={"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data},
     )
 
@@ -115,5 +127,8 @@ def main(args: Any) -> int:
         val_metrics = sft_train(run)
     finally:
         run.shutdown()
-    print(f"sft finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}; run directory {run.log_dir}")
+    print(
+        f"sft finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}; run "
+        f"directory {run.log_dir}"
+    )
     return 0

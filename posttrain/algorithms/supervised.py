@@ -35,12 +35,18 @@ class LoopConfig:
     """The loop knobs of a supervised algorithm (the `sft`, `dpo` and `rm` sections)."""
 
     max_num_epochs: int = field(default=1, metadata={"help": "passes over the training set"})
-    max_num_steps: int | None = field(default=None, metadata={"help": "optimizer steps (None: epochs decide)"})
-    val_period: int = field(default=25, metadata={"help": "validation every this many steps (and at the end)"})
+    max_num_steps: int | None = field(
+        default=None, metadata={"help": "optimizer steps (None: epochs decide)"}
+    )
+    val_period: int = field(
+        default=25, metadata={"help": "validation every this many steps (and at the end)"}
+    )
     val_global_batch_size: int = field(
         default=64, metadata={"help": "validation examples (conversations, or pairs for dpo/rm) per batch"}
     )
-    val_max_samples: int | None = field(default=256, metadata={"help": "validation examples used (None: all)"})
+    val_max_samples: int | None = field(
+        default=256, metadata={"help": "validation examples used (None: all)"}
+    )
     export_final_model: bool = field(default=True, metadata={"help": "write <log_dir>/hf_model at the end"})
 
     def validate(self) -> None:
@@ -87,8 +93,15 @@ class SupervisedRun(Generic[ConfigT]):
 ValBatches = Callable[[ConfigT, Policy, PreTrainedTokenizerBase, list[dict]], list[BatchedDataDict]]
 
 
-def setup_run(cfg: ConfigT, name: str, loop_key: str, records_per_step: int, val_batches: ValBatches,
-              hyperparams: dict[str, Any], init_reference_model: bool = False) -> SupervisedRun[ConfigT]:
+def setup_run(
+    cfg: ConfigT,
+    name: str,
+    loop_key: str,
+    records_per_step: int,
+    val_batches: ValBatches,
+    hyperparams: dict[str, Any],
+    init_reference_model: bool = False,
+) -> SupervisedRun[ConfigT]:
     """Data, model, workers, logger and checkpoints for algorithm `name` (its loop section `loop_key`,
     `records_per_step` training records per step, validation batches from `val_batches`); resumes from the
     latest checkpoint if there is one. With `init_reference_model` the workers keep the initial weights as
@@ -100,7 +113,9 @@ def setup_run(cfg: ConfigT, name: str, loop_key: str, records_per_step: int, val
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
     batch_size = cfg.policy.train_global_batch_size
-    check_batch_fits(len(train_records), records_per_step, "policy.train_global_batch_size", batch_size, cfg.data.dataset)
+    check_batch_fits(
+        len(train_records), records_per_step, "policy.train_global_batch_size", batch_size, cfg.data.dataset
+    )
     loader = StatefulDataLoader(train_records, records_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     epochs_steps = loop.max_num_epochs * len(loader)
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
@@ -110,8 +125,19 @@ def setup_run(cfg: ConfigT, name: str, loop_key: str, records_per_step: int, val
     val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
     val_data = val_batches(cfg, policy, tokenizer, val_records)
     run = SupervisedRun(
-        cfg, name, loop, log_dir, tokenizer, policy, cluster, loader, val_data, Logger(cfg.logger),
-        CheckpointManager(cfg.checkpointing), total_steps, data_stats=data_stats,
+        cfg,
+        name,
+        loop,
+        log_dir,
+        tokenizer,
+        policy,
+        cluster,
+        loader,
+        val_data,
+        Logger(cfg.logger),
+        CheckpointManager(cfg.checkpointing),
+        total_steps,
+        data_stats=data_stats,
     )
     restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
     if restored is not None:
@@ -127,8 +153,14 @@ ValidateFn = Callable[[SupervisedRun], dict[str, float]]
 ShownFn = Callable[[dict[str, float], dict[str, float] | None], dict[str, float]]
 
 
-def end_of_step(run: SupervisedRun, metrics: dict[str, float], timer: Timer, last_step: int,
-                validate: ValidateFn, pairs: bool) -> dict[str, float] | None:
+def end_of_step(
+    run: SupervisedRun,
+    metrics: dict[str, float],
+    timer: Timer,
+    last_step: int,
+    validate: ValidateFn,
+    pairs: bool,
+) -> dict[str, float] | None:
     """Log the step's metrics and stage timings, validate (`validate(run)`) every `val_period` steps and at
     `last_step` and log samples (chosen and rejected with `pairs`), checkpoint when due (always at the
     run's final step). Returns the validation metrics when it validated."""
@@ -141,13 +173,26 @@ def end_of_step(run: SupervisedRun, metrics: dict[str, float], timer: Timer, las
     info = {"step": run.step, "epoch": run.train_loader.epoch}
     if val_metrics is not None:
         info["val_loss"] = val_metrics["loss"]  # the default ranking metric
-    checkpoint_if_due(run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg,
-                      force=run.step == last_step == run.total_steps)
+    checkpoint_if_due(
+        run.checkpoints,
+        run.policy,
+        run.step,
+        info,
+        run.train_loader.state_dict(),
+        run.cfg,
+        force=run.step == last_step == run.total_steps,
+    )
     return val_metrics
 
 
-def train(run: SupervisedRun, train_step: StepFn, validate: ValidateFn, shown: ShownFn, pairs: bool = False,
-          num_steps: int | None = None) -> dict[str, float]:
+def train(
+    run: SupervisedRun,
+    train_step: StepFn,
+    validate: ValidateFn,
+    shown: ShownFn,
+    pairs: bool = False,
+    num_steps: int | None = None,
+) -> dict[str, float]:
     """Train until `run.total_steps` (or `num_steps` more steps), one `train_step` per optimizer step;
     `shown` picks the progress line's numbers. Exports `<log_dir>/hf_model` at the run's end (unless
     `export_final_model` is off). Returns the last validation metrics."""

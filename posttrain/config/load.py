@@ -87,7 +87,9 @@ def _parent_paths(tree: dict[str, Any], path: str) -> list[str]:
     if isinstance(parents, str):
         parents = [parents]
     if not isinstance(parents, list) or not all(isinstance(parent, str) for parent in parents):
-        raise ConfigError(DEFAULTS_KEY, f"expected a file name or a list of file names, got {parents!r}", path)
+        raise ConfigError(
+            DEFAULTS_KEY, f"expected a file name or a list of file names, got {parents!r}", path
+        )
     return [os.path.normpath(os.path.join(os.path.dirname(path), parent)) for parent in parents]
 
 
@@ -96,7 +98,7 @@ def _collect_files(path: str, chain: tuple[str, ...], files: dict[str, tuple[str
     parents first, left to right, each file once (a shared grandparent does not undo a sibling)."""
     real_path = os.path.realpath(path)
     if real_path in chain:
-        cycle = " -> ".join([*chain[chain.index(real_path):], real_path])
+        cycle = " -> ".join([*chain[chain.index(real_path) :], real_path])
         raise ConfigError(DEFAULTS_KEY, f"inheritance cycle: {cycle}", path)
     if real_path in files:
         return
@@ -142,8 +144,11 @@ def _merge_under_defaults(defaults: dict[str, Any], tree: dict[str, Any]) -> dic
     return merged
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = (),
-                defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> LoadedConfig:
+def load_config(
+    path: str | Path,
+    overrides: Sequence[str] = (),
+    defaults: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> LoadedConfig:
     """Load `path` with its `defaults:` parents (over `defaults`, e.g. a schema's, or a function of the
     file's tree that returns them), apply command-line `overrides`, then resolve `${...}`."""
     tree, sources = _load_tree(str(path))

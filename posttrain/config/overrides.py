@@ -64,13 +64,16 @@ def parse_override(text: str) -> Override:
     body = text
     for prefix, prefix_kind in (("++", "force"), ("+", "add"), ("~", "delete")):
         if text.startswith(prefix):
-            kind, body = prefix_kind, text[len(prefix):]
+            kind, body = prefix_kind, text[len(prefix) :]
             break
     key, has_value, value_text = body.partition("=")
     key = key.strip()
     if not _KEY_PATTERN.match(key):
-        raise ConfigError(key or text, f"invalid override {text!r}: expected key=value, +key=value, "
-                          "++key=value or ~key", COMMAND_LINE)
+        raise ConfigError(
+            key or text,
+            f"invalid override {text!r}: expected key=value, +key=value, ++key=value or ~key",
+            COMMAND_LINE,
+        )
     if kind == "delete":
         if has_value:
             raise ConfigError(key, f"a delete takes no value: write '~{key}'", COMMAND_LINE)
@@ -100,12 +103,20 @@ def _apply_override(cfg: DictConfig, override: Override, sources: dict[str, str]
     if override.kind in ("set", "delete") and not exists:
         verb = "set" if override.kind == "set" else "delete"
         hint = f"; use '+{key}=...' to add it" if override.kind == "set" else ""
-        raise ConfigError(key, f"cannot {verb} a key that does not exist{hint}", COMMAND_LINE,
-                          closest(key, list(iter_keys(plain))))
+        raise ConfigError(
+            key,
+            f"cannot {verb} a key that does not exist{hint}",
+            COMMAND_LINE,
+            closest(key, list(iter_keys(plain))),
+        )
     if override.kind == "add" and exists:
         where = source_of(key, sources) or "the config"
-        raise ConfigError(key, f"cannot add a key that already exists (set in {where}); "
-                          f"use '{key}=...' to change it or '++{key}=...' to add or change", COMMAND_LINE)
+        raise ConfigError(
+            key,
+            f"cannot add a key that already exists (set in {where}); "
+            f"use '{key}=...' to change it or '++{key}=...' to add or change",
+            COMMAND_LINE,
+        )
     _check_container_above(plain, key)
     pop_override_marks(override.value, COMMAND_LINE, key)  # a set always replaces: the marker is moot
     try:

@@ -27,8 +27,9 @@ from posttrain.config.errors import (
 T = typing.TypeVar("T")
 
 
-def validate_config(schema_cls: type[T], cfg: DictConfig | Mapping[str, Any],
-                    sources: Mapping[str, str] | None = None) -> T:
+def validate_config(
+    schema_cls: type[T], cfg: DictConfig | Mapping[str, Any], sources: Mapping[str, str] | None = None
+) -> T:
     """Convert `cfg` into an instance of the dataclass `schema_cls`, checking keys, types and `validate()`."""
     if not (dataclasses.is_dataclass(schema_cls) and isinstance(schema_cls, type)):
         raise TypeError(f"validate_config needs a dataclass class as schema, got {schema_cls!r}")
@@ -155,7 +156,9 @@ class _Checker:
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise self.error(key, f"expected {type_name(tp)} ({len(args)} items), got {len(value)} items")
-            return tuple(self.convert(arg, item, join_key(key, i)) for i, (arg, item) in enumerate(zip(args, value)))
+            return tuple(
+                self.convert(arg, item, join_key(key, i)) for i, (arg, item) in enumerate(zip(args, value))
+            )
         item_type = args[0] if args else Any
         items = [self.convert(item_type, item, join_key(key, i)) for i, item in enumerate(value)]
         return tuple(items) if origin is tuple else items
@@ -181,7 +184,9 @@ class _Checker:
         for name in value:
             if name not in fields:
                 unknown = join_key(key, str(name))
-                raise self.error(unknown, f"unknown key in {schema_cls.__name__}", closest(unknown, self.all_keys))
+                raise self.error(
+                    unknown, f"unknown key in {schema_cls.__name__}", closest(unknown, self.all_keys)
+                )
         kwargs = {name: self.convert(hints[name], item, join_key(key, name)) for name, item in value.items()}
         for name, item in fields.items():
             if name not in kwargs and _is_mandatory(item):
@@ -209,7 +214,9 @@ def _is_mandatory(item: dataclasses.Field) -> bool:
 def config_to_dict(instance: Any) -> Any:
     """A dataclass instance (nested ones included) as plain dicts, lists and scalars, ready for YAML."""
     if dataclasses.is_dataclass(instance) and not isinstance(instance, type):
-        return {item.name: config_to_dict(getattr(instance, item.name)) for item in dataclasses.fields(instance)}
+        return {
+            item.name: config_to_dict(getattr(instance, item.name)) for item in dataclasses.fields(instance)
+        }
     if isinstance(instance, Mapping):
         return {key: config_to_dict(value) for key, value in instance.items()}
     if isinstance(instance, (list, tuple)):

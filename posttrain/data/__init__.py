@@ -13,6 +13,12 @@ from posttrain.data.records import DatumSpec, load_datasets, rows_to_records
 from posttrain.data.sources import DataError
 
 __all__ = [
-    "DataConfig", "DataError", "DatumSpec", "StatefulDataLoader", "load_datasets", "message_log_to_flat",
-    "rows_to_records", "tokenize_message_log",
+    "DataConfig",
+    "DataError",
+    "DatumSpec",
+    "StatefulDataLoader",
+    "load_datasets",
+    "message_log_to_flat",
+    "rows_to_records",
+    "tokenize_message_log",
 ]

@@ -16,34 +16,75 @@ Format = Literal["auto", "messages", "prompt_response", "rl", "preference"]
 class DataConfig:
     """Training and validation data (the `data` section)."""
 
-    dataset: str = field(default="arithmetic", metadata={"help": "built-in task name, a .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name"})
-    val_dataset: str | None = field(default=None, metadata={"help": "validation file or dataset (None: val_split, else carved off with val_fraction)"})
-    format: Format = field(default="auto", metadata={"help": "messages | prompt_response | rl | preference (auto: from the row's keys)"})
+    dataset: str = field(
+        default="arithmetic",
+        metadata={
+            "help": "built-in task name, a .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name"
+        },
+    )
+    val_dataset: str | None = field(
+        default=None,
+        metadata={"help": "validation file or dataset (None: val_split, else carved off with val_fraction)"},
+    )
+    format: Format = field(
+        default="auto",
+        metadata={"help": "messages | prompt_response | rl | preference (auto: from the row's keys)"},
+    )
     split: str = field(default="train", metadata={"help": "Hugging Face split for training"})
     val_split: str | None = field(default=None, metadata={"help": "Hugging Face split for validation"})
-    val_fraction: float = field(default=0.05, metadata={"help": "share of rows carved off for validation when none is given"})
+    val_fraction: float = field(
+        default=0.05, metadata={"help": "share of rows carved off for validation when none is given"}
+    )
     messages_key: str = field(default="messages", metadata={"help": "column of OpenAI-style messages"})
     prompt_key: str = field(default="prompt", metadata={"help": "column of the prompt"})
-    response_key: str = field(default="response", metadata={"help": "column of the response (prompt_response)"})
+    response_key: str = field(
+        default="response", metadata={"help": "column of the response (prompt_response)"}
+    )
     answer_key: str = field(default="answer", metadata={"help": "column of the ground-truth answer (rl)"})
     chosen_key: str = field(default="chosen", metadata={"help": "column of the chosen response (preference)"})
-    rejected_key: str = field(default="rejected", metadata={"help": "column of the rejected response (preference)"})
-    image_key: str = field(default="images", metadata={"help": "column of image paths/bytes (one or a list) shown before the prompt (rl, prompt_response)"})
+    rejected_key: str = field(
+        default="rejected", metadata={"help": "column of the rejected response (preference)"}
+    )
+    image_key: str = field(
+        default="images",
+        metadata={
+            "help": "column of image paths/bytes (one or a list) shown before the prompt (rl, "
+            "prompt_response)"
+        },
+    )
     task_key: str = field(default="task_name", metadata={"help": "column naming the task/environment (rl)"})
     task_name: str = field(default="math", metadata={"help": "task of rows without a task column (rl)"})
-    system_prompt: str | None = field(default=None, metadata={"help": "system message; '@path' reads it from a file"})
-    prompt_template: str | None = field(default=None, metadata={"help": "template with {prompt}, e.g. 'Q: {prompt}'; '@path' reads a file"})
+    system_prompt: str | None = field(
+        default=None, metadata={"help": "system message; '@path' reads it from a file"}
+    )
+    prompt_template: str | None = field(
+        default=None, metadata={"help": "template with {prompt}, e.g. 'Q: {prompt}'; '@path' reads a file"}
+    )
     max_length: int = field(default=512, metadata={"help": "most tokens of a sample"})
-    overlong: Literal["truncate", "drop"] = field(default="truncate", metadata={"help": "what to do with longer samples (counted either way)"})
-    skip_invalid: bool = field(default=False, metadata={"help": "skip and count bad rows instead of stopping with an error"})
+    overlong: Literal["truncate", "drop"] = field(
+        default="truncate", metadata={"help": "what to do with longer samples (counted either way)"}
+    )
+    skip_invalid: bool = field(
+        default=False, metadata={"help": "skip and count bad rows instead of stopping with an error"}
+    )
     shuffle: bool = field(default=True, metadata={"help": "shuffle training data each epoch"})
     seed: int = field(default=42, metadata={"help": "seed of shuffling, splits and built-in tasks"})
-    train_on: Literal["assistant", "last_assistant"] = field(default="assistant", metadata={"help": "tokens trained on: all assistant turns or only the last"})
-    num_train: int | None = field(default=None, metadata={"help": "training rows used (built-in tasks: generated)"})
-    num_val: int | None = field(default=None, metadata={"help": "validation rows used (built-in tasks: generated)"})
-    num_digits: int = field(default=2, metadata={"help": "built-in arithmetic: digits per operand (difficulty)"})
+    train_on: Literal["assistant", "last_assistant"] = field(
+        default="assistant", metadata={"help": "tokens trained on: all assistant turns or only the last"}
+    )
+    num_train: int | None = field(
+        default=None, metadata={"help": "training rows used (built-in tasks: generated)"}
+    )
+    num_val: int | None = field(
+        default=None, metadata={"help": "validation rows used (built-in tasks: generated)"}
+    )
+    num_digits: int = field(
+        default=2, metadata={"help": "built-in arithmetic: digits per operand (difficulty)"}
+    )
     puzzle_size: int = field(default=2, metadata={"help": "built-in sliding_puzzle: board size"})
-    puzzle_scramble_moves: int = field(default=2, metadata={"help": "built-in sliding_puzzle: random moves from solved"})
+    puzzle_scramble_moves: int = field(
+        default=2, metadata={"help": "built-in sliding_puzzle: random moves from solved"}
+    )
 
     def validate(self) -> None:
         self._check_source("dataset", self.dataset)
@@ -53,7 +94,11 @@ class DataConfig:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-        if self.prompt_template and not self.prompt_template.startswith("@") and "{prompt}" not in self.prompt_template:
+        if (
+            self.prompt_template
+            and not self.prompt_template.startswith("@")
+            and "{prompt}" not in self.prompt_template
+        ):
             raise ValueError(f"prompt_template must contain {{prompt}}, got {self.prompt_template!r}")
 
     @staticmethod
@@ -65,6 +110,8 @@ class DataConfig:
         if name in BUILTIN_TASKS or is_file_source(name) or looks_like_hub_name(name):
             return
         guess = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
-        message = (f"{name!r} is not a built-in task ({', '.join(BUILTIN_TASKS)}), a .jsonl/.json/.parquet/.csv "
-                   "file, or a Hugging Face dataset name (org/name)")
+        message = (
+            f"{name!r} is not a built-in task ({', '.join(BUILTIN_TASKS)}), a .jsonl/.json/.parquet/.csv "
+            "file, or a Hugging Face dataset name (org/name)"
+        )
         raise ConfigError.at(key, message + (f"; did you mean {guess[0]!r}?" if guess else ""))

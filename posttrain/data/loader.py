@@ -10,7 +10,9 @@ import torch
 class StatefulDataLoader:
     """Batches of `batch_size` records, epoch after epoch; `state_dict()` resumes at the same batch."""
 
-    def __init__(self, records: list[Any], batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+    def __init__(
+        self, records: list[Any], batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if len(records) < batch_size and drop_last:
@@ -37,7 +39,7 @@ class StatefulDataLoader:
             self._order = self._epoch_order(self.epoch)
         start = self.position * self.batch_size
         self.position += 1
-        return [self.records[i] for i in self._order[start:start + self.batch_size]]
+        return [self.records[i] for i in self._order[start : start + self.batch_size]]
 
     def __iter__(self):
         """One epoch from the current position."""
@@ -45,10 +47,17 @@ class StatefulDataLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "num_records": len(self.records)}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_records": len(self.records),
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state.get("num_records", len(self.records)) != len(self.records):
-            raise ValueError(f"loader state is for {state['num_records']} records, this loader has {len(self.records)}")
+            raise ValueError(
+                f"loader state is for {state['num_records']} records, this loader has {len(self.records)}"
+            )
         self.epoch, self.position, self.seed = state["epoch"], state["position"], state.get("seed", self.seed)
         self._order = self._epoch_order(self.epoch)

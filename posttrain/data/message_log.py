@@ -24,31 +24,45 @@ def _render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool
     return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def tokenize_message_log(messages: list[Message], tokenizer: Any, add_generation_prompt: bool = False,
-                         processor: Any = None, base_dir: str | None = None) -> list[Message]:
+def tokenize_message_log(
+    messages: list[Message],
+    tokenizer: Any,
+    add_generation_prompt: bool = False,
+    processor: Any = None,
+    base_dir: str | None = None,
+) -> list[Message]:
     """Each message gets `token_ids`: the tokens the chat template adds for it (the last one also gets
     the assistant generation prompt when asked), so the concatenation is the whole rendered conversation.
 
-    A message with image parts also gets `pixel_values` and `image_grid_thw` from `processor` (a vision-language
+    A message with image parts also gets `pixel_values` and `image_grid_thw` from `processor` (a
+    vision-language
     model's, see posttrain.data.vision), and its image pad token is repeated once per merged patch."""
     if processor is None and has_images(messages):
-        raise ValueError("the row has images but the model is text-only (its directory has no vision tower and "
-                         "image processor); use a vision-language model or drop the images")
+        raise ValueError(
+            "the row has images but the model is text-only (its directory has no vision tower and "
+            "image processor); use a vision-language model or drop the images"
+        )
     result, previous = [], ""
     for i, message in enumerate(messages):
         last = i == len(messages) - 1
         text = _render(tokenizer, messages[: i + 1], add_generation_prompt and last)
         if not text.startswith(previous):
             raise ValueError("the chat template does not render conversations incrementally")
-        delta, vision = text[len(previous):], {}
+        delta, vision = text[len(previous) :], {}
         if image_parts(message["content"]):
             vision = process_message_images(message, processor, base_dir)
             delta = processor.expand_image_tokens(delta, vision["image_grid_thw"])
         ids = tokenizer(delta, add_special_tokens=False)["input_ids"]
         if processor is not None:
             check_image_tokens(ids, processor, vision)
-        result.append({**message, "content": strip_image_payloads(message["content"]),
-                       "token_ids": torch.tensor(ids, dtype=torch.long), **vision})
+        result.append(
+            {
+                **message,
+                "content": strip_image_payloads(message["content"]),
+                "token_ids": torch.tensor(ids, dtype=torch.long),
+                **vision,
+            }
+        )
         previous = text
     return result
 
@@ -59,9 +73,11 @@ def check_image_tokens(ids: list[int], processor: Any, vision: dict[str, torch.T
     expected = sum(processor.num_image_tokens(vision["image_grid_thw"])) if vision else 0
     found = sum(1 for i in ids if i == processor.image_token_id)
     if found != expected:
-        raise ValueError(f"a message has {found} image placeholder tokens ({processor.image_token}) where its "
-                         f"{len(vision.get('image_grid_thw', []))} image(s) need {expected}; remove placeholders "
-                         "from the text, images are given as {'type': 'image'} parts")
+        raise ValueError(
+            f"a message has {found} image placeholder tokens ({processor.image_token}) where its "
+            f"{len(vision.get('image_grid_thw', []))} image(s) need {expected}; remove placeholders "
+            "from the text, images are given as {'type': 'image'} parts"
+        )
 
 
 def message_log_length(message_log: list[Message]) -> int:
@@ -81,7 +97,9 @@ def trained_messages(message_log: list[Message], train_on: str) -> list[bool]:
     raise ValueError(f"train_on must be 'assistant', 'last_assistant' or 'none', got {train_on!r}")
 
 
-def message_log_to_flat(message_logs: list[list[Message]], pad_token_id: int, train_on: str = "assistant") -> BatchedDataDict:
+def message_log_to_flat(
+    message_logs: list[list[Message]], pad_token_id: int, train_on: str = "assistant"
+) -> BatchedDataDict:
     """Right-padded `input_ids [B,T]`, `input_lengths [B]`, `token_mask [B,T]` (1 on trained tokens,
     never position 0) and `sample_mask [B]` (all 1); with images, per-row `pixel_values` and `image_grid_thw`
     lists (posttrain.data.vision)."""
@@ -93,9 +111,9 @@ def message_log_to_flat(message_logs: list[list[Message]], pad_token_id: int, tr
         position = 0
         for message, trained in zip(log, trained_messages(log, train_on)):
             n = len(message["token_ids"])
-            input_ids[row, position:position + n] = torch.as_tensor(message["token_ids"], dtype=torch.long)
+            input_ids[row, position : position + n] = torch.as_tensor(message["token_ids"], dtype=torch.long)
             if trained:
-                token_mask[row, position:position + n] = 1.0
+                token_mask[row, position : position + n] = 1.0
             position += n
     token_mask[:, 0] = 0.0  # position 0 has no logprob (nothing precedes it)
     return BatchedDataDict(

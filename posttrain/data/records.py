@@ -51,8 +51,13 @@ def _prompt_messages(row: dict, cfg: DataConfig, fmt: str) -> list[dict]:
     if images is not None and not isinstance(images, list):
         images = [images]
     if images:
-        return messages + [{"role": "user", "content": [{"type": "image", "image": image} for image in images]
-                            + [{"type": "text", "text": text}]}]
+        return messages + [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": image} for image in images]
+                + [{"type": "text", "text": text}],
+            }
+        ]
     return messages + [{"role": "user", "content": text}]
 
 
@@ -66,27 +71,40 @@ def _clip_contents(messages: list[dict], cfg: DataConfig, tokenizer: Any) -> lis
     token of the vocabulary) before tokenizing: a 10 MB row is never tokenized whole. A cut message still
     has more than `max_length` tokens, so `fit_length` truncates or drops it and counts it."""
     limit = cfg.max_length * _longest_token_chars(tokenizer)
-    return [{**m, "content": m["content"][:limit]} if isinstance(m["content"], str) and len(m["content"]) > limit
-            else m for m in messages]
+    return [
+        {**m, "content": m["content"][:limit]}
+        if isinstance(m["content"], str) and len(m["content"]) > limit
+        else m
+        for m in messages
+    ]
 
 
-def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int, processor: Any = None,
-                  base_dir: str | None = None) -> DatumSpec:
+def row_to_record(
+    row: dict, cfg: DataConfig, tokenizer: Any, idx: int, processor: Any = None, base_dir: str | None = None
+) -> DatumSpec:
     """One row -> one record in the row's format (errors are KeyError/ValueError; the caller adds where).
     `processor` (a vision-language model's) turns the rows' images into patches; `base_dir` is where
     relative image paths are looked up first."""
     fmt = detect_format(row, cfg)
     tokenize = functools.partial(tokenize_message_log, processor=processor, base_dir=base_dir)
-    record: DatumSpec = {"idx": idx, "task_name": row.get(cfg.task_key) or cfg.task_name, "extra_env_info": {}}
+    record: DatumSpec = {
+        "idx": idx,
+        "task_name": row.get(cfg.task_key) or cfg.task_name,
+        "extra_env_info": {},
+    }
     if fmt == "messages":
         messages = _require(row, cfg.messages_key, fmt)
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise ValueError(f"{cfg.messages_key!r} must be a list of {{role, content}} messages")
         if not any(m["role"] == "assistant" for m in messages):
             raise ValueError(f"{cfg.messages_key!r} has no assistant turn: nothing to train on")
         record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "prompt_response":
-        messages = _prompt_messages(row, cfg, fmt) + [{"role": "assistant", "content": str(_require(row, cfg.response_key, fmt))}]
+        messages = _prompt_messages(row, cfg, fmt) + [
+            {"role": "assistant", "content": str(_require(row, cfg.response_key, fmt))}
+        ]
         record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "rl":
         prompt = _clip_contents(_prompt_messages(row, cfg, fmt), cfg, tokenizer)
@@ -94,16 +112,25 @@ def row_to_record(row: dict, cfg: DataConfig, tokenizer: Any, idx: int, processo
         answer = row.get(cfg.answer_key)
         if answer is None and record["task_name"] != "sliding_puzzle":
             _require(row, cfg.answer_key, fmt)
-        record["extra_env_info"] = {"ground_truth": None if answer is None else str(answer), **(row.get("metadata") or {})}
+        record["extra_env_info"] = {
+            "ground_truth": None if answer is None else str(answer),
+            **(row.get("metadata") or {}),
+        }
     elif fmt == "preference":
         prompt = _prompt_messages(row, cfg, fmt)
         for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key)):
             response = [{"role": "assistant", "content": str(_require(row, key, fmt))}]
-            record[f"{side}_message_log"] = tokenize(_clip_contents(prompt + response, cfg, tokenizer), tokenizer)
+            record[f"{side}_message_log"] = tokenize(
+                _clip_contents(prompt + response, cfg, tokenizer), tokenizer
+            )
         record["message_log"] = record["chosen_message_log"]
     else:
         raise ValueError(f"unknown data.format {fmt!r}")
-    record["length"] = max(message_log_length(record[k]) for k in ("message_log", "chosen_message_log", "rejected_message_log") if k in record)
+    record["length"] = max(
+        message_log_length(record[k])
+        for k in ("message_log", "chosen_message_log", "rejected_message_log")
+        if k in record
+    )
     return record
 
 
@@ -120,7 +147,9 @@ def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> Datu
         log = record[key]
         excess = message_log_length(log) - cfg.max_length
         if excess > 0:
-            if excess >= len(log[-1]["token_ids"]) or "pixel_values" in log[-1]:  # never cut an image's tokens
+            if (
+                excess >= len(log[-1]["token_ids"]) or "pixel_values" in log[-1]
+            ):  # never cut an image's tokens
                 counter.dropped += 1  # nothing sensible is left after cutting the last message
                 return None
             log[-1] = {**log[-1], "token_ids": log[-1]["token_ids"][:-excess]}
@@ -129,15 +158,17 @@ def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> Datu
     return record
 
 
-def rows_to_records(rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: SkipCounter,
-                    processor: Any = None) -> list[DatumSpec]:
+def rows_to_records(
+    rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: SkipCounter, processor: Any = None
+) -> list[DatumSpec]:
     records = []
     for row in rows:
         try:
             if "_invalid" in row.values:
                 raise ValueError(f"expected an object, got {row.values['_invalid']!r}")
-            record = row_to_record(row.values, cfg, tokenizer, idx=len(records), processor=processor,
-                                   base_dir=row.base_dir)
+            record = row_to_record(
+                row.values, cfg, tokenizer, idx=len(records), processor=processor, base_dir=row.base_dir
+            )
         except Exception as error:  # a template that cannot render a role raises from jinja
             if not cfg.skip_invalid:
                 raise DataError(f"{row.where}: {error}") from None
@@ -152,11 +183,24 @@ def rows_to_records(rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: S
 def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[Row] | None]:
     """(training rows, validation rows or None when they must be carved off)."""
     if cfg.dataset in BUILTIN_TASKS:
-        train, val = builtin_rows(cfg.dataset, cfg.num_train, cfg.num_val, cfg.seed, cfg.num_digits,
-                                  cfg.puzzle_size, cfg.puzzle_scramble_moves)
-        return ([Row(r, f"{cfg.dataset} train row {i}") for i, r in enumerate(train)],
-                [Row(r, f"{cfg.dataset} val row {i}") for i, r in enumerate(val)])
-    read = (lambda source, split: read_file(source, cfg.skip_invalid, counter)) if is_file_source(cfg.dataset) else read_hf_dataset
+        train, val = builtin_rows(
+            cfg.dataset,
+            cfg.num_train,
+            cfg.num_val,
+            cfg.seed,
+            cfg.num_digits,
+            cfg.puzzle_size,
+            cfg.puzzle_scramble_moves,
+        )
+        return (
+            [Row(r, f"{cfg.dataset} train row {i}") for i, r in enumerate(train)],
+            [Row(r, f"{cfg.dataset} val row {i}") for i, r in enumerate(val)],
+        )
+    read = (
+        (lambda source, split: read_file(source, cfg.skip_invalid, counter))
+        if is_file_source(cfg.dataset)
+        else read_hf_dataset
+    )
     train_rows = read(cfg.dataset, cfg.split)
     if cfg.val_dataset:
         if is_file_source(cfg.val_dataset):
@@ -167,8 +211,9 @@ def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[R
     return train_rows, None
 
 
-def load_datasets(cfg: DataConfig, tokenizer: Any, processor: Any = None
-                  ) -> tuple[list[DatumSpec], list[DatumSpec], dict[str, float]]:
+def load_datasets(
+    cfg: DataConfig, tokenizer: Any, processor: Any = None
+) -> tuple[list[DatumSpec], list[DatumSpec], dict[str, float]]:
     """(training records, validation records, counts of skipped/truncated/dropped samples). `processor`: a
     vision-language model's (posttrain.models.vlm.load_processor), needed by rows with images."""
     counter = SkipCounter()
@@ -187,6 +232,11 @@ def load_datasets(cfg: DataConfig, tokenizer: Any, processor: Any = None
     val = rows_to_records(val_rows, cfg, tokenizer, counter, processor)
     if not train:
         raise DataError(f"data.dataset={cfg.dataset}: no usable training rows")
-    stats = {"num_train": float(len(train)), "num_val": float(len(val)), "skipped_invalid": float(counter.invalid),
-             "truncated": float(counter.truncated), "dropped_overlong": float(counter.dropped)}
+    stats = {
+        "num_train": float(len(train)),
+        "num_val": float(len(val)),
+        "skipped_invalid": float(counter.invalid),
+        "truncated": float(counter.truncated),
+        "dropped_overlong": float(counter.dropped),
+    }
     return train, val, stats

@@ -13,7 +13,7 @@ Board = list[list[int]]
 
 def solved_board(size: int) -> Board:
     values = list(range(1, size * size)) + [0]
-    return [values[r * size:(r + 1) * size] for r in range(size)]
+    return [values[r * size : (r + 1) * size] for r in range(size)]
 
 
 def render_board(board: Board) -> str:

@@ -55,8 +55,10 @@ def _text_lines(path: Path, skip_invalid: bool, counter: SkipCounter) -> Iterato
                 yield line_number, raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 if not skip_invalid:
-                    raise DataError(f"{path}:{line_number}: not UTF-8 text ({error.reason} at byte "
-                                    f"{error.start} of the line)") from None
+                    raise DataError(
+                        f"{path}:{line_number}: not UTF-8 text ({error.reason} at byte "
+                        f"{error.start} of the line)"
+                    ) from None
                 counter.invalid += 1
 
 
@@ -97,8 +99,11 @@ def read_csv(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
         except csv.Error as error:
             fields, problem = None, f"malformed CSV: {error}"
         else:
-            problem = None if len(fields) == len(header) or not any(fields) else (
-                f"expected {len(header)} fields ({', '.join(header)}), got {len(fields)}")
+            problem = (
+                None
+                if len(fields) == len(header) or not any(fields)
+                else (f"expected {len(header)} fields ({', '.join(header)}), got {len(fields)}")
+            )
         if fields is not None and not any(fields):
             continue  # a blank line
         if problem:
@@ -117,18 +122,25 @@ def read_table(path: Path) -> list[Row]:
             data = json.loads(raw.decode("utf-8-sig"))
         except UnicodeDecodeError as error:
             line = raw[: error.start].count(b"\n") + 1
-            raise DataError(f"{path}:{line}: not UTF-8 text ({error.reason}); a .json file is read whole, so "
-                            "data.skip_invalid cannot skip it") from None
+            raise DataError(
+                f"{path}:{line}: not UTF-8 text ({error.reason}); a .json file is read whole, so "
+                "data.skip_invalid cannot skip it"
+            ) from None
         except ValueError as error:
             raise DataError(f"{path}: malformed JSON: {error}") from None
         data = data.get("data", data) if isinstance(data, dict) else data
         if not isinstance(data, list):
             raise DataError(f"{path}: expected a list of objects (or {{'data': [...]}})")
-        return [Row(dict(v) if isinstance(v, dict) else {"_invalid": v}, f"{path} row {i}") for i, v in enumerate(data)]
+        return [
+            Row(dict(v) if isinstance(v, dict) else {"_invalid": v}, f"{path} row {i}")
+            for i, v in enumerate(data)
+        ]
     import pandas
 
     frame = pandas.read_parquet(path)
-    return [Row(_plain(record), f"{path} row {i}") for i, record in enumerate(frame.to_dict(orient="records"))]
+    return [
+        Row(_plain(record), f"{path} row {i}") for i, record in enumerate(frame.to_dict(orient="records"))
+    ]
 
 
 def _plain(record: dict) -> dict:

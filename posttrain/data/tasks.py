@@ -14,7 +14,9 @@ def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> 
     """Disjoint (a, b) operand pairs: validation drawn first, training never repeats a validation pair."""
     limit = 10**num_digits
     if num_train + num_val > limit * limit:
-        raise ValueError(f"{num_train}+{num_val} pairs requested but only {limit * limit} exist with {num_digits} digits")
+        raise ValueError(
+            f"{num_train}+{num_val} pairs requested but only {limit * limit} exist with {num_digits} digits"
+        )
     rng = random.Random(seed)
     val: set = set()
     while len(val) < num_val:
@@ -37,13 +39,19 @@ def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> 
 def arithmetic_row(a: int, b: int, num_digits: int) -> dict:
     """Fixed-width, zero-padded addition: `07+85=` -> `092` (all prompts share one length)."""
     answer = f"{a + b:0{num_digits + 1}d}"
-    return {"prompt": f"{a:0{num_digits}d}+{b:0{num_digits}d}=", "response": answer, "answer": answer,
-            "task_name": "arithmetic"}
+    return {
+        "prompt": f"{a:0{num_digits}d}+{b:0{num_digits}d}=",
+        "response": answer,
+        "answer": answer,
+        "task_name": "arithmetic",
+    }
 
 
 def wrong_answer(a: int, b: int, num_digits: int, rng: random.Random) -> str:
     """A plausible wrong sum: off by 1..9 (or 10), same width, never negative."""
-    offset = rng.choice([d for d in range(-9, 11) if d and a + b + d >= 0 and a + b + d < 10 ** (num_digits + 1)])
+    offset = rng.choice(
+        [d for d in range(-9, 11) if d and a + b + d >= 0 and a + b + d < 10 ** (num_digits + 1)]
+    )
     return f"{a + b + offset:0{num_digits + 1}d}"
 
 
@@ -54,7 +62,9 @@ def word_problems(num_digits: int, num_train: int, num_val: int, seed: int) -> t
     span = high - low + 1
     available = span * span + span * (span + 1) // 2
     if num_train + num_val > available:
-        raise ValueError(f"{num_train}+{num_val} questions requested but only {available} exist with {num_digits} digits")
+        raise ValueError(
+            f"{num_train}+{num_val} questions requested but only {available} exist with {num_digits} digits"
+        )
     rng = random.Random(seed)
     seen: set = set()
 
@@ -79,8 +89,15 @@ def word_problem_row(a: int, op: str, b: int) -> dict:
     return {"prompt": question, "response": answer, "answer": answer, "task_name": "math"}
 
 
-def builtin_rows(name: str, num_train: int | None, num_val: int | None, seed: int, num_digits: int = 2,
-                 puzzle_size: int = 2, scramble_moves: int = 2) -> tuple[list[dict], list[dict]]:
+def builtin_rows(
+    name: str,
+    num_train: int | None,
+    num_val: int | None,
+    seed: int,
+    num_digits: int = 2,
+    puzzle_size: int = 2,
+    scramble_moves: int = 2,
+) -> tuple[list[dict], list[dict]]:
     """(train rows, validation rows) of a built-in task."""
     if name not in BUILTIN_TASKS:
         raise KeyError(f"unknown built-in task {name!r}; built-in tasks: {BUILTIN_TASKS}")
@@ -96,11 +113,17 @@ def builtin_rows(name: str, num_train: int | None, num_val: int | None, seed: in
         return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]
     train, val = addition_pairs(num_digits, num_train, num_val, seed)
     if name == "arithmetic":
-        return [arithmetic_row(a, b, num_digits) for a, b in train], [arithmetic_row(a, b, num_digits) for a, b in val]
+        return [arithmetic_row(a, b, num_digits) for a, b in train], [
+            arithmetic_row(a, b, num_digits) for a, b in val
+        ]
     rng = random.Random(seed + 1)
     rows = lambda pairs: [  # noqa: E731
-        {"prompt": arithmetic_row(a, b, num_digits)["prompt"], "chosen": arithmetic_row(a, b, num_digits)["answer"],
-         "rejected": wrong_answer(a, b, num_digits, rng)} for a, b in pairs
+        {
+            "prompt": arithmetic_row(a, b, num_digits)["prompt"],
+            "chosen": arithmetic_row(a, b, num_digits)["answer"],
+            "rejected": wrong_answer(a, b, num_digits, rng),
+        }
+        for a, b in pairs
     ]
     return rows(train), rows(val)
 
@@ -110,5 +133,9 @@ def puzzle_row(size: int, scramble_moves: int, seed: int) -> dict:
     attempt = 0
     while (board := scrambled_board(size, scramble_moves, seed * 31 + attempt)) == solved_board(size):
         attempt += 1
-    return {"prompt": puzzle_prompt(board), "answer": None, "task_name": "sliding_puzzle",
-            "metadata": {"board": board}}
+    return {
+        "prompt": puzzle_prompt(board),
+        "answer": None,
+        "task_name": "sliding_puzzle",
+        "metadata": {"board": board},
+    }

@@ -55,7 +55,11 @@ def load_image(source: Any, base_dir: str | None = None) -> Any:
         if not path.is_absolute() and base_dir is not None and (Path(base_dir) / path).exists():
             path = Path(base_dir) / path
         if not path.is_file():
-            where = f" (looked next to the data file in {base_dir} and in the working directory)" if base_dir else ""
+            where = (
+                f" (looked next to the data file in {base_dir} and in the working directory)"
+                if base_dir
+                else ""
+            )
             raise FileNotFoundError(f"image file {source} does not exist{where}")
         opened = path
     else:
@@ -76,7 +80,9 @@ def strip_image_payloads(content: Any) -> Any:
     for part in content:
         if isinstance(part, dict) and part.get("type") == "image":
             source = part.get("image")
-            stripped.append({"type": "image", **({"image": str(source)} if isinstance(source, (str, Path)) else {})})
+            stripped.append(
+                {"type": "image", **({"image": str(source)} if isinstance(source, (str, Path)) else {})}
+            )
         else:
             stripped.append(part)
     return stripped
@@ -89,12 +95,15 @@ def process_message_images(message: dict, processor: Any, base_dir: str | None) 
 
 
 def row_vision_inputs(message_log: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(`pixel_values [P, D]`, `image_grid_thw [N, 3]`) of a whole conversation; `[0, 0]` and `[0, 3]` without images."""
+    """(`pixel_values [P, D]`, `image_grid_thw [N, 3]`) of a whole conversation; `[0, 0]` and `[0, 3]` without
+    images."""
     with_images = [m for m in message_log if "pixel_values" in m]
     if not with_images:
         return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
-    return (torch.cat([m["pixel_values"] for m in with_images]),
-            torch.cat([m["image_grid_thw"] for m in with_images]).long())
+    return (
+        torch.cat([m["pixel_values"] for m in with_images]),
+        torch.cat([m["image_grid_thw"] for m in with_images]).long(),
+    )
 
 
 def batch_vision_inputs(message_logs: list[list[dict]]) -> dict[str, list[torch.Tensor]]:

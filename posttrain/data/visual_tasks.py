@@ -32,8 +32,13 @@ def red_squares_row(seed: int) -> dict:
     rng = random.Random(seed)
     num_red, num_blue = rng.randint(1, MAX_RED), rng.randint(0, MAX_BLUE)
     answer = str(num_red)
-    return {"prompt": QUESTION, "images": [red_squares_image(num_red, num_blue, rng)], "response": answer,
-            "answer": answer, "task_name": "red_squares"}
+    return {
+        "prompt": QUESTION,
+        "images": [red_squares_image(num_red, num_blue, rng)],
+        "response": answer,
+        "answer": answer,
+        "task_name": "red_squares",
+    }
 
 
 def red_squares_rows(num_train: int, num_val: int, seed: int) -> tuple[list[dict], list[dict]]:

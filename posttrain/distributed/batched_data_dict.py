@@ -34,7 +34,10 @@ def _pad_cat(tensors: list[torch.Tensor], pad_value: float) -> torch.Tensor:
     if tensors[0].dim() < 2:
         return torch.cat(tensors)
     length = max(t.shape[1] for t in tensors)
-    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]), value=pad_value) for t in tensors]
+    padded = [
+        torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, length - t.shape[1]), value=pad_value)
+        for t in tensors
+    ]
     return torch.cat(padded)
 
 
@@ -42,7 +45,9 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def dynamic_microbatch_indices(lengths: Sequence[int], max_tokens: int, length_round: int = 1) -> list[list[int]]:
+def dynamic_microbatch_indices(
+    lengths: Sequence[int], max_tokens: int, length_round: int = 1
+) -> list[list[int]]:
     """Micro-batches (lists of row indices) whose padded size, rows x longest rounded length, stays under
     `max_tokens`. Rows are taken longest first so that rows of similar length share a micro-batch."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -52,7 +57,9 @@ def dynamic_microbatch_indices(lengths: Sequence[int], max_tokens: int, length_r
     for i in order:
         row_len = round_up(int(lengths[i]), length_round)
         if row_len > max_tokens:
-            raise ValueError(f"sample {i} has {lengths[i]} tokens (rounded {row_len}), over the budget {max_tokens}")
+            raise ValueError(
+                f"sample {i} has {lengths[i]} tokens (rounded {row_len}), over the budget {max_tokens}"
+            )
         longest = max(current_len, row_len)
         if current and longest * (len(current) + 1) > max_tokens:
             batches.append(current)
@@ -86,8 +93,11 @@ class BatchedDataDict(dict):
     """A dict of tensors (batch dim 0) and lists of equal batch size."""
 
     @classmethod
-    def from_batches(cls, batches: Sequence[dict], pad_value_dict: dict[str, float] | None = None) -> BatchedDataDict:
-        """Concatenate batches key by key; tensors are right-padded along dim 1 (pad value per key, 0 default)."""
+    def from_batches(
+        cls, batches: Sequence[dict], pad_value_dict: dict[str, float] | None = None
+    ) -> BatchedDataDict:
+        """Concatenate batches key by key; tensors are right-padded along dim 1 (pad value per key, 0
+        default)."""
         if not batches:
             return cls()
         keys = list(batches[0].keys())
@@ -126,7 +136,9 @@ class BatchedDataDict(dict):
         return self.select_indices(list(range(start, min(end, self.size))))
 
     def to(self, device: str | torch.device) -> BatchedDataDict:
-        return BatchedDataDict({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})
+        return BatchedDataDict(
+            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()}
+        )
 
     def shard_by_batch_size(self, shards: int, batch_size: int | None = None) -> list[BatchedDataDict]:
         """Cut into global batches of `batch_size` (default: the whole batch), deal each evenly across
@@ -134,7 +146,9 @@ class BatchedDataDict(dict):
         batch k: 8 rows, batch 4, 2 shards -> rows [0,1,4,5] and [2,3,6,7]."""
         batch_size = batch_size or self.size
         if self.size % batch_size:
-            raise ValueError(f"batch of {self.size} rows is not a multiple of the global batch size {batch_size}")
+            raise ValueError(
+                f"batch of {self.size} rows is not a multiple of the global batch size {batch_size}"
+            )
         if batch_size % shards:
             raise ValueError(f"global batch size {batch_size} does not divide into {shards} shards")
         per_shard = batch_size // shards

@@ -14,7 +14,9 @@ class NamedSharding:
         self.layout = np.asarray(layout, dtype=int)
         self.names = list(names)
         if self.layout.ndim != len(self.names):
-            raise ValueError(f"layout has {self.layout.ndim} dimensions but {len(self.names)} names {self.names}")
+            raise ValueError(
+                f"layout has {self.layout.ndim} dimensions but {len(self.names)} names {self.names}"
+            )
         if len(set(self.names)) != len(self.names):
             raise ValueError(f"axis names must be unique, got {self.names}")
         ranks = sorted(self.layout.flatten().tolist())
@@ -51,7 +53,9 @@ class NamedSharding:
             axis = self._axis(name)
             size = self.layout.shape[axis]
             if not 0 <= value < size:
-                raise IndexError(f"index {value} out of bounds for axis {name!r} of size {size} (valid 0..{size - 1})")
+                raise IndexError(
+                    f"index {value} out of bounds for axis {name!r} of size {size} (valid 0..{size - 1})"
+                )
             index[axis] = value
         return tuple(index)
 
@@ -76,7 +80,9 @@ class NamedSharding:
     def get_worker_coords(self, rank: int) -> dict[str, int]:
         positions = np.argwhere(self.layout == rank)
         if len(positions) == 0:
-            raise IndexError(f"rank {rank} is not in this sharding (ranks {sorted(self.layout.flatten().tolist())})")
+            raise IndexError(
+                f"rank {rank} is not in this sharding (ranks {sorted(self.layout.flatten().tolist())})"
+            )
         return {name: int(value) for name, value in zip(self.names, positions[0])}
 
     def __repr__(self) -> str:

@@ -37,29 +37,65 @@ class ClusterConnectionError(ConnectionError):
 class ClusterConfig:
     """Where workers run: a local Ray instance or a running cluster, and the bundles to reserve."""
 
-    address: str | None = field(default=None, metadata={"help": "Ray address to join (auto, ray://...); None: RAY_ADDRESS or a local instance"})
+    address: str | None = field(
+        default=None,
+        metadata={"help": "Ray address to join (auto, ray://...); None: RAY_ADDRESS or a local instance"},
+    )
     num_nodes: int = field(default=1, metadata={"help": "nodes the workers span"})
-    workers_per_node: int = field(default=1, metadata={"help": "training workers per node (one per GPU, or per CPU bundle)"})
-    num_cpus_per_worker: float | None = field(default=None, metadata={"help": "CPUs in each worker bundle (None: a local instance's cores shared by workers_per_node, at least 1; 1 on a running cluster)"})
+    workers_per_node: int = field(
+        default=1, metadata={"help": "training workers per node (one per GPU, or per CPU bundle)"}
+    )
+    num_cpus_per_worker: float | None = field(
+        default=None,
+        metadata={
+            "help": "CPUs in each worker bundle (None: a local instance's cores shared by workers_per_node, "
+            "at least 1; 1 on a running cluster)"
+        },
+    )
     num_gpus_per_worker: float = field(default=0.0, metadata={"help": "GPUs in each worker bundle"})
-    num_cpus: int | None = field(default=None, metadata={"help": "logical CPUs of a local Ray start (None: enough for the bundles)"})
-    placement_strategy: str | None = field(default=None, metadata={"help": "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"})
-    include_dashboard: bool = field(default=False, metadata={"help": "start Ray's dashboard with a local instance"})
-    dashboard_agent: bool = field(default=False, metadata={"help": "run Ray's full dashboard agent on a local instance (job API, metrics export that logger.monitor_gpus reads); off: the minimal agent, no HTTP server"})
-    connect_timeout_s: float = field(default=10.0, metadata={"help": "seconds to wait for cluster.address to answer before failing"})
+    num_cpus: int | None = field(
+        default=None, metadata={"help": "logical CPUs of a local Ray start (None: enough for the bundles)"}
+    )
+    placement_strategy: str | None = field(
+        default=None,
+        metadata={
+            "help": "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"
+        },
+    )
+    include_dashboard: bool = field(
+        default=False, metadata={"help": "start Ray's dashboard with a local instance"}
+    )
+    dashboard_agent: bool = field(
+        default=False,
+        metadata={
+            "help": "run Ray's full dashboard agent on a local instance (job API, metrics export that "
+            "logger.monitor_gpus reads); off: the minimal agent, no HTTP server"
+        },
+    )
+    connect_timeout_s: float = field(
+        default=10.0, metadata={"help": "seconds to wait for cluster.address to answer before failing"}
+    )
     dashboard_host: str = field(default="127.0.0.1", metadata={"help": "address the dashboard binds to"})
-    resource_timeout_s: float = field(default=60.0, metadata={"help": "seconds to wait for the bundles before failing"})
-    master_port_range: list[int] = field(default_factory=lambda: [29500, 29999], metadata={"help": "ports for torch.distributed rendezvous"})
+    resource_timeout_s: float = field(
+        default=60.0, metadata={"help": "seconds to wait for the bundles before failing"}
+    )
+    master_port_range: list[int] = field(
+        default_factory=lambda: [29500, 29999], metadata={"help": "ports for torch.distributed rendezvous"}
+    )
 
     def validate(self) -> None:
         if self.num_nodes < 1 or self.workers_per_node < 1:
-            raise ValueError(f"num_nodes and workers_per_node must be >= 1, got {self.num_nodes}, {self.workers_per_node}")
+            raise ValueError(
+                f"num_nodes and workers_per_node must be >= 1, got {self.num_nodes}, {self.workers_per_node}"
+            )
         for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
             value = getattr(self, key)
             if value is not None and value < 0:
                 raise ConfigError.at(key, f"must be >= 0, got {value}")
         if self.num_cpus is not None and self.num_cpus < 1:
-            raise ConfigError.at("num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}")
+            raise ConfigError.at(
+                "num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}"
+            )
         self._check_local_cpus()
         if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy: unknown strategy {self.placement_strategy!r}")
@@ -75,7 +111,7 @@ class ClusterConfig:
                 "workers_per_node",
                 f"{self.num_nodes} x {self.workers_per_node} workers x {cpus_per_worker(self):g} "
                 f"CPUs = {needed:g} CPUs, but this machine has {os.cpu_count()} for a local Ray instance "
-                "(lower workers_per_node or num_cpus_per_worker, or set cluster.num_cpus to oversubscribe)"
+                "(lower workers_per_node or num_cpus_per_worker, or set cluster.num_cpus to oversubscribe)",
             )
 
 
@@ -105,7 +141,9 @@ def init_ray(cfg: ClusterConfig, runtime_env: dict | None = None) -> bool:
     return True
 
 
-def join_ray(address: str, timeout_s: float = 10.0, runtime_env: dict | None = None, log_to_driver: bool = True) -> None:
+def join_ray(
+    address: str, timeout_s: float = 10.0, runtime_env: dict | None = None, log_to_driver: bool = True
+) -> None:
     """Connect this driver to a running cluster; one on this machine's loopback (a local instance
     started by posttrain) is joined as a loopback node too, or the driver would wait for a raylet on the
     machine's outward IP."""
@@ -120,14 +158,22 @@ def join_ray(address: str, timeout_s: float = 10.0, runtime_env: dict | None = N
 
 
 def start_local_ray(
-    num_cpus: int, include_dashboard: bool = False, dashboard_agent: bool = False,
-    dashboard_host: str = "127.0.0.1", runtime_env: dict | None = None, log_to_driver: bool = True,
+    num_cpus: int,
+    include_dashboard: bool = False,
+    dashboard_agent: bool = False,
+    dashboard_host: str = "127.0.0.1",
+    runtime_env: dict | None = None,
+    log_to_driver: bool = True,
 ) -> None:
     """A Ray instance on this machine, reachable on 127.0.0.1 only, with token authentication."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         logger.warning("RAY_AUTH_MODE=disabled: this Ray instance accepts unauthenticated requests")
-    kwargs = {"num_cpus": num_cpus, "include_dashboard": include_dashboard, "log_to_driver": log_to_driver,
-              "runtime_env": runtime_env}  # GPUs: Ray detects them
+    kwargs = {
+        "num_cpus": num_cpus,
+        "include_dashboard": include_dashboard,
+        "log_to_driver": log_to_driver,
+        "runtime_env": runtime_env,
+    }  # GPUs: Ray detects them
     if include_dashboard:
         kwargs["dashboard_host"] = dashboard_host
     with _loopback_only(), _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)):
@@ -141,7 +187,10 @@ def _loopback_only():
     thinks multi-node clusters are off; this is that switch, held while the local instance starts."""
     from ray._private import ray_constants
 
-    saved_env, saved_flag = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR), ray_constants.ENABLE_RAY_CLUSTER
+    saved_env, saved_flag = (
+        os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR),
+        ray_constants.ENABLE_RAY_CLUSTER,
+    )
     os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes ray.init spawns
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -223,7 +272,8 @@ class RayVirtualCluster:
         asked_cpus = self.num_cpus_per_worker * self.world_size
         asked_gpus = self.cfg.num_gpus_per_worker * self.world_size
         return (
-            f"could not reserve {self.world_size} bundles of {self.bundles[0]} ({strategy}; {asked_cpus:g} CPUs, "
+            f"could not reserve {self.world_size} bundles of {self.bundles[0]} ({strategy}; {asked_cpus:g} "
+            "CPUs, "
             f"{asked_gpus:g} GPUs in all) within {self.cfg.resource_timeout_s:g}s: the cluster has "
             f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs on {len(ray.nodes())} node(s), "
             f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs available"

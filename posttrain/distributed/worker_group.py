@@ -69,7 +69,9 @@ def init_torch_distributed(backend: str | None = None) -> None:
         return
     backend = backend or ("nccl" if assigned_device().type == "cuda" else "gloo")
     dist.init_process_group(
-        backend, init_method=rendezvous_init_method(), rank=int(os.environ["RANK"]),
+        backend,
+        init_method=rendezvous_init_method(),
+        rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
     )
 
@@ -86,8 +88,11 @@ def loopback_rendezvous_env() -> dict[str, str]:
     import psutil
 
     loopback = next(
-        (name for name, addresses in psutil.net_if_addrs().items()
-         if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)),
+        (
+            name
+            for name, addresses in psutil.net_if_addrs().items()
+            if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
+        ),
         "lo",
     )
     path = os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
@@ -137,7 +142,9 @@ class RayWorkerGroup:
         self.world_size = cluster.world_size
         self.sharding = sharding or NamedSharding.data_parallel(self.world_size)
         if self.sharding.size != self.world_size:
-            raise ValueError(f"sharding has {self.sharding.size} ranks but the cluster {self.world_size} bundles")
+            raise ValueError(
+                f"sharding has {self.sharding.size} ranks but the cluster {self.world_size} bundles"
+            )
         # Half a bundle by default, so a colocated generation group fits beside a training group.
         num_cpus = cluster.num_cpus_per_worker / 2 if num_cpus_per_worker is None else num_cpus_per_worker
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
@@ -154,13 +161,24 @@ class RayWorkerGroup:
         self.workers = []
         for rank in range(self.world_size):
             env = rank_env_vars(
-                rank, self.world_size, cluster.cfg.workers_per_node, node_ips[0], port, threads,
+                rank,
+                self.world_size,
+                cluster.cfg.workers_per_node,
+                node_ips[0],
+                port,
+                threads,
                 {**rendezvous, **(env_vars or {})},
             )
-            strategy = PlacementGroupSchedulingStrategy(cluster.placement_group, placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(
+                cluster.placement_group, placement_group_bundle_index=rank
+            )
             actor = remote_cls.options(
-                num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy, name=self.names[rank],
-                runtime_env={"env_vars": env}, max_restarts=0,
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=strategy,
+                name=self.names[rank],
+                runtime_env={"env_vars": env},
+                max_restarts=0,
             ).remote(**(init_kwargs or {}))
             self.workers.append(actor)
         self.info = self.get([w.group_worker_info.remote() for w in self.workers])

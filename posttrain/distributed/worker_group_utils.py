@@ -21,15 +21,24 @@ def merge_env_vars(
 
 
 def rank_env_vars(
-    rank: int, world_size: int, workers_per_node: int, master_addr: str, master_port: int, num_threads: int,
+    rank: int,
+    world_size: int,
+    workers_per_node: int,
+    master_addr: str,
+    master_port: int,
+    num_threads: int,
     extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The environment of worker `rank`: its place in the group (global, local and node rank), the
     rendezvous address, OMP/MKL threads (overridable) and the caller's `extra` variables."""
     base = {
-        "OMP_NUM_THREADS": str(num_threads), "MKL_NUM_THREADS": str(num_threads),
-        "RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank % workers_per_node), "NODE_RANK": str(rank // workers_per_node),
-        "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % workers_per_node),
+        "NODE_RANK": str(rank // workers_per_node),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
     }
     return merge_env_vars(base, extra, RESERVED_ENV_VARS)

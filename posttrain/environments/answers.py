@@ -53,7 +53,7 @@ def boxed_contents(text: str) -> list[str]:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            contents.append(text[start + len("\\boxed{"): i - 1].strip())
+            contents.append(text[start + len("\\boxed{") : i - 1].strip())
         start = text.find("\\boxed{", i)
     return contents
 
@@ -66,7 +66,7 @@ def _clean(candidate: str) -> str:
         for left, right in _DELIMITERS:
             wrapped = candidate.startswith(left) and candidate.endswith(right)
             if wrapped and len(candidate) > len(left) + len(right):
-                candidate = candidate[len(left): -len(right)].strip().rstrip(".!,;").strip()
+                candidate = candidate[len(left) : -len(right)].strip().rstrip(".!,;").strip()
                 changed = True
     return candidate
 
@@ -81,7 +81,7 @@ def final_answer(reply: str) -> str | None:
         return boxes.pop() if len(boxes) == 1 and "" not in boxes else None
     last_line = next(line for line in reversed(text.splitlines()) if line.strip())
     markers = list(_MARKER.finditer(last_line))
-    answer = _clean(last_line[markers[-1].end():] if markers else last_line)
+    answer = _clean(last_line[markers[-1].end() :] if markers else last_line)
     return answer if answer and len(answer) <= MAX_ANSWER_CHARS else None
 
 

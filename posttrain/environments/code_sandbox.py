@@ -32,8 +32,12 @@ class CodeToolEnvironment(EnvironmentInterface):
     `max_turns` tool calls end the episode with reward 0.
     """
 
-    def __init__(self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4):
-        self.limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_chars)
+    def __init__(
+        self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4
+    ):
+        self.limits = SandboxLimits(
+            timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_chars
+        )
         self.max_turns = max_turns
         sandbox_mode()  # raises SandboxUnavailableError (what is missing) before any code is accepted
 
@@ -45,13 +49,22 @@ class CodeToolEnvironment(EnvironmentInterface):
             return f"{result.stdout}\n[killed: output exceeded {self.limits.max_output_bytes} bytes]"
         return result.stdout + (f"\n[stderr]\n{result.stderr}" if result.returncode else "")
 
-    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> tuple[Message, dict, float, bool, str | None, int]:
+    def _step_one(
+        self, log: list[Message], meta: dict[str, Any]
+    ) -> tuple[Message, dict, float, bool, str | None, int]:
         text = last_assistant_text(log)
         match = CODE_PATTERN.search(text)
         turns = meta.get("num_tool_calls", 0)
         if match and turns < self.max_turns:
             output = self._tool_output(match.group(1) or match.group(2))
-            return {"role": "tool", "content": output}, {**meta, "num_tool_calls": turns + 1}, 0.0, False, None, 0
+            return (
+                {"role": "tool", "content": output},
+                {**meta, "num_tool_calls": turns + 1},
+                0.0,
+                False,
+                None,
+                0,
+            )
         try:
             reward, answer = grade_reply(text, str(meta["ground_truth"]))
             errors = 0

@@ -1,4 +1,5 @@
-"""The environment contract: `step(message_logs, metadata) -> EnvironmentReturn`, one call per turn for a batch."""
+"""The environment contract: `step(message_logs, metadata) -> EnvironmentReturn`, one call per turn for a
+batch."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ class EnvironmentInterface(abc.ABC):
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         """Score one turn: `message_logs[i]` ends with the assistant's latest message."""
 
-    def global_post_process_and_metrics(self, batch: dict[str, Any]) -> tuple[dict[str, Any], dict[str, float]]:
+    def global_post_process_and_metrics(
+        self, batch: dict[str, Any]
+    ) -> tuple[dict[str, Any], dict[str, float]]:
         """Post-process a finished rollout batch and return environment-level metrics (default: none)."""
         return batch, {}
 

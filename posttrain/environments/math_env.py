@@ -36,8 +36,9 @@ class MathEnvironment(EnvironmentInterface):
         rewards, answers, num_errors = [], [], 0
         for log, meta in zip(message_logs, metadata):
             try:
-                reward, answer = grade_reply(last_assistant_text(log), str(meta[self.ground_truth_key]),
-                                             self.timeout_seconds)
+                reward, answer = grade_reply(
+                    last_assistant_text(log), str(meta[self.ground_truth_key]), self.timeout_seconds
+                )
             except Exception as error:  # a verifier failure is a 0 reward, never a crashed run
                 logger.warning("grading failed on sample %s: %r", meta.get("idx"), error)
                 reward, answer, num_errors = 0.0, None, num_errors + 1

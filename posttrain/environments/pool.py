@@ -47,7 +47,9 @@ class EnvironmentPool:
             ray.get([actor.ready.remote() for actor in self.actors])
         except ray.exceptions.RayActorError as error:
             self.shutdown()
-            raise RuntimeError(f"env.{task_name}: environment {cfg.cls!r} failed to start: {error}") from error
+            raise RuntimeError(
+                f"env.{task_name}: environment {cfg.cls!r} failed to start: {error}"
+            ) from error
 
     def _start_actor(self, index: int):
         name = f"env-{self.task_name}-{index}-{self.num_restarts}-{id(self):x}"
@@ -65,7 +67,9 @@ class EnvironmentPool:
         import ray
 
         chunk = -(-len(message_logs) // len(self.actors)) if message_logs else 1
-        chunks = [(message_logs[i:i + chunk], metadata[i:i + chunk]) for i in range(0, len(message_logs), chunk)]
+        chunks = [
+            (message_logs[i : i + chunk], metadata[i : i + chunk]) for i in range(0, len(message_logs), chunk)
+        ]
         refs = [actor.step.remote(logs, meta) for actor, (logs, meta) in zip(self.actors, chunks)]
         parts = []
         for index, (ref, (logs, meta)) in enumerate(zip(refs, chunks)):
@@ -75,8 +79,13 @@ class EnvironmentPool:
                 logger.warning("environment %r raised on %d samples: %s", self.task_name, len(logs), error)
                 parts.append(failed_return(meta))
             except ray.exceptions.RayActorError as error:  # the actor's process died (ActorDiedError, ...)
-                logger.warning("environment %r actor %d died on %d samples; restarting it: %s",
-                               self.task_name, index, len(logs), error)
+                logger.warning(
+                    "environment %r actor %d died on %d samples; restarting it: %s",
+                    self.task_name,
+                    index,
+                    len(logs),
+                    error,
+                )
                 parts.append(failed_return(meta))
                 self._restart(index)
         return merge_returns(parts)

@@ -32,7 +32,9 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
 class EnvironmentConfig:
     """One task's environment."""
 
-    cls: str = field(default="exact_match", metadata={"help": "registered name, or file.py:Class / module:Class"})
+    cls: str = field(
+        default="exact_match", metadata={"help": "registered name, or file.py:Class / module:Class"}
+    )
     kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "keyword arguments of the class"})
     num_workers: int = field(default=1, metadata={"help": "Ray actors sharing this environment's samples"})
     num_cpus: float = field(default=0.1, metadata={"help": "logical CPUs reserved per environment actor"})
@@ -68,7 +70,9 @@ def resolve_environment_class(spec: str) -> type[EnvironmentInterface]:
     if isinstance(target, type):
         return target
     if ":" not in target:
-        raise KeyError(f"unknown environment {spec!r}; registered: {sorted(_REGISTRY)} (or use file.py:Class)")
+        raise KeyError(
+            f"unknown environment {spec!r}; registered: {sorted(_REGISTRY)} (or use file.py:Class)"
+        )
     cls = import_attribute(target)
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(f"environment {spec!r} is not an EnvironmentInterface subclass")

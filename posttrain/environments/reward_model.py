@@ -26,7 +26,8 @@ def strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
 
 
 def pick_device(device: str) -> torch.device:
-    """"auto": the GPU this actor was given, else the CPU (an actor without a GPU share stays off the GPU)."""
+    """ "auto": the GPU this actor was given, else the CPU (an actor without a GPU share stays off the
+    GPU)."""
     if device == "auto":
         from posttrain.distributed.worker_group import assigned_device
 
@@ -89,7 +90,10 @@ class RewardModelEnvironment(EnvironmentInterface):
     def score(self, message_logs: list[list[Message]]) -> torch.Tensor:
         """Scalar scores [B] (fp32, on CPU), computed `batch_size` conversations at a time."""
         sequences = [self.tokenize(log) for log in message_logs]
-        scores = [self._score_batch(sequences[i : i + self.batch_size]) for i in range(0, len(sequences), self.batch_size)]
+        scores = [
+            self._score_batch(sequences[i : i + self.batch_size])
+            for i in range(0, len(sequences), self.batch_size)
+        ]
         return torch.cat(scores) if scores else torch.zeros(0)
 
     def _score_batch(self, sequences: list[list[int]]) -> torch.Tensor:
@@ -98,7 +102,9 @@ class RewardModelEnvironment(EnvironmentInterface):
         input_ids = torch.full((len(sequences), int(lengths.max())), pad_id, dtype=torch.long)  # [b, T]
         for i, sequence in enumerate(sequences):
             input_ids[i, : len(sequence)] = torch.tensor(sequence, dtype=torch.long)
-        attention_mask = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [b, T]
+        attention_mask = (
+            torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        ).long()  # [b, T]
         logits = self.model(
             input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
         ).logits  # [b, 1]

@@ -107,14 +107,46 @@ def _command(bwrap: str, mode: str, code_path: str, limits: SandboxLimits) -> li
         identity = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         identity = ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
-    environment = ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH_DIR,
-                   "--setenv", "LANG", "C.UTF-8"]
+    environment = [
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        "/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        SCRATCH_DIR,
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+    ]
     cpu_s = int(limits.timeout_s) + 1
-    launch = [sys.executable, "-I", "-S", "-c", LAUNCHER, str(NOBODY if mode == "root" else -1),
-              str(limits.max_processes), str(limits.memory_mb * 1024 * 1024), str(cpu_s),
-              str(limits.max_file_mb * 1024 * 1024), f"{CODE_DIR}/main.py"]
-    return [bwrap, *namespaces, *identity, "--die-with-parent", "--new-session", *environment,
-            *_mount_args(code_path, limits.scratch_mb), "--remount-ro", "/", "--chdir", SCRATCH_DIR, *launch]
+    launch = [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        LAUNCHER,
+        str(NOBODY if mode == "root" else -1),
+        str(limits.max_processes),
+        str(limits.memory_mb * 1024 * 1024),
+        str(cpu_s),
+        str(limits.max_file_mb * 1024 * 1024),
+        f"{CODE_DIR}/main.py",
+    ]
+    return [
+        bwrap,
+        *namespaces,
+        *identity,
+        "--die-with-parent",
+        "--new-session",
+        *environment,
+        *_mount_args(code_path, limits.scratch_mb),
+        "--remount-ro",
+        "/",
+        "--chdir",
+        SCRATCH_DIR,
+        *launch,
+    ]
 
 
 @functools.cache
@@ -123,9 +155,11 @@ def sandbox_mode(bwrap: str | None = None) -> str:
     once per process by running a tiny program in it; raises SandboxUnavailableError otherwise."""
     bwrap = bwrap or bwrap_path()
     if bwrap is None or not os.access(bwrap, os.X_OK):
-        raise SandboxUnavailableError(f"the code sandbox needs bubblewrap and found no `bwrap` binary: {INSTALL_HINT}")
+        raise SandboxUnavailableError(
+            f"the code sandbox needs bubblewrap and found no `bwrap` binary: {INSTALL_HINT}"
+        )
     failures = []
-    for mode in (["root", "userns"] if os.geteuid() == 0 else ["userns"]):
+    for mode in ["root", "userns"] if os.geteuid() == 0 else ["userns"]:
         try:
             result = _run(bwrap, mode, "print('ok')", SandboxLimits(timeout_s=30.0))
         except OSError as error:  # e.g. nobody may not execute bwrap or the interpreter
@@ -155,10 +189,19 @@ def _run(bwrap: str, mode: str, code: str, limits: SandboxLimits) -> SandboxResu
         os.chmod(code_path, 0o644)
         # Root taking the user-namespace path becomes nobody first: inside a namespace that maps to
         # root, the kernel would exempt the code from RLIMIT_NPROC.
-        as_nobody = {"user": NOBODY, "group": NOBODY, "extra_groups": []} if mode == "userns" and os.geteuid() == 0 else {}
+        as_nobody = (
+            {"user": NOBODY, "group": NOBODY, "extra_groups": []}
+            if mode == "userns" and os.geteuid() == 0
+            else {}
+        )
         process = subprocess.Popen(
-            _command(bwrap, mode, code_path, limits), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin"}, start_new_session=True, **as_nobody,
+            _command(bwrap, mode, code_path, limits),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={"PATH": "/usr/bin:/bin"},
+            start_new_session=True,
+            **as_nobody,
         )
         try:
             return _collect(process, limits)
@@ -200,8 +243,11 @@ def _collect(process: subprocess.Popen, limits: SandboxLimits) -> SandboxResult:
         _kill_group(process)
     returncode = None if timed_out or truncated else process.returncode
     return SandboxResult(
-        buffers["stdout"].decode(errors="replace"), buffers["stderr"].decode(errors="replace"),
-        returncode, timed_out, truncated,
+        buffers["stdout"].decode(errors="replace"),
+        buffers["stderr"].decode(errors="replace"),
+        returncode,
+        timed_out,
+        truncated,
     )
 
 

@@ -30,7 +30,9 @@ class SlidingPuzzleEnvironment(EnvironmentInterface):
     def __init__(self, max_moves: int = 10):
         self.max_moves = max_moves
 
-    def _step_one(self, message_log: list[Message], meta: dict[str, Any]) -> tuple[str, dict, float, bool, str | None]:
+    def _step_one(
+        self, message_log: list[Message], meta: dict[str, Any]
+    ) -> tuple[str, dict, float, bool, str | None]:
         match = ACTION_PATTERN.search(last_assistant_text(message_log))
         direction = match.group(1).lower() if match else None
         num_moves = meta.get("num_moves", 0) + 1

@@ -59,8 +59,12 @@ def strict_grades(samples: list[dict[str, Any]], grader: Grader) -> dict[str, fl
             grade = grader(sample)
         except Exception as error:  # a validation grader's bug must not end the training run
             if not num_errors:
-                log.warning("grader %s failed on sample idx %s: %r", getattr(grader, "__name__", grader),
-                            sample.get("idx"), error)
+                log.warning(
+                    "grader %s failed on sample idx %s: %r",
+                    getattr(grader, "__name__", grader),
+                    sample.get("idx"),
+                    error,
+                )
             grade, num_errors = None, num_errors + 1
         sample["strict_grade"] = None if grade is None else float(grade)
     summary = summarize_strict_grades(samples)
@@ -79,14 +83,17 @@ def summarize_strict_grades(samples: list[dict[str, Any]]) -> dict[str, float]:
     return {"strict_accuracy": strict, "reward_gap": reward - strict, "num_strict_graded": float(len(graded))}
 
 
-def reward_hacking_warning(metrics: dict[str, float], samples: list[dict[str, Any]],
-                           max_gap: float) -> str | None:
+def reward_hacking_warning(
+    metrics: dict[str, float], samples: list[dict[str, Any]], max_gap: float
+) -> str | None:
     """A warning naming one sample when the reward runs ahead of the strict grade by more than `max_gap`."""
     gap = metrics.get("reward_gap")
     if gap is None or gap <= max_gap:
         return None
-    sample = max((s for s in samples if s.get("strict_grade") is not None),
-                 key=lambda s: s["reward"] - s["strict_grade"])
+    sample = max(
+        (s for s in samples if s.get("strict_grade") is not None),
+        key=lambda s: s["reward"] - s["strict_grade"],
+    )
     return (
         f"validation reward {metrics['strict_accuracy'] + gap:.3f} runs ahead of the strict grade "
         f"{metrics['strict_accuracy']:.3f} by {gap:.3f} (> {max_gap}): the policy may be gaming its reward. "

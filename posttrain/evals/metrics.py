@@ -72,7 +72,8 @@ def _k_subsets(n: int, k: int, max_subsets: int, rng: random.Random) -> list[tup
 def _cons_at_k_one_prompt(
     rewards: list[float], answers: Sequence[Hashable | None], k: int, max_subsets: int, rng: random.Random
 ) -> float:
-    """Fraction of k-subsets whose majority answer is correct (reward > 0 of its first sample in the subset)."""
+    """Fraction of k-subsets whose majority answer is correct (reward > 0 of its first sample in the
+    subset)."""
     subsets = _k_subsets(len(rewards), k, max_subsets, rng)
     num_correct = 0
     for subset in subsets:

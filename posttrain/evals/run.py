@@ -45,7 +45,8 @@ class EvalSettings:
     """What is measured and where the results go (section `eval`)."""
 
     metric: Literal["pass@k", "cons@k"] = field(
-        default="pass@k", metadata={"help": "pass@k (unbiased estimator) or cons@k (majority vote over k samples)"}
+        default="pass@k",
+        metadata={"help": "pass@k (unbiased estimator) or cons@k (majority vote over k samples)"},
     )
     k_value: int = field(default=1, metadata={"help": "k of pass@k / cons@k (>= 1, <= num_tests_per_prompt)"})
     num_tests_per_prompt: int = field(default=1, metadata={"help": "n: samples generated per prompt"})
@@ -54,14 +55,22 @@ class EvalSettings:
     )
     seed: int = field(default=42, metadata={"help": "seed of the sampling (and of cons@k's subset draws)"})
     save_path: str = field(default="", metadata={"help": "output directory ('' : results/eval-<time>)"})
-    max_samples: int | None = field(default=None, metadata={"help": "evaluate only the first this many prompts"})
-    batch_size: int = field(default=256, metadata={"help": "prompts per generation round (one progress step)"})
-    max_seq_len: int = field(default=256, metadata={"help": "most tokens of a conversation; longer is truncated"})
+    max_samples: int | None = field(
+        default=None, metadata={"help": "evaluate only the first this many prompts"}
+    )
+    batch_size: int = field(
+        default=256, metadata={"help": "prompts per generation round (one progress step)"}
+    )
+    max_seq_len: int = field(
+        default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
+    )
     max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
     grader: str | None = field(
         default="final_number",
-        metadata={"help": "strict grade reported beside the reward ('final_number': the reply's last number "
-                          "equals a numeric ground truth; file.py:function or module:function; null: none)"},
+        metadata={
+            "help": "strict grade reported beside the reward ('final_number': the reply's last number "
+            "equals a numeric ground truth; file.py:function or module:function; null: none)"
+        },
     )
 
     def validate(self) -> None:
@@ -69,7 +78,8 @@ class EvalSettings:
             raise ConfigError.at("k_value", f"must be >= 1, got {self.k_value}")
         if self.num_tests_per_prompt < self.k_value:
             raise ConfigError.at(
-                "num_tests_per_prompt", f"must be >= eval.k_value={self.k_value}, got {self.num_tests_per_prompt}"
+                "num_tests_per_prompt",
+                f"must be >= eval.k_value={self.k_value}, got {self.num_tests_per_prompt}",
             )
         if self.greedy and self.num_tests_per_prompt > 1:
             raise ConfigError.at(
@@ -89,7 +99,9 @@ class EvalModelConfig:
 
     model_name: str | None = field(
         default=None,
-        metadata={"help": "HF model directory or hub name, exported checkpoint, or a run's checkpoints/step_N"},
+        metadata={
+            "help": "HF model directory or hub name, exported checkpoint, or a run's checkpoints/step_N"
+        },
     )
     tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer (None: the model's own)"})
     from_config: ModelFromConfig | None = field(
@@ -107,14 +119,20 @@ class EvalConfig:
 
     eval: EvalSettings = field(default_factory=EvalSettings, metadata={"help": "metric, samples, output"})
     model: EvalModelConfig = field(default_factory=EvalModelConfig, metadata={"help": "the evaluated model"})
-    generation: GenerationConfig = field(default_factory=GenerationConfig, metadata={"help": "sampling and backend"})
+    generation: GenerationConfig = field(
+        default_factory=GenerationConfig, metadata={"help": "sampling and backend"}
+    )
     data: DataConfig = field(
-        default_factory=DataConfig, metadata={"help": "dataset; its validation records (val_dataset, val_split) are scored"}
+        default_factory=DataConfig,
+        metadata={"help": "dataset; its validation records (val_dataset, val_split) are scored"},
     )
     env: dict[str, EnvironmentConfig] = field(
-        default_factory=lambda: {"arithmetic": EnvironmentConfig()}, metadata={"help": "task name -> environment"}
+        default_factory=lambda: {"arithmetic": EnvironmentConfig()},
+        metadata={"help": "task name -> environment"},
     )
-    cluster: ClusterConfig = field(default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"})
+    cluster: ClusterConfig = field(
+        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
+    )
     logger: LoggerConfig = field(
         default_factory=LoggerConfig,
         metadata={"help": "where the results are logged, as in training (log_dir None: eval.save_path)"},
@@ -148,7 +166,8 @@ def check_model_source(model_cfg: EvalModelConfig) -> None:
         raise ConfigError(
             "model.model_name",
             f"{path} is neither a Hugging Face model directory (no config.json) nor a posttrain checkpoint "
-            f"(no {MODEL_DIR}/.metadata under it or under its policy/); for a run, name one of its checkpoints/step_N",
+            f"(no {MODEL_DIR}/.metadata under it or under its policy/); for a run, name one of its "
+            "checkpoints/step_N",
         )
 
 
@@ -171,7 +190,10 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
     if model_cfg.model_name is not None:
         return model_cfg.model_name
     arch = model_cfg.from_config
-    return f"from_config({arch.architecture}, hidden {arch.hidden_size}, {arch.num_layers} layers, seed {arch.seed})"
+    return (
+        f"from_config({arch.architecture}, hidden {arch.hidden_size}, {arch.num_layers} layers, seed "
+        f"{arch.seed})"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ scoring
@@ -206,7 +228,9 @@ def merge_results(parts: list[ValidationResult]) -> ValidationResult:
     return ValidationResult(metrics, samples, rewards)
 
 
-def roll_out(cfg: EvalSettings, generation: Any, records: list[dict], tokenizer: Any, envs: dict) -> ValidationResult:
+def roll_out(
+    cfg: EvalSettings, generation: Any, records: list[dict], tokenizer: Any, envs: dict
+) -> ValidationResult:
     """All records, n samples each, batch by batch with a progress display.
 
     Batch b seeds its sampling with `seed + b * batch_size`, as one `run_validation` call over all records
@@ -218,13 +242,24 @@ def roll_out(cfg: EvalSettings, generation: Any, records: list[dict], tokenizer:
     with StepProgress("eval", len(starts)) as progress:
         for batch_index, start in enumerate(starts):
             part = run_validation(
-                generation, records[start:start + cfg.batch_size], tokenizer, envs, cfg.max_seq_len,
-                cfg.max_rollout_turns, num_generations=cfg.num_tests_per_prompt, greedy=cfg.greedy,
-                k=cfg.k_value, batch_size=cfg.batch_size, seed=cfg.seed + start, grader=grader,
+                generation,
+                records[start : start + cfg.batch_size],
+                tokenizer,
+                envs,
+                cfg.max_seq_len,
+                cfg.max_rollout_turns,
+                num_generations=cfg.num_tests_per_prompt,
+                greedy=cfg.greedy,
+                k=cfg.k_value,
+                batch_size=cfg.batch_size,
+                seed=cfg.seed + start,
+                grader=grader,
             )
             parts.append(part)
             num_correct = sum(float(p.rewards.sum()) for p in parts)
-            progress.advance(batch_index + 1, {"accuracy": num_correct / sum(p.rewards.numel() for p in parts)})
+            progress.advance(
+                batch_index + 1, {"accuracy": num_correct / sum(p.rewards.numel() for p in parts)}
+            )
     return merge_results(parts)
 
 
@@ -266,7 +301,9 @@ def sample_rows(samples: list[dict], num_tests_per_prompt: int) -> list[dict]:
     ]
 
 
-def build_summary(cfg: EvalConfig, result: ValidationResult, score: float, elapsed_s: float) -> dict[str, Any]:
+def build_summary(
+    cfg: EvalConfig, result: ValidationResult, score: float, elapsed_s: float
+) -> dict[str, Any]:
     settings, gen = cfg.eval, cfg.generation
     return {
         "model": describe_model(cfg.model),
@@ -319,7 +356,8 @@ def summary_table(summary: dict[str, Any]) -> Table:
         "backend": summary["backend"],
         "accuracy (mean reward)": f"{summary['accuracy']:.4f}",
         f"strict accuracy ({summary['grader']})": (
-            "-" if summary["strict_accuracy"] is None
+            "-"
+            if summary["strict_accuracy"] is None
             else f"{summary['strict_accuracy']:.4f} of {summary['num_strict_graded']} graded"
         ),
         "score": f"[bold]{summary['score']:.4f}[/bold]",
@@ -353,8 +391,10 @@ def prepare_save_path(cfg: EvalConfig) -> Path:
     (that directory filled in) saved there; `cfg` itself is left as validated."""
     save_path = Path(cfg.eval.save_path or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     save_path.mkdir(parents=True, exist_ok=True)
-    save_config(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, save_path=str(save_path))),
-                save_path / "config.yaml")
+    save_config(
+        dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, save_path=str(save_path))),
+        save_path / "config.yaml",
+    )
     return save_path
 
 
@@ -402,8 +442,12 @@ def log_results(cfg: EvalConfig, summary: dict[str, Any], result: ValidationResu
     step = eval_step(cfg.model.model_name)
     logger_cfg = cfg.logger if cfg.logger.log_dir else dataclasses.replace(cfg.logger, log_dir=str(save_path))
     with Logger(logger_cfg) as logger:
-        logger.log_hyperparams({"eval": cfg.eval, "model": cfg.model, "generation": cfg.generation, "data": cfg.data})
-        numbers = {k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        logger.log_hyperparams(
+            {"eval": cfg.eval, "model": cfg.model, "generation": cfg.generation, "data": cfg.data}
+        )
+        numbers = {
+            k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         logger.log_metrics(numbers, step=step, prefix="eval")
         logger.log_val_samples(result.samples, step=step)
 

@@ -43,13 +43,19 @@ def pick_rows(batches: list[Any], num_rows: int, stride: int) -> list[dict[str, 
             row = {key: batch[key][i] for key in ("input_ids", "token_mask", "input_lengths")}
             row.update({key: batch[key][i] for key in VISION_KEYS if key in batch})  # a VLM's images
             if stride == 2:
-                row.update({f"rejected_{key}": batch[key][i + 1] for key in ("input_ids", "token_mask", "input_lengths")})
+                row.update(
+                    {
+                        f"rejected_{key}": batch[key][i + 1]
+                        for key in ("input_ids", "token_mask", "input_lengths")
+                    }
+                )
             rows.append(row)
     return rows
 
 
-def greedy_answers(policy: Any, prompts: list[list[int]], max_new_tokens: int,
-                   images: dict[str, list] | None = None) -> list[list[int]]:
+def greedy_answers(
+    policy: Any, prompts: list[list[int]], max_new_tokens: int, images: dict[str, list] | None = None
+) -> list[list[int]]:
     """Greedy continuations of `prompts` (with their per-row `images` for a vision-language model) by the
     policy's current weights, decoded on the driver with the Hugging Face generation code (one copy of the
     model, loaded for this call)."""
@@ -64,11 +70,14 @@ def greedy_answers(policy: Any, prompts: list[list[int]], max_new_tokens: int,
         input_ids[i, : len(prompt)] = torch.tensor(prompt)
     out = worker.generate({"input_ids": input_ids, "input_lengths": lengths, **(images or {})}, greedy=True)
     return [
-        out["output_ids"][i, lengths[i]: out["unpadded_sequence_lengths"][i]].tolist() for i in range(len(prompts))
+        out["output_ids"][i, lengths[i] : out["unpadded_sequence_lengths"][i]].tolist()
+        for i in range(len(prompts))
     ]
 
 
-def causal_lm_samples(policy: Any, tokenizer: Any, rows: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+def causal_lm_samples(
+    policy: Any, tokenizer: Any, rows: list[dict[str, torch.Tensor]]
+) -> list[dict[str, Any]]:
     """prompt / reference / greedy answer per row; reward 1 when the answer's text equals the reference's."""
     cuts = [split_row(r["input_ids"], r["token_mask"], int(r["input_lengths"])) for r in rows]
     max_new_tokens = max(len(cut.reference_ids) for cut in cuts) + 8
@@ -78,18 +87,22 @@ def causal_lm_samples(policy: Any, tokenizer: Any, rows: list[dict[str, torch.Te
     for cut, answer_ids in zip(cuts, answers):
         reference = tokenizer.decode(cut.reference_ids, skip_special_tokens=True).strip()
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-        samples.append({
-            "message_log": [
-                {"role": "user", "content": tokenizer.decode(cut.prompt_ids, skip_special_tokens=True)},
-                {"role": "reference", "content": reference},
-                {"role": "assistant", "content": answer},
-            ],
-            "reward": float(answer == reference),
-        })
+        samples.append(
+            {
+                "message_log": [
+                    {"role": "user", "content": tokenizer.decode(cut.prompt_ids, skip_special_tokens=True)},
+                    {"role": "reference", "content": reference},
+                    {"role": "assistant", "content": answer},
+                ],
+                "reward": float(answer == reference),
+            }
+        )
     return samples
 
 
-def reward_model_samples(policy: Any, tokenizer: Any, rows: list[dict[str, torch.Tensor]]) -> list[dict[str, Any]]:
+def reward_model_samples(
+    policy: Any, tokenizer: Any, rows: list[dict[str, torch.Tensor]]
+) -> list[dict[str, Any]]:
     """prompt / chosen (the reference) / rejected with the model's score of each; reward = the margin."""
     from posttrain.distributed.batched_data_dict import BatchedDataDict
 
@@ -101,18 +114,31 @@ def reward_model_samples(policy: Any, tokenizer: Any, rows: list[dict[str, torch
     samples = []
     for i, row in enumerate(rows):
         chosen = split_row(row["input_ids"], row["token_mask"], int(row["input_lengths"]))
-        rejected = split_row(row["rejected_input_ids"], row["rejected_token_mask"], int(row["rejected_input_lengths"]))
+        rejected = split_row(
+            row["rejected_input_ids"], row["rejected_token_mask"], int(row["rejected_input_lengths"])
+        )
         chosen_score, rejected_score = scores[2 * i], scores[2 * i + 1]
-        samples.append({
-            "message_log": [
-                {"role": "user", "content": tokenizer.decode(chosen.prompt_ids, skip_special_tokens=True)},
-                {"role": "reference", "content": f"(score {chosen_score:.4g}) "
-                 + tokenizer.decode(chosen.reference_ids, skip_special_tokens=True)},
-                {"role": "rejected", "content": f"(score {rejected_score:.4g}) "
-                 + tokenizer.decode(rejected.reference_ids, skip_special_tokens=True)},
-            ],
-            "reward": chosen_score - rejected_score,
-        })
+        samples.append(
+            {
+                "message_log": [
+                    {
+                        "role": "user",
+                        "content": tokenizer.decode(chosen.prompt_ids, skip_special_tokens=True),
+                    },
+                    {
+                        "role": "reference",
+                        "content": f"(score {chosen_score:.4g}) "
+                        + tokenizer.decode(chosen.reference_ids, skip_special_tokens=True),
+                    },
+                    {
+                        "role": "rejected",
+                        "content": f"(score {rejected_score:.4g}) "
+                        + tokenizer.decode(rejected.reference_ids, skip_special_tokens=True),
+                    },
+                ],
+                "reward": chosen_score - rejected_score,
+            }
+        )
     return samples
 
 

@@ -26,17 +26,19 @@ def sample_records(rollouts: Any) -> list[dict[str, Any]]:
     samples = []
     for i, log in enumerate(rollouts["message_log"]):
         first_assistant = next((j for j, m in enumerate(log) if m["role"] == "assistant"), len(log))
-        samples.append({
-            "idx": rollouts["idx"][i],
-            "task_name": rollouts["task_name"][i],
-            "prompt": "".join(content_text(m["content"]) for m in log[:first_assistant]),
-            "response": "".join(content_text(m["content"]) for m in log[first_assistant:]),
-            "message_log": [{"role": m["role"], "content": m["content"]} for m in log],
-            "reward": float(rollouts["total_reward"][i]),
-            "answer": rollouts["answer"][i],
-            "ground_truth": rollouts["extra_env_info"][i].get("ground_truth"),
-            "truncated": bool(rollouts["truncated"][i]),
-        })
+        samples.append(
+            {
+                "idx": rollouts["idx"][i],
+                "task_name": rollouts["task_name"][i],
+                "prompt": "".join(content_text(m["content"]) for m in log[:first_assistant]),
+                "response": "".join(content_text(m["content"]) for m in log[first_assistant:]),
+                "message_log": [{"role": m["role"], "content": m["content"]} for m in log],
+                "reward": float(rollouts["total_reward"][i]),
+                "answer": rollouts["answer"][i],
+                "ground_truth": rollouts["extra_env_info"][i].get("ground_truth"),
+                "truncated": bool(rollouts["truncated"][i]),
+            }
+        )
     return samples
 
 
@@ -62,9 +64,15 @@ def run_validation(
     """
     rewards, samples, lengths = [], [], []
     for start in range(0, len(records), batch_size):
-        batch = records_to_rollout_batch(records[start:start + batch_size], num_generations)
+        batch = records_to_rollout_batch(records[start : start + batch_size], num_generations)
         rollouts, metrics = run_multi_turn_rollout(
-            generation, batch, tokenizer, task_to_env, max_seq_len, max_rollout_turns, greedy=greedy,
+            generation,
+            batch,
+            tokenizer,
+            task_to_env,
+            max_seq_len,
+            max_rollout_turns,
+            greedy=greedy,
             seed=seed + start,
         )
         rewards.append(rollouts["total_reward"])

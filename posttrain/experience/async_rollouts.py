@@ -38,9 +38,17 @@ class AsyncRolloutProducer:
     `generating_version(index)`, into a buffer of `max_age + 1` batches (the schedule never has more
     in flight). `publish(version, weights)` after each optimizer step; `take(version)` for each step."""
 
-    def __init__(self, produce: ProduceFn, refit: Callable[[Any], Any], loader_state: Callable[[], dict],
-                 max_age: int, first_index: int, last_index: int, start_version: int,
-                 generation_version: int | None) -> None:
+    def __init__(
+        self,
+        produce: ProduceFn,
+        refit: Callable[[Any], Any],
+        loader_state: Callable[[], dict],
+        max_age: int,
+        first_index: int,
+        last_index: int,
+        start_version: int,
+        generation_version: int | None,
+    ) -> None:
         self.produce, self.refit, self.read_loader_state = produce, refit, loader_state
         self.max_age, self.start_version = max_age, start_version
         self.next_index, self.last_index = first_index, last_index

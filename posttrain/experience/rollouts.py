@@ -22,7 +22,9 @@ def flat_token_ids(message_log: list[dict[str, Any]]) -> torch.Tensor:
     return torch.cat([torch.as_tensor(m["token_ids"], dtype=torch.long) for m in message_log])
 
 
-def build_generation_input(message_logs: list[list[dict]], stop_strings: list, pad_token_id: int) -> BatchedDataDict:
+def build_generation_input(
+    message_logs: list[list[dict]], stop_strings: list, pad_token_id: int
+) -> BatchedDataDict:
     """Right-padded `input_ids`, `input_lengths`, per-sample `stop_strings` and, for prompts with images,
     per-row `pixel_values` / `image_grid_thw` for the generator."""
     sequences = [flat_token_ids(log) for log in message_logs]
@@ -30,8 +32,12 @@ def build_generation_input(message_logs: list[list[dict]], stop_strings: list, p
     input_ids = torch.full((len(sequences), int(lengths.max())), pad_token_id, dtype=torch.long)
     for i, sequence in enumerate(sequences):
         input_ids[i, : len(sequence)] = sequence
-    return BatchedDataDict(input_ids=input_ids, input_lengths=lengths, stop_strings=list(stop_strings),
-                           **batch_vision_inputs(message_logs))
+    return BatchedDataDict(
+        input_ids=input_ids,
+        input_lengths=lengths,
+        stop_strings=list(stop_strings),
+        **batch_vision_inputs(message_logs),
+    )
 
 
 def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) -> list[int]:
@@ -41,7 +47,7 @@ def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) 
     after = tokenizer.apply_chat_template(plain + [observation], tokenize=False, add_generation_prompt=True)
     if not after.startswith(before):
         raise ValueError("the chat template does not render conversations incrementally; cannot append turns")
-    return tokenizer(after[len(before):], add_special_tokens=False)["input_ids"]
+    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
 
 
 def _append_generations(message_logs, active, generated, tokenizer, max_seq_len) -> list[bool]:
@@ -52,14 +58,16 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         length = int(generated["generation_lengths"][j])
         room = max_seq_len - start
         keep = max(0, min(length, room))
-        token_ids = generated["output_ids"][j, start:start + keep]
-        logprobs = generated["logprobs"][j, start:start + keep]
-        message_logs[i].append({
-            "role": "assistant",
-            "content": tokenizer.decode(token_ids, skip_special_tokens=False),
-            "token_ids": token_ids.clone(),
-            "generation_logprobs": logprobs.clone(),
-        })
+        token_ids = generated["output_ids"][j, start : start + keep]
+        logprobs = generated["logprobs"][j, start : start + keep]
+        message_logs[i].append(
+            {
+                "role": "assistant",
+                "content": tokenizer.decode(token_ids, skip_special_tokens=False),
+                "token_ids": token_ids.clone(),
+                "generation_logprobs": logprobs.clone(),
+            }
+        )
         cut.append(keep < length)
     return cut
 
@@ -129,18 +137,28 @@ def run_multi_turn_rollout(
         for j, i in enumerate(active):
             result, k = env_answers[i]
             total_reward[i] += result.rewards[k]
-            metadata[i], answers[i], stop_strings[i] = result.metadata[k], result.answers[k], result.next_stop_strings[k]
+            metadata[i], answers[i], stop_strings[i] = (
+                result.metadata[k],
+                result.answers[k],
+                result.next_stop_strings[k],
+            )
             if cut[j]:
                 truncated[i] = done[i] = True
             elif bool(result.terminateds[k]):
                 done[i] = True
             else:
-                _append_observation(message_logs, i, result.observations[k], tokenizer, max_seq_len, truncated, done)
+                _append_observation(
+                    message_logs, i, result.observations[k], tokenizer, max_seq_len, truncated, done
+                )
 
     out = BatchedDataDict(batch)
     out.update(
-        message_log=message_logs, extra_env_info=metadata, total_reward=total_reward, truncated=truncated,
-        num_turns=num_turns, answer=answers,
+        message_log=message_logs,
+        extra_env_info=metadata,
+        total_reward=total_reward,
+        truncated=truncated,
+        num_turns=num_turns,
+        answer=answers,
     )
     return out, rollout_metrics(message_logs, total_reward, truncated, num_turns, done, num_env_errors)
 
@@ -153,11 +171,13 @@ def _append_observation(message_logs, i, observation, tokenizer, max_seq_len, tr
     message_logs[i].append({**observation, "token_ids": torch.tensor(token_ids, dtype=torch.long)})
 
 
-def rollout_metrics(message_logs, total_reward, truncated, num_turns, done, num_env_errors) -> dict[str, float]:
+def rollout_metrics(
+    message_logs, total_reward, truncated, num_turns, done, num_env_errors
+) -> dict[str, float]:
     lengths = torch.tensor([float(len(flat_token_ids(log))) for log in message_logs])
-    generated = torch.tensor([
-        float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs
-    ])
+    generated = torch.tensor(
+        [float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs]
+    )
     return {
         "mean_reward": float(total_reward.mean()),
         "mean_turns": float(num_turns.float().mean()),

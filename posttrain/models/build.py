@@ -31,7 +31,10 @@ VISION_ARCHITECTURES = ("qwen2_vl",)  # built by posttrain.models.vlm (a tiny vi
 class ModelFromConfig:
     """A decoder-only model with seeded random weights and a built-in tokenizer (character or byte-level)."""
 
-    architecture: str = field(default="qwen2", metadata={"help": "Model family: 'qwen2', 'llama', or 'qwen2_vl' (a vision-language Qwen2-VL)."})
+    architecture: str = field(
+        default="qwen2",
+        metadata={"help": "Model family: 'qwen2', 'llama', or 'qwen2_vl' (a vision-language Qwen2-VL)."},
+    )
     hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
     num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
     num_attention_heads: int = field(default=4, metadata={"help": "Number of query heads per layer."})
@@ -52,7 +55,10 @@ class ModelFromConfig:
     seed: int = field(default=0, metadata={"help": "Seed of the random initial weights."})
     tokenizer: Literal["char", "byte"] = field(
         default="char",
-        metadata={"help": "Built-in tokenizer: 'char' (one token per character, ~105) or 'byte' (byte-level BPE, 300)."},
+        metadata={
+            "help": "Built-in tokenizer: 'char' (one token per character, ~105) or 'byte' (byte-level BPE, "
+            "300)."
+        },
     )
 
     def validate(self) -> None:

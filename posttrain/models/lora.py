@@ -19,7 +19,9 @@ import torch
 
 from posttrain.config import ConfigError
 
-PEFT_INSTALL_HINT = "policy.lora.enabled needs Hugging Face peft: pip install 'posttrain[lora]' (or pip install peft)"
+PEFT_INSTALL_HINT = (
+    "policy.lora.enabled needs Hugging Face peft: pip install 'posttrain[lora]' (or pip install peft)"
+)
 LORA_DIR = "lora"  # in a checkpoint's policy directory: adapter_config.json (base model and LoRA settings)
 ADAPTER_DIR = "adapter"  # in an exported model directory: the PEFT adapter beside the merged weights
 DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -39,8 +41,10 @@ class LoraConfig:
     )
     modules_to_save: list[str] | None = field(
         default=None,
-        metadata={"help": "Modules trained in full and saved with the adapter (None: the 'score' head of a "
-                          "reward model, nothing for a causal LM)."},
+        metadata={
+            "help": "Modules trained in full and saved with the adapter (None: the 'score' head of a "
+            "reward model, nothing for a causal LM)."
+        },
     )
 
     def validate(self) -> None:
@@ -67,13 +71,20 @@ def peft_config(cfg: LoraConfig, model_kind: str = "causal_lm", base_model: str 
     modules_to_save = cfg.modules_to_save
     if modules_to_save is None and model_kind == "reward_model":
         modules_to_save = ["score"]  # the freshly initialised head must train
-    return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, bias="none",
-                           target_modules=list(cfg.target_modules), modules_to_save=modules_to_save,
-                           base_model_name_or_path=base_model)
+    return peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        bias="none",
+        target_modules=list(cfg.target_modules),
+        modules_to_save=modules_to_save,
+        base_model_name_or_path=base_model,
+    )
 
 
-def wrap_with_lora(model: torch.nn.Module, cfg: LoraConfig, model_kind: str = "causal_lm",
-                   base_model: str | None = None) -> torch.nn.Module:
+def wrap_with_lora(
+    model: torch.nn.Module, cfg: LoraConfig, model_kind: str = "causal_lm", base_model: str | None = None
+) -> torch.nn.Module:
     """`model` as a peft model with fresh adapters (B = 0, so it computes what the base computes); every
     base weight frozen. Raises ConfigError naming `policy.lora.target_modules` when none matches."""
     import peft
@@ -86,11 +97,18 @@ def wrap_with_lora(model: torch.nn.Module, cfg: LoraConfig, model_kind: str = "c
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return peft.get_peft_model(model, peft_config(cfg, model_kind, base_model))
     except ValueError as error:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, torch.nn.Linear)})
-        raise ConfigError("policy.lora.target_modules",
-                          f"{cfg.target_modules} do not fit {type(model).__name__} ({error}); its linear "
-                          f"modules are {linear}") from None
+        linear = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear)
+            }
+        )
+        raise ConfigError(
+            "policy.lora.target_modules",
+            f"{cfg.target_modules} do not fit {type(model).__name__} ({error}); its linear "
+            f"modules are {linear}",
+        ) from None
 
 
 def adapter_disabled(model: torch.nn.Module) -> Any:
@@ -124,8 +142,13 @@ def payload_num_bytes(weights: Any) -> int:
     return int(sum(t.numel() * t.element_size() for t in weights.values()))
 
 
-def adapter_weights(model: torch.nn.Module, trainable_state: dict[str, torch.Tensor], cfg: LoraConfig,
-                    model_kind: str, dtype: str | None = None) -> AdapterWeights:
+def adapter_weights(
+    model: torch.nn.Module,
+    trainable_state: dict[str, torch.Tensor],
+    cfg: LoraConfig,
+    model_kind: str,
+    dtype: str | None = None,
+) -> AdapterWeights:
     """The payload from a full (gathered) state dict of the trainable parameters of a peft `model`."""
     from peft import get_peft_model_state_dict
 
@@ -136,8 +159,9 @@ def adapter_weights(model: torch.nn.Module, trainable_state: dict[str, torch.Ten
     return AdapterWeights(cfg, model_kind, tensors)
 
 
-def gather_adapter_weights(model: torch.nn.Module, cfg: LoraConfig, model_kind: str, rank: int,
-                           dtype: str | None = None) -> AdapterWeights | dict:
+def gather_adapter_weights(
+    model: torch.nn.Module, cfg: LoraConfig, model_kind: str, rank: int, dtype: str | None = None
+) -> AdapterWeights | dict:
     """Collective: the full adapter tensors on rank 0 (as AdapterWeights), {} on the other ranks. Only
     the trainable shards are all-gathered, never the frozen base weights."""
     from torch.distributed.tensor import DTensor
@@ -161,8 +185,10 @@ def apply_adapter(model: torch.nn.Module, adapter: AdapterWeights) -> torch.nn.M
     result = peft.set_peft_model_state_dict(model, adapter.tensors)
     missing = [name for name in result.missing_keys if "lora_" in name]
     if result.unexpected_keys or missing:
-        raise KeyError(f"adapter does not fit the generation model: unexpected {result.unexpected_keys[:5]}, "
-                       f"missing {missing[:5]}")
+        raise KeyError(
+            f"adapter does not fit the generation model: unexpected {result.unexpected_keys[:5]}, "
+            f"missing {missing[:5]}"
+        )
     return model
 
 
@@ -176,7 +202,7 @@ def merge_adapter(base: dict[str, torch.Tensor], adapter: AdapterWeights) -> dic
             if ".lora_B." not in name:
                 raise ValueError(f"merge_adapter: cannot merge {name} (only linear LoRA adapters)")
             continue
-        module = name[len(prefix):-len(".lora_A.weight")]
+        module = name[len(prefix) : -len(".lora_A.weight")]
         lora_b = adapter.tensors[f"{prefix}{module}.lora_B.weight"]
         weight = base[f"{module}.weight"]
         delta = adapter.cfg.scaling * (lora_b.float() @ lora_a.float())  # [out, in]
@@ -245,8 +271,9 @@ def export_merged_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path
     return out_dir
 
 
-def export_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path, merge: bool = False,
-                           base_model_dir: str | Path | None = None) -> Path:
+def export_lora_checkpoint(
+    policy_dir: str | Path, out_dir: str | Path, merge: bool = False, base_model_dir: str | Path | None = None
+) -> Path:
     """`posttrain export` of a LoRA checkpoint (one process): a PEFT adapter directory, or with `merge` a
     Hugging Face model with the adapter merged in. The base weights come from the base model the
     checkpoint names (or `base_model_dir`); config and tokenizer from the checkpoint."""
@@ -263,8 +290,10 @@ def export_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path, merge: b
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     base = str(base_model_dir or base_model_of(policy_dir))
     if not Path(base).exists():
-        raise FileNotFoundError(f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
-                                "here; pass the base model directory")
+        raise FileNotFoundError(
+            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
+            "here; pass the base model directory"
+        )
     model_config = AutoConfig.from_pretrained(policy_dir / native_checkpoint.HF_CONFIG_DIR)
     reward_model = native_checkpoint.is_sequence_classifier(model_config)
     auto_class = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
@@ -289,9 +318,11 @@ def export_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path, merge: b
 
 def is_lora_linear(module: torch.nn.Module) -> bool:
     """A peft LoRA layer around an nn.Linear (`base_layer`, `lora_A`/`lora_B` ModuleDicts of nn.Linear)."""
-    return (isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
-            and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
-            and isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict))
+    return (
+        isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+        and isinstance(getattr(module, "lora_A", None), torch.nn.ModuleDict)
+        and isinstance(getattr(module, "lora_B", None), torch.nn.ModuleDict)
+    )
 
 
 def tensor_parallel_plan(layer: torch.nn.Module, plan: dict[str, Any]) -> dict[str, Any]:
@@ -315,9 +346,11 @@ def tensor_parallel_plan(layer: torch.nn.Module, plan: dict[str, Any]) -> dict[s
             expanded[name] = style
             continue
         if not is_lora_linear(module) or getattr(module, "lora_variant", None):
-            raise ValueError(f"policy.tensor_parallel_size > 1 splits {name} ({type(module).__name__}), which must "
-                             "be an nn.Linear or a plain LoRA adapter around one: leave it out of "
-                             "policy.lora.modules_to_save")
+            raise ValueError(
+                f"policy.tensor_parallel_size > 1 splits {name} ({type(module).__name__}), which must "
+                "be an nn.Linear or a plain LoRA adapter around one: leave it out of "
+                "policy.lora.modules_to_save"
+            )
         expanded[f"{name}.base_layer"] = style
         for adapter in module.lora_A:
             if type(style) is ColwiseParallel:

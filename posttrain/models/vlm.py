@@ -13,7 +13,12 @@ from tokenizers import AddedToken
 
 from posttrain.models.tokenizer import TOKENIZERS
 
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
 VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 
 # Like the text template (posttrain.models.tokenizer), but a message's content may be a list of parts:
@@ -21,7 +26,8 @@ VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 # per merged image patch), {"type": "text", "text": ...} as its text.
 VLM_CHAT_TEMPLATE = (
     "{% macro render(content) %}{% if content is string %}{{ content }}{% else %}"
-    "{% for part in content %}{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% for part in content %}{% if part['type'] == 'image' %}{{ "
+    "'<|vision_start|><|image_pad|><|vision_end|>' }}"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}"
     "{% else %}{{ raise_exception('unsupported content part: ' + part['type']) }}{% endif %}{% endfor %}"
     "{% endif %}{% endmacro %}"
@@ -44,9 +50,12 @@ MIN_PIXELS, MAX_PIXELS = 16 * 16, 64 * 64
 
 
 def build_vlm_tokenizer(kind: str = "char") -> Any:
-    """The project's tokenizer (`char` or `byte`) with the four vision special tokens and the VLM chat template."""
+    """The project's tokenizer (`char` or `byte`) with the four vision special tokens and the VLM chat
+    template."""
     tokenizer = TOKENIZERS[kind]()
-    tokenizer.add_special_tokens({"additional_special_tokens": [AddedToken(t, special=True) for t in VISION_TOKENS]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True) for t in VISION_TOKENS]}
+    )
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
     return tokenizer
 
@@ -57,7 +66,9 @@ def build_image_processor() -> Any:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     return Qwen2VLImageProcessorPil(
-        patch_size=PATCH_SIZE, merge_size=MERGE_SIZE, temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
     )
 
@@ -90,7 +101,9 @@ class VisionProcessor:
         pieces = text.split(self.image_token)
         counts = self.num_image_tokens(image_grid_thw)
         if len(pieces) - 1 != len(counts):
-            raise ValueError(f"the text has {len(pieces) - 1} image placeholders but {len(counts)} images were given")
+            raise ValueError(
+                f"the text has {len(pieces) - 1} image placeholders but {len(counts)} images were given"
+            )
         return pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
 
     def save_pretrained(self, out_dir: str | Path) -> None:
@@ -107,29 +120,47 @@ def make_vlm_config(cfg: Any, tokenizer: Any) -> Any:
     mrope_section = [half - 2 * (half // 3), half // 3, half // 3]
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     text_config = {
-        "vocab_size": len(tokenizer), "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+        "vocab_size": len(tokenizer),
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads or cfg.num_attention_heads,
-        "max_position_embeddings": cfg.max_position_embeddings, "attention_dropout": cfg.attention_dropout,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_dropout": cfg.attention_dropout,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section},
-        "tie_word_embeddings": cfg.tie_word_embeddings, "pad_token_id": tokenizer.pad_token_id,
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
     }
     vision_config = {
-        "depth": VISION_DEPTH, "embed_dim": VISION_EMBED_DIM, "hidden_size": cfg.hidden_size, "mlp_ratio": 2,
-        "num_heads": VISION_HEADS, "patch_size": PATCH_SIZE, "spatial_merge_size": MERGE_SIZE,
+        "depth": VISION_DEPTH,
+        "embed_dim": VISION_EMBED_DIM,
+        "hidden_size": cfg.hidden_size,
+        "mlp_ratio": 2,
+        "num_heads": VISION_HEADS,
+        "patch_size": PATCH_SIZE,
+        "spatial_merge_size": MERGE_SIZE,
         "temporal_patch_size": TEMPORAL_PATCH_SIZE,
     }
     return Qwen2VLConfig(
-        text_config=text_config, vision_config=vision_config, image_token_id=ids[IMAGE_PAD],
-        video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END],
-        tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
 
 
 def build_vlm_dir(cfg: Any, out_dir: str | Path) -> Path:
-    """Write a Hugging Face directory (weights, config, tokenizer, processor) of a seeded random tiny Qwen2-VL."""
+    """Write a Hugging Face directory (weights, config, tokenizer, processor) of a seeded random tiny
+    Qwen2-VL."""
     from transformers import Qwen2VLForConditionalGeneration
 
     out_dir = Path(out_dir)
@@ -163,7 +194,8 @@ def is_vision_language_model(model: torch.nn.Module) -> bool:
 
 
 def load_processor(path_or_name: str | Path) -> VisionProcessor:
-    """The tokenizer and image processor saved with a vision-language model (offline for a local directory)."""
+    """The tokenizer and image processor saved with a vision-language model (offline for a local
+    directory)."""
     from transformers import AutoImageProcessor
 
     from posttrain.models.build import load_tokenizer
@@ -178,28 +210,40 @@ def load_processor(path_or_name: str | Path) -> VisionProcessor:
 # ----------------------------------------------------------------------------------------------------
 
 
-def concat_row_images(data: dict[str, Any], device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def concat_row_images(
+    data: dict[str, Any], device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(`pixel_values [P, D]`, `image_grid_thw [N, 3]`) of a micro-batch's rows, in row order, or (None, None)
     when none of its rows has an image."""
-    rows = [(p, g) for p, g in zip(data.get("pixel_values") or [], data.get("image_grid_thw") or []) if g.shape[0] > 0]
+    rows = [
+        (p, g)
+        for p, g in zip(data.get("pixel_values") or [], data.get("image_grid_thw") or [])
+        if g.shape[0] > 0
+    ]
     if not rows:
         return None, None
     return torch.cat([p for p, _ in rows]).to(device), torch.cat([g for _, g in rows]).long().to(device)
 
 
-def mrope_position_ids(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       image_grid_thw: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def mrope_position_ids(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen2-VL's 3-D rotary positions `[3, B, T]` (an image's tokens share a temporal position and take their
     row/column as height/width, the text after it continues from the largest) and each row's offset `[B, 1]`
     of the next text position from its token count. Padding (attention_mask 0) gets position 0; left or right
     padding both work."""
     token_types = (input_ids == model.config.image_token_id).int()  # [B, T]: 1 on image tokens
-    return model.model.get_rope_index(input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw,
-                                      attention_mask=attention_mask)
+    return model.model.get_rope_index(
+        input_ids, mm_token_type_ids=token_types, image_grid_thw=image_grid_thw, attention_mask=attention_mask
+    )
 
 
-def vision_forward_inputs(model: torch.nn.Module, data: dict[str, Any], input_ids: torch.Tensor,
-                          attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def vision_forward_inputs(
+    model: torch.nn.Module, data: dict[str, Any], input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Extra forward arguments of a vision-language model: the micro-batch's images and M-RoPE positions
     (computed here for every micro-batch, with or without images, so that a row's logprobs do not depend on
     its neighbours). {} for a text-only model; an error when a text-only model is given images."""
@@ -227,8 +271,9 @@ def vision_tower_anchor(model: torch.nn.Module) -> torch.Tensor | float:
     return 0.0 * sum(p.sum() for p in model.model.visual.parameters())
 
 
-def vision_prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   data: dict[str, Any]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+def vision_prefill(
+    model: torch.nn.Module, left_ids: torch.Tensor, attention_mask: torch.Tensor, data: dict[str, Any]
+) -> tuple[Any, torch.Tensor, torch.Tensor]:
     """Generation's first step for a vision-language model: the KV cache of left-padded prompts [B, T] with
     their images, the last position's logits [B, V], and each row's offset [B, 1] of the next text position
     from its token count (M-RoPE gives an image fewer positions than tokens). Every sample is prefilled:
@@ -236,8 +281,14 @@ def vision_prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mas
     pixel_values, image_grid_thw = concat_row_images(data, left_ids.device)
     position_ids, offsets = mrope_position_ids(model, left_ids, attention_mask, image_grid_thw)
     images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    out = model(input_ids=left_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True,
-                logits_to_keep=1, **images)
+    out = model(
+        input_ids=left_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+        **images,
+    )
     return out.past_key_values, out.logits[:, -1, :], offsets.to(left_ids.device)
 
 
@@ -255,4 +306,6 @@ def vision_token_ids(model: torch.nn.Module) -> list[int]:
     if not is_vision_language_model(model):
         return []
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return [int(getattr(model.config, name)) for name in names if getattr(model.config, name, None) is not None]
+    return [
+        int(getattr(model.config, name)) for name in names if getattr(model.config, name, None) is not None
+    ]

@@ -43,12 +43,17 @@ class CheckpointingConfig:
 
     enabled: bool = field(default=True, metadata={"help": "Save checkpoints at all."})
     checkpoint_dir: str | None = field(
-        default=None, metadata={"help": "Directory holding step_N/ checkpoint folders; None: <logger.log_dir>/checkpoints."}
+        default=None,
+        metadata={
+            "help": "Directory holding step_N/ checkpoint folders; None: <logger.log_dir>/checkpoints."
+        },
     )
     metric_name: str | None = field(
         default="auto",
-        metadata={"help": "training_info key that ranks checkpoints; auto: the algorithm's validation metric "
-                          "(val_loss; GRPO: val_accuracy); None ranks by step only."},
+        metadata={
+            "help": "training_info key that ranks checkpoints; auto: the algorithm's validation metric "
+            "(val_loss; GRPO: val_accuracy); None ranks by step only."
+        },
     )
     higher_is_better: bool | None = field(
         default=None, metadata={"help": "True if a larger metric is better; None: the algorithm's choice."}
@@ -58,8 +63,10 @@ class CheckpointingConfig:
     )
     save_optimizer: bool = field(
         default=True,
-        metadata={"help": "Save optimizer state; false: weights only (export-only checkpoints, resume with a "
-                          "fresh optimizer)."},
+        metadata={
+            "help": "Save optimizer state; false: weights only (export-only checkpoints, resume with a "
+            "fresh optimizer)."
+        },
     )
     save_period: int = field(default=10, metadata={"help": "Save every this many steps."})
     resume_from: str | None = field(
@@ -154,7 +161,11 @@ class CheckpointManager:
         info_text = json.dumps(training_info, default=_json_default, indent=2, sort_keys=True)
         self._write_text(tmp_path / TRAINING_INFO_FILE, info_text)
         if run_config is not None:
-            plain = run_config.model_dump(mode="json") if hasattr(run_config, "model_dump") else config_to_dict(run_config)
+            plain = (
+                run_config.model_dump(mode="json")
+                if hasattr(run_config, "model_dump")
+                else config_to_dict(run_config)
+            )
             config_text = yaml.safe_dump(plain, sort_keys=False)
             self._write_text(tmp_path / CONFIG_FILE, config_text)
         return tmp_path
@@ -179,7 +190,7 @@ class CheckpointManager:
         tmp_path = Path(checkpoint_path)
         if not tmp_path.name.startswith(_TMP_PREFIX):
             raise ValueError(f"finalize_checkpoint expects a {_TMP_PREFIX}N directory, got {tmp_path}")
-        step_text = tmp_path.name[len(_TMP_PREFIX):]
+        step_text = tmp_path.name[len(_TMP_PREFIX) :]
         final_path = tmp_path.with_name(f"step_{step_text}")
         replaced_path = tmp_path.with_name(f"{_REPLACED_PREFIX}{step_text}")
         try:
@@ -191,7 +202,9 @@ class CheckpointManager:
             os.rename(tmp_path, final_path)
             _fsync_dir(final_path.parent)
         except OSError as error:
-            raise CheckpointWriteError(f"cannot finalize checkpoint {tmp_path} -> {final_path}: {error}") from error
+            raise CheckpointWriteError(
+                f"cannot finalize checkpoint {tmp_path} -> {final_path}: {error}"
+            ) from error
         if replaced_path.exists():
             shutil.rmtree(replaced_path, ignore_errors=True)
         self.remove_old_checkpoints()
@@ -206,7 +219,7 @@ class CheckpointManager:
                 _remove_path(child)
                 removed.append(child)
             elif child.name.startswith(_REPLACED_PREFIX):
-                final_path = child.with_name("step_" + child.name[len(_REPLACED_PREFIX):])
+                final_path = child.with_name("step_" + child.name[len(_REPLACED_PREFIX) :])
                 if final_path.exists():
                     _remove_path(child)
                     removed.append(child)
@@ -261,12 +274,16 @@ class CheckpointManager:
             return self.get_latest_checkpoint_path()
         missing = [str(path) for _, path, metric in ranked if metric is None]
         if len(missing) == len(ranked):
-            logger.warning("no checkpoint in %s has metric %r; using the latest", self.checkpoint_dir,
-                           self.config.metric_name)
+            logger.warning(
+                "no checkpoint in %s has metric %r; using the latest",
+                self.checkpoint_dir,
+                self.config.metric_name,
+            )
             return self.get_latest_checkpoint_path()
         if missing:
-            logger.warning("checkpoint(s) without metric %r ignored: %s", self.config.metric_name,
-                           ", ".join(missing))
+            logger.warning(
+                "checkpoint(s) without metric %r ignored: %s", self.config.metric_name, ", ".join(missing)
+            )
         return str(ranked[0][1])
 
     def get_latest_checkpoint_path(self) -> str | None:
@@ -335,7 +352,8 @@ def _load_checkpoint_history(checkpoint_dir: str | Path) -> list[tuple[int, str,
     """Load the history of checkpoints and their metrics: (step_number, checkpoint_path, info) for each
     finalized checkpoint, by step; an unreadable training_info.json gives {}."""
     return [
-        (step, str(path), _read_training_info(path) or {}) for step, path in _list_step_dirs(Path(checkpoint_dir))
+        (step, str(path), _read_training_info(path) or {})
+        for step, path in _list_step_dirs(Path(checkpoint_dir))
     ]
 
 

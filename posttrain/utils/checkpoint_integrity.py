@@ -35,7 +35,10 @@ def write_manifest(directory: str | Path) -> Path:
     """Write `checksums.json`: {"files": {relative path: {"sha256", "size"}}} for every file below."""
     directory = Path(directory)
     files = {
-        relative.as_posix(): {"sha256": _sha256(directory / relative), "size": (directory / relative).stat().st_size}
+        relative.as_posix(): {
+            "sha256": _sha256(directory / relative),
+            "size": (directory / relative).stat().st_size,
+        }
         for relative in _files_under(directory)
     }
     manifest = directory / MANIFEST_FILE

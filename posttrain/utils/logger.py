@@ -38,20 +38,27 @@ class WandbConfig:
 class TensorboardConfig:
     """Where TensorBoard event files go."""
 
-    log_dir: str | None = field(default=None, metadata={"help": "Event file directory; None: <log_dir>/tensorboard."})
+    log_dir: str | None = field(
+        default=None, metadata={"help": "Event file directory; None: <log_dir>/tensorboard."}
+    )
 
 
 @dataclass
 class MLflowConfig:
     """MLflow experiment and run; the store is local to the run directory unless tracking_uri is set."""
 
-    experiment_name: str = field(default="posttrain", metadata={"help": "MLflow experiment (created if missing)."})
-    run_name: str | None = field(default=None, metadata={"help": "MLflow run name; None: the run directory's name."})
+    experiment_name: str = field(
+        default="posttrain", metadata={"help": "MLflow experiment (created if missing)."}
+    )
+    run_name: str | None = field(
+        default=None, metadata={"help": "MLflow run name; None: the run directory's name."}
+    )
     tracking_uri: str | None = field(
         default=None, metadata={"help": "MLflow server or store URI; None: file store <log_dir>/mlruns."}
     )
     log_model: bool = field(
-        default=True, metadata={"help": "At the end, copy the final model directory (<log_dir>/hf_model) as an artifact."}
+        default=True,
+        metadata={"help": "At the end, copy the final model directory (<log_dir>/hf_model) as an artifact."},
     )
 
 
@@ -59,8 +66,12 @@ class MLflowConfig:
 class GPUMonitoringConfig:
     """Timing of the Ray system monitor (node CPU/memory always, GPUs where present)."""
 
-    collection_interval: float = field(default=10.0, metadata={"help": "Seconds between scrapes of every node."})
-    flush_interval: float = field(default=10.0, metadata={"help": "Seconds between logged (averaged) points."})
+    collection_interval: float = field(
+        default=10.0, metadata={"help": "Seconds between scrapes of every node."}
+    )
+    flush_interval: float = field(
+        default=10.0, metadata={"help": "Seconds between logged (averaged) points."}
+    )
 
 
 @dataclass
@@ -68,13 +79,18 @@ class LoggerConfig:
     """Where a run's metrics go: JSONL always, plus the enabled backends, all under `log_dir`."""
 
     log_dir: str | None = field(
-        default=None, metadata={"help": "Run directory; every backend writes under it (None: results/<algorithm>-<time>)."}
+        default=None,
+        metadata={"help": "Run directory; every backend writes under it (None: results/<algorithm>-<time>)."},
     )
-    wandb_enabled: bool = field(default=False, metadata={"help": "Log to Weights & Biases (offline by default)."})
+    wandb_enabled: bool = field(
+        default=False, metadata={"help": "Log to Weights & Biases (offline by default)."}
+    )
     tensorboard_enabled: bool = field(default=True, metadata={"help": "Write TensorBoard event files."})
     mlflow_enabled: bool = field(default=False, metadata={"help": "Log to MLflow (local store by default)."})
     wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "W&B settings."})
-    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig, metadata={"help": "TB settings."})
+    tensorboard: TensorboardConfig = field(
+        default_factory=TensorboardConfig, metadata={"help": "TB settings."}
+    )
     mlflow: MLflowConfig = field(default_factory=MLflowConfig, metadata={"help": "MLflow settings."})
     num_val_samples_to_print: int = field(
         default=0, metadata={"help": "Validation samples printed per validation (best and worst reward)."}
@@ -86,17 +102,22 @@ class LoggerConfig:
         default_factory=GPUMonitoringConfig, metadata={"help": "System monitor intervals."}
     )
     gpu_collection_interval: float | None = field(
-        default=None, metadata={"help": "Alias of gpu_monitoring.collection_interval (a flat name some configs use)."}
+        default=None,
+        metadata={"help": "Alias of gpu_monitoring.collection_interval (a flat name some configs use)."},
     )
     gpu_flush_interval: float | None = field(
-        default=None, metadata={"help": "Alias of gpu_monitoring.flush_interval (a flat name some configs use)."}
+        default=None,
+        metadata={"help": "Alias of gpu_monitoring.flush_interval (a flat name some configs use)."},
     )
 
     def validate(self) -> None:
         """Fold the flat GPU-monitoring aliases into `gpu_monitoring`; an alias that contradicts the nested
         key raises, naming the nested key to keep."""
         defaults = GPUMonitoringConfig()
-        for alias, name in (("gpu_collection_interval", "collection_interval"), ("gpu_flush_interval", "flush_interval")):
+        for alias, name in (
+            ("gpu_collection_interval", "collection_interval"),
+            ("gpu_flush_interval", "flush_interval"),
+        ):
             value = getattr(self, alias)
             if value is None:
                 continue
@@ -156,7 +177,9 @@ class ScalarPreparer:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
-    def prepare(self, metrics: Mapping[str, Any], prefix: str = "", keep_lists: bool = False) -> dict[str, Any]:
+    def prepare(
+        self, metrics: Mapping[str, Any], prefix: str = "", keep_lists: bool = False
+    ) -> dict[str, Any]:
         """Flat scalars; a number list `k` becomes `k/mean`, `k/p50`, `k/p90`, `k/max` (plus `k` itself
         when keep_lists); anything non-numeric is dropped with one warning per key."""
         scalars: dict[str, Any] = {}
@@ -181,7 +204,8 @@ class ScalarPreparer:
             self._warned.add(key)
         log.warning(
             "metric %r is %s, not a number or a non-empty list of numbers; skipped (warned once)",
-            key, type(value).__name__,
+            key,
+            type(value).__name__,
         )
 
 
@@ -243,7 +267,9 @@ class JsonlLogger(LoggerInterface):
         self._file.flush()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        flat = {k: _hparam_value(v) if v is not None else None for k, v in flatten_hyperparams(params).items()}
+        flat = {
+            k: _hparam_value(v) if v is not None else None for k, v in flatten_hyperparams(params).items()
+        }
         (self.path.parent / "hyperparams.json").write_text(json.dumps(flat, indent=2, sort_keys=True))
 
     def finish(self) -> None:
@@ -298,7 +324,10 @@ class WandbLogger(LoggerInterface):
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.mode = wandb_mode()
         self._run = wandb.init(
-            project=cfg.project, name=cfg.name or Path(log_dir).name, dir=str(log_dir), mode=self.mode,
+            project=cfg.project,
+            name=cfg.name or Path(log_dir).name,
+            dir=str(log_dir),
+            mode=self.mode,
             reinit="create_new",
         )
         for namespace in self.OWN_STEP_NAMESPACES:
@@ -358,7 +387,9 @@ class MLflowLogger(LoggerInterface):
         now_ms = int(time.time() * 1000)
         scalars = self._preparer.prepare(metrics, prefix)
         entries = [
-            Metric(mlflow_key(key), value, now_ms, int(step)) for key, value in scalars.items() if math.isfinite(value)
+            Metric(mlflow_key(key), value, now_ms, int(step))
+            for key, value in scalars.items()
+            if math.isfinite(value)
         ]
         if entries:
             self.client.log_batch(self.run_id, metrics=entries)
@@ -367,9 +398,12 @@ class MLflowLogger(LoggerInterface):
         from mlflow.entities import Param
 
         flat = flatten_hyperparams(params)
-        entries = [Param(mlflow_key(key), str(_hparam_value(value))[:_MLFLOW_PARAM_LIMIT]) for key, value in flat.items()]
+        entries = [
+            Param(mlflow_key(key), str(_hparam_value(value))[:_MLFLOW_PARAM_LIMIT])
+            for key, value in flat.items()
+        ]
         for start in range(0, len(entries), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(self.run_id, params=entries[start:start + 100])
+            self.client.log_batch(self.run_id, params=entries[start : start + 100])
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         local_path = Path(local_path)

@@ -44,20 +44,26 @@ _REDUCTIONS = {"sum": np.sum, "mean": np.mean, "min": np.min, "max": np.max}
 
 
 def reduce_metrics(
-    parts: Sequence[Mapping[str, Any]], reductions: Mapping[str, str] | None = None, default: str | None = None
+    parts: Sequence[Mapping[str, Any]],
+    reductions: Mapping[str, str] | None = None,
+    default: str | None = None,
 ) -> dict[str, float]:
     """Each metric over the parts (micro-batches or ranks) that report it, by its own reduction (sum /
     mean / min / max): `reductions` names it per metric; the others use `default`, or without one the
     suffix rule of `reduction_of`."""
     for name, reduction in [*(reductions or {}).items(), ("<default>", default or "sum")]:
         if reduction not in _REDUCTIONS:
-            raise ValueError(f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}")
+            raise ValueError(
+                f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}"
+            )
     values_by_key: dict[str, list[float]] = {}
     for index, metrics in enumerate(parts):
         for key, value in metrics.items():
             number = as_number(value)
             if number is None:
-                raise TypeError(f"part {index}: metric {key!r} is not a scalar number: {type(value).__name__}")
+                raise TypeError(
+                    f"part {index}: metric {key!r} is not a scalar number: {type(value).__name__}"
+                )
             values_by_key.setdefault(key, []).append(number)
     return {
         key: float(_REDUCTIONS[(reductions or {}).get(key) or default or reduction_of(key)](values))
@@ -72,7 +78,8 @@ def metric_reductions(loss_fn: Any) -> dict[str, str]:
     for name, reduction in declared.items():
         if reduction not in _REDUCTIONS:
             raise ValueError(
-                f"{type(loss_fn).__name__}.metric_reductions[{name!r}] = {reduction!r}; use one of {sorted(_REDUCTIONS)}"
+                f"{type(loss_fn).__name__}.metric_reductions[{name!r}] = {reduction!r}; use one of "
+                f"{sorted(_REDUCTIONS)}"
             )
     return declared
 

@@ -127,7 +127,9 @@ def _dcp_load(state_dict: dict[str, Any], path: Path) -> None:
         if unsafe:
             raise unsafe[0] from None
         summary = "; ".join(f"{type(cause).__name__}: {cause}" for cause in causes)
-        raise CheckpointLoadError(f"could not load the checkpoint shard directory {path}: {summary}") from None
+        raise CheckpointLoadError(
+            f"could not load the checkpoint shard directory {path}: {summary}"
+        ) from None
 
 
 def _write_json(data: Any, path: Path) -> None:
@@ -194,7 +196,10 @@ def _model_state(model: torch.nn.Module, trainable_only: bool) -> dict[str, Any]
 
 
 def load_checkpoint(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any | None, path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    path: str | Path,
     trainable_only: bool = False,
 ) -> dict | None:
     """Restore what save_checkpoint wrote into `model`/`optimizer`/`scheduler` (collective).
@@ -210,8 +215,10 @@ def load_checkpoint(
     _dcp_load(model_state, path / MODEL_DIR)
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
     if optimizer is not None and not (path / OPTIM_DIR).is_dir():
-        warnings.warn(f"{path} holds no optimizer state (saved with save_optimizer: false); "
-                      "the optimizer starts fresh", stacklevel=2)
+        warnings.warn(
+            f"{path} holds no optimizer state (saved with save_optimizer: false); the optimizer starts fresh",
+            stacklevel=2,
+        )
     elif optimizer is not None:
         # A fresh optimizer gets its state initialised here, so the loaded state has somewhere to go.
         optim_state = get_optimizer_state_dict(model, optimizer)
@@ -237,7 +244,8 @@ def _rng_file(path: str | Path, rank: int) -> Path:
 
 
 def save_rng_state(path: str | Path, rank: int) -> Path:
-    """Write this process's python, numpy and torch (CPU and CUDA) RNG states to `<path>/rng/rank_N.safetensors`."""
+    """Write this process's python, numpy and torch (CPU and CUDA) RNG states to
+    `<path>/rng/rank_N.safetensors`."""
     file = _rng_file(path, rank)
     py_version, py_keys, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
@@ -295,8 +303,11 @@ def load_rng_state_if_saved(path: str | Path, rank: int) -> bool:
     """load_rng_state when this rank's file exists; a warning otherwise (a checkpoint of fewer ranks, or
     one written before RNG states were saved): the rank then keeps its freshly seeded RNG."""
     if not _rng_file(path, rank).is_file():
-        warnings.warn(f"{_rng_file(path, rank)} is missing: rank {rank} keeps its seeded RNG state, so "
-                      "sampling-dependent steps (dropout) will not repeat the interrupted run", stacklevel=2)
+        warnings.warn(
+            f"{_rng_file(path, rank)} is missing: rank {rank} keeps its seeded RNG state, so "
+            "sampling-dependent steps (dropout) will not repeat the interrupted run",
+            stacklevel=2,
+        )
         return False
     load_rng_state(path, rank)
     return True
@@ -321,7 +332,9 @@ def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
         AutoModelForSequenceClassification,
     )
 
-    auto_class = AutoModelForSequenceClassification if is_sequence_classifier(model_config) else AutoModelForCausalLM
+    auto_class = (
+        AutoModelForSequenceClassification if is_sequence_classifier(model_config) else AutoModelForCausalLM
+    )
     if getattr(model_config, "vision_config", None) is not None:
         auto_class = AutoModelForImageTextToText
     with torch.device("meta"):
@@ -391,7 +404,9 @@ def export_checkpoint_to_hf(
     try:
         _write_hf_dir(model, AutoTokenizer.from_pretrained(tokenizer_dir), out_dir)
         if (Path(tokenizer_dir) / "preprocessor_config.json").is_file():  # a vision-language model's images
-            shutil.copy(Path(tokenizer_dir) / "preprocessor_config.json", out_dir / "preprocessor_config.json")
+            shutil.copy(
+                Path(tokenizer_dir) / "preprocessor_config.json", out_dir / "preprocessor_config.json"
+            )
     except OSError as exc:
         raise CheckpointWriteError(f"could not export the Hugging Face directory {out_dir}: {exc}") from exc
     return out_dir

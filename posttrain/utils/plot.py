@@ -18,7 +18,9 @@ def metric_series(records: list[dict], key: str, step_offset: int = 0) -> tuple[
     return [p[0] for p in pairs], [float(p[1]) for p in pairs]
 
 
-def plot_curves(series: dict[str, tuple[list[int], list[float]]], out_png: str | Path, title: str = "") -> Path:
+def plot_curves(
+    series: dict[str, tuple[list[int], list[float]]], out_png: str | Path, title: str = ""
+) -> Path:
     """One panel per named series (name -> (steps, values)); returns the PNG path."""
     import matplotlib
 

@@ -1,4 +1,5 @@
-"""Progress for long loops: a rich progress bar on a terminal, one line per step with rate and ETA otherwise."""
+"""Progress for long loops: a rich progress bar on a terminal, one line per step with rate and ETA
+otherwise."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def format_duration(seconds: float) -> str:
 class StepProgress:
     """`with StepProgress("grpo", total=200, start=0) as p: p.advance(step, {"loss": 0.1})`."""
 
-    def __init__(self, description: str, total: int, start: int = 0, console: Console | None = None, every: int = 1):
+    def __init__(
+        self, description: str, total: int, start: int = 0, console: Console | None = None, every: int = 1
+    ):
         self.description, self.total, self.start, self.every = description, total, start, every
         self.console = console or Console(stderr=True)
         self.interactive = self.console.is_terminal and sys.stderr.isatty()
@@ -35,11 +38,18 @@ class StepProgress:
         self._t0 = time.monotonic()
         if self.interactive:
             self._progress = Progress(
-                TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(), console=self.console,
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
             )
             self._progress.start()
-            self._task = self._progress.add_task(self.description, total=self.total, completed=self.start, info="")
+            self._task = self._progress.add_task(
+                self.description, total=self.total, completed=self.start, info=""
+            )
         return self
 
     def advance(self, step: int, info: dict[str, float] | None = None) -> None:
@@ -55,7 +65,8 @@ class StepProgress:
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else 0.0
         self.console.print(
-            f"{self.description} step {step}/{self.total}  {text}  {rate:.2f} steps/s  ETA {format_duration(eta)}",
+            f"{self.description} step {step}/{self.total}  {text}  {rate:.2f} steps/s  ETA "
+            f"{format_duration(eta)}",
             highlight=False,
         )
 

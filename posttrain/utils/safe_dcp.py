@@ -24,8 +24,14 @@ _DCP_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED_GLOBALS = {
     (_DCP_METADATA_MODULE, name)
     for name in (
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     )
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -72,7 +78,9 @@ def read_metadata_safely(path: str | Path) -> Metadata:
         except UnsafeCheckpointError:
             raise
         except Exception as exc:  # truncated or garbage bytes: any unpickling error
-            raise ValueError(f"{path}: not a readable DCP metadata file ({type(exc).__name__}: {exc})") from exc
+            raise ValueError(
+                f"{path}: not a readable DCP metadata file ({type(exc).__name__}: {exc})"
+            ) from exc
     if not isinstance(metadata, Metadata):
         raise ValueError(f"{path}: holds a {type(metadata).__name__}, not DCP Metadata")
     return metadata
@@ -100,7 +108,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
             what = found.group(1) if found else str(exc).splitlines()[0]
             raise UnsafeCheckpointError(
-                f"checkpoint entry {read_item.dest_index.fqn}: refusing to load {what} (only tensors and plain "
+                f"checkpoint entry {read_item.dest_index.fqn}: refusing to load {what} (only tensors and "
+                "plain "
                 "data are allowed; the file may have been crafted to run code)"
             ) from None
         super().load_bytes(read_item, _saved(loaded))

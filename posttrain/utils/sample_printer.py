@@ -12,7 +12,13 @@ from rich.console import Console, Group
 from rich.panel import Panel
 from rich.text import Text
 
-ROLE_STYLES = {"system": "magenta", "user": "cyan", "assistant": "green", "tool": "yellow", "environment": "yellow"}
+ROLE_STYLES = {
+    "system": "magenta",
+    "user": "cyan",
+    "assistant": "green",
+    "tool": "yellow",
+    "environment": "yellow",
+}
 
 
 def _json_default(value: Any) -> Any:
@@ -47,7 +53,7 @@ def choose_samples(samples: Sequence[Mapping[str, Any]], num_to_print: int) -> l
     num_to_print = min(num_to_print, len(samples))
     num_best = (num_to_print + 1) // 2
     best = order[:num_best]
-    worst = order[len(order) - (num_to_print - num_best):] if num_to_print > num_best else []
+    worst = order[len(order) - (num_to_print - num_best) :] if num_to_print > num_best else []
     return [samples[i] for i in best + worst]
 
 
@@ -87,7 +93,8 @@ class SamplePrinter:
     def panel(self, samples: Sequence[Mapping[str, Any]], step: int) -> Panel:
         stats = reward_stats(samples)
         header = Text(
-            f"reward mean {stats['mean']:.4g}  min {stats['min']:.4g}  max {stats['max']:.4g}  n {stats['n']}",
+            f"reward mean {stats['mean']:.4g}  min {stats['min']:.4g}  max {stats['max']:.4g}  n "
+            f"{stats['n']}",
             style="bold",
         )
         chosen = [render_sample(sample) for sample in choose_samples(samples, self.num_to_print)]

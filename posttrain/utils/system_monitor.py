@@ -35,7 +35,10 @@ def metrics_endpoints() -> list[tuple[str, str]]:
     import ray
 
     return [
-        (node["NodeManagerAddress"], f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics")
+        (
+            node["NodeManagerAddress"],
+            f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+        )
         for node in ray.nodes()
         if node.get("Alive") and node.get("MetricsExportPort")
     ]
@@ -43,7 +46,8 @@ def metrics_endpoints() -> list[tuple[str, str]]:
 
 def parse_node_metrics(exposition: str) -> dict[str, float]:
     """Node and per-GPU values from Prometheus text: cpu_utilization (%), cpu_count, mem_used_gb,
-    mem_total_gb, mem_utilization (%), gpu{i}/utilization (%), gpu{i}/memory_used_mb, gpu{i}/memory_total_mb."""
+    mem_total_gb, mem_utilization (%), gpu{i}/utilization (%), gpu{i}/memory_used_mb,
+    gpu{i}/memory_total_mb."""
     values: dict[str, float] = {}
     for family in text_string_to_metric_families(exposition):
         for sample in family.samples:
@@ -81,8 +85,13 @@ class RaySystemMonitor:
     """Scrapes every `collection_interval` s; logs the averages under `system/` every `flush_interval` s
     with its own step counter. A failed scrape is a warning (once per node until it recovers)."""
 
-    def __init__(self, parent_logger: Any, collection_interval: float = 10.0, flush_interval: float = 10.0,
-                 timeout: float = 5.0):
+    def __init__(
+        self,
+        parent_logger: Any,
+        collection_interval: float = 10.0,
+        flush_interval: float = 10.0,
+        timeout: float = 5.0,
+    ):
         if collection_interval <= 0 or flush_interval <= 0:
             raise ValueError(
                 f"gpu_monitoring intervals must be > 0, got collection_interval={collection_interval}, "

@@ -42,19 +42,33 @@ class WeightVersions:
 
 
 def cast_floating(weights: dict[str, torch.Tensor], dtype: str | None) -> dict[str, torch.Tensor]:
-    """Floating tensors cast to `dtype` ("bfloat16", "float32"; None: unchanged), for the receiver's precision."""
+    """Floating tensors cast to `dtype` ("bfloat16", "float32"; None: unchanged), for the receiver's
+    precision."""
     if dtype is None:
         return weights
     target = getattr(torch, dtype)
     return {name: t.to(target) if t.is_floating_point() else t for name, t in weights.items()}
 
 
-def uses_shared_memory(colocated: bool, lora: bool, backend_name: str, num_nodes: int, num_gpus_per_worker: float,
-                       supported: bool) -> bool:
+def uses_shared_memory(
+    colocated: bool,
+    lora: bool,
+    backend_name: str,
+    num_nodes: int,
+    num_gpus_per_worker: float,
+    supported: bool,
+) -> bool:
     """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
     on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy. With
     LoRA the adapter alone travels instead (it is smaller still)."""
-    return colocated and not lora and backend_name == "hf" and num_nodes == 1 and num_gpus_per_worker == 0 and supported
+    return (
+        colocated
+        and not lora
+        and backend_name == "hf"
+        and num_nodes == 1
+        and num_gpus_per_worker == 0
+        and supported
+    )
 
 
 def policy_must_leave(param_bytes: int, device_total_bytes: int, generation_precision: str) -> bool:
@@ -71,8 +85,16 @@ class Refit:
     workers hold stale weights, the bytes sent since last asked, and (colocated on accelerators) whether the
     policy's training state leaves the device while generation runs."""
 
-    def __init__(self, policy: Any, generation: Any, precision: str, shared_memory: bool, move_memory: bool,
-                 colocated_offload: bool | str = "auto", stale: bool = False) -> None:
+    def __init__(
+        self,
+        policy: Any,
+        generation: Any,
+        precision: str,
+        shared_memory: bool,
+        move_memory: bool,
+        colocated_offload: bool | str = "auto",
+        stale: bool = False,
+    ) -> None:
         self.policy, self.generation = policy, generation
         self.precision = precision  # the generation workers' dtype: weights travel in it
         self.shared_memory = shared_memory  # see uses_shared_memory
@@ -113,7 +135,9 @@ class Refit:
             return bool(self.colocated_offload)
         if self.offload_decided is None:
             rank = max(self.policy.memory_footprint(), key=lambda footprint: footprint["param_bytes"])
-            self.offload_decided = policy_must_leave(rank["param_bytes"], rank["device_total_bytes"], self.precision)
+            self.offload_decided = policy_must_leave(
+                rank["param_bytes"], rank["device_total_bytes"], self.precision
+            )
         return self.offload_decided
 
     @contextmanager

@@ -24,12 +24,21 @@ SHARD = Path("policy") / "model" / "__0_0.distcp"
 
 def overrides(log_dir: Path, **extra) -> list[str]:
     values = {
-        "logger.log_dir": str(log_dir), "logger.tensorboard_enabled": "false",
-        "policy.model.from_config.hidden_size": 32, "policy.model.from_config.num_layers": 2,
-        "policy.model.from_config.intermediate_size": 64, "policy.model.from_config.attention_dropout": 0.3,
-        "policy.train_global_batch_size": 8, "policy.train_micro_batch_size": 8,
-        "cluster.num_cpus_per_worker": 0.5, "sft.val_max_samples": 8, "sft.val_period": 100,
-        "data.num_train": 64, "data.num_val": 8, "sft.max_num_steps": 4, "checkpointing.save_period": 2,
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "policy.model.from_config.hidden_size": 32,
+        "policy.model.from_config.num_layers": 2,
+        "policy.model.from_config.intermediate_size": 64,
+        "policy.model.from_config.attention_dropout": 0.3,
+        "policy.train_global_batch_size": 8,
+        "policy.train_micro_batch_size": 8,
+        "cluster.num_cpus_per_worker": 0.5,
+        "sft.val_max_samples": 8,
+        "sft.val_period": 100,
+        "data.num_train": 64,
+        "data.num_val": 8,
+        "sft.max_num_steps": 4,
+        "checkpointing.save_period": 2,
         "sft.export_final_model": "false",
     }
     values.update(extra)
@@ -68,7 +77,9 @@ def test_resume_with_dropout_is_bit_identical(uninterrupted, tmp_path):
     assert [resumed[step] for step in (1, 2, 3, 4)] == [expected[step] for step in (1, 2, 3, 4)]
 
 
-def test_corrupted_latest_checkpoint_is_skipped_and_resume_takes_the_previous_one(uninterrupted, tmp_path, caplog):
+def test_corrupted_latest_checkpoint_is_skipped_and_resume_takes_the_previous_one(
+    uninterrupted, tmp_path, caplog
+):
     """256 corrupted bytes in step_4's weight shard: the sha256 check skips it (naming the file), the run
     resumes from step_2 and repeats the uninterrupted losses of steps 3 and 4, never a NaN."""
     log_dir = tmp_path / "run"
@@ -88,11 +99,18 @@ def test_corrupted_latest_checkpoint_is_skipped_and_resume_takes_the_previous_on
 def test_nonfinite_loss_stops_the_run_and_writes_no_checkpoint(ray_session, tmp_path):
     """lr 1e30 blows the weights up within a few steps: the first step whose loss is not finite raises
     NonFiniteLossError; every step before it was logged and checkpointed (save_period 1), that step never."""
-    settings = {"policy.optimizer.kwargs.lr": 1e30, "checkpointing.save_period": 1, "sft.max_num_steps": 8,
-                "policy.model.from_config.attention_dropout": 0.0, "checkpointing.keep_top_k": "null"}
+    settings = {
+        "policy.optimizer.kwargs.lr": 1e30,
+        "checkpointing.save_period": 1,
+        "sft.max_num_steps": 8,
+        "policy.model.from_config.attention_dropout": 0.0,
+        "checkpointing.keep_top_k": "null",
+    }
     with pytest.raises(NonFiniteLossError, match="training loss is (nan|inf|-inf)"):
         train(tmp_path, **settings)
     finite_steps = sorted(losses(tmp_path))
     assert 1 <= len(finite_steps) < 8 and finite_steps == list(range(1, len(finite_steps) + 1))
-    checkpoints = sorted((p.name for p in (tmp_path / "checkpoints").iterdir()), key=lambda name: int(name[5:]))
+    checkpoints = sorted(
+        (p.name for p in (tmp_path / "checkpoints").iterdir()), key=lambda name: int(name[5:])
+    )
     assert checkpoints == [f"step_{step}" for step in finite_steps]

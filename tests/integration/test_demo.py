@@ -13,9 +13,21 @@ pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test,
 
 def test_short_demo_writes_run_directory_plot_and_summary(ray_session, tmp_path):
     out = tmp_path / "demo"
-    command = [sys.executable, "-m", "posttrain.cli", "demo", "--out", str(out), "sft_max_steps=10",
-               "sft_check_every=5", "grpo_steps=2", "grpo_val_period=1", "num_val=16", "num_prompts_per_step=4",
-               "num_generations_per_prompt=4"]
+    command = [
+        sys.executable,
+        "-m",
+        "posttrain.cli",
+        "demo",
+        "--out",
+        str(out),
+        "sft_max_steps=10",
+        "sft_check_every=5",
+        "grpo_steps=2",
+        "grpo_val_period=1",
+        "num_val=16",
+        "num_prompts_per_step=4",
+        "num_generations_per_prompt=4",
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -20,10 +20,18 @@ NUM_STEPS = 40
 
 def overrides(log_dir, model_dir, **extra):
     values = {
-        "logger.log_dir": str(log_dir), "logger.tensorboard_enabled": "false", "policy.model_name": str(model_dir),
-        "cluster.num_cpus_per_worker": 0.5, "data.num_train": 2048, "data.num_val": 256, "dpo.val_max_samples": 256,
-        "dpo.max_num_steps": NUM_STEPS, "dpo.val_period": 20, "checkpointing.save_period": 20,
-        "checkpointing.keep_top_k": "null", "dpo.export_final_model": "false",
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "policy.model_name": str(model_dir),
+        "cluster.num_cpus_per_worker": 0.5,
+        "data.num_train": 2048,
+        "data.num_val": 256,
+        "dpo.val_max_samples": 256,
+        "dpo.max_num_steps": NUM_STEPS,
+        "dpo.val_period": 20,
+        "checkpointing.save_period": 20,
+        "checkpointing.keep_top_k": "null",
+        "dpo.export_final_model": "false",
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -65,24 +73,37 @@ def test_loss_starts_at_ln2_falls_and_held_out_preference_accuracy_rises(dpo_ste
     assert first["train/rewards_rejected_mean"] == pytest.approx(0.0, abs=1e-6)
     last_losses = [dpo_steps[s]["train/loss"] for s in range(NUM_STEPS - 9, NUM_STEPS + 1)]
     final = dpo_steps[NUM_STEPS]
-    print(f"DPO train loss {first['train/loss']:.4f} -> {sum(last_losses) / 10:.4f} (mean of the last 10 steps); "
-          f"val loss {final['val/loss']:.4f}, val accuracy {dpo_steps[20]['val/accuracy']:.3f} (step 20) -> "
-          f"{final['val/accuracy']:.3f}")
+    print(
+        f"DPO train loss {first['train/loss']:.4f} -> {sum(last_losses) / 10:.4f} (mean of the last 10 "
+        "steps); "
+        f"val loss {final['val/loss']:.4f}, val accuracy {dpo_steps[20]['val/accuracy']:.3f} (step 20) -> "
+        f"{final['val/accuracy']:.3f}"
+    )
     assert sum(last_losses) / 10 < math.log(2) - 0.05
     assert final["val/loss"] < math.log(2) - 0.05
     assert final["val/accuracy"] >= 0.65  # 256 held-out pairs: chance is 0.5 +- 0.03; measured 0.73-0.85
     assert final["val/rewards_chosen_mean"] > final["val/rewards_rejected_mean"]
 
 
-def test_resume_from_a_checkpoint_equals_uninterrupted(dpo_log_dir, dpo_steps, arithmetic_sft_model, tmp_path):
+def test_resume_from_a_checkpoint_equals_uninterrupted(
+    dpo_log_dir, dpo_steps, arithmetic_sft_model, tmp_path
+):
     """Steps 21-22 of a run resumed from the shared run's step-20 checkpoint (model, optimizer, scheduler,
     data position; the reference stays the starting model) equal the uninterrupted run's."""
     checkpoint = dpo_log_dir / "checkpoints" / "step_20"
-    resumed = run_dpo(tmp_path, arithmetic_sft_model, **{"checkpointing.resume_from": checkpoint,
-                                                         "dpo.max_num_steps": 22, "dpo.val_period": 100})
+    resumed = run_dpo(
+        tmp_path,
+        arithmetic_sft_model,
+        **{"checkpointing.resume_from": checkpoint, "dpo.max_num_steps": 22, "dpo.val_period": 100},
+    )
     assert min(step for step, metrics in resumed.items() if "train/loss" in metrics) == 21
     for step in (21, 22):
-        for key in ("train/loss", "train/accuracy", "train/rewards_chosen_mean", "train/rewards_rejected_mean"):
+        for key in (
+            "train/loss",
+            "train/accuracy",
+            "train/rewards_chosen_mean",
+            "train/rewards_rejected_mean",
+        ):
             assert resumed[step][key] == pytest.approx(dpo_steps[step][key], abs=1e-6)
 
 
@@ -101,13 +122,23 @@ def test_settings_that_would_split_pairs_are_a_config_error_naming_the_key(tmp_p
     assert error.value.key == key
 
 
-def test_dpo_with_lora_learns_the_preference_against_the_base_model_as_reference(arithmetic_sft_model, tmp_path):
+def test_dpo_with_lora_learns_the_preference_against_the_base_model_as_reference(
+    arithmetic_sft_model, tmp_path
+):
     """20 DPO steps training only rank-8 adapters (lr 2e-3; the reference is the same model with the
     adapter disabled): step 1 is exactly ln 2 (B = 0, so policy = reference), and the held-out preference
     accuracy and reward margin rise (measured: val loss 0.561, accuracy 0.738, margin +0.50)."""
-    steps = run_dpo(tmp_path, arithmetic_sft_model, **{
-        "policy.lora.enabled": "true", "policy.optimizer.kwargs.lr": 2e-3, "dpo.max_num_steps": 20,
-        "dpo.val_period": 20, "checkpointing.enabled": "false"})
+    steps = run_dpo(
+        tmp_path,
+        arithmetic_sft_model,
+        **{
+            "policy.lora.enabled": "true",
+            "policy.optimizer.kwargs.lr": 2e-3,
+            "dpo.max_num_steps": 20,
+            "dpo.val_period": 20,
+            "checkpointing.enabled": "false",
+        },
+    )
     assert steps[1]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)
     final = steps[20]
     assert final["val/loss"] < math.log(2) - 0.05

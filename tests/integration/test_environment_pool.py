@@ -49,10 +49,13 @@ def test_dead_environment_actor_scores_zero_is_counted_and_restarted(ray_session
         "        if any(log[-1]['content'] == 'die' for log in message_logs):\n"
         "            os.kill(os.getpid(), signal.SIGKILL)\n"
         "        n = len(message_logs)\n"
-        "        return EnvironmentReturn([{'role': 'environment', 'content': ''}] * n, metadata, [None] * n,\n"
+        "        return EnvironmentReturn([{'role': 'environment', 'content': ''}] * n, metadata, [None] * "
+        "n,\n"
         "                                 torch.ones(n), torch.ones(n, dtype=torch.bool), ['ok'] * n)\n"
     )
-    pool = EnvironmentPool("fragile", EnvironmentConfig(cls=f"{path}:FragileEnv", num_workers=2, num_cpus=0.1))
+    pool = EnvironmentPool(
+        "fragile", EnvironmentConfig(cls=f"{path}:FragileEnv", num_workers=2, num_cpus=0.1)
+    )
     try:
         died = pool.step([conversation(r) for r in ["a", "b", "die", "c"]], [{}] * 4)
         assert died.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]

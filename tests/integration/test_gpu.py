@@ -28,8 +28,9 @@ def model_dir(tmp_path_factory):
 
 
 def make_policy(model_dir, num_gpus: float, **overrides) -> tuple[RayVirtualCluster, Policy]:
-    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=1, num_cpus_per_worker=1.0,
-                                              num_gpus_per_worker=num_gpus))
+    cluster = RayVirtualCluster(
+        ClusterConfig(workers_per_node=1, num_cpus_per_worker=1.0, num_gpus_per_worker=num_gpus)
+    )
     return cluster, Policy(cluster, policy_config(model_dir, **overrides))
 
 
@@ -84,8 +85,9 @@ def test_colocated_cuda_generation_agrees_with_training_and_refits(ray_session, 
     (mean exp|delta| <= 1.01, fp32); after a training step and a refit, greedy decoding equals decoding
     with the trained weights exported and run on the CPU."""
     cluster, policy = make_policy(model_dir, num_gpus=1.0)
-    generation = HFGeneration(cluster, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, colocated=True),
-                              str(model_dir))
+    generation = HFGeneration(
+        cluster, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, colocated=True), str(model_dir)
+    )
     try:
         tokenizer = load_tokenizer(model_dir)
         prompts = make_prompt_batch(tokenizer, PROMPTS)
@@ -93,7 +95,9 @@ def test_colocated_cuda_generation_agrees_with_training_and_refits(ray_session, 
         rows = BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
         training = policy.get_logprobs(rows)["logprobs"]
         positions = torch.arange(out["output_ids"].shape[1])[None]
-        generated = (positions >= prompts["input_lengths"][:, None]) & (positions < rows["input_lengths"][:, None])
+        generated = (positions >= prompts["input_lengths"][:, None]) & (
+            positions < rows["input_lengths"][:, None]
+        )
         error = torch.exp((training - out["logprobs"]).abs())[generated].mean()
         assert 1.0 <= float(error) <= 1.01
 
@@ -102,8 +106,10 @@ def test_colocated_cuda_generation_agrees_with_training_and_refits(ray_session, 
         greedy = generation.generate(prompts, greedy=True)
         policy.export_hf(tmp_path / "trained")
         model = load_model(tmp_path / "trained").eval()
-        expected = [reference_greedy(model, prompt_ids(prompts, i), MAX_NEW_TOKENS, tokenizer.eos_token_id)
-                    for i in range(len(PROMPTS))]
+        expected = [
+            reference_greedy(model, prompt_ids(prompts, i), MAX_NEW_TOKENS, tokenizer.eos_token_id)
+            for i in range(len(PROMPTS))
+        ]
         assert unpadded_outputs(greedy) == expected
     finally:
         generation.shutdown()
@@ -112,8 +118,10 @@ def test_colocated_cuda_generation_agrees_with_training_and_refits(ray_session, 
 
 
 def test_a_short_grpo_run_on_the_gpu_keeps_logprobs_consistent(ray_session, tmp_path):
-    steps = run_grpo(tmp_path, **{"grpo.max_num_steps": 3, "cluster.num_gpus_per_worker": 1.0,
-                                  "cluster.num_cpus_per_worker": 1.0})
+    steps = run_grpo(
+        tmp_path,
+        **{"grpo.max_num_steps": 3, "cluster.num_gpus_per_worker": 1.0, "cluster.num_cpus_per_worker": 1.0},
+    )
     for step in (1, 2, 3):
         assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01
         assert steps[step]["timing/generation"] > 0 and steps[step]["timing/training"] > 0

@@ -27,20 +27,38 @@ class DigitShareEnvironment(EnvironmentInterface):
         texts = [last_assistant_text(log).replace("<eos>", "") for log in message_logs]
         rewards = [sum(c.isdigit() for c in t) / max(1, len(t)) for t in texts]
         n = len(texts)
-        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, metadata, [None] * n,
-                                 torch.tensor(rewards), torch.ones(n, dtype=torch.bool), texts)
+        return EnvironmentReturn(
+            [{"role": "environment", "content": ""}] * n,
+            metadata,
+            [None] * n,
+            torch.tensor(rewards),
+            torch.ones(n, dtype=torch.bool),
+            texts,
+        )
 
 
 def overrides(log_dir, **extra):
     values = {
-        "logger.log_dir": str(log_dir), "logger.tensorboard_enabled": "false", "policy.model_name": "null",
-        "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, intermediate_size: 64, "
-                                     "tie_word_embeddings: false, seed: 3}",
-        "grpo.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4, "grpo.max_val_samples": 8,
-        "grpo.val_period": 2, "grpo.val_at_start": "false", "policy.train_global_batch_size": 8,
-        "policy.train_micro_batch_size": 4, "policy.optimizer.kwargs.lr": 0.01, "generation.max_new_tokens": 6,
-        "env.arithmetic.cls": "test_grpo:DigitShareEnvironment", "data.num_train": 64, "data.num_val": 8,
-        "cluster.num_cpus_per_worker": 0.5, "checkpointing.save_period": 2,
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "policy.model_name": "null",
+        "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
+        "intermediate_size: 64, "
+        "tie_word_embeddings: false, seed: 3}",
+        "grpo.num_prompts_per_step": 4,
+        "grpo.num_generations_per_prompt": 4,
+        "grpo.max_val_samples": 8,
+        "grpo.val_period": 2,
+        "grpo.val_at_start": "false",
+        "policy.train_global_batch_size": 8,
+        "policy.train_micro_batch_size": 4,
+        "policy.optimizer.kwargs.lr": 0.01,
+        "generation.max_new_tokens": 6,
+        "env.arithmetic.cls": "test_grpo:DigitShareEnvironment",
+        "data.num_train": 64,
+        "data.num_val": 8,
+        "cluster.num_cpus_per_worker": 0.5,
+        "checkpointing.save_period": 2,
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -88,12 +106,18 @@ def test_resume_equals_uninterrupted(ray_session, tmp_path):
 
 
 def test_colocated_and_separate_generation_give_the_same_result(ray_session, tmp_path):
-    colocated = run_grpo(tmp_path / "colocated", **{"grpo.max_num_steps": 2, "checkpointing.enabled": "false"})
-    separate = run_grpo(tmp_path / "separate", **{"grpo.max_num_steps": 2, "checkpointing.enabled": "false",
-                                                   "generation.colocated": "false"})
+    colocated = run_grpo(
+        tmp_path / "colocated", **{"grpo.max_num_steps": 2, "checkpointing.enabled": "false"}
+    )
+    separate = run_grpo(
+        tmp_path / "separate",
+        **{"grpo.max_num_steps": 2, "checkpointing.enabled": "false", "generation.colocated": "false"},
+    )
     for step in (1, 2):
         assert separate[step]["train/loss"] == pytest.approx(colocated[step]["train/loss"], abs=1e-6)
-        assert separate[step]["train/reward_mean"] == pytest.approx(colocated[step]["train/reward_mean"], abs=1e-6)
+        assert separate[step]["train/reward_mean"] == pytest.approx(
+            colocated[step]["train/reward_mean"], abs=1e-6
+        )
 
 
 class ScriptedGeneration:
@@ -105,36 +129,55 @@ class ScriptedGeneration:
     def generate(self, data, greedy=False, seed=None):
         texts = self.script[self.turn]
         self.turn += 1
-        answers = [self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id] for t in texts]
+        answers = [
+            self.tokenizer(t, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+            for t in texts
+        ]
         lengths = data["input_lengths"]
         width = int(lengths.max()) + max(len(a) for a in answers)
         output = torch.zeros(len(answers), width, dtype=torch.long)
         for i, ids in enumerate(answers):
             output[i, : lengths[i]] = data["input_ids"][i, : lengths[i]]
-            output[i, lengths[i]: lengths[i] + len(ids)] = torch.tensor(ids)
-        return {"output_ids": output, "logprobs": torch.full((len(answers), width), -0.5),
-                "generation_lengths": torch.tensor([len(a) for a in answers])}
+            output[i, lengths[i] : lengths[i] + len(ids)] = torch.tensor(ids)
+        return {
+            "output_ids": output,
+            "logprobs": torch.full((len(answers), width), -0.5),
+            "generation_lengths": torch.tensor([len(a) for a in answers]),
+        }
 
 
 def puzzle_records(tokenizer):
     from posttrain.data import DataConfig, load_datasets
 
-    cfg = DataConfig(dataset="sliding_puzzle", format="rl", num_train=2, num_val=1, puzzle_size=2,
-                     puzzle_scramble_moves=1, max_length=512)
+    cfg = DataConfig(
+        dataset="sliding_puzzle",
+        format="rl",
+        num_train=2,
+        num_val=1,
+        puzzle_size=2,
+        puzzle_scramble_moves=1,
+        max_length=512,
+    )
     return load_datasets(cfg, tokenizer)[0]
 
 
 def test_multi_turn_puzzle_rollout_appends_observations_and_rewards_a_solve(ray_session):
     tokenizer = build_char_tokenizer()
     records = puzzle_records(tokenizer)  # boards one move from solved
-    envs = create_environments({"sliding_puzzle": EnvironmentConfig(cls="sliding_puzzle", kwargs={"max_moves": 3})})
+    envs = create_environments(
+        {"sliding_puzzle": EnvironmentConfig(cls="sliding_puzzle", kwargs={"max_moves": 3})}
+    )
     boards = [r["extra_env_info"]["board"] for r in records]
     blank_rows = [next(r for r, row in enumerate(b) if 0 in row) for b in boards]
     solving = ["down" if row == 0 else "right" for row in blank_rows]  # the blank must end bottom right
     script = [["<action>jump</action>"] * 2, [f"<action>{move}</action>" for move in solving]]
     rollouts, metrics = run_multi_turn_rollout(
-        ScriptedGeneration(tokenizer, script), records_to_rollout_batch(records), tokenizer, envs,
-        max_seq_len=512, max_rollout_turns=4,
+        ScriptedGeneration(tokenizer, script),
+        records_to_rollout_batch(records),
+        tokenizer,
+        envs,
+        max_seq_len=512,
+        max_rollout_turns=4,
     )
     assert rollouts["total_reward"].tolist() == [1.0, 1.0]
     assert rollouts["num_turns"].tolist() == [2, 2]
@@ -150,8 +193,12 @@ def test_a_rollout_that_would_exceed_max_seq_len_is_truncated(ray_session):
     envs = create_environments({"sliding_puzzle": EnvironmentConfig(cls="sliding_puzzle")})
     prompt_length = max(r["length"] for r in records)
     rollouts, metrics = run_multi_turn_rollout(
-        ScriptedGeneration(tokenizer, [["<action>jump</action>"] * 2] * 4), records_to_rollout_batch(records), tokenizer,
-        envs, max_seq_len=prompt_length + 10, max_rollout_turns=4,
+        ScriptedGeneration(tokenizer, [["<action>jump</action>"] * 2] * 4),
+        records_to_rollout_batch(records),
+        tokenizer,
+        envs,
+        max_seq_len=prompt_length + 10,
+        max_rollout_turns=4,
     )
     assert rollouts["truncated"].tolist() == [True, True] and metrics["truncation_rate"] == 1.0
     for log in rollouts["message_log"]:
@@ -162,8 +209,13 @@ def test_dynamic_sampling_generates_more_rounds_and_fills_a_short_step(ray_sessi
     """Exact match on an untrained model: every group has reward 0 (no signal), so all 3 rounds run and
     the step is filled with zero-signal groups; with the share-of-digits reward, extra rounds find enough
     groups with signal to fill the step."""
-    settings = {"grpo.max_num_steps": 1, "checkpointing.enabled": "false", "grpo.val_period": 0,
-                "grpo.dynamic_sampling.enabled": "true", "grpo.dynamic_sampling.max_num_gen_batches": 3}
+    settings = {
+        "grpo.max_num_steps": 1,
+        "checkpointing.enabled": "false",
+        "grpo.val_period": 0,
+        "grpo.dynamic_sampling.enabled": "true",
+        "grpo.dynamic_sampling.max_num_gen_batches": 3,
+    }
     no_signal = run_grpo(tmp_path / "exact", **settings, **{"env.arithmetic.cls": "exact_match"})[1]
     assert no_signal["train/rollout/num_generation_rounds"] == 3.0
     assert no_signal["train/rollout/dynamic_sampling/filled_without_signal"] == 16.0

@@ -12,13 +12,19 @@ ASYNC = {"grpo.async_grpo.enabled": "true", "generation.colocated": "false"}
 NO_CHECKPOINTS = {"checkpointing.enabled": "false"}
 
 
-def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation_workers(ray_session, tmp_path):
+def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation_workers(
+    ray_session, tmp_path
+):
     """Two global batches per step (prev_logprobs recomputed in both modes), validation at step 2."""
     steps = {"grpo.max_num_steps": 3, **NO_CHECKPOINTS}
     sync = run_grpo(tmp_path / "sync", **steps)
     for num_workers in (1, 2):
-        run = run_grpo(tmp_path / f"async{num_workers}", **steps, **ASYNC, **{
-            "grpo.async_grpo.max_trajectory_age_steps": 0, "generation.num_workers": num_workers})
+        run = run_grpo(
+            tmp_path / f"async{num_workers}",
+            **steps,
+            **ASYNC,
+            **{"grpo.async_grpo.max_trajectory_age_steps": 0, "generation.num_workers": num_workers},
+        )
         for step in (1, 2, 3):
             assert run[step]["train/loss"] == pytest.approx(sync[step]["train/loss"], abs=1e-6)
             assert run[step]["train/reward_mean"] == pytest.approx(sync[step]["train/reward_mean"], abs=1e-6)
@@ -32,9 +38,17 @@ def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation
 def test_no_trained_trajectory_is_older_than_the_bound(ray_session, tmp_path, max_age):
     """One global batch per step, so pi_prev comes from the trained forward (no `logprobs` stage) for
     stale data too; the truncated importance weight against the generating weights stays near 1."""
-    run = run_grpo(tmp_path, **ASYNC, **NO_CHECKPOINTS, **{
-        "grpo.max_num_steps": 5, "grpo.async_grpo.max_trajectory_age_steps": max_age,
-        "policy.train_global_batch_size": 16, "grpo.val_period": 3})
+    run = run_grpo(
+        tmp_path,
+        **ASYNC,
+        **NO_CHECKPOINTS,
+        **{
+            "grpo.max_num_steps": 5,
+            "grpo.async_grpo.max_trajectory_age_steps": max_age,
+            "policy.train_global_batch_size": 16,
+            "grpo.val_period": 3,
+        },
+    )
     for step in range(1, 6):
         metrics = run[step]
         assert metrics["train/async/trajectory_age_max"] == min(max_age, step - 1) <= max_age
@@ -67,4 +81,6 @@ def test_async_resume_with_age_0_equals_uninterrupted(ray_session, tmp_path):
     resumed = run_grpo(tmp_path / "resumed", **settings, **{"grpo.max_num_steps": 4})
     for step in (3, 4):
         assert resumed[step]["train/loss"] == pytest.approx(uninterrupted[step]["train/loss"], abs=1e-6)
-        assert resumed[step]["train/reward_mean"] == pytest.approx(uninterrupted[step]["train/reward_mean"], abs=1e-6)
+        assert resumed[step]["train/reward_mean"] == pytest.approx(
+            uninterrupted[step]["train/reward_mean"], abs=1e-6
+        )

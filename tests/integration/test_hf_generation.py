@@ -37,7 +37,8 @@ def test_filter_logits_top_p_keeps_the_smallest_prefix_reaching_p():
 
 
 def test_sample_from_probs_inverts_the_cdf_and_skips_zero_probability_tokens():
-    """cdf of [0.2, 0, 0.5, 0.3, 0] is [0.2, 0.2, 0.7, 1.0, 1.0]: u=0.1 -> 0, 0.2 -> 2, 0.69 -> 2, 0.7 -> 3."""
+    """cdf of [0.2, 0, 0.5, 0.3, 0] is [0.2, 0.2, 0.7, 1.0, 1.0]: u=0.1 -> 0, 0.2 -> 2, 0.69 -> 2, 0.7 ->
+    3."""
     probs = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]]).repeat(5, 1)
     uniforms = torch.tensor([0.1, 0.2, 0.69, 0.7, 1.0 - 1e-12], dtype=torch.float64)
     assert sample_from_probs(probs, uniforms).tolist() == [0, 2, 2, 3, 3]
@@ -131,12 +132,17 @@ def prompt_ids(batch, i: int) -> list[int]:
 def test_greedy_equals_single_process_greedy_decode(one_worker, prompts, model_dir, tokenizer):
     outputs = one_worker.generate(prompts, greedy=True)
     model = load_model(model_dir).eval()
-    expected = [reference_greedy(model, prompt_ids(prompts, i), MAX_NEW_TOKENS, tokenizer.eos_token_id)
-                for i in range(len(PROMPTS))]
+    expected = [
+        reference_greedy(model, prompt_ids(prompts, i), MAX_NEW_TOKENS, tokenizer.eos_token_id)
+        for i in range(len(PROMPTS))
+    ]
     assert unpadded_outputs(outputs) == expected
-    assert outputs["generation_lengths"].tolist() == [len(e) - len(prompt_ids(prompts, i))
-                                                      for i, e in enumerate(expected)]
-    pad_cols = torch.arange(outputs["output_ids"].shape[1])[None] >= outputs["unpadded_sequence_lengths"][:, None]
+    assert outputs["generation_lengths"].tolist() == [
+        len(e) - len(prompt_ids(prompts, i)) for i, e in enumerate(expected)
+    ]
+    pad_cols = (
+        torch.arange(outputs["output_ids"].shape[1])[None] >= outputs["unpadded_sequence_lengths"][:, None]
+    )
     assert (outputs["output_ids"][pad_cols] == tokenizer.pad_token_id).all()
 
 
@@ -148,7 +154,9 @@ def test_logprobs_equal_log_softmax_of_a_recomputed_forward(one_worker, prompts,
         with torch.no_grad():
             logits = model(torch.tensor([sequence])).logits[0]  # [T, V]
         expected = torch.zeros(outputs["logprobs"].shape[1])
-        token_logprobs = (logits[:-1] / 0.7).log_softmax(-1).gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+        token_logprobs = (
+            (logits[:-1] / 0.7).log_softmax(-1).gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+        )
         start = int(prompts["input_lengths"][i])
         expected[start : len(sequence)] = token_logprobs[start - 1 :]
         torch.testing.assert_close(outputs["logprobs"][i], expected, atol=1e-5, rtol=0)
@@ -157,13 +165,15 @@ def test_logprobs_equal_log_softmax_of_a_recomputed_forward(one_worker, prompts,
 def test_stop_strings_stop_right_after_the_string_and_keep_it(one_worker, prompts, tokenizer):
     """With one seed, a sample draws the same tokens with or without stop strings, until it stops."""
     sampled = one_worker.generate(prompts, seed=21)
-    generated = [ids[int(prompts["input_lengths"][i]):] for i, ids in enumerate(unpadded_outputs(sampled))]
+    generated = [ids[int(prompts["input_lengths"][i]) :] for i, ids in enumerate(unpadded_outputs(sampled))]
     stops = {0: tokenizer.decode(generated[0][4:6]), 2: tokenizer.decode(generated[2][7:8])}
     stop_strings = [[stops[0]], None, ["never-generated", stops[2]]] + [None] * (len(PROMPTS) - 3)
     stopped = one_worker.generate(BatchedDataDict(prompts | {"stop_strings": stop_strings}), seed=21)
     for i, stop in stops.items():
         # The shortest prefix whose text contains the stop string: generation ends right there.
-        expected_len = next(n for n in range(1, MAX_NEW_TOKENS + 1) if stop in tokenizer.decode(generated[i][:n]))
+        expected_len = next(
+            n for n in range(1, MAX_NEW_TOKENS + 1) if stop in tokenizer.decode(generated[i][:n])
+        )
         assert unpadded_outputs(stopped)[i] == prompt_ids(prompts, i) + generated[i][:expected_len]
         assert int(stopped["generation_lengths"][i]) == expected_len
         assert not bool(stopped["truncated"][i])
@@ -196,8 +206,9 @@ def test_same_seed_gives_the_same_samples_and_another_seed_differs(one_worker, p
     assert not torch.equal(first["output_ids"], other["output_ids"])
 
 
-def test_greedy_after_update_weights_equals_decoding_with_the_new_weights(refit_worker, prompts, tmp_path,
-                                                                          tokenizer, ray_session):
+def test_greedy_after_update_weights_equals_decoding_with_the_new_weights(
+    refit_worker, prompts, tmp_path, tokenizer, ray_session
+):
     new_model = load_model(build_model_dir(ModelFromConfig(**TINY, seed=1), tmp_path / "new")).eval()
     seconds = refit_worker.update_weights(ray_session.put(new_model.state_dict()))
     assert seconds >= 0.0
@@ -207,8 +218,10 @@ def test_greedy_after_update_weights_equals_decoding_with_the_new_weights(refit_
         new_model.get_parameter(name).mul_(-3.0)
     refit_worker.update_weights({name: new_model.get_parameter(name).detach().clone()})
     outputs = refit_worker.generate(prompts, greedy=True)
-    expected = [reference_greedy(new_model, prompt_ids(prompts, i), 8, tokenizer.eos_token_id)
-                for i in range(len(PROMPTS))]
+    expected = [
+        reference_greedy(new_model, prompt_ids(prompts, i), 8, tokenizer.eos_token_id)
+        for i in range(len(PROMPTS))
+    ]
     assert unpadded_outputs(outputs) == expected
 
 
@@ -226,6 +239,10 @@ def test_top_k_none_samples_every_token_of_a_flat_distribution(refit_worker, mod
     outputs = refit_worker.generate(batch, seed=3)
     generated = outputs["logprobs"] != 0  # [B, T_out]
     num_vocab = load_model(model_dir).config.vocab_size
-    torch.testing.assert_close(outputs["logprobs"][generated],
-                               torch.full((int(generated.sum()),), -math.log(num_vocab)), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        outputs["logprobs"][generated],
+        torch.full((int(generated.sum()),), -math.log(num_vocab)),
+        atol=1e-6,
+        rtol=0,
+    )
     assert len(set(outputs["output_ids"][generated].tolist())) > 50

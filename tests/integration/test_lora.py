@@ -51,11 +51,20 @@ def direct_logprobs(model: torch.nn.Module, data: BatchedDataDict) -> torch.Tens
 
 
 def start_policy(model_dir, num_workers: int, init_reference_model: bool = False, **overrides):
-    cfg = validate_config(PolicyConfig, dict(
-        model_name=str(model_dir), train_global_batch_size=NUM_ROWS, train_micro_batch_size=2,
-        logprob_batch_size=4, max_grad_norm=1.0, seed=0, lora=LORA,
-        optimizer={"name": "AdamW", "kwargs": {"lr": 2e-2, "weight_decay": 0.0}}, **overrides,
-    ))
+    cfg = validate_config(
+        PolicyConfig,
+        dict(
+            model_name=str(model_dir),
+            train_global_batch_size=NUM_ROWS,
+            train_micro_batch_size=2,
+            logprob_batch_size=4,
+            max_grad_norm=1.0,
+            seed=0,
+            lora=LORA,
+            optimizer={"name": "AdamW", "kwargs": {"lr": 2e-2, "weight_decay": 0.0}},
+            **overrides,
+        ),
+    )
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=num_workers, num_cpus_per_worker=0.5))
     return cluster, Policy(cluster, cfg, init_reference_model)
 
@@ -150,11 +159,15 @@ def test_hf_generation_applies_the_adapter_to_its_resident_base(lora, model_dir,
     generation = HFGeneration(None, GenerationConfig(max_new_tokens=6, colocated=False), str(model_dir))
     try:
         generation.update_weights(ray_session.put(lora["payload"]))
-        prompts = BatchedDataDict(input_ids=lora["data"]["input_ids"][:, :4], input_lengths=torch.full((NUM_ROWS,), 4))
+        prompts = BatchedDataDict(
+            input_ids=lora["data"]["input_ids"][:, :4], input_lengths=torch.full((NUM_ROWS,), 4)
+        )
         outputs = generation.generate(prompts, seed=3)
     finally:
         generation.shutdown()
-    sequences = BatchedDataDict(input_ids=outputs["output_ids"], input_lengths=outputs["unpadded_sequence_lengths"])
+    sequences = BatchedDataDict(
+        input_ids=outputs["output_ids"], input_lengths=outputs["unpadded_sequence_lengths"]
+    )
     policy_logprobs = lora["policy"].get_logprobs(sequences)["logprobs"]
     generated = outputs["logprobs"] != 0
     torch.testing.assert_close(outputs["logprobs"][generated], policy_logprobs[generated], atol=1e-5, rtol=0)
@@ -162,7 +175,8 @@ def test_hf_generation_applies_the_adapter_to_its_resident_base(lora, model_dir,
 
 def assert_exports_reproduce(checkpoint, out, model_dir, data, checkpoint_logprobs, final_logprobs) -> None:
     """`posttrain export` of `checkpoint` as a PEFT adapter (on the base model) and `--merge`d give the
-    checkpoint's logprobs; the run's end-of-run `hf_model` (merged, adapter beside it) gives the final ones."""
+    checkpoint's logprobs; the run's end-of-run `hf_model` (merged, adapter beside it) gives the final
+    ones."""
     assert posttrain_main(["export", str(checkpoint), str(out / "adapter")]) == 0
     assert posttrain_main(["export", str(checkpoint), str(out / "merged"), "--merge"]) == 0
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -176,8 +190,14 @@ def assert_exports_reproduce(checkpoint, out, model_dir, data, checkpoint_logpro
 
 
 def test_export_writes_a_peft_adapter_and_a_merged_model_equal_to_the_policy(lora, model_dir):
-    assert_exports_reproduce(lora["checkpoint"], lora["out"], model_dir, lora["data"], lora["checkpoint_logprobs"],
-                             lora["trained_logprobs"])
+    assert_exports_reproduce(
+        lora["checkpoint"],
+        lora["out"],
+        model_dir,
+        lora["data"],
+        lora["checkpoint_logprobs"],
+        lora["trained_logprobs"],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -229,7 +249,9 @@ def test_lora_tensor_parallel_reference_and_export(lora_tp, lora, model_dir):
     expected = direct_logprobs(base, lora["data"])
     torch.testing.assert_close(lora_tp["reference_logprobs"], expected, atol=1e-5, rtol=0)
     final = AutoModelForCausalLM.from_pretrained(lora_tp["out"] / "hf_model", dtype=torch.float32).eval()
-    torch.testing.assert_close(direct_logprobs(final, lora["data"]), lora_tp["trained_logprobs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        direct_logprobs(final, lora["data"]), lora_tp["trained_logprobs"], atol=1e-5, rtol=0
+    )
 
 
 def test_lora_checkpoints_move_between_tensor_parallel_layouts(lora, lora_tp, model_dir):
@@ -257,8 +279,16 @@ def test_grpo_with_lora_refits_the_adapter_only_and_generation_matches_training(
     sampled tokens then match the trainer's (token_mult_prob_error ~ 1)."""
     from test_grpo import run_grpo
 
-    steps = run_grpo(tmp_path, **{"grpo.max_num_steps": 2, "grpo.val_period": 0, "policy.lora.enabled": "true",
-                                  "policy.lora.rank": 4, "policy.lora.alpha": 8})
+    steps = run_grpo(
+        tmp_path,
+        **{
+            "grpo.max_num_steps": 2,
+            "grpo.val_period": 0,
+            "policy.lora.enabled": "true",
+            "policy.lora.rank": 4,
+            "policy.lora.alpha": 8,
+        },
+    )
     assert steps[1]["train/refit_bytes"] == 0
     assert steps[2]["train/refit_bytes"] == ADAPTER_BYTES
     assert 1.0 <= steps[2]["train/token_mult_prob_error"] <= 1.001
@@ -280,7 +310,9 @@ def test_reward_model_with_lora_trains_its_score_head_and_exports_merged(ray_ses
     assert losses[-1] < losses[0]
     assert trainable == ADAPTER_BYTES + 32 * 4  # the adapters and the 1 x 32 score head
     assert posttrain_main(["export", str(tmp_path / "step_3"), str(tmp_path / "merged"), "--merge"]) == 0
-    merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    merged = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "merged", dtype=torch.float32
+    ).eval()
     lengths = data["input_lengths"]
     real = (torch.arange(SEQ_LEN).unsqueeze(0) < lengths.unsqueeze(1)).long()
     pad_id = merged.config.pad_token_id

@@ -71,8 +71,14 @@ def megatron_overrides(**megatron) -> dict:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A tiny Llama with grouped-query attention (4 heads, 2 kv heads) and tied embeddings."""
-    cfg = ModelFromConfig(architecture="llama", hidden_size=32, num_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=64)
+    cfg = ModelFromConfig(
+        architecture="llama",
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    )
     return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_llama"))
 
 
@@ -83,8 +89,12 @@ def runs(ray_session, model_dir, tmp_path_factory):
     checkpoint_dir = tmp_path_factory.mktemp("megatron_ckpt") / "step_1"
     built = {}
     for name, overrides in [("dtensor", {}), *((n, megatron_overrides(**o)) for n, o in LAYOUTS.items())]:
-        run = Trained(model_dir, 1 if name == "dtensor" else 2,
-                      checkpoint_dir=checkpoint_dir if name == "tp2" else None, **overrides)
+        run = Trained(
+            model_dir,
+            1 if name == "dtensor" else 2,
+            checkpoint_dir=checkpoint_dir if name == "tp2" else None,
+            **overrides,
+        )
         if name == "pp2":  # resume the TP 2 checkpoint at PP 2 and redo SFT steps 2 and 3
             run.policy.load_checkpoint(checkpoint_dir)
             run.checkpoint_dir = checkpoint_dir
@@ -146,8 +156,12 @@ def test_posttrain_export_converts_a_megatron_checkpoint(runs, tmp_path):
     """`posttrain export` of the TP 2 checkpoint (one process, resharded to TP 1) gives the weights that the
     PP 2 policy had right after loading it."""
     run = runs["pp2"]
-    subprocess.run([sys.executable, "-m", "posttrain.cli", "export", str(run.checkpoint_dir), str(tmp_path / "hf")],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "export", str(run.checkpoint_dir), str(tmp_path / "hf")],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     state = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).state_dict()
     assert set(state) == set(run.checkpoint_weights)
     for name, tensor in run.checkpoint_weights.items():
@@ -169,29 +183,46 @@ def megatron_round_trip(model_dir: str) -> dict[str, float]:
     ensure_process_group()
     with cpu_shim(), torch.no_grad():
         parallel_state.initialize_model_parallel(1, 1)
-        parallel = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False}
-        model = mc.build_gpt_model(hf_model.config, mc.transformer_config(hf_model.config, parallel, False), True, True)
+        parallel = {
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "sequence_parallel": False,
+        }
+        model = mc.build_gpt_model(
+            hf_model.config, mc.transformer_config(hf_model.config, parallel, False), True, True
+        )
         layout = mc.gpt_layout(hf_model.config, 1)
         names = [name for name, _ in model.named_parameters()]
         for name, tensor in mc.hf_to_megatron(hf_model.state_dict(), names, 0, layout, 0, 1).items():
             model.get_parameter(name).copy_(tensor)
         input_ids = torch.randint(0, layout.vocab_size, (3, 11), generator=torch.Generator().manual_seed(0))
         positions = torch.arange(11).expand(3, 11)
-        megatron_logits = model(input_ids, positions, causal_mask(11, torch.device("cpu")))[..., : layout.vocab_size]
+        megatron_logits = model(input_ids, positions, causal_mask(11, torch.device("cpu")))[
+            ..., : layout.vocab_size
+        ]
         expected = hf_model(input_ids).logits
         rebuilt = AutoModelForCausalLM.from_config(hf_model.config, dtype=torch.float32)
         rebuilt.load_state_dict(mc.megatron_to_hf({n: p for n, p in model.named_parameters()}, 0, layout))
         rebuilt_logits = rebuilt(input_ids).logits
     dist.destroy_process_group()
-    return {"megatron": float((megatron_logits - expected).abs().max()),
-            "rebuilt": float((rebuilt_logits - expected).abs().max())}
+    return {
+        "megatron": float((megatron_logits - expected).abs().max()),
+        "rebuilt": float((rebuilt_logits - expected).abs().max()),
+    }
 
 
 def test_qwen2_to_megatron_and_back_keeps_logits(ray_session, tmp_path):
     """Qwen2 with q/k/v biases, untied embeddings and GQA (Llama with tied embeddings is the model of the
     tests above). Runs in a one-off Ray worker process: the CPU shim patches torch.cuda process-wide."""
-    cfg = ModelFromConfig(architecture="qwen2", hidden_size=32, num_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=64, tie_word_embeddings=False)
+    cfg = ModelFromConfig(
+        architecture="qwen2",
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        tie_word_embeddings=False,
+    )
     model_dir = str(build_model_dir(cfg, tmp_path / "qwen2"))
     task = ray_session.remote(num_cpus=0.5, max_calls=1)(megatron_round_trip)
     differences = ray_session.get(task.remote(model_dir))
@@ -204,9 +235,15 @@ def test_sft_loop_on_megatron_pipeline_gives_the_default_losses_and_exports(ray_
     worker: the same losses for 3 steps, and the final Hugging Face export loads."""
     settings = {"sft.max_num_steps": 3, "sft.val_period": 3, "checkpointing.enabled": "false"}
     default = run_sft(tmp_path / "dtensor", **settings, **{"sft.export_final_model": "false"})
-    megatron = run_sft(tmp_path / "megatron", **settings, **{
-        "policy.backend": "megatron", "policy.megatron.pipeline_model_parallel_size": 2,
-        "cluster.workers_per_node": 2})
+    megatron = run_sft(
+        tmp_path / "megatron",
+        **settings,
+        **{
+            "policy.backend": "megatron",
+            "policy.megatron.pipeline_model_parallel_size": 2,
+            "cluster.workers_per_node": 2,
+        },
+    )
     assert list(megatron) == [1, 2, 3]
     for step, loss in default.items():
         assert megatron[step] == pytest.approx(loss, abs=1e-5)
@@ -216,9 +253,16 @@ def test_sft_loop_on_megatron_pipeline_gives_the_default_losses_and_exports(ray_
 def test_grpo_loop_on_megatron_refits_generation_with_matching_logprobs(ray_session, tmp_path):
     """`posttrain grpo` at TP 2: before and after the first refit (step 2) the generation workers' logprobs
     match the Megatron trainer's (token_mult_prob_error ~ 1), and a native checkpoint is written."""
-    steps = run_grpo(tmp_path, **{"grpo.max_num_steps": 2, "policy.train_global_batch_size": 16,
-                                  "policy.backend": "megatron", "policy.megatron.tensor_model_parallel_size": 2,
-                                  "cluster.workers_per_node": 2})
+    steps = run_grpo(
+        tmp_path,
+        **{
+            "grpo.max_num_steps": 2,
+            "policy.train_global_batch_size": 16,
+            "policy.backend": "megatron",
+            "policy.megatron.tensor_model_parallel_size": 2,
+            "cluster.workers_per_node": 2,
+        },
+    )
     assert "timing/refit" in steps[2]
     for step in (1, 2):
         assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01
@@ -240,10 +284,12 @@ def reward_model_run(model_dir, num_workers: int, **overrides) -> tuple[torch.Te
 
 
 def test_reward_model_at_tp2_gives_dtensor_scores_and_losses(ray_session, model_dir):
-    """The score head ([1, H], replicated over TP ranks) sees the whole sequence under sequence parallelism."""
+    """The score head ([1, H], replicated over TP ranks) sees the whole sequence under sequence
+    parallelism."""
     scores, losses = reward_model_run(model_dir, 1)
     megatron_scores, megatron_losses = reward_model_run(
-        model_dir, 2, **megatron_overrides(tensor_model_parallel_size=2, sequence_parallel=True))
+        model_dir, 2, **megatron_overrides(tensor_model_parallel_size=2, sequence_parallel=True)
+    )
     torch.testing.assert_close(megatron_scores, scores, atol=1e-5, rtol=0)
     assert megatron_losses == pytest.approx(losses, abs=1e-5)
     assert losses[-1] < losses[0]

@@ -36,9 +36,16 @@ NUM_ADAPTER_TENSORS = 2 * 7 * 2  # layers x HF modules x (A, B)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny Llama with grouped-query attention and tied embeddings (as tests/integration/test_megatron.py)."""
-    cfg = ModelFromConfig(architecture="llama", hidden_size=32, num_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=64)
+    """A tiny Llama with grouped-query attention and tied embeddings (as
+    tests/integration/test_megatron.py)."""
+    cfg = ModelFromConfig(
+        architecture="llama",
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+    )
     return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_llama"))
 
 
@@ -61,8 +68,12 @@ def runs(ray_session, model_dir, tmp_path_factory):
     policy.shutdown()
     cluster.shutdown()
 
-    cluster, policy = start_policy(model_dir, 2, init_reference_model=True,
-                                   **megatron(tensor_model_parallel_size=2, sequence_parallel=True))
+    cluster, policy = start_policy(
+        model_dir,
+        2,
+        init_reference_model=True,
+        **megatron(tensor_model_parallel_size=2, sequence_parallel=True),
+    )
     found["own_initial_adapter"] = ray_session.get(policy.get_weights(only_changed=False))
     policy.worker_group.run_all("load_adapter", adapter=found["initial_adapter"])
     found["footprint"] = policy.memory_footprint()
@@ -100,17 +111,23 @@ def assert_same_adapter(actual: lora.AdapterWeights, expected: lora.AdapterWeigh
 
 def test_megatron_lora_at_tp2_gives_the_dtensor_lora_losses_and_adapter(runs):
     assert losses(runs["steps"]) == pytest.approx(losses(runs["dtensor_steps"]), abs=1e-5)
-    assert losses(runs["steps"], "grad_norm") == pytest.approx(losses(runs["dtensor_steps"], "grad_norm"), abs=1e-5)
+    assert losses(runs["steps"], "grad_norm") == pytest.approx(
+        losses(runs["dtensor_steps"], "grad_norm"), abs=1e-5
+    )
     assert losses(runs["steps"])[-1] < losses(runs["steps"])[0] - 0.1
     # the refit payload: PEFT names of the HF model, q/k/v and gate/up split back out of the fused linears
     assert_same_adapter(runs["adapter"], runs["dtensor_adapter"], atol=1e-5)
-    assert runs["refit_bytes"] == runs["adapter"].num_bytes == 4096 * 4  # 2 layers x 2048 parameters, unsharded
+    assert (
+        runs["refit_bytes"] == runs["adapter"].num_bytes == 4096 * 4
+    )  # 2 layers x 2048 parameters, unsharded
 
 
 def test_megatron_lora_starts_as_peft_does(runs):
     """Its own initial adapter: peft's names and shapes, B = 0, A uniform in +-1/sqrt(in features)."""
     own, peft_initial = runs["own_initial_adapter"], runs["initial_adapter"]
-    assert {n: t.shape for n, t in own.tensors.items()} == {n: t.shape for n, t in peft_initial.tensors.items()}
+    assert {n: t.shape for n, t in own.tensors.items()} == {
+        n: t.shape for n, t in peft_initial.tensors.items()
+    }
     for name, tensor in own.tensors.items():
         if ".lora_B." in name:
             assert not tensor.any()
@@ -138,7 +155,9 @@ def test_the_refit_adapter_on_a_hf_base_gives_the_policy_logprobs(runs, model_di
     """What HF generation does with the payload (lora.apply_adapter on its resident base)."""
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with_adapter = lora.apply_adapter(base, runs["adapter"]).eval()
-    torch.testing.assert_close(direct_logprobs(with_adapter, make_train_data()), runs["logprobs"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        direct_logprobs(with_adapter, make_train_data()), runs["logprobs"], atol=1e-5, rtol=0
+    )
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_pp2_like_the_uninterrupted_run(runs):
@@ -147,5 +166,11 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2_like_the_uninterrupted_run(runs)
 
 
 def test_export_of_a_megatron_lora_checkpoint_reproduces_the_policy(runs, model_dir):
-    assert_exports_reproduce(runs["checkpoint"].parent, runs["out"], model_dir, make_train_data(),
-                             runs["checkpoint_logprobs"], runs["logprobs"])
+    assert_exports_reproduce(
+        runs["checkpoint"].parent,
+        runs["out"],
+        model_dir,
+        make_train_data(),
+        runs["checkpoint_logprobs"],
+        runs["logprobs"],
+    )

@@ -42,7 +42,8 @@ for process in [driver, *driver.children(recursive=True)]:
         pass
 print(json.dumps({
     "totals": [t for t, _ in totals], "worker_sockets": worker_sockets, "listening": listening,
-    "node_ip": ray.nodes()[0]["NodeManagerAddress"], "token_auth": get_authentication_mode() == AuthenticationMode.TOKEN,
+    "node_ip": ray.nodes()[0]["NodeManagerAddress"], "token_auth": get_authentication_mode() ==
+    AuthenticationMode.TOKEN,
 }))
 cluster.shutdown()
 """
@@ -63,7 +64,9 @@ def test_local_cluster_and_rendezvous_listen_on_loopback_only_with_token_auth(tm
     names = {name for name, _, _ in report["listening"]}
     assert {"gcs_server", "raylet"} <= names and len(report["listening"]) >= 5, report["listening"]
     exposed = [entry for entry in report["listening"] if not is_loopback(entry[1])]
-    exposed += [entry for sockets in report["worker_sockets"] for entry in sockets if not is_loopback(entry[0])]
+    exposed += [
+        entry for sockets in report["worker_sockets"] for entry in sockets if not is_loopback(entry[0])
+    ]
     assert exposed == [], f"listening on a non-loopback address: {exposed}"
     agent_http = [entry for entry in report["listening"] if entry[2] == 52365]
     assert agent_http == [], "the dashboard agent's HTTP server (job API) runs though it was not asked for"

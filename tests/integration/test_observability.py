@@ -1,4 +1,5 @@
-"""What the logger promises (docs/architecture.md, README "Logging"), on real runs: worker stage timing reaches the driver's
+"""What the logger promises (docs/architecture.md, README "Logging"), on real runs: worker stage timing
+reaches the driver's
 log (max over ranks), SFT and RM print their own validation samples, MLflow holds the run's artifacts."""
 
 import json
@@ -33,19 +34,36 @@ def test_sft_logs_worker_timing_prints_greedy_samples_and_keeps_mlflow_artifacts
     model artifacts and checkpoints."""
     from mlflow.tracking import MlflowClient
 
-    cfg = load_typed_config(sft.SFTConfig, str(REPO / "configs" / "sft_tiny.yaml"), [
-        f"logger.log_dir={tmp_path}", "logger.tensorboard_enabled=false", "logger.mlflow_enabled=true",
-        "logger.num_val_samples_to_print=3", "policy.model.from_config.hidden_size=64",
-        "policy.model.from_config.num_layers=2", "policy.model.from_config.intermediate_size=128",
-        "policy.train_global_batch_size=16", "policy.train_micro_batch_size=8", "cluster.num_cpus_per_worker=0.5",
-        "cluster.workers_per_node=2", "sft.val_max_samples=8", "data.num_train=64", "data.num_val=8",
-        "sft.max_num_steps=2", "sft.val_period=2", "checkpointing.save_period=2",
-    ])
+    cfg = load_typed_config(
+        sft.SFTConfig,
+        str(REPO / "configs" / "sft_tiny.yaml"),
+        [
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard_enabled=false",
+            "logger.mlflow_enabled=true",
+            "logger.num_val_samples_to_print=3",
+            "policy.model.from_config.hidden_size=64",
+            "policy.model.from_config.num_layers=2",
+            "policy.model.from_config.intermediate_size=128",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=8",
+            "cluster.num_cpus_per_worker=0.5",
+            "cluster.workers_per_node=2",
+            "sft.val_max_samples=8",
+            "data.num_train=64",
+            "data.num_val=8",
+            "sft.max_num_steps=2",
+            "sft.val_period=2",
+            "checkpointing.save_period=2",
+        ],
+    )
     run = run_to_end(sft, cfg, sft.sft_train)
     timing = {r["step"]: r for r in records(tmp_path) if "timing/policy_worker/train" in r}
     assert sorted(timing) == [1, 2]
     assert all(0 < r["timing/policy_worker/train"] <= r["timing/train"] for r in timing.values())
-    samples = [json.loads(line) for line in (tmp_path / "val_samples" / "step_2.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line) for line in (tmp_path / "val_samples" / "step_2.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 3
     for sample in samples:
         roles = [m["role"] for m in sample["message_log"]]
@@ -56,22 +74,38 @@ def test_sft_logs_worker_timing_prints_greedy_samples_and_keeps_mlflow_artifacts
     top = sorted(a.path for a in client.list_artifacts(mlflow.run_id))
     assert top == ["checkpoints", "config.yaml", "hf_model"]
     assert [a.path for a in client.list_artifacts(mlflow.run_id, "checkpoints/step_2")] == [
-        "checkpoints/step_2/config.yaml", "checkpoints/step_2/training_info.json"
+        "checkpoints/step_2/config.yaml",
+        "checkpoints/step_2/training_info.json",
     ]
 
 
 def test_reward_model_prints_prompt_chosen_rejected_and_its_scores(arithmetic_sft_model, tmp_path):
     """SFT/DPO/RM print their own validation samples: for a reward model the prompt, the reference
     (chosen) and the rejected response with the model's score of each; reward = the margin."""
-    cfg = load_typed_config(rm.RMConfig, str(REPO / "configs" / "rm_tiny.yaml"), [
-        f"logger.log_dir={tmp_path}", "logger.tensorboard_enabled=false", "logger.num_val_samples_to_print=2",
-        f"policy.model_name={arithmetic_sft_model}", "cluster.num_cpus_per_worker=0.5", "data.num_train=64",
-        "data.num_val=8", "rm.val_max_samples=8", "rm.max_num_steps=1", "rm.val_period=1",
-        "checkpointing.enabled=false", "rm.export_final_model=false", "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=16",
-    ])
+    cfg = load_typed_config(
+        rm.RMConfig,
+        str(REPO / "configs" / "rm_tiny.yaml"),
+        [
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard_enabled=false",
+            "logger.num_val_samples_to_print=2",
+            f"policy.model_name={arithmetic_sft_model}",
+            "cluster.num_cpus_per_worker=0.5",
+            "data.num_train=64",
+            "data.num_val=8",
+            "rm.val_max_samples=8",
+            "rm.max_num_steps=1",
+            "rm.val_period=1",
+            "checkpointing.enabled=false",
+            "rm.export_final_model=false",
+            "policy.train_global_batch_size=16",
+            "policy.train_micro_batch_size=16",
+        ],
+    )
     run_to_end(rm, cfg, rm.rm_train)
-    samples = [json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()
+    ]
     assert len(samples) == 2
     for sample in samples:
         log = sample["message_log"]

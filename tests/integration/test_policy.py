@@ -1,6 +1,7 @@
 """Training backend invariants on real Ray actors and FSDP2 over gloo: splits of a batch do not change
 the update (1 vs 2 workers, 2x4 vs 8x1 micro-batches, packed vs padded rows), logprobs follow the
-batch-key contract of distributed/batched_data_dict.py, and checkpoints / exports / reference weights reproduce logprobs."""
+batch-key contract of distributed/batched_data_dict.py, and checkpoints / exports / reference weights
+reproduce logprobs."""
 
 from __future__ import annotations
 
@@ -49,10 +50,16 @@ def test_token_logprobs_gradient_equals_autograd_of_log_softmax():
     input_ids = torch.randint(0, 11, (2, 5))
     for temperature in (1.0, 0.7):
         logits = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
-        assert torch.autograd.gradcheck(lambda x, t=temperature: compute_token_logprobs(x, input_ids, t), (logits,))
+        assert torch.autograd.gradcheck(
+            lambda x, t=temperature: compute_token_logprobs(x, input_ids, t), (logits,)
+        )
         weights = torch.randn(2, 5, dtype=torch.float64)
-        (grad,) = torch.autograd.grad((compute_token_logprobs(logits, input_ids, temperature) * weights).sum(), logits)
-        composed = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        (grad,) = torch.autograd.grad(
+            (compute_token_logprobs(logits, input_ids, temperature) * weights).sum(), logits
+        )
+        composed = (
+            (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+        )
         (expected,) = torch.autograd.grad((composed * weights[:, 1:]).sum(), logits)
         torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-12)
     assert compute_token_logprobs(torch.randn(1, 3, 4), torch.tensor([[0, 1, 2]])).dtype == torch.float32

@@ -28,7 +28,9 @@ class LengthStatsLoss:
         loss, metrics = NLLLoss()(logprobs, data, global_valid_seqs, global_valid_toks)
         lengths = data["input_lengths"].float()
         return loss, metrics | {
-            "length_mean": float(lengths.mean()), "longest": float(lengths.max()), "shortest": float(lengths.min()),
+            "length_mean": float(lengths.mean()),
+            "longest": float(lengths.max()),
+            "shortest": float(lengths.min()),
         }
 
 
@@ -37,9 +39,15 @@ def two_workers(ray_session, tmp_path_factory):
     model_cfg = ModelFromConfig(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
     model_dir = build_model_dir(model_cfg, tmp_path_factory.mktemp("tiny"))
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
-    policy = Policy(cluster, PolicyConfig(
-        model_name=str(model_dir), train_global_batch_size=8, train_micro_batch_size=2, logprob_batch_size=4,
-    ))
+    policy = Policy(
+        cluster,
+        PolicyConfig(
+            model_name=str(model_dir),
+            train_global_batch_size=8,
+            train_micro_batch_size=2,
+            logprob_batch_size=4,
+        ),
+    )
     yield policy
     policy.shutdown()
     cluster.shutdown()
@@ -48,11 +56,13 @@ def two_workers(ray_session, tmp_path_factory):
 def length_data() -> BatchedDataDict:
     lengths = torch.tensor(LENGTHS)
     real = (torch.arange(12).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [8, 12]
-    return BatchedDataDict(input_ids=(torch.arange(12) % 50 + 4) * real, input_lengths=lengths, token_mask=real)
+    return BatchedDataDict(
+        input_ids=(torch.arange(12) % 50 + 4) * real, input_lengths=lengths, token_mask=real
+    )
 
 
 def test_metric_reductions_across_ranks_are_chosen_per_metric(two_workers):
-    """"Tracking distributed metrics with specified reductions (mean, max, etc.)": over the 4 micro-batches
+    """ "Tracking distributed metrics with specified reductions (mean, max, etc.)": over the 4 micro-batches
     of 2 rows on 2 ranks, the mean of micro-batch means is the mean of all 8 lengths (68/8 = 8.5), the
     max is 12 and the min is 5 -- not their sums (34, 41, 25)."""
     metrics = two_workers.evaluate(length_data(), LengthStatsLoss())
@@ -60,4 +70,3 @@ def test_metric_reductions_across_ranks_are_chosen_per_metric(two_workers):
     assert metrics["longest"] == [12.0]
     assert metrics["shortest"] == [5.0]
     assert metrics["num_valid_tokens"] == [68.0]  # undeclared: summed
-

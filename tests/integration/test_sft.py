@@ -24,11 +24,17 @@ CONFIG = str(REPO / "configs" / "sft_tiny.yaml")
 
 def tiny_overrides(log_dir, **extra):
     values = {
-        "logger.log_dir": str(log_dir), "logger.tensorboard_enabled": "false",
-        "policy.model.from_config.hidden_size": 64, "policy.model.from_config.num_layers": 2,
-        "policy.model.from_config.intermediate_size": 128, "policy.train_global_batch_size": 16,
-        "policy.train_micro_batch_size": 8, "cluster.num_cpus_per_worker": 0.5, "sft.val_max_samples": 32,
-        "data.num_train": 400, "data.num_val": 32,
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "policy.model.from_config.hidden_size": 64,
+        "policy.model.from_config.num_layers": 2,
+        "policy.model.from_config.intermediate_size": 128,
+        "policy.train_global_batch_size": 16,
+        "policy.train_micro_batch_size": 8,
+        "cluster.num_cpus_per_worker": 0.5,
+        "sft.val_max_samples": 32,
+        "data.num_train": 400,
+        "data.num_val": 32,
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -50,7 +56,12 @@ def run_sft(log_dir, **extra):
 
 
 def test_one_and_two_fsdp2_workers_give_the_same_losses(ray_session, tmp_path):
-    settings = {"sft.max_num_steps": 3, "sft.val_period": 3, "checkpointing.enabled": "false", "sft.export_final_model": "false"}
+    settings = {
+        "sft.max_num_steps": 3,
+        "sft.val_period": 3,
+        "checkpointing.enabled": "false",
+        "sft.export_final_model": "false",
+    }
     one = run_sft(tmp_path / "one", **settings)
     two = run_sft(tmp_path / "two", **settings, **{"cluster.workers_per_node": 2})
     assert list(one) == [1, 2, 3]
@@ -61,13 +72,26 @@ def test_one_and_two_fsdp2_workers_give_the_same_losses(ray_session, tmp_path):
 def test_sigkill_after_a_checkpoint_then_restart_reproduces_the_uninterrupted_losses(ray_session, tmp_path):
     """The run is killed as soon as its first checkpoint lands; on a fast machine it may have saved a few
     more by then (every checkpoint is kept), so the comparison starts after whichever one is the latest."""
-    settings = {"sft.val_period": 1000, "checkpointing.save_period": 3, "checkpointing.keep_top_k": 1000,
-                "sft.export_final_model": "false"}
+    settings = {
+        "sft.val_period": 1000,
+        "checkpointing.save_period": 3,
+        "checkpointing.keep_top_k": 1000,
+        "sft.export_final_model": "false",
+    }
     log_dir = tmp_path / "killed"
-    command = [sys.executable, "-m", "posttrain.cli", "sft", "--config", CONFIG,
-               *tiny_overrides(log_dir, **{**settings, "sft.max_num_steps": 1000})]
+    command = [
+        sys.executable,
+        "-m",
+        "posttrain.cli",
+        "sft",
+        "--config",
+        CONFIG,
+        *tiny_overrides(log_dir, **{**settings, "sft.max_num_steps": 1000}),
+    ]
     env = {**os.environ, "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.monotonic() + 180
     while not (log_dir / "checkpoints" / "step_3").exists() and time.monotonic() < deadline:
         assert process.poll() is None, "the run ended before its first checkpoint"
@@ -88,9 +112,20 @@ def test_bad_data_stops_the_command_naming_file_and_line(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text('{"prompt": "1+1=", "response": "2"}\n{"prompt": "2+2="\n')
     result = subprocess.run(
-        [sys.executable, "-m", "posttrain.cli", "sft", "--config", CONFIG,
-         *tiny_overrides(tmp_path / "run", **{"data.dataset": str(data), "data.format": "prompt_response"})],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "posttrain.cli",
+            "sft",
+            "--config",
+            CONFIG,
+            *tiny_overrides(
+                tmp_path / "run", **{"data.dataset": str(data), "data.format": "prompt_response"}
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 2
     assert f"{data}:2: malformed JSON line" in result.stderr
@@ -99,10 +134,19 @@ def test_bad_data_stops_the_command_naming_file_and_line(tmp_path):
 def test_sft_learns_the_arithmetic_task(ray_session, tmp_path):
     """The demo's model and schedule: loss falls well below its start and greedy accuracy on held-out
     sums rises from 0 to a clearly non-trivial value within 300 steps."""
-    cfg = load_typed_config(sft.SFTConfig, CONFIG, [
-        f"logger.log_dir={tmp_path}", "logger.tensorboard_enabled=false", "sft.max_num_steps=300",
-        "sft.val_period=300", "checkpointing.enabled=false", "sft.export_final_model=false", "data.num_val=200",
-    ])
+    cfg = load_typed_config(
+        sft.SFTConfig,
+        CONFIG,
+        [
+            f"logger.log_dir={tmp_path}",
+            "logger.tensorboard_enabled=false",
+            "sft.max_num_steps=300",
+            "sft.val_period=300",
+            "checkpointing.enabled=false",
+            "sft.export_final_model=false",
+            "data.num_val=200",
+        ],
+    )
     run = sft.setup(cfg)
     probe = AccuracyProbe(run, DemoConfig(num_val=200))
     try:
@@ -114,6 +158,8 @@ def test_sft_learns_the_arithmetic_task(ray_session, tmp_path):
         run.shutdown()
     curve = losses(tmp_path)
     first, last = curve[1], sum(curve[s] for s in range(291, 301)) / 10
-    print(f"SFT loss {first:.3f} -> {last:.3f}; greedy accuracy {initial_accuracy:.3f} -> {final_accuracy:.3f}")
+    print(
+        f"SFT loss {first:.3f} -> {last:.3f}; greedy accuracy {initial_accuracy:.3f} -> {final_accuracy:.3f}"
+    )
     assert last < 0.4 * first
     assert initial_accuracy < 0.02 and final_accuracy > 0.2

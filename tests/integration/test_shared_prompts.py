@@ -33,17 +33,22 @@ def grouped_data() -> BatchedDataDict:
     generator = torch.Generator().manual_seed(3)
     rows, masks = [], []
     for _ in range(4):
-        prompt = torch.randint(4, 100, (int(torch.randint(5, 10, (), generator=generator)),), generator=generator)
+        prompt = torch.randint(
+            4, 100, (int(torch.randint(5, 10, (), generator=generator)),), generator=generator
+        )
         for _ in range(2):
-            continuation = torch.randint(4, 100, (int(torch.randint(1, 6, (), generator=generator)),),
-                                         generator=generator)
+            continuation = torch.randint(
+                4, 100, (int(torch.randint(1, 6, (), generator=generator)),), generator=generator
+            )
             rows.append(torch.cat([prompt, continuation]))
             masks.append(torch.cat([torch.zeros(len(prompt)), torch.ones(len(continuation))]))
     width = max(len(row) for row in rows)
     pad = lambda t: torch.nn.functional.pad(t, (0, width - len(t)))  # noqa: E731
     return BatchedDataDict(
-        input_ids=torch.stack([pad(r) for r in rows]), input_lengths=torch.tensor([len(r) for r in rows]),
-        token_mask=torch.stack([pad(m) for m in masks]).long(), sample_mask=torch.ones(len(rows)),
+        input_ids=torch.stack([pad(r) for r in rows]),
+        input_lengths=torch.tensor([len(r) for r in rows]),
+        token_mask=torch.stack([pad(m) for m in masks]).long(),
+        sample_mask=torch.ones(len(rows)),
     )
 
 
@@ -61,9 +66,12 @@ def train(ray_session, model_dir, num_workers: int, **overrides) -> tuple[list[f
 
 
 def test_shared_prefix_rows_train_like_plain_rows_on_one_and_two_workers(ray_session, model_dir):
-    plain_losses, plain_weights, plain_logprobs = train(ray_session, model_dir, 1, prefix_sharing=False,
-                                                        train_micro_batch_size=8)
-    losses, weights, logprobs = train(ray_session, model_dir, 2, prefix_sharing=True, train_micro_batch_size=4)
+    plain_losses, plain_weights, plain_logprobs = train(
+        ray_session, model_dir, 1, prefix_sharing=False, train_micro_batch_size=8
+    )
+    losses, weights, logprobs = train(
+        ray_session, model_dir, 2, prefix_sharing=True, train_micro_batch_size=4
+    )
     torch.testing.assert_close(logprobs, plain_logprobs, atol=1e-5, rtol=0)
     assert losses == pytest.approx(plain_losses, abs=1e-5)
     assert plain_losses[-1] < plain_losses[0]

@@ -24,15 +24,23 @@ def wait_for_node_metrics(monitor: RaySystemMonitor, timeout_s: float = 30.0) ->
 
 
 def test_real_node_cpu_and_memory_arrive_under_system_prefix(ray_session, tmp_path):
-    logger = Logger(validate_config(LoggerConfig, {
-        "log_dir": str(tmp_path / "run"), "tensorboard_enabled": False, "monitor_gpus": True,
-        "gpu_monitoring": {"collection_interval": 0.5, "flush_interval": 1.0},
-    }))
+    logger = Logger(
+        validate_config(
+            LoggerConfig,
+            {
+                "log_dir": str(tmp_path / "run"),
+                "tensorboard_enabled": False,
+                "monitor_gpus": True,
+                "gpu_monitoring": {"collection_interval": 0.5, "flush_interval": 1.0},
+            },
+        )
+    )
     monitor = logger.system_monitor
     assert monitor is not None
     wait_for_node_metrics(monitor)
     metrics_file = logger.log_dir / "metrics.jsonl"
     deadline = time.monotonic() + 30  # at least one flush from the background thread (every second)
+
     def flushed() -> bool:
         return metrics_file.exists() and "system/" in metrics_file.read_text()
 

@@ -47,8 +47,13 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def vllm_generation(ray_session, model_dir):
-    cfg = GenerationConfig(backend="vllm", max_new_tokens=MAX_NEW_TOKENS, colocated=False, num_cpus_per_worker=1.0,
-                           vllm_gpu_memory_utilization=0.1)
+    cfg = GenerationConfig(
+        backend="vllm",
+        max_new_tokens=MAX_NEW_TOKENS,
+        colocated=False,
+        num_cpus_per_worker=1.0,
+        vllm_gpu_memory_utilization=0.1,
+    )
     generation = VllmGeneration(None, cfg, str(model_dir))
     yield generation
     generation.shutdown()
@@ -72,8 +77,14 @@ def unpadded_outputs(outputs) -> list[list[int]]:
 
 
 def expected_greedy(model, prompts, tokenizer) -> list[list[int]]:
-    return [reference_greedy(model, prompts["input_ids"][i, : int(prompts["input_lengths"][i])].tolist(),
-                             tokenizer.eos_token_id) for i in range(len(PROMPTS))]
+    return [
+        reference_greedy(
+            model,
+            prompts["input_ids"][i, : int(prompts["input_lengths"][i])].tolist(),
+            tokenizer.eos_token_id,
+        )
+        for i in range(len(PROMPTS))
+    ]
 
 
 @pytest.mark.vllm
@@ -102,7 +113,7 @@ def test_vllm_logprobs_equal_a_hugging_face_forward(vllm_generation, prompts, mo
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_vllm_stop_strings_are_kept_and_end_the_sample(vllm_generation, prompts, tokenizer):
     greedy = vllm_generation.generate(prompts, greedy=True)
-    generated = [ids[int(prompts["input_lengths"][0]):] for ids in unpadded_outputs(greedy)[:1]][0]
+    generated = [ids[int(prompts["input_lengths"][0]) :] for ids in unpadded_outputs(greedy)[:1]][0]
     stop = tokenizer.decode(generated[2:4])
     batch = type(prompts)(prompts | {"stop_strings": [[stop], None, None, None]})
     stopped = vllm_generation.generate(batch, greedy=True)
@@ -113,8 +124,9 @@ def test_vllm_stop_strings_are_kept_and_end_the_sample(vllm_generation, prompts,
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(vllm_generation, prompts, tmp_path,
-                                                                      tokenizer):
+def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(
+    vllm_generation, prompts, tmp_path, tokenizer
+):
     new_model = load_model(build_model_dir(ModelFromConfig(**TINY, seed=1), tmp_path / "new")).eval()
     seconds = vllm_generation.update_weights(new_model.state_dict())
     assert seconds > 0.0
@@ -124,7 +136,9 @@ def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(vllm_gener
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
-def test_vllm_lora_refit_merges_the_adapter_into_the_base_weights(vllm_generation, prompts, model_dir, tokenizer):
+def test_vllm_lora_refit_merges_the_adapter_into_the_base_weights(
+    vllm_generation, prompts, model_dir, tokenizer
+):
     """Only the adapter travels; the worker merges it into the *base* weights (not into what an earlier
     full refit loaded) and reloads: greedy decoding equals peft's merged model."""
     from posttrain.models.lora import LoraConfig, adapter_weights, wrap_with_lora
@@ -149,8 +163,14 @@ def test_vllm_serves_the_adapter_with_its_own_lora_support(ray_session, model_di
     decoding equals peft's merged model, and a second refit replaces the first adapter."""
     from posttrain.models.lora import LoraConfig, adapter_weights, wrap_with_lora
 
-    cfg = GenerationConfig(backend="vllm", max_new_tokens=MAX_NEW_TOKENS, colocated=False, num_cpus_per_worker=1.0,
-                           vllm_gpu_memory_utilization=0.1, vllm_lora_max_rank=8)
+    cfg = GenerationConfig(
+        backend="vllm",
+        max_new_tokens=MAX_NEW_TOKENS,
+        colocated=False,
+        num_cpus_per_worker=1.0,
+        vllm_gpu_memory_utilization=0.1,
+        vllm_lora_max_rank=8,
+    )
     generation = VllmGeneration(None, cfg, str(model_dir))
     try:
         lora_cfg = LoraConfig(enabled=True, rank=4, alpha=8.0)

@@ -18,14 +18,27 @@ CONFIG = str(REPO / "configs" / "vlm_grpo_tiny.yaml")
 
 def overrides(log_dir, **extra):
     values = {
-        "logger.log_dir": str(log_dir), "logger.tensorboard_enabled": "false", "policy.model_name": "null",
-        "policy.model.from_config": "{architecture: qwen2_vl, hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
-                                     "intermediate_size: 64, seed: 3}",
-        "grpo.num_prompts_per_step": 2, "grpo.num_generations_per_prompt": 4, "grpo.max_val_samples": 4,
-        "grpo.val_period": 2, "grpo.val_at_start": "false", "policy.train_global_batch_size": 4,
-        "policy.train_micro_batch_size": 2, "policy.logprob_batch_size": 4, "policy.optimizer.kwargs.lr": 0.01,
-        "generation.max_new_tokens": 4, "env.red_squares.cls": "test_grpo:DigitShareEnvironment",
-        "data.num_train": 16, "data.num_val": 4, "cluster.num_cpus_per_worker": 0.5, "checkpointing.save_period": 2,
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "policy.model_name": "null",
+        "policy.model.from_config": "{architecture: qwen2_vl, hidden_size: 32, num_layers: 2, "
+        "num_attention_heads: 2, "
+        "intermediate_size: 64, seed: 3}",
+        "grpo.num_prompts_per_step": 2,
+        "grpo.num_generations_per_prompt": 4,
+        "grpo.max_val_samples": 4,
+        "grpo.val_period": 2,
+        "grpo.val_at_start": "false",
+        "policy.train_global_batch_size": 4,
+        "policy.train_micro_batch_size": 2,
+        "policy.logprob_batch_size": 4,
+        "policy.optimizer.kwargs.lr": 0.01,
+        "generation.max_new_tokens": 4,
+        "env.red_squares.cls": "test_grpo:DigitShareEnvironment",
+        "data.num_train": 16,
+        "data.num_val": 4,
+        "cluster.num_cpus_per_worker": 0.5,
+        "checkpointing.save_period": 2,
     }
     values.update(extra)
     return [f"{k}={v}" for k, v in values.items()]
@@ -41,7 +54,8 @@ def run_grpo(log_dir, **extra) -> dict[int, dict]:
 
 
 def test_vlm_grpo_keeps_logprobs_consistent_and_resumes_exactly(ray_session, tmp_path):
-    """Rewards are the share of digits in the answer (an untrained model already varies), so losses are not 0."""
+    """Rewards are the share of digits in the answer (an untrained model already varies), so losses are not
+    0."""
     uninterrupted = run_grpo(tmp_path / "full", **{"grpo.max_num_steps": 4})
     for step in (1, 2, 3, 4):
         assert 1.0 <= uninterrupted[step]["train/token_mult_prob_error"] <= 1.01

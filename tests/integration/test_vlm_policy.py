@@ -36,21 +36,28 @@ def conversation(row: int) -> list[dict]:
     text = f"Row {row}: what colour?"
     content = text
     if row in IMAGE_SIZES:
-        content = [{"type": "image", "image": Image.new("RGB", IMAGE_SIZES[row], color)}, {"type": "text", "text": text}]
+        content = [
+            {"type": "image", "image": Image.new("RGB", IMAGE_SIZES[row], color)},
+            {"type": "text", "text": text},
+        ]
     return [{"role": "user", "content": content}, {"role": "assistant", "content": f"green {row}"}]
 
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    cfg = ModelFromConfig(architecture="qwen2_vl", hidden_size=32, num_layers=2, num_attention_heads=2,
-                          intermediate_size=64)
+    cfg = ModelFromConfig(
+        architecture="qwen2_vl", hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_qwen2_vl"))
 
 
 @pytest.fixture(scope="module")
 def image_batch(vlm_dir):
     processor = load_processor(vlm_dir)
-    logs = [tokenize_message_log(conversation(row), processor.tokenizer, processor=processor) for row in range(NUM_ROWS)]
+    logs = [
+        tokenize_message_log(conversation(row), processor.tokenizer, processor=processor)
+        for row in range(NUM_ROWS)
+    ]
     return message_log_to_flat(logs, processor.tokenizer.pad_token_id)
 
 
@@ -60,10 +67,13 @@ def direct_logprobs(vlm_dir, data) -> torch.Tensor:
     input_ids, lengths = data["input_ids"], data["input_lengths"]
     real = (torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [B, T]
     with torch.no_grad():
-        logits = model(input_ids=input_ids, attention_mask=real,
-                       pixel_values=torch.cat([p for p in data["pixel_values"] if p.numel()]),
-                       image_grid_thw=torch.cat(data["image_grid_thw"]),
-                       mm_token_type_ids=(input_ids == model.config.image_token_id).int()).logits  # [B, T, V]
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=real,
+            pixel_values=torch.cat([p for p in data["pixel_values"] if p.numel()]),
+            image_grid_thw=torch.cat(data["image_grid_thw"]),
+            mm_token_type_ids=(input_ids == model.config.image_token_id).int(),
+        ).logits  # [B, T, V]
     expected = torch.zeros(input_ids.shape)
     for row in range(input_ids.shape[0]):
         for t in range(1, int(lengths[row])):
@@ -74,10 +84,18 @@ def direct_logprobs(vlm_dir, data) -> torch.Tensor:
 class Run:
     def __init__(self, vlm_dir, num_workers: int, micro_batch_size: int):
         self.cluster = RayVirtualCluster(ClusterConfig(workers_per_node=num_workers, num_cpus_per_worker=0.5))
-        cfg = validate_config(PolicyConfig, dict(
-            model_name=str(vlm_dir), train_global_batch_size=NUM_ROWS, train_micro_batch_size=micro_batch_size,
-            logprob_batch_size=micro_batch_size, max_grad_norm=1.0, seed=0,
-            optimizer={"name": "AdamW", "kwargs": {"lr": 1e-2}}))
+        cfg = validate_config(
+            PolicyConfig,
+            dict(
+                model_name=str(vlm_dir),
+                train_global_batch_size=NUM_ROWS,
+                train_micro_batch_size=micro_batch_size,
+                logprob_batch_size=micro_batch_size,
+                max_grad_norm=1.0,
+                seed=0,
+                optimizer={"name": "AdamW", "kwargs": {"lr": 1e-2}},
+            ),
+        )
         self.policy = Policy(self.cluster, cfg)
 
     def train(self, ray_session, data) -> Run:
@@ -93,7 +111,11 @@ class Run:
 
 @pytest.fixture(scope="module")
 def runs(ray_session, vlm_dir, image_batch):
-    built = {"one_worker_2": Run(vlm_dir, 1, 2), "two_workers_2": Run(vlm_dir, 2, 2), "one_worker_all": Run(vlm_dir, 1, 8)}
+    built = {
+        "one_worker_2": Run(vlm_dir, 1, 2),
+        "two_workers_2": Run(vlm_dir, 2, 2),
+        "one_worker_all": Run(vlm_dir, 1, 8),
+    }
     for run in built.values():
         run.train(ray_session, image_batch)
     yield built
@@ -125,7 +147,9 @@ def test_vlm_splits_give_same_logprobs_losses_and_weights(runs, image_batch, nam
     leaves them 0, and that position depends on the micro-batch's rows)."""
     baseline, run = runs["one_worker_2"], runs[name]
     mask = image_batch["token_mask"]
-    torch.testing.assert_close(run.initial_logprobs * mask, baseline.initial_logprobs * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        run.initial_logprobs * mask, baseline.initial_logprobs * mask, atol=1e-5, rtol=0
+    )
     assert run.losses == pytest.approx(baseline.losses, abs=1e-5)
     assert baseline.losses[1] < baseline.losses[0]
     for key, tensor in baseline.weights.items():
@@ -136,17 +160,24 @@ def test_vlm_splits_give_same_logprobs_losses_and_weights(runs, image_batch, nam
 def prompt_batch(vlm_dir):
     """The user turns of the conversations (with the assistant generation prompt), images included."""
     processor = load_processor(vlm_dir)
-    logs = [tokenize_message_log(conversation(row)[:1], processor.tokenizer, add_generation_prompt=True,
-                                 processor=processor) for row in range(NUM_ROWS)]
+    logs = [
+        tokenize_message_log(
+            conversation(row)[:1], processor.tokenizer, add_generation_prompt=True, processor=processor
+        )
+        for row in range(NUM_ROWS)
+    ]
     return build_generation_input(logs, [None] * NUM_ROWS, processor.tokenizer.pad_token_id)
 
 
 def test_vlm_generation_after_refit_matches_training_logprobs(ray_session, runs, vlm_dir):
-    """HF generation with images, refit with the trained policy's weights: the policy's logprobs of the sampled
+    """HF generation with images, refit with the trained policy's weights: the policy's logprobs of the
+    sampled
     tokens match the generation's (token_mult_prob_error <= 1.01), and they differ from the untrained model's.
     Two workers decode halves of the batch (rows with and without images on each)."""
     prompts = prompt_batch(vlm_dir)
-    cfg = GenerationConfig(max_new_tokens=6, temperature=1.0, top_k=None, top_p=1.0, colocated=False, num_workers=2)
+    cfg = GenerationConfig(
+        max_new_tokens=6, temperature=1.0, top_k=None, top_p=1.0, colocated=False, num_workers=2
+    )
     generation = HFGeneration(None, cfg, str(vlm_dir))
     try:
         untrained = generation.generate(prompts, seed=3)
@@ -157,14 +188,25 @@ def test_vlm_generation_after_refit_matches_training_logprobs(ray_session, runs,
         generation.shutdown()
     lengths = out["unpadded_sequence_lengths"]
     positions = torch.arange(out["output_ids"].shape[1]).unsqueeze(0)
-    token_mask = ((positions >= prompts["input_lengths"].unsqueeze(1)) & (positions < lengths.unsqueeze(1))).float()
-    data = BatchedDataDict(input_ids=out["output_ids"], input_lengths=lengths, token_mask=token_mask,
-                           sample_mask=torch.ones(NUM_ROWS), pixel_values=prompts["pixel_values"],
-                           image_grid_thw=prompts["image_grid_thw"])
+    token_mask = (
+        (positions >= prompts["input_lengths"].unsqueeze(1)) & (positions < lengths.unsqueeze(1))
+    ).float()
+    data = BatchedDataDict(
+        input_ids=out["output_ids"],
+        input_lengths=lengths,
+        token_mask=token_mask,
+        sample_mask=torch.ones(NUM_ROWS),
+        pixel_values=prompts["pixel_values"],
+        image_grid_thw=prompts["image_grid_thw"],
+    )
     train_logprobs = policy.get_logprobs(data)["logprobs"]
-    error = float((token_mult_prob_error(train_logprobs, out["logprobs"]) * token_mask).sum() / token_mask.sum())
+    error = float(
+        (token_mult_prob_error(train_logprobs, out["logprobs"]) * token_mask).sum() / token_mask.sum()
+    )
     assert 1.0 <= error <= 1.01
-    assert float(((out["logprobs"] - untrained["logprobs"]).abs() * token_mask).max()) > 1e-3  # the refit took
+    assert (
+        float(((out["logprobs"] - untrained["logprobs"]).abs() * token_mask).max()) > 1e-3
+    )  # the refit took
 
 
 def test_vllm_backend_refuses_a_vision_language_model(ray_session, vlm_dir):
@@ -172,7 +214,9 @@ def test_vllm_backend_refuses_a_vision_language_model(ray_session, vlm_dir):
         make_generation(None, GenerationConfig(backend="vllm", colocated=False), str(vlm_dir))
 
 
-def test_vlm_checkpoint_and_hf_exports_reproduce_the_trained_logprobs(ray_session, runs, vlm_dir, image_batch, tmp_path):
+def test_vlm_checkpoint_and_hf_exports_reproduce_the_trained_logprobs(
+    ray_session, runs, vlm_dir, image_batch, tmp_path
+):
     """The trained policy's logprobs = those of its HF export (written by the workers) and of the offline
     export of its checkpoint (`posttrain export`), both loaded by AutoModelForImageTextToText; the exports
     carry the image processor."""

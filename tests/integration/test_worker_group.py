@@ -58,7 +58,9 @@ def test_two_workers_form_a_gloo_group_and_all_reduce(cluster):
 def test_sharded_dispatch_reaches_the_right_workers(cluster):
     group = RayWorkerGroup(cluster, EchoWorker)
     data = BatchedDataDict(x=torch.arange(8))
-    results = group.run_sharded("echo", data.shard_by_batch_size(2, batch_size=4), in_sharded_axes=["dp"], tag="t")
+    results = group.run_sharded(
+        "echo", data.shard_by_batch_size(2, batch_size=4), in_sharded_axes=["dp"], tag="t"
+    )
     assert results == [(0, [0, 1, 4, 5], "t"), (1, [2, 3, 6, 7], "t")]
     group.shutdown()
 
@@ -67,8 +69,9 @@ def test_replicated_and_free_axes(cluster):
     # one dp shard replicated over a 2-wide tp axis: both workers get it, only tp=0 answers
     group = RayWorkerGroup(cluster, EchoWorker, sharding=NamedSharding([[0, 1]], ["dp", "tp"]))
     data = [BatchedDataDict(x=torch.tensor([7, 8]))]
-    assert group.run_sharded("echo", data, in_sharded_axes=["dp"], replicate_on_axes=["tp"],
-                             output_is_replicated=["tp"]) == [(0, [7, 8], "")]
+    assert group.run_sharded(
+        "echo", data, in_sharded_axes=["dp"], replicate_on_axes=["tp"], output_is_replicated=["tp"]
+    ) == [(0, [7, 8], "")]
     # tp free: only coordinate 0 is called at all
     assert group.run_sharded("echo", data, in_sharded_axes=["dp"]) == [(0, [7, 8], "")]
     group.shutdown()
@@ -91,4 +94,8 @@ def test_asking_for_more_cpus_than_exist_fails_fast_with_what_was_asked(ray_sess
         RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=1000, resource_timeout_s=3))
     assert time.monotonic() - start < 10
     message = str(error.value)
-    assert "2 bundles of {'CPU': 1000}" in message and "2000 CPUs" in message and "the cluster has 8 CPUs" in message
+    assert (
+        "2 bundles of {'CPU': 1000}" in message
+        and "2000 CPUs" in message
+        and "the cluster has 8 CPUs" in message
+    )

@@ -50,9 +50,11 @@ def no_ray(monkeypatch):
 
 # -- loop lengths --------------------------------------------------------------------------------------
 
+
 def test_max_num_steps_zero_is_an_error_not_a_full_run():
     assert config_error(sft.SFTConfig, SFT_TINY, "sft.max_num_steps=0") == (
-        "sft.max_num_steps: must be >= 1 (or null where epochs decide), got 0 (from command line)")
+        "sft.max_num_steps: must be >= 1 (or null where epochs decide), got 0 (from command line)"
+    )
 
 
 def test_negative_max_num_steps_is_an_error():
@@ -62,40 +64,59 @@ def test_negative_max_num_steps_is_an_error():
 
 def test_max_num_epochs_zero_is_an_error():
     assert config_error(sft.SFTConfig, SFT_TINY, "sft.max_num_epochs=0") == (
-        "sft.max_num_epochs: must be >= 1, got 0 (from command line)")
+        "sft.max_num_epochs: must be >= 1, got 0 (from command line)"
+    )
 
 
 @pytest.mark.parametrize("value", ["0", "-4"])
 def test_val_global_batch_size_below_one_is_an_error(value):
-    message = config_error(dpo.DPOConfig, str(CONFIGS / "dpo_tiny.yaml"), f"dpo.val_global_batch_size={value}")
+    message = config_error(
+        dpo.DPOConfig, str(CONFIGS / "dpo_tiny.yaml"), f"dpo.val_global_batch_size={value}"
+    )
     assert message == f"dpo.val_global_batch_size: must be >= 1, got {value} (from command line)"
 
 
 # -- cluster -------------------------------------------------------------------------------------------
 
+
 def test_more_workers_than_the_machines_cpus_is_an_error_for_a_local_cluster(no_ray):
     workers = (os.cpu_count() or 1) + 1
     message = config_error(sft.SFTConfig, SFT_TINY, f"cluster.workers_per_node={workers}")
-    assert message.startswith(f"cluster.workers_per_node: 1 x {workers} workers x 1 CPUs = {workers} CPUs, but")
+    assert message.startswith(
+        f"cluster.workers_per_node: 1 x {workers} workers x 1 CPUs = {workers} CPUs, but"
+    )
     assert "cluster.num_cpus to oversubscribe" in message
-    assert sft_config(f"cluster.workers_per_node={workers}", f"cluster.num_cpus={workers}").cluster.num_cpus == workers
+    assert (
+        sft_config(f"cluster.workers_per_node={workers}", f"cluster.num_cpus={workers}").cluster.num_cpus
+        == workers
+    )
 
 
 def test_negative_cpus_per_worker_is_an_error():
     assert config_error(sft.SFTConfig, SFT_TINY, "cluster.num_cpus_per_worker=-1") == (
-        "cluster.num_cpus_per_worker: must be >= 0, got -1.0 (from command line)")
+        "cluster.num_cpus_per_worker: must be >= 0, got -1.0 (from command line)"
+    )
 
 
 def test_tensor_parallel_size_that_does_not_divide_the_workers_is_an_error():
-    message = config_error(sft.SFTConfig, SFT_TINY, "policy.tensor_parallel_size=3", "cluster.workers_per_node=2",
-                           "cluster.num_cpus=4")
-    assert message == ("policy.tensor_parallel_size: 3 does not divide the 2 workers (cluster.num_nodes x "
-                       "cluster.workers_per_node) (from command line)")
+    message = config_error(
+        sft.SFTConfig,
+        SFT_TINY,
+        "policy.tensor_parallel_size=3",
+        "cluster.workers_per_node=2",
+        "cluster.num_cpus=4",
+    )
+    assert message == (
+        "policy.tensor_parallel_size: 3 does not divide the 2 workers (cluster.num_nodes x "
+        "cluster.workers_per_node) (from command line)"
+    )
 
 
 def test_unreachable_cluster_address_fails_within_seconds(no_ray):
     start = time.monotonic()
-    with pytest.raises(ClusterConnectionError, match=r"cluster.address='127.0.0.1:1': nothing answers at 127.0.0.1:1"):
+    with pytest.raises(
+        ClusterConnectionError, match=r"cluster.address='127.0.0.1:1': nothing answers at 127.0.0.1:1"
+    ):
         init_ray(ClusterConfig(address="127.0.0.1:1", connect_timeout_s=2.0))
     with pytest.raises(ClusterConnectionError, match=r"cluster.address='ray://127.0.0.1:1': nothing answers"):
         check_reachable("ray://127.0.0.1:1", timeout_s=1.0)
@@ -104,26 +125,39 @@ def test_unreachable_cluster_address_fails_within_seconds(no_ray):
 
 # -- optimizer and scheduler ---------------------------------------------------------------------------
 
+
 def test_unknown_optimizer_name_is_caught_on_the_driver():
     message = config_error(sft.SFTConfig, SFT_TINY, "policy.optimizer.name=AdamX")
-    assert message.startswith("policy.optimizer.name: torch.optim has no Optimizer named 'AdamX'; did you mean 'Adam")
+    assert message.startswith(
+        "policy.optimizer.name: torch.optim has no Optimizer named 'AdamX'; did you mean 'Adam"
+    )
 
 
 def test_unknown_optimizer_kwarg_is_caught_on_the_driver():
     message = config_error(sft.SFTConfig, SFT_TINY, "+policy.optimizer.kwargs.momentum=0.9")
-    assert message.startswith("policy.optimizer.kwargs: AdamW(**{") and "unexpected keyword argument 'momentum'" in message
+    assert (
+        message.startswith("policy.optimizer.kwargs: AdamW(**{")
+        and "unexpected keyword argument 'momentum'" in message
+    )
 
 
 def test_unknown_scheduler_name_and_kwarg_are_caught_on_the_driver(tmp_path):
     path = tmp_path / "sched.yaml"
-    path.write_text(f"defaults: {SFT_TINY}\npolicy:\n  scheduler:\n    - name: LinearLRR\n      kwargs: {{}}\n")
+    path.write_text(
+        f"defaults: {SFT_TINY}\npolicy:\n  scheduler:\n    - name: LinearLRR\n      kwargs: {{}}\n"
+    )
     assert config_error(sft.SFTConfig, str(path)).startswith(
-        "policy.scheduler[0].name: torch.optim.lr_scheduler has no LRScheduler named 'LinearLRR'; did you mean 'LinearLR'?")
-    path.write_text(f"defaults: {SFT_TINY}\npolicy:\n  scheduler:\n    - name: LinearLR\n      kwargs: {{steps: 3}}\n")
+        "policy.scheduler[0].name: torch.optim.lr_scheduler has no LRScheduler named 'LinearLRR'; did you "
+        "mean 'LinearLR'?"
+    )
+    path.write_text(
+        f"defaults: {SFT_TINY}\npolicy:\n  scheduler:\n    - name: LinearLR\n      kwargs: {{steps: 3}}\n"
+    )
     assert "unexpected keyword argument 'steps'" in config_error(sft.SFTConfig, str(path))
 
 
 # -- paths and names -----------------------------------------------------------------------------------
+
 
 def test_missing_model_of_a_tiny_config_names_the_key_and_the_command_that_makes_it(tmp_path, monkeypatch):
     shutil.copytree(CONFIGS, tmp_path / "configs")
@@ -131,36 +165,54 @@ def test_missing_model_of_a_tiny_config_names_the_key_and_the_command_that_makes
     cfg = load_typed_config(dpo.DPOConfig, "configs/dpo_tiny.yaml", [f"logger.log_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError) as caught:
         dpo.setup(cfg)
-    assert str(caught.value) == ("policy.model_name: results/sft_tiny/hf_model does not exist (nor is it a Hugging "
-                                 "Face hub name); `posttrain sft --config configs/sft_tiny.yaml` writes it")
+    assert str(caught.value) == (
+        "policy.model_name: results/sft_tiny/hf_model does not exist (nor is it a Hugging "
+        "Face hub name); `posttrain sft --config configs/sft_tiny.yaml` writes it"
+    )
 
 
 def test_dataset_name_typo_is_a_config_error_not_a_hub_lookup():
     assert config_error(sft.SFTConfig, SFT_TINY, "data.dataset=arithmetc") == (
-        "data.dataset: 'arithmetc' is not a built-in task (arithmetic, arithmetic_preference, sliding_puzzle, math_words, red_squares), a "
-        ".jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name (org/name); did you mean 'arithmetic'? "
-        "(from command line)")
-    assert sft_config("data.dataset=openai/gsm8k").data.dataset == "openai/gsm8k"  # plausible: left to the hub
+        "data.dataset: 'arithmetc' is not a built-in task (arithmetic, arithmetic_preference, "
+        "sliding_puzzle, math_words, red_squares), a "
+        ".jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name (org/name); did you mean "
+        "'arithmetic'? "
+        "(from command line)"
+    )
+    assert (
+        sft_config("data.dataset=openai/gsm8k").data.dataset == "openai/gsm8k"
+    )  # plausible: left to the hub
 
 
 def test_resume_from_that_does_not_exist_is_an_error_before_any_worker(tmp_path):
-    cfg = sft_config(f"logger.log_dir={tmp_path}", f"checkpointing.resume_from={tmp_path / 'nope' / 'step_9'}")
+    cfg = sft_config(
+        f"logger.log_dir={tmp_path}", f"checkpointing.resume_from={tmp_path / 'nope' / 'step_9'}"
+    )
     with pytest.raises(ConfigError, match=r"^checkpointing.resume_from: .*nope/step_9 does not exist"):
         sft.setup(cfg)
 
 
 def test_global_batch_larger_than_the_data_is_an_error_before_any_worker(tmp_path):
     data = tmp_path / "small.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)}) + "\n" for i in range(20)))
-    cfg = sft_config(f"logger.log_dir={tmp_path / 'run'}", f"data.dataset={data}", "data.val_fraction=0.1",
-                     "policy.train_global_batch_size=32")
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "response": str(i + 1)}) + "\n" for i in range(20))
+    )
+    cfg = sft_config(
+        f"logger.log_dir={tmp_path / 'run'}",
+        f"data.dataset={data}",
+        "data.val_fraction=0.1",
+        "policy.train_global_batch_size=32",
+    )
     with pytest.raises(ConfigError) as caught:
         sft.setup(cfg)
-    assert str(caught.value) == (f"policy.train_global_batch_size: 32 needs 32 training records per step, but "
-                                 f"data.dataset={data} has 18 usable ones")
+    assert str(caught.value) == (
+        f"policy.train_global_batch_size: 32 needs 32 training records per step, but "
+        f"data.dataset={data} has 18 usable ones"
+    )
 
 
 # -- data files ----------------------------------------------------------------------------------------
+
 
 def write_bytes(path: Path, data: bytes) -> str:
     path.write_bytes(data)
@@ -169,7 +221,9 @@ def write_bytes(path: Path, data: bytes) -> str:
 
 def test_non_utf8_line_names_file_and_line_and_obeys_skip_invalid(tmp_path):
     good = json.dumps({"prompt": "a", "response": "b"}).encode()
-    path = write_bytes(tmp_path / "latin1.jsonl", b"\n".join([good, '{"prompt": "caf\xe9"}'.encode("latin-1"), good]))
+    path = write_bytes(
+        tmp_path / "latin1.jsonl", b"\n".join([good, '{"prompt": "caf\xe9"}'.encode("latin-1"), good])
+    )
     with pytest.raises(DataError, match=r"latin1.jsonl:2: not UTF-8 text \(invalid continuation byte"):
         load_datasets(DataConfig(dataset=path, val_dataset=path), TOKENIZER)
     train, _, stats = load_datasets(DataConfig(dataset=path, val_dataset=path, skip_invalid=True), TOKENIZER)
@@ -181,9 +235,13 @@ def test_non_utf8_line_names_file_and_line_and_obeys_skip_invalid(tmp_path):
 
 def test_byte_order_mark_is_accepted(tmp_path):
     bom = b"\xef\xbb\xbf"
-    jsonl = write_bytes(tmp_path / "bom.jsonl", bom + json.dumps({"prompt": "a", "response": "b"}).encode() + b"\n")
+    jsonl = write_bytes(
+        tmp_path / "bom.jsonl", bom + json.dumps({"prompt": "a", "response": "b"}).encode() + b"\n"
+    )
     csv_path = write_bytes(tmp_path / "bom.csv", bom + b"prompt,response\na,b\n")
-    json_path = write_bytes(tmp_path / "bom.json", bom + json.dumps([{"prompt": "a", "response": "b"}]).encode())
+    json_path = write_bytes(
+        tmp_path / "bom.json", bom + json.dumps([{"prompt": "a", "response": "b"}]).encode()
+    )
     for path in (jsonl, csv_path, json_path):
         train, _, _ = load_datasets(DataConfig(dataset=path, val_dataset=path), TOKENIZER)
         assert [m["content"] for m in train[0]["message_log"]] == ["a", "b"]
@@ -203,8 +261,10 @@ def test_csv_errors_name_the_file_line(tmp_path):
 
 
 def test_conversation_without_an_assistant_turn_is_an_error(tmp_path):
-    rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-            {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]}]
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]},
+    ]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError, match=r"chats.jsonl:2: 'messages' has no assistant turn"):
@@ -220,7 +280,8 @@ with open(path, "w") as f:
     f.write(json.dumps({"prompt": "a", "response": "7" * 10_000_000}) + "\\n")
     f.write(json.dumps({"prompt": "a", "response": "b"}) + "\\n")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-train, _, stats = load_datasets(DataConfig(dataset=path, val_dataset=path, max_length=64), build_char_tokenizer())
+train, _, stats = load_datasets(DataConfig(dataset=path, val_dataset=path, max_length=64),
+build_char_tokenizer())
 print(json.dumps({"growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024,
                   "lengths": [r["length"] for r in train], "truncated": stats["truncated"]}))
 """
@@ -228,8 +289,13 @@ print(json.dumps({"growth_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxr
 
 def test_a_10_mb_row_is_cut_before_tokenizing(tmp_path):
     """Measured before the fix: the driver's peak RSS grew by ~3.8 GB and loading took ~50 s."""
-    out = subprocess.run([sys.executable, "-c", BIG_ROW, str(tmp_path / "big.jsonl")], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", BIG_ROW, str(tmp_path / "big.jsonl")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["lengths"] == [64, 5] and report["truncated"] == 2.0

@@ -110,7 +110,9 @@ def test_invalid_tokenizer_is_named_in_the_error():
 def test_create_model_command_takes_the_tokenizer_option(tmp_path, capsys):
     from posttrain.cli import main
 
-    assert main(["create-model", str(tmp_path / "m"), "hidden_size=32", "num_layers=1", "tokenizer=byte"]) == 0
+    assert (
+        main(["create-model", str(tmp_path / "m"), "hidden_size=32", "num_layers=1", "tokenizer=byte"]) == 0
+    )
     assert len(load_tokenizer(tmp_path / "m")) == 300
     assert main(["create-model", str(tmp_path / "x"), "tokenizer=word"]) == 2
     assert "tokenizer" in capsys.readouterr().err

@@ -33,10 +33,14 @@ def save(manager: CheckpointManager, step: int, info: dict) -> str:
 
 
 def test_attributes_are_derived_from_the_checkpointing_config(tmp_path):
-    """"Attributes: Derived from the CheckpointingConfig" (enabled, checkpoint_dir, metric_name,
+    """ "Attributes: Derived from the CheckpointingConfig" (enabled, checkpoint_dir, metric_name,
     higher_is_better, keep_top_k)."""
     config = CheckpointingConfig(
-        enabled=False, checkpoint_dir=str(tmp_path / "c"), metric_name="val_reward", higher_is_better=True, keep_top_k=3
+        enabled=False,
+        checkpoint_dir=str(tmp_path / "c"),
+        metric_name="val_reward",
+        higher_is_better=True,
+        keep_top_k=3,
     )
     manager = CheckpointManager(config)
     assert manager.enabled is False
@@ -48,7 +52,7 @@ def test_attributes_are_derived_from_the_checkpointing_config(tmp_path):
 
 
 def test_load_training_info_of_none_returns_none(tmp_path):
-    """"checkpoint_path (Optional[os.PathLike]) - Path to the checkpoint. If None, returns None.\""""
+    """ "checkpoint_path (Optional[os.PathLike]) - Path to the checkpoint. If None, returns None.\""""
     manager = make_manager(tmp_path)
     path = save(manager, 1, {"val_loss": 0.5})
     assert manager.load_training_info(None) is None
@@ -58,7 +62,7 @@ def test_load_training_info_of_none_returns_none(tmp_path):
 
 
 def test_best_checkpoint_warns_and_returns_latest_when_the_metric_is_missing(tmp_path, caplog):
-    """"If no checkpoints exist, returns None. If the metric isn't found, we warn and return the latest
+    """ "If no checkpoints exist, returns None. If the metric isn't found, we warn and return the latest
     checkpoint.\""""
     manager = make_manager(tmp_path, metric_name="val_reward")
     assert manager.get_best_checkpoint_path() is None
@@ -86,7 +90,7 @@ def test_paths_are_str_out_and_str_or_path_in_and_none_returns(tmp_path):
 
 
 def test_top_k_ties_prefer_more_recent_checkpoints(tmp_path):
-    """"When multiple checkpoints have the same metric value, more recent checkpoints (higher step numbers)
+    """ "When multiple checkpoints have the same metric value, more recent checkpoints (higher step numbers)
     are preferred." (exclude_latest "may result in K+1 checkpoints")"""
     manager = make_manager(tmp_path, keep_top_k=1)
     save(manager, 1, {"val_loss": 0.3})
@@ -103,20 +107,28 @@ def test_checkpoint_history_is_step_path_info_triples(tmp_path):
     second = save(manager, 10, {"val_loss": 0.25})
     (manager.checkpoint_dir / "tmp_step_11").mkdir()
     assert _load_checkpoint_history(manager.checkpoint_dir) == [
-        (1, first, {"val_loss": 0.5}), (10, second, {"val_loss": 0.25})
+        (1, first, {"val_loss": 0.5}),
+        (10, second, {"val_loss": 0.25}),
     ]
     assert _load_checkpoint_history(str(tmp_path / "nowhere")) == []
 
 
 def test_layout_is_step_dir_with_training_info_config_and_policy(tmp_path):
-    """"checkpoint_dir/ step_0/ training_info.json config.yaml policy... (up to the algorithm loop to save
+    """ "checkpoint_dir/ step_0/ training_info.json config.yaml policy... (up to the algorithm loop to save
     here)"; we add checksums.json (the sha256 manifest checked before resuming)."""
     manager = make_manager(tmp_path)
     path = Path(save(manager, 0, {"val_loss": 1.0}))
-    assert sorted(p.name for p in path.iterdir()) == ["checksums.json", "config.yaml", "policy", "training_info.json"]
+    assert sorted(p.name for p in path.iterdir()) == [
+        "checksums.json",
+        "config.yaml",
+        "policy",
+        "training_info.json",
+    ]
     assert yaml.safe_load((path / "config.yaml").read_text()) == {"seed": 1}
     assert set(json.loads((path / "checksums.json").read_text())["files"]) == {
-        "config.yaml", "policy/weights.bin", "training_info.json"
+        "config.yaml",
+        "policy/weights.bin",
+        "training_info.json",
     }
 
 
@@ -145,7 +157,9 @@ def test_init_tmp_checkpoint_accepts_dict_dataclass_or_model_dump_run_configs(tm
     named tmp_step_{step}"."""
     manager = make_manager(tmp_path)
     for step, run_config, expected in [
-        (1, {"lr": 1.0}, {"lr": 1.0}), (2, RunConfig(), {"lr": 0.5}), (3, PydanticLike(), {"lr": 0.25, "mode": "json"})
+        (1, {"lr": 1.0}, {"lr": 1.0}),
+        (2, RunConfig(), {"lr": 0.5}),
+        (3, PydanticLike(), {"lr": 0.25, "mode": "json"}),
     ]:
         tmp = manager.init_tmp_checkpoint(step, {}, run_config=run_config)
         assert tmp.name == f"tmp_step_{step}"
@@ -154,10 +168,15 @@ def test_init_tmp_checkpoint_accepts_dict_dataclass_or_model_dump_run_configs(tm
 
 
 def test_tensor_and_numpy_scalars_in_training_info_become_plain_numbers(tmp_path):
-    """"training_info (Dict[str, Any]) - Dictionary containing training metrics and info": tensor and numpy
+    """ "training_info (Dict[str, Any]) - Dictionary containing training metrics and info": tensor and numpy
     scalars are written as plain JSON numbers."""
     manager = make_manager(tmp_path)
-    info = {"step": np.int64(7), "val_loss": torch.tensor(0.125), "acc": np.float32(0.75), "n": torch.tensor(3)}
+    info = {
+        "step": np.int64(7),
+        "val_loss": torch.tensor(0.125),
+        "acc": np.float32(0.75),
+        "n": torch.tensor(3),
+    }
     loaded = manager.load_training_info(save(manager, 7, info))
     assert loaded == {"step": 7, "val_loss": 0.125, "acc": 0.75, "n": 3}
     assert [type(loaded[k]) for k in ("step", "val_loss", "acc", "n")] == [int, float, float, int]

@@ -16,7 +16,9 @@ SHARD = "policy/model/__0_0.distcp"
 
 
 def make_manager(tmp_path: Path, **overrides) -> CheckpointManager:
-    return CheckpointManager({"checkpoint_dir": str(tmp_path / "ckpt"), "metric_name": "val_loss"} | overrides)
+    return CheckpointManager(
+        {"checkpoint_dir": str(tmp_path / "ckpt"), "metric_name": "val_loss"} | overrides
+    )
 
 
 def save(manager: CheckpointManager, step: int, val_loss: float = 0.5) -> Path:
@@ -64,7 +66,8 @@ def extra_file(path: Path) -> str:
 
 
 @pytest.mark.parametrize(
-    "damage", [truncate_shard, remove_shard, garbage_training_info, corrupt_256_bytes, garbage_manifest, extra_file]
+    "damage",
+    [truncate_shard, remove_shard, garbage_training_info, corrupt_256_bytes, garbage_manifest, extra_file],
 )
 def test_resume_skips_a_damaged_latest_checkpoint_naming_the_problem(tmp_path, caplog, damage):
     manager = make_manager(tmp_path)
@@ -104,7 +107,9 @@ def test_a_checkpoint_without_manifest_is_not_resumed_from(tmp_path):
     assert manager.get_resume_checkpoint_path() == intact
 
 
-@pytest.mark.parametrize("garbage", ["{not json", "[1, 2, 3]", "\udcff".encode("utf-8", "surrogatepass").decode("latin-1")])
+@pytest.mark.parametrize(
+    "garbage", ["{not json", "[1, 2, 3]", "\udcff".encode("utf-8", "surrogatepass").decode("latin-1")]
+)
 def test_garbage_training_info_of_an_old_checkpoint_never_crashes_top_k(tmp_path, caplog, garbage):
     """An old checkpoint's unreadable training_info ranks as 'no metric' (worst) and is pruned; saving,
     ranking and history keep working."""

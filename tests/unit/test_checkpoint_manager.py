@@ -134,7 +134,10 @@ def test_training_info_converts_tensor_and_numpy_scalars_and_config_is_written(t
     loaded = manager.load_training_info(final)
     assert loaded == {"step": 3, "val/loss": 0.25, "acc": 0.5, "lst": [0, 1]}
     assert type(loaded["step"]) is int
-    assert yaml.safe_load((final / "config.yaml").read_text()) == {"run": {"lr": 1e-3, "name": "toy"}, "out": "/x"}
+    assert yaml.safe_load((final / "config.yaml").read_text()) == {
+        "run": {"lr": 1e-3, "name": "toy"},
+        "out": "/x",
+    }
     assert manager.load_training_info(manager.get_latest_checkpoint_path()) == loaded
 
 
@@ -155,7 +158,11 @@ def test_finalize_replaces_existing_step_without_mixing_files(tmp_path):
     (second / "only_in_new.txt").write_text("new")
     manager.finalize_checkpoint(second)
     final = manager.checkpoint_dir / "step_4"
-    assert sorted(p.name for p in final.iterdir()) == ["checksums.json", "only_in_new.txt", "training_info.json"]
+    assert sorted(p.name for p in final.iterdir()) == [
+        "checksums.json",
+        "only_in_new.txt",
+        "training_info.json",
+    ]
     assert manager.load_training_info(final) == {"run": "new"}
     assert sorted(p.name for p in manager.checkpoint_dir.iterdir()) == ["step_4"]
 
@@ -223,4 +230,6 @@ def test_read_only_directory_raises_naming_the_path_and_keeps_earlier_checkpoint
             manager.init_tmp_checkpoint(2, {})
     finally:
         os.chmod(manager.checkpoint_dir, 0o755)
-    assert json.loads((manager.checkpoint_dir / "step_1" / "training_info.json").read_text()) == {"val/loss": 0.5}
+    assert json.loads((manager.checkpoint_dir / "step_1" / "training_info.json").read_text()) == {
+        "val/loss": 0.5
+    }

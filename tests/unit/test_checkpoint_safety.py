@@ -119,7 +119,11 @@ def test_the_crafted_files_do_run_code_under_plain_pickle(base_model, tmp_path):
 def test_resume_load_refuses_the_crafted_checkpoint(malicious, base_model):
     step_dir, marker, kind = malicious
     model, optimizer, scheduler = training_objects(base_model)
-    expected = "refusing to load builtins.exec" if kind == "metadata" else "param_groups.0.lr: refusing to load exec "
+    expected = (
+        "refusing to load builtins.exec"
+        if kind == "metadata"
+        else "param_groups.0.lr: refusing to load exec "
+    )
     with pytest.raises(UnsafeCheckpointError, match=expected):
         load_checkpoint(model, optimizer, scheduler, step_dir / "policy")
     assert not marker.exists()
@@ -157,7 +161,10 @@ def test_posttrain_export_command_refuses_a_crafted_checkpoint(malicious_metadat
     step_dir, marker, _ = malicious_metadata
     result = subprocess.run(
         [sys.executable, "-m", "posttrain.cli", "export", str(step_dir), str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=120, cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert result.returncode != 0

@@ -112,7 +112,9 @@ def test_override_marker_replaces_parent_section_instead_of_merging():
 
 
 def test_inheritance_cycle_is_an_error_naming_the_chain():
-    with pytest.raises(ConfigError, match=r"inheritance cycle: .*cycle_a.yaml -> .*cycle_b.yaml -> .*cycle_a"):
+    with pytest.raises(
+        ConfigError, match=r"inheritance cycle: .*cycle_a.yaml -> .*cycle_b.yaml -> .*cycle_a"
+    ):
         load_config(DATA / "cycle_a.yaml")
 
 
@@ -219,7 +221,9 @@ def test_add_override_adds_new_key_and_rejects_existing_one():
     loaded = load_config(CHILD, ["+policy.optimizer.momentum=0.9", "+extra.flag=true"])
     assert loaded.cfg.policy.optimizer.momentum == 0.9 and loaded.cfg.extra.flag is True
     assert loaded.sources["extra.flag"] == "command line"
-    with pytest.raises(ConfigError, match=rf"^policy.lr: cannot add a key that already exists \(set in {PARENT_A}\)"):
+    with pytest.raises(
+        ConfigError, match=rf"^policy.lr: cannot add a key that already exists \(set in {PARENT_A}\)"
+    ):
         load_config(CHILD, ["+policy.lr=1"])
 
 
@@ -233,7 +237,9 @@ def test_delete_override_removes_key_and_rejects_absent_one():
     loaded = load_config(CHILD, ["~policy.optimizer", "~run.seed"])
     assert "optimizer" not in loaded.cfg.policy and "seed" not in loaded.cfg.run
     assert not any(key.startswith("policy.optimizer") for key in loaded.sources)
-    with pytest.raises(ConfigError, match=r"^run.sed: cannot delete a key that does not exist; did you mean 'run.seed'"):
+    with pytest.raises(
+        ConfigError, match=r"^run.sed: cannot delete a key that does not exist; did you mean 'run.seed'"
+    ):
         load_config(CHILD, ["~run.sed"])
 
 
@@ -241,7 +247,9 @@ def test_override_into_list_item_marks_whole_list_as_command_line():
     loaded = load_config(TYPED, ["policy.layers.0=5", "~policy.layers.1"])
     assert list(loaded.cfg.policy.layers) == [5]
     assert loaded.sources["policy.layers"] == "command line"
-    with pytest.raises(ConfigError, match=r"^policy.layers.2: cannot apply '\+policy.layers.2=7': list index"):
+    with pytest.raises(
+        ConfigError, match=r"^policy.layers.2: cannot apply '\+policy.layers.2=7': list index"
+    ):
         load_config(TYPED, ["+policy.layers.2=7"])
 
 
@@ -320,8 +328,18 @@ def test_wrong_type_message_names_key_expected_type_value_and_file():
         ("policy", "layers", [1, "x"], "policy.layers[1]: expected int, got str 'x'"),
         ("policy", "layers", 3, "policy.layers: expected list[int], got int 3"),
         ("policy", "dropout", "high", "policy.dropout: expected float, got str 'high'"),
-        ("policy", "mode", "fsat", "policy.mode: expected one of 'fast', 'slow', got str 'fsat'; did you mean 'fast'?"),
-        ("policy", "optimizer", "adam", "policy.optimizer: expected a mapping (OptimizerSection), got str 'adam'"),
+        (
+            "policy",
+            "mode",
+            "fsat",
+            "policy.mode: expected one of 'fast', 'slow', got str 'fsat'; did you mean 'fast'?",
+        ),
+        (
+            "policy",
+            "optimizer",
+            "adam",
+            "policy.optimizer: expected a mapping (OptimizerSection), got str 'adam'",
+        ),
     ],
 )
 def test_wrong_types_are_reported_with_dotted_key(section, key, value, message):
@@ -397,7 +415,12 @@ def test_describe_config_lists_dotted_keys_defaults_and_help():
 
 def test_format_config_help_has_one_aligned_line_per_key():
     lines = format_config_help(RunSection).splitlines()
-    assert [line.split()[:2] for line in lines] == [["name", "???"], ["steps", "1"], ["tag", "null"], ["extra", "null"]]
+    assert [line.split()[:2] for line in lines] == [
+        ["name", "???"],
+        ["steps", "1"],
+        ["tag", "null"],
+        ["extra", "null"],
+    ]
     assert lines[1].index("1") == lines[0].index("???")  # defaults start in one column
 
 
@@ -411,6 +434,8 @@ def test_mandatory_mark_in_a_file_is_not_filled_by_a_schema_default(tmp_path):
     """policy.lr has a schema default (1e-3); a file that says `???` demands it from the command line."""
     path = tmp_path / "demands_lr.yaml"
     path.write_text("run:\n  name: r\npolicy:\n  lr: ???\n")
-    with pytest.raises(ConfigError, match=rf"^policy.lr: missing mandatory value \(\?\?\?\) \(from {path}\)$"):
+    with pytest.raises(
+        ConfigError, match=rf"^policy.lr: missing mandatory value \(\?\?\?\) \(from {path}\)$"
+    ):
         load_typed_config(TrainConfig, str(path))
     assert load_typed_config(TrainConfig, str(path), ["policy.lr=0.5"]).policy.lr == 0.5

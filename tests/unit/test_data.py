@@ -31,7 +31,12 @@ def test_message_token_ids_concatenate_to_the_full_template():
     log = tokenize_message_log(CONVERSATION, TOKENIZER)
     full = TOKENIZER.apply_chat_template(CONVERSATION, tokenize=True, return_dict=False)
     assert torch.cat([m["token_ids"] for m in log]).tolist() == full
-    assert [len(m["token_ids"]) for m in log] == [3, 4, 5, 3]  # <|user|>hi, <|assistant|>yo<eos>, <|user|>1+1=, <|assistant|>2<eos>
+    assert [len(m["token_ids"]) for m in log] == [
+        3,
+        4,
+        5,
+        3,
+    ]  # <|user|>hi, <|assistant|>yo<eos>, <|user|>1+1=, <|assistant|>2<eos>
 
 
 def test_token_mask_marks_assistant_tokens_or_only_the_last_turn():
@@ -60,7 +65,9 @@ def write(path, rows, kind):
 def test_each_file_format_loads_prompt_response_rows(tmp_path, kind):
     rows = [{"question": f"{i}+{i}=", "reply": str(2 * i)} for i in range(10)]
     path = write(tmp_path / f"train.{kind}", rows, kind)
-    cfg = DataConfig(dataset=path, prompt_key="question", response_key="reply", format="prompt_response", val_fraction=0.2)
+    cfg = DataConfig(
+        dataset=path, prompt_key="question", response_key="reply", format="prompt_response", val_fraction=0.2
+    )
     train, val, stats = load_datasets(cfg, TOKENIZER)
     assert (len(train), len(val)) == (8, 2)
     contents = sorted(r["message_log"][1]["content"] for r in train + val)
@@ -72,11 +79,18 @@ def test_messages_and_rl_and_preference_formats(tmp_path):
     train, _, _ = load_datasets(DataConfig(dataset=messages, val_dataset=messages), TOKENIZER)
     assert [m["role"] for m in train[0]["message_log"]] == ["user", "assistant", "user", "assistant"]
     rl = write(tmp_path / "rl.jsonl", [{"prompt": "2+2=", "answer": 4, "task_name": "arith"}] * 4, "jsonl")
-    train, _, _ = load_datasets(DataConfig(dataset=rl, val_dataset=rl, format="rl", system_prompt="Add."), TOKENIZER)
+    train, _, _ = load_datasets(
+        DataConfig(dataset=rl, val_dataset=rl, format="rl", system_prompt="Add."), TOKENIZER
+    )
     assert train[0]["extra_env_info"] == {"ground_truth": "4"} and train[0]["task_name"] == "arith"
-    assert TOKENIZER.decode(torch.cat([m["token_ids"] for m in train[0]["message_log"]])) == "<|system|>Add.<|user|>2+2=<|assistant|>"
+    assert (
+        TOKENIZER.decode(torch.cat([m["token_ids"] for m in train[0]["message_log"]]))
+        == "<|system|>Add.<|user|>2+2=<|assistant|>"
+    )
     pref = write(tmp_path / "p.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4, "jsonl")
-    train, _, _ = load_datasets(DataConfig(dataset=pref, val_dataset=pref, prompt_template="Q: {prompt}"), TOKENIZER)
+    train, _, _ = load_datasets(
+        DataConfig(dataset=pref, val_dataset=pref, prompt_template="Q: {prompt}"), TOKENIZER
+    )
     assert train[0]["chosen_message_log"][0]["content"] == "Q: 1+1="
     assert train[0]["rejected_message_log"][-1]["content"] == "3"
 
@@ -93,7 +107,11 @@ def test_missing_field_and_unknown_role_name_the_row(tmp_path):
     with pytest.raises(DataError, match=r"missing.jsonl:2: .*missing field 'response'"):
         load_datasets(DataConfig(dataset=missing, format="prompt_response"), TOKENIZER)
     roles = write(tmp_path / "roles.csv", [{"prompt": "a", "response": "b"}], "csv")
-    narrator = write(tmp_path / "narrator.json", [{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}], "json")
+    narrator = write(
+        tmp_path / "narrator.json",
+        [{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}],
+        "json",
+    )
     with pytest.raises(DataError, match=r"narrator.json row 0: .*unsupported role: narrator"):
         load_datasets(DataConfig(dataset=roles, val_dataset=narrator), TOKENIZER)
 
@@ -102,8 +120,10 @@ def test_skip_invalid_counts_what_it_skipped(tmp_path):
     path = tmp_path / "mixed.jsonl"
     good = json.dumps({"prompt": "a", "response": "b"})
     path.write_text("\n".join([good, "{not json", json.dumps({"prompt": "x"}), good, good]) + "\n")
-    train, val, stats = load_datasets(DataConfig(dataset=str(path), val_dataset=str(path), skip_invalid=True,
-                                                 format="prompt_response"), TOKENIZER)
+    train, val, stats = load_datasets(
+        DataConfig(dataset=str(path), val_dataset=str(path), skip_invalid=True, format="prompt_response"),
+        TOKENIZER,
+    )
     assert len(train) == 3 and stats["skipped_invalid"] == 4.0  # 2 bad rows, read for train and for val
 
 

@@ -54,8 +54,6 @@ def test_sliding_puzzle_moves_reward_on_solve_and_error_on_invalid_move():
     assert late.terminateds.tolist() == [True] and late.rewards.tolist() == [0.0]
 
 
-
-
 def test_code_tool_environment_runs_code_then_scores_the_final_answer():
     env = CodeToolEnvironment()
     first = env.step([conversation("<code>print(12 * 12)</code>")], [{"ground_truth": "144"}])

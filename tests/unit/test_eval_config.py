@@ -114,6 +114,7 @@ def test_cons_at_k_majority_wins_and_empty_answers_do_not_vote():
 
 def test_merged_batches_weight_mean_length_by_samples():
     """Batch 1: 2 samples of mean length 2; batch 2: 1 sample of length 5 -> (2*2 + 5) / 3 = 3."""
+
     def part(rewards, mean_length, truncated):
         samples = [{"truncated": t} for t in truncated]
         metrics = {"mean_generated_length": mean_length, "num_samples": float(len(rewards))}

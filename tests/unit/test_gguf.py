@@ -26,6 +26,8 @@ def test_a_missing_file_names_the_config_key_and_the_file(tmp_path):
 def test_a_file_that_is_not_gguf_is_an_error_naming_it(tmp_path):
     bogus = tmp_path / "broken.gguf"
     bogus.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ConfigError, match=r"policy\.model_name: transformers cannot dequantize .*broken\.gguf"):
+    with pytest.raises(
+        ConfigError, match=r"policy\.model_name: transformers cannot dequantize .*broken\.gguf"
+    ):
         gguf_model_dir(str(bogus), key="policy.model_name", cache_dir=tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -12,7 +12,9 @@ CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml")
 
 
 def test_the_tiny_config_runs_async_with_separate_generation():
-    cfg = load_typed_config(GRPOConfig, CONFIG, ["grpo.async_grpo.enabled=true", "generation.colocated=false"])
+    cfg = load_typed_config(
+        GRPOConfig, CONFIG, ["grpo.async_grpo.enabled=true", "generation.colocated=false"]
+    )
     assert cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.max_trajectory_age_steps == 1
 
 
@@ -24,8 +26,11 @@ def test_async_with_colocated_generation_is_refused_naming_the_key():
 
 
 def test_stale_trajectories_need_the_importance_sampling_correction():
-    base = ["grpo.async_grpo.enabled=true", "generation.colocated=false",
-            "loss.use_importance_sampling_correction=false"]
+    base = [
+        "grpo.async_grpo.enabled=true",
+        "generation.colocated=false",
+        "loss.use_importance_sampling_correction=false",
+    ]
     with pytest.raises(ConfigError) as error:
         load_typed_config(GRPOConfig, CONFIG, base)
     assert error.value.key == "loss.use_importance_sampling_correction"

@@ -16,8 +16,15 @@ MAX_NEW_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer(tmp_path_factory):
-    spec = ModelFromConfig(architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=128, seed=3)
+    spec = ModelFromConfig(
+        architecture="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        seed=3,
+    )
     model_dir = build_model_dir(spec, tmp_path_factory.mktemp("decode_model"))
     return load_model(str(model_dir)).eval(), load_tokenizer(str(model_dir))
 
@@ -38,8 +45,13 @@ def test_groups_and_early_stops_decode_like_single_samples(model_and_tokenizer):
     sample's tokens equal decoding it alone with the same uniforms, logprobs within 1e-5."""
     model, tokenizer = model_and_tokenizer
     prompts = [p for p in ["12+34=", "7+8=", "99+1=", "5+55="] for _ in range(3)]
-    probe = decode(model, tokenizer, prompts, list(range(12)), GenerationConfig(max_new_tokens=MAX_NEW_TOKENS,
-                                                                                 stop_token_ids=[]))
+    probe = decode(
+        model,
+        tokenizer,
+        prompts,
+        list(range(12)),
+        GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[]),
+    )
     # The tokens most samples draw in their first half: with them as stop tokens, at least half of the
     # batch finishes early (so the finished rows leave the batch) while others run to the end.
     early = Counter(token for ids in probe.generated_ids for token in set(ids[: MAX_NEW_TOKENS // 2]))
@@ -52,8 +64,12 @@ def test_groups_and_early_stops_decode_like_single_samples(model_and_tokenizer):
         alone = decode(model, tokenizer, [prompt], [i], cfg)
         assert batched.generated_ids[i] == alone.generated_ids[0]
         assert batched.stopped[i] == alone.stopped[0]
-        torch.testing.assert_close(torch.tensor(batched.generated_logprobs[i]),
-                                   torch.tensor(alone.generated_logprobs[0]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(batched.generated_logprobs[i]),
+            torch.tensor(alone.generated_logprobs[0]),
+            atol=1e-5,
+            rtol=0,
+        )
 
 
 def test_reserved_cache_layer_holds_what_concatenation_holds():

@@ -27,8 +27,14 @@ LAYERS = {
     "posttrain.demo": 5,
     "posttrain.export": 5,
 }
-LAYER_NAMES = ["config, utils", "distributed, data, loss math", "models, environments",
-               "workers, experience, evals", "algorithm loops", "commands"]
+LAYER_NAMES = [
+    "config, utils",
+    "distributed, data, loss math",
+    "models, environments",
+    "workers, experience, evals",
+    "algorithm loops",
+    "commands",
+]
 
 
 def layer_of(module: str) -> int:
@@ -54,11 +60,14 @@ def imported_modules(path: Path, source: str | None = None) -> list[tuple[int, s
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:
                 candidate = f"{base}.{alias.name}"
-                is_module = (PACKAGE_DIR.parent / candidate.replace(".", "/")).with_suffix(".py").exists() or (
-                    PACKAGE_DIR.parent / candidate.replace(".", "/")).is_dir()
+                is_module = (PACKAGE_DIR.parent / candidate.replace(".", "/")).with_suffix(
+                    ".py"
+                ).exists() or (PACKAGE_DIR.parent / candidate.replace(".", "/")).is_dir()
                 found.append((node.lineno, candidate if is_module else base))
     return [(line, name) for line, name in found if name == "posttrain" or name.startswith("posttrain.")]
 
@@ -70,7 +79,8 @@ def test_every_import_points_down_the_module_map():
         for line, imported in imported_modules(path):
             if layer_of(imported) > layer_of(importer):
                 upward.append(
-                    f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {importer} ({LAYER_NAMES[layer_of(importer)]}) "
+                    f"{path.relative_to(PACKAGE_DIR.parent)}:{line}: {importer} "
+                    f"({LAYER_NAMES[layer_of(importer)]}) "
                     f"imports {imported} ({LAYER_NAMES[layer_of(imported)]})"
                 )
     assert not upward, "imports pointing up the module map:\n" + "\n".join(upward)
@@ -79,15 +89,21 @@ def test_every_import_points_down_the_module_map():
 def test_the_policy_workers_get_their_loss_as_a_callable_and_import_no_algorithm():
     workers = sorted((PACKAGE_DIR / "workers").rglob("*.py"))
     assert len(workers) > 10
-    found = [(path.name, name) for path in workers for _, name in imported_modules(path)
-             if name.startswith("posttrain.algorithms")]
+    found = [
+        (path.name, name)
+        for path in workers
+        for _, name in imported_modules(path)
+        if name.startswith("posttrain.algorithms")
+    ]
     assert found == []
 
 
 def test_models_hold_weights_and_start_no_worker():
     """models/ is what the weights are (build, tokenizer, LoRA, VLM, GGUF): no Ray actor lives there."""
     models = sorted((PACKAGE_DIR / "models").rglob("*.py"))
-    assert not [path.name for path in models if "import ray" in path.read_text() or "ray.remote" in path.read_text()]
+    assert not [
+        path.name for path in models if "import ray" in path.read_text() or "ray.remote" in path.read_text()
+    ]
 
 
 def test_the_walk_resolves_absolute_relative_and_nested_imports():

@@ -29,7 +29,11 @@ from posttrain.utils.system_monitor import RaySystemMonitor, average_samples, pa
 
 
 def jsonl_only(tmp_path: Path, **overrides) -> Logger:
-    return Logger(validate_config(LoggerConfig, {"log_dir": str(tmp_path / "run"), "tensorboard_enabled": False} | overrides))
+    return Logger(
+        validate_config(
+            LoggerConfig, {"log_dir": str(tmp_path / "run"), "tensorboard_enabled": False} | overrides
+        )
+    )
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -51,13 +55,21 @@ def test_summary_of_1_2_3_4_is_mean_2_5_p50_2_5_p90_3_7_max_4():
 
 def test_jsonl_line_is_step_plus_prefixed_metrics_with_list_summary(tmp_path):
     logger = jsonl_only(tmp_path)
-    logger.log_metrics({"loss": 0.5, "lens": [1, 2, 3, 4], "nested": {"x": np.int64(1)}}, step=3, prefix="train")
+    logger.log_metrics(
+        {"loss": 0.5, "lens": [1, 2, 3, 4], "nested": {"x": np.int64(1)}}, step=3, prefix="train"
+    )
     logger.log_metrics({"loss": torch.tensor(0.25)}, step=4, prefix="train")
     logger.finish()
     assert read_jsonl(logger.log_dir / "metrics.jsonl") == [
         {
-            "step": 3, "train/loss": 0.5, "train/lens": [1.0, 2.0, 3.0, 4.0], "train/lens/mean": 2.5,
-            "train/lens/p50": 2.5, "train/lens/p90": pytest.approx(3.7), "train/lens/max": 4.0, "train/nested/x": 1.0,
+            "step": 3,
+            "train/loss": 0.5,
+            "train/lens": [1.0, 2.0, 3.0, 4.0],
+            "train/lens/mean": 2.5,
+            "train/lens/p50": 2.5,
+            "train/lens/p90": pytest.approx(3.7),
+            "train/lens/max": 4.0,
+            "train/nested/x": 1.0,
         },
         {"step": 4, "train/loss": 0.25},
     ]
@@ -113,10 +125,17 @@ def test_tensorboard_scalars_and_hparams_read_back_with_event_accumulator(tmp_pa
 def test_mlflow_run_in_local_store_read_back_with_mlflow_client(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    logger = Logger(validate_config(LoggerConfig, {
-        "log_dir": str(tmp_path / "run"), "tensorboard_enabled": False, "mlflow_enabled": True,
-        "mlflow": {"experiment_name": "exp", "run_name": "r1"},
-    }))
+    logger = Logger(
+        validate_config(
+            LoggerConfig,
+            {
+                "log_dir": str(tmp_path / "run"),
+                "tensorboard_enabled": False,
+                "mlflow_enabled": True,
+                "mlflow": {"experiment_name": "exp", "run_name": "r1"},
+            },
+        )
+    )
     logger.log_hyperparams({"optim": {"lr": 0.001}})
     logger.log_metrics({"loss": 0.5}, step=1, prefix="train")
     logger.log_metrics({"loss": 0.25, "lens": [1, 2, 3, 4]}, step=2, prefix="train")
@@ -146,8 +165,8 @@ def read_wandb_records(path: Path) -> list[bytes]:
         if 32768 - offset % 32768 < 7:  # block trailer too small for a header: padding
             offset += 32768 - offset % 32768
             continue
-        _, length, kind = struct.unpack("<IHB", raw[offset:offset + 7])
-        data, offset = raw[offset + 7:offset + 7 + length], offset + 7 + length
+        _, length, kind = struct.unpack("<IHB", raw[offset : offset + 7])
+        data, offset = raw[offset + 7 : offset + 7 + length], offset + 7 + length
         pending = data if kind in (1, 2) else pending + data
         if kind in (1, 4):
             records.append(pending)
@@ -162,8 +181,12 @@ def wandb_history_and_config(run_file: Path) -> tuple[list[dict], dict]:
         record = wandb_internal_pb2.Record.FromString(data)
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
         if kind == "config":
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
     return rows, config
@@ -174,7 +197,9 @@ def test_wandb_offline_run_writes_history_and_config_and_system_rows_survive(tmp
     instead of being dropped for going backwards."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    logger = Logger(LoggerConfig(log_dir=str(tmp_path / "run"), tensorboard_enabled=False, wandb_enabled=True))
+    logger = Logger(
+        LoggerConfig(log_dir=str(tmp_path / "run"), tensorboard_enabled=False, wandb_enabled=True)
+    )
     logger.log_hyperparams({"optim": {"lr": 0.001}})
     logger.log_metrics({"loss": 0.5}, step=7, prefix="train")
     logger.log_metrics({"node": {"cpu": 12.5}}, step=1, prefix="system")
@@ -190,13 +215,18 @@ def test_wandb_offline_run_writes_history_and_config_and_system_rows_survive(tmp
             break
         time.sleep(0.5)
     assert [(row["_step"], row["train/loss"]) for row in rows if "train/loss" in row] == [(7, 0.5), (8, 0.25)]
-    assert [(row["system/step"], row["system/node/cpu"]) for row in rows if "system/node/cpu" in row] == [(1, 12.5)]
+    assert [(row["system/step"], row["system/node/cpu"]) for row in rows if "system/node/cpu" in row] == [
+        (1, 12.5)
+    ]
     assert config["optim/lr"] == 0.001
 
 
 # ------------------------------------------------------------------------------- validation samples
 SAMPLES = [
-    {"message_log": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}], "reward": r}
+    {
+        "message_log": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}],
+        "reward": r,
+    }
     for i, r in enumerate([0.1, 0.9, 0.5, 0.0, 0.7])
 ]
 
@@ -227,10 +257,12 @@ def test_sample_without_reward_is_named_in_the_error(tmp_path):
 
 
 def test_messages_are_coloured_by_role_and_content_is_not_markup():
-    sample = {"message_log": [{"role": "user", "content": "[red]x[/red]"}, {"role": "assistant", "content": "y"}],
-              "reward": 1.0}
+    sample = {
+        "message_log": [{"role": "user", "content": "[red]x[/red]"}, {"role": "assistant", "content": "y"}],
+        "reward": 1.0,
+    }
     text = render_sample(sample)
-    styles = {text.plain[span.start:span.end]: str(span.style) for span in text.spans}
+    styles = {text.plain[span.start : span.end]: str(span.style) for span in text.spans}
     assert styles["[red]x[/red]\n"] == "cyan" and styles["y\n"] == "green"
 
 
@@ -248,8 +280,13 @@ ray_node_disk_free{ip="10.0.0.1"} 5
 
 def test_parse_node_metrics_converts_units_and_adds_gpu_totals():
     assert parse_node_metrics(EXPOSITION) == {
-        "cpu_utilization": 37.5, "mem_used_gb": 2.0, "mem_total_gb": 8.0, "mem_utilization": 25.0,
-        "gpu0/utilization": 80.0, "gpu0/memory_used_mb": 1000.0, "gpu0/memory_total_mb": 4000.0,
+        "cpu_utilization": 37.5,
+        "mem_used_gb": 2.0,
+        "mem_total_gb": 8.0,
+        "mem_utilization": 25.0,
+        "gpu0/utilization": 80.0,
+        "gpu0/memory_used_mb": 1000.0,
+        "gpu0/memory_total_mb": 4000.0,
     }
 
 

@@ -55,9 +55,18 @@ def test_validation_pretty_logging_example_config_works_without_log_dir(tmp_path
     num_val_samples_to_print: 10 -- the logger will generate well-formatted text outputs for the
     specified number of validation samples."""
     monkeypatch.chdir(tmp_path)
-    logger = Logger({"wandb_enabled": False, "tensorboard_enabled": False, "mlflow_enabled": False,
-                     "num_val_samples_to_print": 10})
-    samples = [{"reward": float(i), "message_log": [{"role": "assistant", "content": f"answer {i}"}]} for i in range(12)]
+    logger = Logger(
+        {
+            "wandb_enabled": False,
+            "tensorboard_enabled": False,
+            "mlflow_enabled": False,
+            "num_val_samples_to_print": 10,
+        }
+    )
+    samples = [
+        {"reward": float(i), "message_log": [{"role": "assistant", "content": f"answer {i}"}]}
+        for i in range(12)
+    ]
     with logger.sample_printer.console.capture() as captured:
         logger.log_val_samples(samples, step=3)
     logger.finish()
@@ -70,9 +79,14 @@ def test_gpu_monitoring_example_config_and_flat_interval_names():
     """monitor_gpus: true, gpu_monitoring: collection_interval: 10, flush_interval: 10 -- the frequency of
     data collection and flushing to the loggers is controlled by the gpu_collection_interval and
     gpu_flush_interval parameters, both specified in seconds."""
-    nested = validate_config(LoggerConfig, {"monitor_gpus": True, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10}})
+    nested = validate_config(
+        LoggerConfig,
+        {"monitor_gpus": True, "gpu_monitoring": {"collection_interval": 10, "flush_interval": 10}},
+    )
     assert (nested.gpu_monitoring.collection_interval, nested.gpu_monitoring.flush_interval) == (10, 10)
-    flat = validate_config(LoggerConfig, {"monitor_gpus": True, "gpu_collection_interval": 3, "gpu_flush_interval": 6})
+    flat = validate_config(
+        LoggerConfig, {"monitor_gpus": True, "gpu_collection_interval": 3, "gpu_flush_interval": 6}
+    )
     assert (flat.gpu_monitoring.collection_interval, flat.gpu_monitoring.flush_interval) == (3.0, 6.0)
     assert flat.gpu_collection_interval is None  # folded: one place holds the value
     with pytest.raises(ValueError, match=r"set only logger\.gpu_monitoring\.flush_interval"):
@@ -90,7 +104,9 @@ def test_flat_gpu_names_through_the_yaml_schema_and_the_conflict_names_the_neste
     cfg = validate_config(_Run, {"logger": {"monitor_gpus": True, "gpu_collection_interval": 5}})
     assert cfg.logger.gpu_monitoring.collection_interval == 5.0
     with pytest.raises(ConfigError, match=r"gpu_monitoring\.collection_interval"):
-        validate_config(_Run, {"logger": {"gpu_collection_interval": 5, "gpu_monitoring": {"collection_interval": 1}}})
+        validate_config(
+            _Run, {"logger": {"gpu_collection_interval": 5, "gpu_monitoring": {"collection_interval": 1}}}
+        )
 
 
 # ------------------------------------------------------------------------------- reductions and timing
@@ -120,7 +136,9 @@ def test_timing_is_reduced_across_ranks_with_max_and_logged_beside_the_driver_ti
     driver = Timer()
     driver._records["generation"] = [0.75, 0.25]  # two intervals of one stage in this step
     assert step_timing(driver, {"policy_worker": workers}) == {
-        "generation": 1.0, "policy_worker/train": 2.5, "policy_worker/logprobs": 0.5,
+        "generation": 1.0,
+        "policy_worker/train": 2.5,
+        "policy_worker/logprobs": 0.5,
     }
 
 
@@ -161,9 +179,15 @@ def test_eval_logs_its_outcomes_to_the_unified_logger(tmp_path):
     cfg.logger.log_dir = str(tmp_path / "eval")
     summary = {"model": "m", "score": 0.75, "k": 1, "greedy": True, "accuracy": 0.75}
     samples = [{"reward": 1.0, "message_log": []}, {"reward": 0.0, "message_log": []}]
-    log_results(cfg, summary, ValidationResult({"accuracy": 0.75}, samples, torch.tensor([1.0, 0.0])), tmp_path / "other")
-    assert read_jsonl(tmp_path / "eval" / "metrics.jsonl") == [{"step": 0, "eval/score": 0.75, "eval/k": 1.0,
-                                                                 "eval/accuracy": 0.75}]
+    log_results(
+        cfg,
+        summary,
+        ValidationResult({"accuracy": 0.75}, samples, torch.tensor([1.0, 0.0])),
+        tmp_path / "other",
+    )
+    assert read_jsonl(tmp_path / "eval" / "metrics.jsonl") == [
+        {"step": 0, "eval/score": 0.75, "eval/k": 1.0, "eval/accuracy": 0.75}
+    ]
     assert list((tmp_path / "eval" / "tensorboard").glob("events.out.tfevents.*"))
     assert len(read_jsonl(tmp_path / "eval" / "val_samples" / "step_0.jsonl")) == 2
 
@@ -181,10 +205,14 @@ def test_pick_rows_takes_real_rows_and_whole_pairs():
     chosen row 2i with rejected row 2i+1."""
     from posttrain.distributed.batched_data_dict import BatchedDataDict
 
-    batch = BatchedDataDict({
-        "input_ids": torch.arange(12).reshape(6, 2), "token_mask": torch.ones(6, 2, dtype=torch.long),
-        "input_lengths": torch.full((6,), 2), "sample_mask": torch.tensor([1, 1, 0, 0, 1, 1]),
-    })
+    batch = BatchedDataDict(
+        {
+            "input_ids": torch.arange(12).reshape(6, 2),
+            "token_mask": torch.ones(6, 2, dtype=torch.long),
+            "input_lengths": torch.full((6,), 2),
+            "sample_mask": torch.tensor([1, 1, 0, 0, 1, 1]),
+        }
+    )
     singles = pick_rows([batch], 3, stride=1)
     assert [row["input_ids"].tolist() for row in singles] == [[0, 1], [2, 3], [8, 9]]
     pairs = pick_rows([batch], 5, stride=2)

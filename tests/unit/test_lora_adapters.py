@@ -21,13 +21,18 @@ from posttrain.workers.policy.config import PolicyConfig
 
 
 def test_merge_adds_scaled_b_times_a_to_the_base_weight():
-    """W = 0 (2 x 2), A = [[1, 2]] (r = 1), B = [[1], [0]], alpha = 2: W' = (2 / 1) * B @ A = [[2, 4], [0, 0]].
+    """W = 0 (2 x 2), A = [[1, 2]] (r = 1), B = [[1], [0]], alpha = 2: W' = (2 / 1) * B @ A = [[2, 4], [0,
+    0]].
     Weights the adapter does not touch are not returned."""
     cfg = LoraConfig(enabled=True, rank=1, alpha=2.0)
-    adapter = AdapterWeights(cfg, "causal_lm", {
-        "base_model.model.layer.proj.lora_A.weight": torch.tensor([[1.0, 2.0]]),
-        "base_model.model.layer.proj.lora_B.weight": torch.tensor([[1.0], [0.0]]),
-    })
+    adapter = AdapterWeights(
+        cfg,
+        "causal_lm",
+        {
+            "base_model.model.layer.proj.lora_A.weight": torch.tensor([[1.0, 2.0]]),
+            "base_model.model.layer.proj.lora_B.weight": torch.tensor([[1.0], [0.0]]),
+        },
+    )
     base = {"layer.proj.weight": torch.zeros(2, 2), "layer.other.weight": torch.ones(2, 2)}
     merged = merge_adapter(base, adapter)
     assert merged.keys() == {"layer.proj.weight"}
@@ -38,8 +43,9 @@ def test_merge_adds_scaled_b_times_a_to_the_base_weight():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = ModelFromConfig(architecture="llama", hidden_size=32, num_layers=2, num_attention_heads=2,
-                          intermediate_size=64)
+    cfg = ModelFromConfig(
+        architecture="llama", hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     return build_model_dir(cfg, tmp_path_factory.mktemp("lora_unit"))
 
 
@@ -81,9 +87,17 @@ def test_lora_config_errors_name_the_key():
     with pytest.raises(ConfigError, match=r"lora\.rank: must be >= 1"):
         validate_config(PolicyConfig, {"model_name": "m", "lora": {"enabled": True, "rank": 0}})
     validate_config(PolicyConfig, {"model_name": "m", "tensor_parallel_size": 2, "lora": {"enabled": True}})
-    with pytest.raises(ConfigError, match=r"policy\.lora\.modules_to_save=\['o_proj'\] with policy\.tensor_parallel_size=2"):
-        validate_config(PolicyConfig, {"model_name": "m", "tensor_parallel_size": 2,
-                                       "lora": {"enabled": True, "modules_to_save": ["o_proj", "score"]}})
+    with pytest.raises(
+        ConfigError, match=r"policy\.lora\.modules_to_save=\['o_proj'\] with policy\.tensor_parallel_size=2"
+    ):
+        validate_config(
+            PolicyConfig,
+            {
+                "model_name": "m",
+                "tensor_parallel_size": 2,
+                "lora": {"enabled": True, "modules_to_save": ["o_proj", "score"]},
+            },
+        )
 
 
 def test_vllm_lora_rank_must_be_a_vllm_bucket_at_least_the_adapter_rank():
@@ -91,6 +105,13 @@ def test_vllm_lora_rank_must_be_a_vllm_bucket_at_least_the_adapter_rank():
 
     with pytest.raises(ConfigError, match=r"vllm_lora_max_rank: vLLM accepts one of"):
         validate_config(GRPOConfig, {"generation": {"vllm_lora_max_rank": 3}})
-    with pytest.raises(ConfigError, match=r"generation\.vllm_lora_max_rank: 8 is below policy\.lora\.rank=16"):
-        validate_config(GRPOConfig, {"generation": {"vllm_lora_max_rank": 8},
-                                     "policy": {"model_name": "m", "lora": {"enabled": True, "rank": 16}}})
+    with pytest.raises(
+        ConfigError, match=r"generation\.vllm_lora_max_rank: 8 is below policy\.lora\.rank=16"
+    ):
+        validate_config(
+            GRPOConfig,
+            {
+                "generation": {"vllm_lora_max_rank": 8},
+                "policy": {"model_name": "m", "lora": {"enabled": True, "rank": 16}},
+            },
+        )

@@ -1,4 +1,5 @@
-"""Losses against hand-derived values, and micro-batch additivity (sum of micro-batch losses = global loss)."""
+"""Losses against hand-derived values, and micro-batch additivity (sum of micro-batch losses = global
+loss)."""
 
 import math
 
@@ -347,11 +348,14 @@ def test_two_micro_batches_sum_to_whole_batch_loss_metrics_and_gradient(name):
     assert summed_metrics == pytest.approx(whole_metrics, rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
-    {"token_level_loss": False, "sequence_level_importance_ratios": True},
-])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"use_importance_sampling_correction": True, "truncated_importance_sampling_ratio": 2.0},
+        {"token_level_loss": False, "sequence_level_importance_ratios": True},
+    ],
+)
 def test_prev_is_current_equals_recorded_prev_logprobs_of_the_same_weights(options):
     """A single optimizer step per batch: taking pi_prev from the trained forward (gradient stopped) gives
     the loss, gradient and metrics of recording the same numbers beforehand as prev_logprobs."""
@@ -382,9 +386,14 @@ def test_stale_data_in_one_update_weight_by_truncated_prev_over_generation_and_m
     and its gradient -w / 2 = (-0.75, -0.25), whether pi_prev comes from the trained forward or was
     recomputed with the same weights."""
     current = torch.tensor([[0.0, math.log(0.5), math.log(0.25)]])
-    data = {"token_mask": torch.tensor([[0, 1, 1]]), "advantages": torch.ones(1, 3),
-            "generation_logprobs": torch.tensor([[0.0, math.log(0.25), math.log(0.5)]])}
-    cfg = ClippedPGLossConfig(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5)
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1]]),
+        "advantages": torch.ones(1, 3),
+        "generation_logprobs": torch.tensor([[0.0, math.log(0.25), math.log(0.5)]]),
+    }
+    cfg = ClippedPGLossConfig(
+        use_importance_sampling_correction=True, truncated_importance_sampling_ratio=1.5
+    )
     for prev_is_current, extra in ((True, {}), (False, {"prev_logprobs": current.clone()})):
         logprobs = current.clone().requires_grad_(True)
         loss, metrics = ClippedPGLoss(cfg, prev_is_current=prev_is_current)(logprobs, data | extra, 1, 2)

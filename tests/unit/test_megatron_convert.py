@@ -13,8 +13,18 @@ from posttrain.workers.policy import megatron_convert as mc
 def test_qkv_rows_interleave_per_kv_group_by_hand():
     """4 query heads, 2 kv heads, head_dim 1: group g holds its 2 query heads, then k_g, then v_g:
     [q0, q1, k0, v0, q2, q3, k1, v1]; split_qkv undoes it."""
-    layout = mc.GPTLayout(num_layers=1, hidden_size=4, num_heads=4, num_kv_heads=2, head_dim=1, ffn_hidden_size=4,
-                          vocab_size=8, padded_vocab_size=8, tied_embeddings=False, qkv_bias=True)
+    layout = mc.GPTLayout(
+        num_layers=1,
+        hidden_size=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=1,
+        ffn_hidden_size=4,
+        vocab_size=8,
+        padded_vocab_size=8,
+        tied_embeddings=False,
+        qkv_bias=True,
+    )
     q, k, v = torch.tensor([0.0, 1, 2, 3]), torch.tensor([10.0, 11]), torch.tensor([20.0, 21])
     qkv = mc.interleave_qkv(q, k, v, layout)
     assert qkv.tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
@@ -22,19 +32,37 @@ def test_qkv_rows_interleave_per_kv_group_by_hand():
 
 
 def megatron_names(num_layers: int, qkv_bias: bool) -> list[str]:
-    layer = ["input_layernorm.weight", "self_attention.linear_qkv.weight", "self_attention.linear_proj.weight",
-             "pre_mlp_layernorm.weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"]
+    layer = [
+        "input_layernorm.weight",
+        "self_attention.linear_qkv.weight",
+        "self_attention.linear_proj.weight",
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+    ]
     layer += ["self_attention.linear_qkv.bias"] if qkv_bias else []
     names = [f"decoder.layers.{i}.{part}" for i in range(num_layers) for part in layer]
-    return ["embedding.word_embeddings.weight", *names, "decoder.final_layernorm.weight", "output_layer.weight"]
+    return [
+        "embedding.word_embeddings.weight",
+        *names,
+        "decoder.final_layernorm.weight",
+        "output_layer.weight",
+    ]
 
 
 @pytest.mark.parametrize("config_class, tied", [(Qwen2Config, False), (LlamaConfig, True)])
 def test_hf_to_tp_shards_and_back_is_the_identity(config_class, tied):
     """Vocabulary 101 is padded to 102 for TP 2 (a zero row), GQA 4/2 heads, Qwen2's q/k/v biases."""
     torch.manual_seed(0)
-    config = config_class(vocab_size=101, hidden_size=16, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, intermediate_size=24, tie_word_embeddings=tied)
+    config = config_class(
+        vocab_size=101,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=24,
+        tie_word_embeddings=tied,
+    )
     hf_weights = AutoModelForCausalLM.from_config(config).state_dict()
     layout = mc.gpt_layout(config, tp_size=2)
     assert (layout.padded_vocab_size, layout.qkv_bias) == (102, config_class is Qwen2Config)
@@ -42,8 +70,12 @@ def test_hf_to_tp_shards_and_back_is_the_identity(config_class, tied):
     shards = [mc.hf_to_megatron(hf_weights, names, 0, layout, rank, 2) for rank in range(2)]
     assert shards[0]["embedding.word_embeddings.weight"].shape == (51, 16)
     assert shards[1]["decoder.layers.0.mlp.linear_fc1.weight"].shape == (24, 16)  # its 12 gate + 12 up rows
-    torch.testing.assert_close(shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:12],
-                               hf_weights["model.layers.0.mlp.gate_proj.weight"][12:], atol=0, rtol=0)
+    torch.testing.assert_close(
+        shards[1]["decoder.layers.0.mlp.linear_fc1.weight"][:12],
+        hf_weights["model.layers.0.mlp.gate_proj.weight"][12:],
+        atol=0,
+        rtol=0,
+    )
     full = {name: mc.merge_tp_shards(name, [shard[name] for shard in shards], layout) for name in names}
     back = mc.megatron_to_hf(full, 0, layout)
     assert set(back) == set(hf_weights)

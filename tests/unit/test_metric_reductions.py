@@ -10,7 +10,7 @@ from posttrain.utils.metrics import metric_reductions, reduce_metrics, reduce_ti
 
 
 def test_declared_reduction_wins_over_the_suffix_rule():
-    """"Tracking distributed metrics with specified reductions (mean, max, etc.)": a declared reduction
+    """ "Tracking distributed metrics with specified reductions (mean, max, etc.)": a declared reduction
     is used; undeclared `*_min` / `*_max` keep min / max and everything else sums."""
     declared = {"tokens_per_second": "mean", "peak_len": "max", "ratio_max": "sum"}
     assert reduction_of("tokens_per_second", declared) == "mean"
@@ -49,7 +49,7 @@ def test_loss_functions_declare_their_reductions_and_bad_names_are_refused():
 
 
 def test_timing_is_reduced_across_ranks_with_max():
-    """"Tracking distributed timing with (usually) 'max' reduction across ranks": rank times 1.5 s and
+    """ "Tracking distributed timing with (usually) 'max' reduction across ranks": rank times 1.5 s and
     2.5 s of forward_backward -> 2.5; a stage only one rank ran keeps that rank's time."""
     per_rank = [{"forward_backward": 1.5, "optimizer_step": 0.2}, {"forward_backward": 2.5}]
     assert reduce_timing(per_rank) == {"forward_backward": 2.5, "optimizer_step": 0.2}

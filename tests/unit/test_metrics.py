@@ -4,7 +4,10 @@ from posttrain.utils.metrics import mean_over_steps, sum_metrics
 
 
 def test_sum_metrics_sums_shares_and_keeps_extremes():
-    parts = [{"loss": 0.25, "ratio_min": 0.5, "ratio_max": 1.5}, {"loss": 0.5, "ratio_min": 0.75, "ratio_max": 2.0}]
+    parts = [
+        {"loss": 0.25, "ratio_min": 0.5, "ratio_max": 1.5},
+        {"loss": 0.5, "ratio_min": 0.75, "ratio_max": 2.0},
+    ]
     assert sum_metrics(parts) == {"loss": 0.75, "ratio_min": 0.5, "ratio_max": 2.0}
 
 

@@ -20,8 +20,15 @@ pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch buil
 
 @pytest.fixture()
 def model_dir(tmp_path):
-    spec = ModelFromConfig(architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=128, seed=5)
+    spec = ModelFromConfig(
+        architecture="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        seed=5,
+    )
     return str(build_model_dir(spec, tmp_path))
 
 
@@ -37,7 +44,8 @@ def logits(model, input_ids):
 
 def test_packed_model_gives_the_plain_logits_and_keeps_its_parameters(model):
     """Qwen2 (biased q/k/v, unbiased o/MLP, tied head): 2 layers x 7 projections + the head = 15 packed;
-    logits over a [3, 9] batch equal the plain model's (fp32, 1e-5); state dict names and tensors unchanged."""
+    logits over a [3, 9] batch equal the plain model's (fp32, 1e-5); state dict names and tensors
+    unchanged."""
     input_ids = torch.randint(3, model.config.vocab_size, (3, 9), generator=torch.Generator().manual_seed(0))
     plain = logits(model, input_ids)
     state_before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -15,7 +15,9 @@ from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokeni
 def reward_model_dir(tmp_path_factory) -> Path:
     """A tiny seeded 1-label sequence classifier with the character tokenizer."""
     model_dir = tmp_path_factory.mktemp("rm")
-    build_model_dir(ModelFromConfig(hidden_size=32, num_layers=1, num_attention_heads=2, intermediate_size=64), model_dir)
+    build_model_dir(
+        ModelFromConfig(hidden_size=32, num_layers=1, num_attention_heads=2, intermediate_size=64), model_dir
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1)
@@ -58,7 +60,9 @@ def test_every_sample_terminates_after_one_turn(reward_model_dir):
 
 def test_a_generated_end_marker_is_not_doubled_by_the_chat_template(reward_model_dir):
     env = RewardModelEnvironment(str(reward_model_dir))
-    with_marker, without_marker = env.score([conversation("07+85=", "092<eos>"), conversation("07+85=", "092")])
+    with_marker, without_marker = env.score(
+        [conversation("07+85=", "092<eos>"), conversation("07+85=", "092")]
+    )
     assert float(with_marker) == float(without_marker)
 
 

@@ -26,8 +26,14 @@ class OddLengthEnvironment:
     def step(self, message_logs, metadata):
         rewards = torch.tensor([float(len(log[-1]["content"]) % 2) for log in message_logs])
         n = len(message_logs)
-        return EnvironmentReturn([{"role": "environment", "content": ""}] * n, list(metadata), [None] * n, rewards,
-                                 torch.ones(n, dtype=torch.bool), [None] * n)
+        return EnvironmentReturn(
+            [{"role": "environment", "content": ""}] * n,
+            list(metadata),
+            [None] * n,
+            rewards,
+            torch.ones(n, dtype=torch.bool),
+            [None] * n,
+        )
 
 
 class LoopOnlyPolicy:
@@ -42,8 +48,15 @@ class LoopOnlyPolicy:
 
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
-    spec = ModelFromConfig(architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
-                           num_key_value_heads=2, intermediate_size=128, seed=5)
+    spec = ModelFromConfig(
+        architecture="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        seed=5,
+    )
     model_dir = str(build_model_dir(spec, tmp_path_factory.mktemp("rollout_model")))
     tokenizer = load_tokenizer(model_dir)
     records, _, _ = load_datasets(DataConfig(dataset="arithmetic", seed=3), tokenizer)
@@ -53,8 +66,12 @@ def parts(tmp_path_factory):
 
 def collector(parts, dynamic: bool, max_rounds: int = 4) -> RolloutCollector:
     tokenizer, records, generation = parts
-    cfg = GRPOLoopConfig(num_prompts_per_step=PROMPTS, num_generations_per_prompt=GROUP, max_seq_len=256,
-                         dynamic_sampling=DynamicSamplingConfig(enabled=dynamic, max_num_gen_batches=max_rounds))
+    cfg = GRPOLoopConfig(
+        num_prompts_per_step=PROMPTS,
+        num_generations_per_prompt=GROUP,
+        max_seq_len=256,
+        dynamic_sampling=DynamicSamplingConfig(enabled=dynamic, max_num_gen_batches=max_rounds),
+    )
     loader = StatefulDataLoader(records, PROMPTS, shuffle=False)
     return RolloutCollector(cfg, generation, loader, tokenizer, {"arithmetic": OddLengthEnvironment()}, 6)
 

@@ -23,7 +23,7 @@ from posttrain.environments.sandbox import SandboxLimits, SandboxUnavailableErro
 
 def available_modes() -> list[str]:
     modes = []
-    for mode in (["root", "userns"] if os.geteuid() == 0 else ["userns"]):
+    for mode in ["root", "userns"] if os.geteuid() == 0 else ["userns"]:
         try:
             result = run_python("print('ok')", mode=mode) if sandbox.bwrap_path() else None
         except OSError:
@@ -89,7 +89,8 @@ def test_setns_into_other_namespaces_then_connect_to_a_host_listener_fails(mode,
     """The issue's escape: ctypes setns() into the parent's network namespace, then a subprocess that
     connects to a 127.0.0.1 listener. The sandbox sees no process of the host, and holds no capability."""
     port, connected = tcp_listener
-    result = run(f"""
+    result = run(
+        f"""
         import ctypes, os, socket, subprocess, sys
         libc = ctypes.CDLL(None, use_errno=True)
         joined = 0
@@ -104,7 +105,9 @@ def test_setns_into_other_namespaces_then_connect_to_a_host_listener_fails(mode,
         code = "import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2); print('CONNECTED')"
         out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
         print(out.stdout, out.stderr.strip().splitlines()[-1:])
-    """, mode)
+    """,
+        mode,
+    )
     time.sleep(0.5)
     assert connected == [], "the sandbox reached a listener on the host's loopback"
     assert "CONNECTED" not in result.stdout
@@ -121,15 +124,19 @@ def test_unix_sockets_of_the_host_are_unreachable(mode, tmp_path):
     abstract.bind(b"\0posttrain-test-" + uuid.uuid4().hex.encode())
     abstract.listen()
     try:
-        result = run(f"""
+        result = run(
+            f"""
             import glob, socket
-            for address in [{str(path)!r}, {abstract.getsockname()!r}] + glob.glob('/tmp/ray/**/*', recursive=True):
+            for address in [{str(path)!r}, {abstract.getsockname()!r}] + glob.glob('/tmp/ray/**/*',
+            recursive=True):
                 s = socket.socket(socket.AF_UNIX)
                 try:
                     s.connect(address); print('CONNECTED', address)
                 except OSError as error:
                     print('refused', type(error).__name__)
-        """, mode)
+        """,
+            mode,
+        )
     finally:
         server.close()
         abstract.close()
@@ -140,7 +147,8 @@ def test_unix_sockets_of_the_host_are_unreachable(mode, tmp_path):
 @mode_param
 def test_the_parents_environment_and_processes_are_invisible(mode, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf-secret-5678")
-    result = run(f"""
+    result = run(
+        f"""
         import os
         pids = sorted(int(p) for p in os.listdir('/proc') if p.isdigit())
         leaked = []
@@ -150,7 +158,9 @@ def test_the_parents_environment_and_processes_are_invisible(mode, monkeypatch):
             except OSError:
                 pass
         print(pids, b'hf-secret' in b''.join(leaked))
-    """, mode)
+    """,
+        mode,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "[1, 2] False\n"  # bwrap's init and the code itself
 
@@ -158,15 +168,19 @@ def test_the_parents_environment_and_processes_are_invisible(mode, monkeypatch):
 @mode_param
 def test_writes_outside_the_scratch_directory_fail(mode, tmp_path):
     target = tmp_path / "escaped.txt"
-    result = run(f"""
+    result = run(
+        f"""
         ok = []
-        for path in [{str(target)!r}, '/usr/escaped', '/escaped', '/code/main.py', '/tmp/../escaped', '/scratch/fine']:
+        for path in [{str(target)!r}, '/usr/escaped', '/escaped', '/code/main.py', '/tmp/../escaped',
+        '/scratch/fine']:
             try:
                 open(path, 'w').write('x'); ok.append(path)
             except OSError:
                 pass
         print(ok)
-    """, mode)
+    """,
+        mode,
+    )
     assert result.stdout == "['/scratch/fine']\n", result.stderr
     assert not target.exists()
 
@@ -174,7 +188,8 @@ def test_writes_outside_the_scratch_directory_fail(mode, tmp_path):
 @mode_param
 def test_a_fork_bomb_hits_the_process_limit_and_nothing_survives(mode):
     marker = f"forkbomb-{uuid.uuid4().hex}"
-    result = run(f"""
+    result = run(
+        f"""
         import os, time
         children = 0
         try:
@@ -185,7 +200,11 @@ def test_a_fork_bomb_hits_the_process_limit_and_nothing_survives(mode):
         except OSError as error:
             print('stopped after', children, type(error).__name__, flush=True)
         os.execv('/bin/sleep', ['{marker}', '60'])
-    """, mode, timeout_s=3.0, max_processes=16)
+    """,
+        mode,
+        timeout_s=3.0,
+        max_processes=16,
+    )
     assert result.timed_out
     stopped = result.stdout.split()
     assert stopped[:2] == ["stopped", "after"] and int(stopped[2]) < 16 and stopped[3] == "BlockingIOError"
@@ -197,12 +216,16 @@ def test_a_fork_bomb_hits_the_process_limit_and_nothing_survives(mode):
 @pytest.mark.parametrize("ending", ["exits", "times out"])
 def test_a_setsid_grandchild_does_not_outlive_the_call(mode, ending):
     marker = f"survivor-{uuid.uuid4().hex}"
-    result = run(f"""
+    result = run(
+        f"""
         import subprocess
         subprocess.Popen(['{marker}', '60'], executable='/bin/sleep', start_new_session=True)
         print('spawned', flush=True)
-        {'import time; time.sleep(60)' if ending == 'times out' else ''}
-    """, mode, timeout_s=2.0)
+        {"import time; time.sleep(60)" if ending == "times out" else ""}
+    """,
+        mode,
+        timeout_s=2.0,
+    )
     assert result.stdout == "spawned\n" and result.timed_out == (ending == "times out")
     assert "Error" not in result.stderr, result.stderr
     time.sleep(0.3)
@@ -213,12 +236,17 @@ def test_a_setsid_grandchild_does_not_outlive_the_call(mode, ending):
 def test_a_stdout_flood_is_cut_at_the_cap_without_buffering_it(mode):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.monotonic()
-    result = run("""
+    result = run(
+        """
         import sys
         block = 'x' * 65536
         for _ in range(25000):  # 1.6 GB
             sys.stdout.write(block)
-    """, mode, timeout_s=20.0, max_output_bytes=4096)
+    """,
+        mode,
+        timeout_s=20.0,
+        max_output_bytes=4096,
+    )
     assert result.output_truncated and result.returncode is None and not result.timed_out
     assert len(result.stdout) == 4096
     assert time.monotonic() - start < 5.0
@@ -227,7 +255,8 @@ def test_a_stdout_flood_is_cut_at_the_cap_without_buffering_it(mode):
 
 @mode_param
 def test_killing_the_parent_or_every_process_only_ends_the_sandbox(mode):
-    result = run("""
+    result = run(
+        """
         import os, signal
         for target in (os.getppid(), -1, %d):
             try:
@@ -235,7 +264,10 @@ def test_killing_the_parent_or_every_process_only_ends_the_sandbox(mode):
             except OSError as error:
                 print(type(error).__name__)
         print('still here')
-    """ % os.getpid(), mode)
+    """
+        % os.getpid(),
+        mode,
+    )
     assert result.returncode == 0, result
     assert result.stdout.splitlines()[-1] == "still here"  # nothing outside was reachable to kill
     assert Path(f"/proc/{os.getpid()}").exists()
@@ -307,14 +339,23 @@ def test_escapes_fail_when_an_unprivileged_user_runs_the_sandbox(tcp_listener, t
             os._exit(0)
     """)
     out = subprocess.run(
-        [python, "-I", "-c", ESCAPES_AS_NOBODY, sandbox.__file__, code], user=sandbox.NOBODY,
-        group=sandbox.NOBODY, extra_groups=[], capture_output=True, text=True, cwd="/", env={"PATH": "/usr/bin:/bin"},
+        [python, "-I", "-c", ESCAPES_AS_NOBODY, sandbox.__file__, code],
+        user=sandbox.NOBODY,
+        group=sandbox.NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin"},
     )
     if out.returncode != 0 and "SandboxUnavailableError" in out.stderr:
         pytest.skip(f"no unprivileged user namespaces here: {out.stderr.strip()[-300:]}")
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [
-        "userns", f"{sandbox.NOBODY} ['1', '2']", "no network", "no host file: FileNotFoundError",
+        "userns",
+        f"{sandbox.NOBODY} ['1', '2']",
+        "no network",
+        "no host file: FileNotFoundError",
         "forks stopped: True 0",
     ]
     assert connected == [] and not target.exists()
@@ -329,11 +370,17 @@ def test_an_interpreter_in_a_venv_under_tmp_still_runs(mode):
     venv = Path("/tmp") / f"posttrain-venv-{uuid.uuid4().hex[:8]}"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     try:
-        program = ("import importlib.util as u, sys; spec = u.spec_from_file_location('sandbox', sys.argv[1]); "
-                   "box = u.module_from_spec(spec); sys.modules['sandbox'] = box; spec.loader.exec_module(box); "
-                   f"print(box.run_python('print(6 * 7)', mode={mode!r}).stdout, end='')")
-        result = subprocess.run([str(venv / "bin" / "python"), "-c", program, sandbox.__file__],
-                                capture_output=True, text=True, timeout=60)
+        program = (
+            "import importlib.util as u, sys; spec = u.spec_from_file_location('sandbox', sys.argv[1]); "
+            "box = u.module_from_spec(spec); sys.modules['sandbox'] = box; spec.loader.exec_module(box); "
+            f"print(box.run_python('print(6 * 7)', mode={mode!r}).stdout, end='')"
+        )
+        result = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", program, sandbox.__file__],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.stdout == "42\n", result.stderr
     finally:
         subprocess.run(["rm", "-rf", str(venv)], check=True)

@@ -18,7 +18,9 @@ from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 CPU = torch.device("cpu")
 
 
-def batch(rows: list[tuple[list[int], list[int]]], width: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def batch(
+    rows: list[tuple[list[int], list[int]]], width: int
+) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """(prompt, continuation) pairs as right-padded input_ids, lengths and a token_mask on continuations."""
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     token_mask = torch.zeros(len(rows), width)
@@ -46,15 +48,18 @@ def test_a_group_becomes_one_row_with_restarting_positions_and_a_tree_mask():
     # Shared: [5, 6] (L = 2); continuations [7, 1, 2] and [7, 3] at positions 2, 3, 4 and 2, 3.
     assert rows.input_ids.tolist() == [[5, 6, 7, 1, 2, 7, 3]]
     assert rows.position_ids.tolist() == [[0, 1, 2, 3, 4, 2, 3]]
-    expected = torch.tensor([
-        [1, 0, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0, 0],
-        [1, 1, 1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 0, 0, 0],
-        [1, 1, 1, 1, 1, 0, 0],
-        [1, 1, 0, 0, 0, 1, 0],  # the second continuation sees the prompt and itself, not the first one
-        [1, 1, 0, 0, 0, 1, 1],
-    ], dtype=torch.bool)
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [1, 1, 1, 0, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 1, 0, 0],
+            [1, 1, 0, 0, 0, 1, 0],  # the second continuation sees the prompt and itself, not the first one
+            [1, 1, 0, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(rows.attention_mask[0, 0], expected)
     assert [(p.row, p.start, p.prefix_length) for p in rows.placements] == [(0, 2, 2), (1, 5, 2)]
 
@@ -76,7 +81,9 @@ def test_long_continuations_after_a_short_prompt_stay_in_plain_rows():
 def test_attention_cost_ratio_of_a_llama_layer():
     """SmolLM2-135M: hidden 576, 9 heads of 64 with 3 key/value heads (kv width 192), MLP 1536:
     2 / (1152 + 384 + 4608) = 2 / 6144."""
-    config = SimpleNamespace(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+    config = SimpleNamespace(
+        hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3
+    )
     assert attention_cost_ratio(config) == pytest.approx(2 / 6144)
     assert attention_cost_ratio(SimpleNamespace()) == 0.0
 
@@ -84,8 +91,15 @@ def test_attention_cost_ratio_of_a_llama_layer():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     model_dir = build_model_dir(
-        ModelFromConfig(hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                        intermediate_size=128, tokenizer="byte", seed=0),
+        ModelFromConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            tokenizer="byte",
+            seed=0,
+        ),
         tmp_path_factory.mktemp("model"),
     )
     return load_model(model_dir)
@@ -109,7 +123,9 @@ def test_logprobs_and_gradients_equal_the_plain_rows(tiny_model):
     weights = torch.randn(token_mask.shape, generator=torch.Generator().manual_seed(1)) * token_mask
 
     tiny_model.zero_grad()
-    plain = compute_token_logprobs(tiny_model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids)
+    plain = compute_token_logprobs(
+        tiny_model(input_ids=input_ids, attention_mask=attention_mask).logits, input_ids
+    )
     (plain * weights).sum().backward()
     plain_grads = {name: p.grad.clone() for name, p in tiny_model.named_parameters()}
 

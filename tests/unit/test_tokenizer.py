@@ -1,4 +1,5 @@
-"""The project's tokenizers (character and byte-level BPE): round trips, special tokens and the chat template."""
+"""The project's tokenizers (character and byte-level BPE): round trips, special tokens and the chat
+template."""
 
 import pytest
 
@@ -65,7 +66,9 @@ def test_byte_tokenizer_merges_frequent_pairs_of_its_corpus():
 
 
 def test_byte_tokenizer_training_is_deterministic():
-    assert build_byte_tokenizer().backend_tokenizer.to_str() == build_byte_tokenizer().backend_tokenizer.to_str()
+    assert (
+        build_byte_tokenizer().backend_tokenizer.to_str() == build_byte_tokenizer().backend_tokenizer.to_str()
+    )
 
 
 def test_byte_tokenizer_chat_template_matches_the_char_tokenizer():
@@ -75,7 +78,9 @@ def test_byte_tokenizer_chat_template_matches_the_char_tokenizer():
     assert tokenizer.decode(ids) == "<|user|>1+2=<|assistant|>3<eos>"
     assert ids[0] == 5 and ids[-1] == tokenizer.eos_token_id == 2
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
-    assert prompt == build_char_tokenizer().apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == build_char_tokenizer().apply_chat_template(
+        messages[:1], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_byte_tokenizer_saves_and_reloads(tmp_path):

@@ -81,7 +81,9 @@ def test_close_wakes_the_taker_with_the_producers_error():
         buffer.put(batch(1, 0))
 
 
-@pytest.mark.parametrize("max_age, expected", [(0, [0, 1, 2, 3, 4]), (1, [0, 0, 1, 2, 3]), (2, [0, 0, 0, 1, 2])])
+@pytest.mark.parametrize(
+    "max_age, expected", [(0, [0, 1, 2, 3, 4]), (1, [0, 0, 1, 2, 3]), (2, [0, 0, 0, 1, 2])]
+)
 def test_step_k_is_generated_by_version_k_minus_1_minus_the_bound(max_age, expected):
     assert [generating_version(k, 0, max_age) for k in range(1, 6)] == expected
     assert generating_version(11, 10, 2) == 10  # after a resume at step 10: never before the restored weights
@@ -101,8 +103,16 @@ def run_producer(max_age, num_steps, validate_at=()):
     def refit(weights):
         held["version"] = weights
 
-    producer = AsyncRolloutProducer(produce, refit, lambda: {"position": len(produced)}, max_age=max_age,
-                                    first_index=1, last_index=num_steps, start_version=0, generation_version=0)
+    producer = AsyncRolloutProducer(
+        produce,
+        refit,
+        lambda: {"position": len(produced)},
+        max_age=max_age,
+        first_index=1,
+        last_index=num_steps,
+        start_version=0,
+        generation_version=0,
+    )
     producer.publish(0, 0)
     trained = []
     for version in range(num_steps):
@@ -132,8 +142,16 @@ def test_a_failing_produce_reaches_the_trainer():
     def produce(index):
         raise RuntimeError("generation worker died")
 
-    producer = AsyncRolloutProducer(produce, lambda w: None, dict, max_age=1, first_index=1, last_index=3,
-                                    start_version=0, generation_version=0)
+    producer = AsyncRolloutProducer(
+        produce,
+        lambda w: None,
+        dict,
+        max_age=1,
+        first_index=1,
+        last_index=3,
+        start_version=0,
+        generation_version=0,
+    )
     producer.publish(0, 0)
     with pytest.raises(BufferClosed) as error:
         producer.take(0)

@@ -27,8 +27,15 @@ def write_rows(tmp_path, rows: list[dict]) -> str:
 
 
 def image_message_row(image: str, answer: str = "2") -> dict:
-    return {"messages": [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "How many?"}]},
-                         {"role": "assistant", "content": answer}]}
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image", "image": image}, {"type": "text", "text": "How many?"}],
+            },
+            {"role": "assistant", "content": answer},
+        ]
+    }
 
 
 def load(tmp_path, rows, processor=PROCESSOR, tokenizer=TOKENIZER, **overrides):
@@ -38,19 +45,30 @@ def load(tmp_path, rows, processor=PROCESSOR, tokenizer=TOKENIZER, **overrides):
 
 def test_image_messages_and_path_columns_become_patches_and_pad_tokens(tmp_path):
     """A 16x16 image is 4x4 patches of 4 pixels -> 16 patches of 3x2x4x4 = 96 values, merged 2x2 into 4 pad
-    tokens; a 24x40 (width x height) image is 10x6 patches -> 60 patches, 15 pad tokens. The relative path is found next to
+    tokens; a 24x40 (width x height) image is 10x6 patches -> 60 patches, 15 pad tokens. The relative path is
+    found next to
     the data file; a text-only row in the same file has no patches."""
     Image.new("RGB", (16, 16), "red").save(tmp_path / "a.png")
     Image.new("RGB", (24, 40), "blue").save(tmp_path / "b.png")
-    rows = [image_message_row("a.png"), {"prompt": "Colour?", "images": ["b.png"], "response": "blue"},
-            {"prompt": "No image", "response": "ok"}]
+    rows = [
+        image_message_row("a.png"),
+        {"prompt": "Colour?", "images": ["b.png"], "response": "blue"},
+        {"prompt": "No image", "response": "ok"},
+    ]
     train, _, stats = load(tmp_path, rows)
     pad = TOKENIZER.convert_tokens_to_ids(IMAGE_PAD)
-    assert [int((torch.cat([m["token_ids"] for m in r["message_log"]]) == pad).sum()) for r in train] == [4, 15, 0]
+    assert [int((torch.cat([m["token_ids"] for m in r["message_log"]]) == pad).sum()) for r in train] == [
+        4,
+        15,
+        0,
+    ]
     batch = message_log_to_flat([r["message_log"] for r in train], TOKENIZER.pad_token_id)
     assert [tuple(p.shape) for p in batch["pixel_values"]] == [(16, 96), (60, 96), (0, 0)]
     assert [g.tolist() for g in batch["image_grid_thw"]] == [[[1, 4, 4]], [[1, 10, 6]], []]
-    assert train[0]["message_log"][0]["content"][0] == {"type": "image", "image": "a.png"}  # no pixels kept there
+    assert train[0]["message_log"][0]["content"][0] == {
+        "type": "image",
+        "image": "a.png",
+    }  # no pixels kept there
     assert stats["skipped_invalid"] == 0
 
 
@@ -95,8 +113,11 @@ def test_parquet_image_bytes_column_as_datasets_stores_it(tmp_path):
     png = io.BytesIO()
     image.save(png, format="PNG")
     path = tmp_path / "train.parquet"
-    pandas.DataFrame([{"prompt": "Colour?", "images": {"bytes": png.getvalue(), "path": None}, "response": "green"}]
-                     ).to_parquet(path)
-    train, _, _ = load_datasets(DataConfig(dataset=str(path), val_fraction=0.0, max_length=64), TOKENIZER, PROCESSOR)
+    pandas.DataFrame(
+        [{"prompt": "Colour?", "images": {"bytes": png.getvalue(), "path": None}, "response": "green"}]
+    ).to_parquet(path)
+    train, _, _ = load_datasets(
+        DataConfig(dataset=str(path), val_fraction=0.0, max_length=64), TOKENIZER, PROCESSOR
+    )
     expected = PROCESSOR.process_images([image])["pixel_values"]
     torch.testing.assert_close(train[0]["message_log"][0]["pixel_values"], expected)

@@ -11,8 +11,14 @@ def test_rank_env_vars_place_each_worker_in_the_group():
     workers per node is local rank 1 on node 1."""
     env = rank_env_vars(5, 8, 4, "10.0.0.1", 29500, 2)
     assert env == {
-        "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-        "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "NODE_RANK": "1",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29500",
     }
 
 

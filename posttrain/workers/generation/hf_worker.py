@@ -46,26 +46,38 @@ class HFGenerationWorker:
         self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
         self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
 
-    def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
-                 ) -> dict[str, torch.Tensor]:
+    def generate(
+        self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
+    ) -> dict[str, torch.Tensor]:
         """Decode a shard; `sample_offset` is the global index of its first sample (seeds per sample)."""
         input_ids, input_lengths = data["input_ids"], data["input_lengths"].long().cpu()
         num_samples = input_ids.shape[0]
         self.check_context_fits(int(input_lengths.max()))
         stop_strings = merge_stop_strings(self.cfg, data.get("stop_strings"), num_samples)
         left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
-        uniforms = per_sample_uniforms(seed, list(range(sample_offset, sample_offset + num_samples)),
-                                       self.cfg.max_new_tokens)
+        uniforms = per_sample_uniforms(
+            seed, list(range(sample_offset, sample_offset + num_samples)), self.cfg.max_new_tokens
+        )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
-        state = decode_batch(self.model, self.tokenizer, left_ids, attention_mask, self.cfg, greedy, uniforms,
-                             stop_strings, images)
+        state = decode_batch(
+            self.model,
+            self.tokenizer,
+            left_ids,
+            attention_mask,
+            self.cfg,
+            greedy,
+            uniforms,
+            stop_strings,
+            images,
+        )
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
 
     def check_context_fits(self, longest_prompt: int) -> None:
         """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""
         if self.max_positions is not None and longest_prompt + self.cfg.max_new_tokens > self.max_positions:
             raise ValueError(
-                f"generation.max_new_tokens={self.cfg.max_new_tokens} plus the longest prompt ({longest_prompt}"
+                f"generation.max_new_tokens={self.cfg.max_new_tokens} plus the longest prompt "
+                f"({longest_prompt}"
                 f" tokens) exceeds the model's max_position_embeddings={self.max_positions}"
             )
 
@@ -93,12 +105,16 @@ class HFGenerationWorker:
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
         unknown = sorted(set(state_dict) - set(targets))
         if unknown:
-            raise KeyError(f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}")
+            raise KeyError(
+                f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
+            )
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 if targets[name].shape != tensor.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
-                                     f"the model expects {tuple(targets[name].shape)}")
+                    raise ValueError(
+                        f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(targets[name].shape)}"
+                    )
                 targets[name].copy_(tensor)
 
     def map_shared_weights(self, handle: SharedWeights) -> None:
@@ -114,12 +130,16 @@ class HFGenerationWorker:
         parameters = dict(self.model.named_parameters())  # a tied weight once; its alias may be in views
         missing, unknown = set(parameters) - set(views), set(views) - set(self.model.state_dict())
         if missing or unknown:
-            raise KeyError(f"update_weights: shared weights lack {sorted(missing)[:5]} and have unknown "
-                           f"{sorted(unknown)[:5]}")
+            raise KeyError(
+                f"update_weights: shared weights lack {sorted(missing)[:5]} and have unknown "
+                f"{sorted(unknown)[:5]}"
+            )
         for name, parameter in parameters.items():
             if views[name].shape != parameter.shape or views[name].dtype != parameter.dtype:
-                raise ValueError(f"update_weights: {name} is {tuple(views[name].shape)} {views[name].dtype} in "
-                                 f"shared memory, the model has {tuple(parameter.shape)} {parameter.dtype}")
+                raise ValueError(
+                    f"update_weights: {name} is {tuple(views[name].shape)} {views[name].dtype} in "
+                    f"shared memory, the model has {tuple(parameter.shape)} {parameter.dtype}"
+                )
             parameter.data = views[name]
         self.mapped_weights = handle.path
 

@@ -25,7 +25,13 @@ import torch
 #   unpadded_sequence_lengths [B]         input_lengths + generation_lengths
 #   truncated                 [B] bool    hit max_new_tokens without a stop token or stop string
 GENERATION_INPUT_KEYS = ("input_ids", "input_lengths")
-GENERATION_OUTPUT_KEYS = ("output_ids", "logprobs", "generation_lengths", "unpadded_sequence_lengths", "truncated")
+GENERATION_OUTPUT_KEYS = (
+    "output_ids",
+    "logprobs",
+    "generation_lengths",
+    "unpadded_sequence_lengths",
+    "truncated",
+)
 
 
 class GenerationInterface(abc.ABC):
@@ -91,7 +97,9 @@ def concat_padded(outputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[s
     for key in GENERATION_OUTPUT_KEYS:
         parts = [o[key] for o in outputs]
         if key in pad_values:
-            parts = [torch.nn.functional.pad(p, (0, num_cols - p.shape[1]), value=pad_values[key]) for p in parts]
+            parts = [
+                torch.nn.functional.pad(p, (0, num_cols - p.shape[1]), value=pad_values[key]) for p in parts
+            ]
         merged[key] = torch.cat(parts, dim=0)
     return merged
 
@@ -100,7 +108,8 @@ class RayGeneration(GenerationInterface):
     """Data-parallel generation over one Ray actor per bundle; subclasses name the worker class.
 
     `cluster` is the policy's RayVirtualCluster when colocated (one worker per bundle, sharing them, so
-    `cfg.num_workers` is not used), or None to start a cluster of `cfg.num_workers` bundles of its own. A worker class takes
+    `cfg.num_workers` is not used), or None to start a cluster of `cfg.num_workers` bundles of its own. A
+    worker class takes
     `(cfg, model_name, tokenizer_name)` and has generate(data, greedy, seed, sample_offset),
     update_weights(weights), prepare_for_generation() and finish_generation().
     """
@@ -121,9 +130,14 @@ class RayGeneration(GenerationInterface):
         # Colocated: None lets the group take half of each policy bundle; separate: the whole bundle.
         whole_bundle = self.owned_cluster
         self.worker_group = RayWorkerGroup(
-            self.cluster, self.worker_cls, name_prefix=f"{self.backend_name}_generation",
-            init_kwargs={"cfg": cfg, "model_name": str(model_name),
-                         "tokenizer_name": None if tokenizer_name is None else str(tokenizer_name)},
+            self.cluster,
+            self.worker_cls,
+            name_prefix=f"{self.backend_name}_generation",
+            init_kwargs={
+                "cfg": cfg,
+                "model_name": str(model_name),
+                "tokenizer_name": None if tokenizer_name is None else str(tokenizer_name),
+            },
             num_cpus_per_worker=self.cluster.num_cpus_per_worker if whole_bundle else None,
             num_gpus_per_worker=self.cluster.cfg.num_gpus_per_worker if whole_bundle else None,
         )
@@ -140,8 +154,9 @@ class RayGeneration(GenerationInterface):
             raise ValueError("generate: the batch has no samples (input_ids has 0 rows)")
         workers = self.worker_group.workers
         refs = [
-            workers[rank].generate.remote(slice_batch(data, start, end), greedy=greedy, seed=seed,
-                                          sample_offset=start)
+            workers[rank].generate.remote(
+                slice_batch(data, start, end), greedy=greedy, seed=seed, sample_offset=start
+            )
             for rank, (start, end) in enumerate(split_contiguous(num_samples, len(workers)))
             if end > start
         ]
@@ -179,5 +194,10 @@ def make_generation_cluster(cfg: Any) -> Any:
     from posttrain.distributed import ClusterConfig, RayVirtualCluster
 
     num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    return RayVirtualCluster(ClusterConfig(workers_per_node=cfg.num_workers, num_cpus_per_worker=cfg.num_cpus_per_worker,
-                                           num_gpus_per_worker=num_gpus))
+    return RayVirtualCluster(
+        ClusterConfig(
+            workers_per_node=cfg.num_workers,
+            num_cpus_per_worker=cfg.num_cpus_per_worker,
+            num_gpus_per_worker=num_gpus,
+        )
+    )

@@ -27,8 +27,9 @@ class ReservedLayer(DynamicLayer):
     def _set_length(self, length: int) -> None:
         self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         start, count = self.keys.shape[2], key_states.shape[2]
         if start + count > self.key_buffer.shape[2]:  # past the reservation: double it
             self._allocate(self.keys, self.values, max(2 * self.key_buffer.shape[2], start + count))

@@ -30,8 +30,12 @@ def packing_available() -> bool:
 
 def packable(module: torch.nn.Module) -> bool:
     weight = getattr(module, "weight", None)
-    return (isinstance(module, torch.nn.Linear) and isinstance(weight, torch.Tensor)
-            and weight.device.type == "cpu" and weight.dtype == torch.float32)
+    return (
+        isinstance(module, torch.nn.Linear)
+        and isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+    )
 
 
 def packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

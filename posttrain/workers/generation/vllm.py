@@ -16,7 +16,8 @@ class VllmGeneration(RayGeneration):
     worker_cls = VllmGenerationWorker
     backend_name = "vllm"
 
-    def __init__(self, cluster: Any, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
-                 ) -> None:
+    def __init__(
+        self, cluster: Any, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
+    ) -> None:
         require_vllm()
         super().__init__(cluster, cfg, model_name, tokenizer_name)

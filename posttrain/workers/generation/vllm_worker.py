@@ -53,7 +53,9 @@ def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {model_dir}: vLLM refit needs a local model directory")
+        raise FileNotFoundError(
+            f"no *.safetensors files in {model_dir}: vLLM refit needs a local model directory"
+        )
     weights: dict[str, torch.Tensor] = {}
     for file in files:
         weights.update(load_file(str(file)))
@@ -81,8 +83,9 @@ def make_sampling_params(cfg: GenerationConfig, greedy: bool, seed: int, stop_st
     )
 
 
-def assemble_request_outputs(input_ids: torch.Tensor, input_lengths: torch.Tensor, request_outputs: list[Any],
-                             pad_id: int) -> dict[str, torch.Tensor]:
+def assemble_request_outputs(
+    input_ids: torch.Tensor, input_lengths: torch.Tensor, request_outputs: list[Any], pad_id: int
+) -> dict[str, torch.Tensor]:
     """vLLM RequestOutputs -> the interface's output keys (prompt + generation, right-padded)."""
     completions = [r.outputs[0] for r in request_outputs]
     generation_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)  # [B]
@@ -94,7 +97,9 @@ def assemble_request_outputs(input_ids: torch.Tensor, input_lengths: torch.Tenso
         prompt_len, total_len = int(input_lengths[i]), int(sequence_lengths[i])
         output_ids[i, :prompt_len] = input_ids[i, :prompt_len]
         output_ids[i, prompt_len:total_len] = torch.tensor(list(completion.token_ids), dtype=torch.long)
-        token_logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
+        token_logprobs = [
+            step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)
+        ]
         logprobs[i, prompt_len:total_len] = torch.tensor(token_logprobs, dtype=torch.float32)
     return {
         "output_ids": output_ids,
@@ -127,34 +132,51 @@ class VllmGenerationWorker:
             engine_kwargs["enable_sleep_mode"] = True
         if cfg.vllm_lora_max_rank is not None:  # adapters served by vLLM: one at a time, the latest refit
             engine_kwargs.update(enable_lora=True, max_lora_rank=cfg.vllm_lora_max_rank, max_loras=1)
-        self.llm = LLM(model=str(model_name), tokenizer=str(tokenizer_name or model_name), dtype=cfg.precision,
-                       seed=cfg.seed, enforce_eager=not self.on_gpu, **engine_kwargs)
+        self.llm = LLM(
+            model=str(model_name),
+            tokenizer=str(tokenizer_name or model_name),
+            dtype=cfg.precision,
+            seed=cfg.seed,
+            enforce_eager=not self.on_gpu,
+            **engine_kwargs,
+        )
         self.tokenizer = self.llm.get_tokenizer()
-        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                          else self.tokenizer.eos_token_id)
+        self.pad_id = int(
+            self.tokenizer.pad_token_id
+            if self.tokenizer.pad_token_id is not None
+            else self.tokenizer.eos_token_id
+        )
         # The engine reloads whole checkpoints, so partial refits are merged into this CPU copy first.
         self.full_weights = load_safetensors_dir(model_name)
         self.base_weights = dict(self.full_weights)  # LoRA refits merge into these, never into a merged copy
         self.last_merged_bytes = 0
-        self.tied_embeddings = bool(getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False))
+        self.tied_embeddings = bool(
+            getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False)
+        )
         self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
         self.asleep = False
         self.lora_request: Any = None  # the adapter generate() uses (vllm_lora_max_rank set)
 
-    def generate(self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
-                 ) -> dict[str, torch.Tensor]:
+    def generate(
+        self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
+    ) -> dict[str, torch.Tensor]:
         """Decode a shard; per-sample seeds come from (seed, global index) as in the HF backend."""
         from vllm.inputs import TokensPrompt
 
         input_ids, input_lengths = data["input_ids"].cpu(), data["input_lengths"].long().cpu()
         num_samples = input_ids.shape[0]
         stop_strings = merge_stop_strings(self.cfg, data.get("stop_strings"), num_samples)
-        prompts = [TokensPrompt(prompt_token_ids=input_ids[i, : int(input_lengths[i])].tolist())
-                   for i in range(num_samples)]
-        params = [make_sampling_params(self.cfg, greedy, sample_seed(seed, sample_offset + i), stop_strings[i])
-                  for i in range(num_samples)]
-        request_outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False,
-                                            lora_request=self.lora_request)
+        prompts = [
+            TokensPrompt(prompt_token_ids=input_ids[i, : int(input_lengths[i])].tolist())
+            for i in range(num_samples)
+        ]
+        params = [
+            make_sampling_params(self.cfg, greedy, sample_seed(seed, sample_offset + i), stop_strings[i])
+            for i in range(num_samples)
+        ]
+        request_outputs = self.llm.generate(
+            prompts, sampling_params=params, use_tqdm=False, lora_request=self.lora_request
+        )
         return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
@@ -167,14 +189,18 @@ class VllmGenerationWorker:
             self.load_lora(state_dict)
             return time.perf_counter() - start
         if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
-            self.full_weights = dict(self.base_weights)  # base + this adapter, whatever an earlier refit loaded
+            self.full_weights = dict(
+                self.base_weights
+            )  # base + this adapter, whatever an earlier refit loaded
             state_dict = self.merge_adapter(state_dict)
         state_dict = dict(state_dict)
         if self.tied_embeddings:
             state_dict.pop("lm_head.weight", None)  # an alias of the input embedding, not in the checkpoint
         unknown = sorted(set(state_dict) - set(self.full_weights))
         if unknown:
-            raise KeyError(f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}")
+            raise KeyError(
+                f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
+            )
         for name, tensor in state_dict.items():
             self.full_weights[name] = tensor.detach().to("cpu", self.full_weights[name].dtype).contiguous()
         to_save = dict(self.full_weights)
@@ -193,8 +219,10 @@ class VllmGenerationWorker:
         lora_id = 1 if self.lora_request is None else self.lora_request.lora_int_id + 1
         adapter_dir = self.refit_dir / f"adapter_{lora_id}"
         adapter_dir.mkdir(parents=True, exist_ok=True)
-        save_file({name: t.contiguous() for name, t in adapter.tensors.items()},
-                  str(adapter_dir / "adapter_model.safetensors"))
+        save_file(
+            {name: t.contiguous() for name, t in adapter.tensors.items()},
+            str(adapter_dir / "adapter_model.safetensors"),
+        )
         peft_config(adapter.cfg, adapter.model_kind).save_pretrained(str(adapter_dir))
         if self.lora_request is not None:
             self.llm.llm_engine.remove_lora(self.lora_request.lora_int_id)
@@ -206,8 +234,13 @@ class VllmGenerationWorker:
         merged = merge_adapter(self.base_weights, adapter)
         full_bytes = sum(t.numel() * t.element_size() for t in self.full_weights.values())
         log = logger.warning if self.last_merged_bytes == 0 else logger.info  # the first time, loudly
-        log("vLLM LoRA refit: an adapter of %d bytes merged into %d weights; %d bytes written and reloaded "
-            "(vLLM reloads whole checkpoints)", adapter.num_bytes, len(merged), full_bytes)
+        log(
+            "vLLM LoRA refit: an adapter of %d bytes merged into %d weights; %d bytes written and reloaded "
+            "(vLLM reloads whole checkpoints)",
+            adapter.num_bytes,
+            len(merged),
+            full_bytes,
+        )
         self.last_merged_bytes = full_bytes
         return merged
 

@@ -24,7 +24,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """`Policy` and `DTensorPolicyWorker` load on first use, so that importing configs stays light (no Ray)."""
+    """`Policy` and `DTensorPolicyWorker` load on first use, so that importing configs stays light (no
+    Ray)."""
     if name == "Policy":
         from posttrain.workers.policy.handle import Policy
 

@@ -54,7 +54,8 @@ def ensure_process_group() -> None:
 
 
 def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
-    """The configured model in fp32 on CPU with SDPA attention (causal LM or a 1-label sequence classifier)."""
+    """The configured model in fp32 on CPU with SDPA attention (causal LM or a 1-label sequence
+    classifier)."""
     from transformers import AutoModelForSequenceClassification
 
     from posttrain.models.build import causal_lm_class
@@ -108,15 +109,17 @@ class PolicyWorker:
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _run_global_batch(self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool,
-                          micro_batch_size: int) -> StepMetrics:
+    def _run_global_batch(
+        self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
+    ) -> StepMetrics:
         raise NotImplementedError
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def _load_tokenizer(self) -> Any:
-        """The tokenizer saved with checkpoints and exports (a vision-language model's: with its image processor)."""
+        """The tokenizer saved with checkpoints and exports (a vision-language model's: with its image
+        processor)."""
         if is_vision_language_dir(self.cfg.model_name):
             return load_processor(self.cfg.tokenizer_name or self.cfg.model_name)
         return load_tokenizer(self.cfg.tokenizer_name or self.cfg.model_name)
@@ -167,7 +170,9 @@ class PolicyWorker:
         if self.cfg.model_kind != "reward_model":
             raise ValueError("get_scores: policy.model_kind is 'causal_lm'; use get_logprobs")
         with self._backend():
-            return BatchedDataDict({"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))})
+            return BatchedDataDict(
+                {"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))}
+            )
 
     # -- reference model -------------------------------------------------------------------------------
 
@@ -225,18 +230,26 @@ class PolicyWorker:
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         micro_batch_size = micro_batch_size or self.cfg.train_micro_batch_size
         if global_batch_size % self.dp_size:
-            raise ValueError(f"train: global batch size {global_batch_size} is not divisible by "
-                             f"{self.dp_size} data-parallel ranks")
+            raise ValueError(
+                f"train: global batch size {global_batch_size} is not divisible by "
+                f"{self.dp_size} data-parallel ranks"
+            )
         local_batch_size = global_batch_size // self.dp_size
         num_rows = data["input_ids"].shape[0]
         if num_rows % local_batch_size:
-            raise ValueError(f"train: rank {self.rank} got {num_rows} rows, not a multiple of global batch "
-                             f"size / dp = {local_batch_size}")
+            raise ValueError(
+                f"train: rank {self.rank} got {num_rows} rows, not a multiple of global batch "
+                f"size / dp = {local_batch_size}"
+            )
         self.model.train(not eval_mode)
         with self._backend(), self.timer.time("eval" if eval_mode else "train"):
             steps = [
-                self._run_global_batch(select_rows(data, list(range(start, start + local_batch_size))), loss_fn,
-                                       eval_mode, micro_batch_size)
+                self._run_global_batch(
+                    select_rows(data, list(range(start, start + local_batch_size))),
+                    loss_fn,
+                    eval_mode,
+                    micro_batch_size,
+                )
                 for start in range(0, num_rows, local_batch_size)
             ]
             return reduce_steps(steps, eval_mode, metric_reductions(loss_fn), self._all_reduce_dp)
@@ -247,7 +260,8 @@ class PolicyWorker:
     def share_weights(self, dtype: str | None = None) -> SharedWeights | None:
         """Full weights written into a shared-memory file that generation workers on this machine map once
         (see distributed/shared_weights.py); rank 0 returns its handle, other ranks None (collective).
-        Nothing is copied when no optimizer step or checkpoint load changed the weights since the last call."""
+        Nothing is copied when no optimizer step or checkpoint load changed the weights since the last
+        call."""
         import ray
 
         self.sent_bytes = 0
@@ -264,7 +278,8 @@ class PolicyWorker:
         return self.shared_weights.handle if self.rank == 0 else None
 
     def last_weights_bytes(self) -> int:
-        """Bytes of the tensors the last get_weights or share_weights sent (0 when nothing changed; rank 0)."""
+        """Bytes of the tensors the last get_weights or share_weights sent (0 when nothing changed; rank
+        0)."""
         return self.sent_bytes
 
     # -- timing, description, shutdown -----------------------------------------------------------------
@@ -279,9 +294,13 @@ class PolicyWorker:
         """Where this rank runs: device, process-group backend, world size, CPU threads, and the
         accelerator memory its tensors hold (0 on CPU)."""
         on_gpu = self.device.type == "cuda"
-        return {"device": str(self.device), "backend": str(dist.get_backend()), "world_size": self.world_size,
-                "num_threads": torch.get_num_threads(),
-                "memory_allocated": torch.cuda.memory_allocated(self.device) if on_gpu else 0}
+        return {
+            "device": str(self.device),
+            "backend": str(dist.get_backend()),
+            "world_size": self.world_size,
+            "num_threads": torch.get_num_threads(),
+            "memory_allocated": torch.cuda.memory_allocated(self.device) if on_gpu else 0,
+        }
 
     def shutdown(self) -> bool:
         """Leave the process group; the actor can then be killed."""

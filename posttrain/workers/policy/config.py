@@ -50,8 +50,12 @@ class SchedulerConfig:
         """Build the scheduler on a dummy optimizer: an unknown name, keyword or value fails here."""
         import torch
 
-        scheduler_cls = _torch_class(torch.optim.lr_scheduler, self.name, torch.optim.lr_scheduler.LRScheduler,
-                                     "torch.optim.lr_scheduler")
+        scheduler_cls = _torch_class(
+            torch.optim.lr_scheduler,
+            self.name,
+            torch.optim.lr_scheduler.LRScheduler,
+            "torch.optim.lr_scheduler",
+        )
         try:
             scheduler_cls(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **self.kwargs)
         except (TypeError, ValueError) as error:
@@ -67,7 +71,11 @@ def _torch_class(module: Any, name: str, base: type, where: str) -> type:
     found = getattr(module, name, None)
     if isinstance(found, type) and issubclass(found, base) and found is not base:
         return found
-    names = [n for n in dir(module) if isinstance(getattr(module, n), type) and issubclass(getattr(module, n), base)]
+    names = [
+        n
+        for n in dir(module)
+        if isinstance(getattr(module, n), type) and issubclass(getattr(module, n), base)
+    ]
     guess = difflib.get_close_matches(name, names, n=1)
     hint = f"; did you mean {guess[0]!r}?" if guess else f" (one of {sorted(names)})"
     raise ConfigError.at("name", f"{where} has no {base.__name__} named {name!r}{hint}")
@@ -100,7 +108,9 @@ class PolicyModelConfig:
 
     from_config: ModelFromConfig | None = field(
         default=None,
-        metadata={"help": "Architecture of a seeded random model + the built-in tokenizer (None: use model_name)."},
+        metadata={
+            "help": "Architecture of a seeded random model + the built-in tokenizer (None: use model_name)."
+        },
     )
 
 
@@ -109,21 +119,28 @@ class MegatronConfig:
     """Parallelism of the Megatron Core backend (`policy.backend: megatron`); dp = workers / (tp x pp)."""
 
     tensor_model_parallel_size: int = field(
-        default=1, metadata={"help": "Ranks splitting each layer's matrices (attention heads, FFN, vocabulary)."}
+        default=1,
+        metadata={"help": "Ranks splitting each layer's matrices (attention heads, FFN, vocabulary)."},
     )
     pipeline_model_parallel_size: int = field(
-        default=1, metadata={"help": "Pipeline stages (consecutive blocks of layers), run with the 1F1B schedule."}
+        default=1,
+        metadata={"help": "Pipeline stages (consecutive blocks of layers), run with the 1F1B schedule."},
     )
     sequence_parallel: bool = field(
-        default=False, metadata={"help": "Split norms and dropout along the sequence over TP ranks (needs tp > 1)."}
+        default=False,
+        metadata={"help": "Split norms and dropout along the sequence over TP ranks (needs tp > 1)."},
     )
     distributed_optimizer: bool = field(
-        default=False, metadata={"help": "Shard optimizer state (and fp32 master weights) over data-parallel ranks."}
+        default=False,
+        metadata={"help": "Shard optimizer state (and fp32 master weights) over data-parallel ranks."},
     )
 
 
-MEGATRON_OPTIMIZERS = {"AdamW": {"lr", "weight_decay", "betas", "eps"}, "Adam": {"lr", "weight_decay", "betas", "eps"},
-                       "SGD": {"lr", "weight_decay", "momentum"}}
+MEGATRON_OPTIMIZERS = {
+    "AdamW": {"lr", "weight_decay", "betas", "eps"},
+    "Adam": {"lr", "weight_decay", "betas", "eps"},
+    "SGD": {"lr", "weight_decay", "momentum"},
+}
 
 
 @dataclass
@@ -135,7 +152,9 @@ class PolicyConfig:
     )
     model: PolicyModelConfig = field(
         default_factory=PolicyModelConfig,
-        metadata={"help": "model.from_config builds a tiny model into <log_dir>/initial_model and sets model_name."},
+        metadata={
+            "help": "model.from_config builds a tiny model into <log_dir>/initial_model and sets model_name."
+        },
     )
     tokenizer_name: str | None = field(
         default=None, metadata={"help": "Tokenizer directory or hub name (None: same as model_name)."}
@@ -174,9 +193,11 @@ class PolicyConfig:
     )
     prefix_sharing: bool = field(
         default=True,
-        metadata={"help": "Rows that share a prompt (a GRPO group, a DPO pair) compute it once: one row holds "
-                          "the prompt and every continuation, kept apart by a tree-shaped causal mask. Same "
-                          "logprobs and gradients at trained positions, fewer tokens (causal_lm, unpacked)."},
+        metadata={
+            "help": "Rows that share a prompt (a GRPO group, a DPO pair) compute it once: one row holds "
+            "the prompt and every continuation, kept apart by a tree-shaped causal mask. Same "
+            "logprobs and gradients at trained positions, fewer tokens (causal_lm, unpacked)."
+        },
     )
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute decoder-layer activations in backward to save memory."}
@@ -190,11 +211,14 @@ class PolicyConfig:
     )
     backend: Literal["dtensor", "megatron"] = field(
         default="dtensor",
-        metadata={"help": "Training backend: dtensor (FSDP2 + TP) or megatron (Megatron Core: TP, PP, "
-                          "distributed optimizer; needs posttrain[megatron])."},
+        metadata={
+            "help": "Training backend: dtensor (FSDP2 + TP) or megatron (Megatron Core: TP, PP, "
+            "distributed optimizer; needs posttrain[megatron])."
+        },
     )
     megatron: MegatronConfig = field(
-        default_factory=MegatronConfig, metadata={"help": "Megatron Core parallelism (policy.backend=megatron)."}
+        default_factory=MegatronConfig,
+        metadata={"help": "Megatron Core parallelism (policy.backend=megatron)."},
     )
     logprob_temperature: float = field(
         default=1.0, metadata={"help": "Logprobs come from logits / temperature, to match sampling."}
@@ -206,8 +230,10 @@ class PolicyConfig:
     )
     stop_on_nonfinite_loss: bool = field(
         default=True,
-        metadata={"help": "A NaN/inf training loss stops the run with NonFiniteLossError (before any "
-                          "checkpoint of that step); false: keep training."},
+        metadata={
+            "help": "A NaN/inf training loss stops the run with NonFiniteLossError (before any "
+            "checkpoint of that step); false: keep training."
+        },
     )
 
     def validate(self) -> None:
@@ -238,10 +264,12 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
     split = sorted(set(cfg.lora.modules_to_save or []) & set(DEFAULT_TARGET_MODULES))
     if cfg.lora.enabled and cfg.tensor_parallel_size > 1 and split:
-        raise ValueError(f"policy.lora.modules_to_save={split} with policy.tensor_parallel_size="
-                         f"{cfg.tensor_parallel_size}: tensor parallelism splits these projections, so they cannot "
-                         "be trained in full beside the adapters; name them in policy.lora.target_modules instead "
-                         "or set policy.tensor_parallel_size=1")
+        raise ValueError(
+            f"policy.lora.modules_to_save={split} with policy.tensor_parallel_size="
+            f"{cfg.tensor_parallel_size}: tensor parallelism splits these projections, so they cannot "
+            "be trained in full beside the adapters; name them in policy.lora.target_modules instead "
+            "or set policy.tensor_parallel_size=1"
+        )
     if cfg.lora.enabled and cfg.backend == "megatron":
         validate_megatron_lora(cfg)
     if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
@@ -267,10 +295,15 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
     if num_workers % model_parallel == 0:
         return
     if cfg.backend == "megatron":
-        raise ConfigError("policy.megatron", f"tensor_model_parallel_size x pipeline_model_parallel_size = "
-                                             f"{model_parallel} does not divide the {num_workers} workers ({workers})")
-    raise ConfigError("policy.tensor_parallel_size",
-                      f"{model_parallel} does not divide the {num_workers} workers ({workers})")
+        raise ConfigError(
+            "policy.megatron",
+            f"tensor_model_parallel_size x pipeline_model_parallel_size = "
+            f"{model_parallel} does not divide the {num_workers} workers ({workers})",
+        )
+    raise ConfigError(
+        "policy.tensor_parallel_size",
+        f"{model_parallel} does not divide the {num_workers} workers ({workers})",
+    )
 
 
 def validate_megatron_policy(cfg: PolicyConfig) -> None:
@@ -280,10 +313,14 @@ def validate_megatron_policy(cfg: PolicyConfig) -> None:
         if getattr(mcfg, key) < 1:
             raise ValueError(f"policy.megatron.{key}: must be >= 1, got {getattr(mcfg, key)}")
     if mcfg.sequence_parallel and mcfg.tensor_model_parallel_size < 2:
-        raise ValueError("policy.megatron.sequence_parallel: needs policy.megatron.tensor_model_parallel_size > 1")
+        raise ValueError(
+            "policy.megatron.sequence_parallel: needs policy.megatron.tensor_model_parallel_size > 1"
+        )
     if cfg.tensor_parallel_size != 1:
-        raise ValueError("policy.tensor_parallel_size: the dtensor backend's setting; with policy.backend=megatron "
-                         "set policy.megatron.tensor_model_parallel_size")
+        raise ValueError(
+            "policy.tensor_parallel_size: the dtensor backend's setting; with policy.backend=megatron "
+            "set policy.megatron.tensor_model_parallel_size"
+        )
     unsupported = {
         "dynamic_batching.enabled": cfg.dynamic_batching.enabled,
         "sequence_packing.enabled": cfg.sequence_packing.enabled,
@@ -292,15 +329,21 @@ def validate_megatron_policy(cfg: PolicyConfig) -> None:
     }
     for key, is_set in unsupported.items():
         if is_set:
-            raise ValueError(f"policy.{key}: not supported with policy.backend=megatron (use policy.backend=dtensor)")
+            raise ValueError(
+                f"policy.{key}: not supported with policy.backend=megatron (use policy.backend=dtensor)"
+            )
     allowed = MEGATRON_OPTIMIZERS.get(cfg.optimizer.name)
     if allowed is None:
-        raise ValueError(f"policy.optimizer.name: policy.backend=megatron runs {sorted(MEGATRON_OPTIMIZERS)}, "
-                         f"got {cfg.optimizer.name!r}")
+        raise ValueError(
+            f"policy.optimizer.name: policy.backend=megatron runs {sorted(MEGATRON_OPTIMIZERS)}, "
+            f"got {cfg.optimizer.name!r}"
+        )
     extra = set(cfg.optimizer.kwargs) - allowed
     if extra:
-        raise ValueError(f"policy.optimizer.kwargs: {sorted(extra)} not supported by the Megatron "
-                         f"{cfg.optimizer.name} (takes {sorted(allowed)})")
+        raise ValueError(
+            f"policy.optimizer.kwargs: {sorted(extra)} not supported by the Megatron "
+            f"{cfg.optimizer.name} (takes {sorted(allowed)})"
+        )
 
 
 MEGATRON_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -309,13 +352,19 @@ MEGATRON_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "u
 def validate_megatron_lora(cfg: PolicyConfig) -> None:
     """What LoRA covers on the Megatron backend: adapters on a causal LM's attention/MLP linears."""
     if cfg.model_kind != "causal_lm":
-        raise ValueError("policy.lora.enabled=true with policy.backend=megatron and policy.model_kind=reward_model: "
-                         "not supported (the score head would have to train beside the adapters); use "
-                         "policy.backend=dtensor for a LoRA reward model")
+        raise ValueError(
+            "policy.lora.enabled=true with policy.backend=megatron and policy.model_kind=reward_model: "
+            "not supported (the score head would have to train beside the adapters); use "
+            "policy.backend=dtensor for a LoRA reward model"
+        )
     if cfg.lora.modules_to_save:
-        raise ValueError(f"policy.lora.modules_to_save={cfg.lora.modules_to_save}: not supported with "
-                         "policy.backend=megatron (adapters only); leave it unset or use policy.backend=dtensor")
+        raise ValueError(
+            f"policy.lora.modules_to_save={cfg.lora.modules_to_save}: not supported with "
+            "policy.backend=megatron (adapters only); leave it unset or use policy.backend=dtensor"
+        )
     unknown = sorted(set(cfg.lora.target_modules) - set(MEGATRON_LORA_TARGETS))
     if unknown:
-        raise ValueError(f"policy.lora.target_modules: {unknown} cannot take adapters with policy.backend=megatron "
-                         f"(it maps {list(MEGATRON_LORA_TARGETS)} to Megatron's parallel linears)")
+        raise ValueError(
+            f"policy.lora.target_modules: {unknown} cannot take adapters with policy.backend=megatron "
+            f"(it maps {list(MEGATRON_LORA_TARGETS)} to Megatron's parallel linears)"
+        )

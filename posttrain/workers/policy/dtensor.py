@@ -74,7 +74,9 @@ def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh) -> None:
         missing = [name for name in plan if layer.get_submodule(name) is None]
         if missing:
             raise ValueError(f"{type(layer).__name__}: no {missing} for tensor parallelism")
-        parallelize_module(layer, tp_mesh, lora.tensor_parallel_plan(layer, plan))  # peft-wrapped: base + adapter
+        parallelize_module(
+            layer, tp_mesh, lora.tensor_parallel_plan(layer, plan)
+        )  # peft-wrapped: base + adapter
 
 
 def needs_fsdp(world_size: int, cfg: PolicyConfig, device: torch.device) -> bool:
@@ -100,14 +102,15 @@ def shard_model(model: torch.nn.Module, dp_mesh: DeviceMesh, cfg: PolicyConfig, 
             module.set_force_sum_reduction_for_comms(True)
 
 
-
 class DTensorPolicyWorker(PolicyWorker):
     """One rank of the policy: an FSDP2-sharded (optionally TP) model, its optimizer and scheduler."""
 
     def _init_parallel(self) -> None:
         """A (dp, tp) device mesh; FSDP2 shards over dp, tensor parallelism splits over tp."""
         tp = self.cfg.tensor_parallel_size
-        self.mesh = init_device_mesh(self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.mesh = init_device_mesh(
+            self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+        )
         self.dp_group = self.mesh["dp"].get_group()
         self.dp_size = self.mesh["dp"].size()
 
@@ -119,9 +122,12 @@ class DTensorPolicyWorker(PolicyWorker):
     def _build_model(self) -> torch.nn.Module:
         model = load_hf_model(self.cfg)
         if getattr(model.config, "vision_config", None) is not None and (
-                self.cfg.tensor_parallel_size > 1 or self.cfg.sequence_packing.enabled):
-            raise ValueError("policy: a vision-language model runs without tensor_parallel_size > 1 and "
-                             "sequence_packing (its M-RoPE positions and vision tower are not split)")
+            self.cfg.tensor_parallel_size > 1 or self.cfg.sequence_packing.enabled
+        ):
+            raise ValueError(
+                "policy: a vision-language model runs without tensor_parallel_size > 1 and "
+                "sequence_packing (its M-RoPE positions and vision tower are not split)"
+            )
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
@@ -152,17 +158,28 @@ class DTensorPolicyWorker(PolicyWorker):
             return logits.float().squeeze(-1)  # [b]
         text_only = not is_vision_language_model(self.model)  # equal VLM prompts may show different images
         if self.cfg.prefix_sharing and text_only and "token_mask" in data:  # shared prompts computed once
-            logprobs = shared_prefix_logprobs(self.model, data["input_ids"], row_lengths(data).tolist(),
-                                              data["token_mask"], self.cfg.logprob_temperature, self.device)
+            logprobs = shared_prefix_logprobs(
+                self.model,
+                data["input_ids"],
+                row_lengths(data).tolist(),
+                data["token_mask"],
+                self.cfg.logprob_temperature,
+                self.device,
+            )
             if logprobs is not None:
                 return logprobs * attention_mask
         # Logits only from the position before the first trained token: a GRPO prompt's logits are never
         # read, and at a real vocabulary they are most of the memory and a good share of the time.
         num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
-        vision = vision_forward_inputs(self.model, data, input_ids, attention_mask)  # {} for a text-only model
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                            logits_to_keep=num_kept, **vision).logits  # [b, K, V]
-        logprobs = compute_token_logprobs(logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature)  # [b, K]
+        vision = vision_forward_inputs(
+            self.model, data, input_ids, attention_mask
+        )  # {} for a text-only model
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept, **vision
+        ).logits  # [b, K, V]
+        logprobs = compute_token_logprobs(
+            logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature
+        )  # [b, K]
         logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
         return logprobs * attention_mask + vision_tower_anchor(self.model)
 
@@ -178,7 +195,8 @@ class DTensorPolicyWorker(PolicyWorker):
         return unpack_row_logprobs(row_logprobs, packed.lengths, seq_len)  # [n, T_mb]
 
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
-        """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row order."""
+        """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row
+        order."""
         self.model.eval()
         for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size):
             outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
@@ -193,7 +211,8 @@ class DTensorPolicyWorker(PolicyWorker):
     # -- training --------------------------------------------------------------------------------------
 
     def _optimizer_step(self) -> tuple[float, float]:
-        """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr used)."""
+        """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr
+        used)."""
         grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
@@ -231,18 +250,27 @@ class DTensorPolicyWorker(PolicyWorker):
         from posttrain.utils import native_checkpoint
 
         optimizer = self.optimizer if save_optimizer else None
-        native_checkpoint.save_checkpoint(self.model, optimizer, self.scheduler, path, tokenizer=self.tokenizer,
-                                          trainable_only=self.cfg.lora.enabled)
+        native_checkpoint.save_checkpoint(
+            self.model,
+            optimizer,
+            self.scheduler,
+            path,
+            tokenizer=self.tokenizer,
+            trainable_only=self.cfg.lora.enabled,
+        )
         if self.cfg.lora.enabled:  # adapter + optimizer only; the config names the base model
-            native_checkpoint.on_rank0(lambda: lora.save_adapter_config(self.model, path), f"LoRA config in {path}")
+            native_checkpoint.on_rank0(
+                lambda: lora.save_adapter_config(self.model, path), f"LoRA config in {path}"
+            )
         native_checkpoint.save_rng_state(path, self.rank)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer and scheduler state saved by save_checkpoint (collective)."""
         from posttrain.utils import native_checkpoint
 
-        native_checkpoint.load_checkpoint(self.model, self.optimizer, self.scheduler, path,
-                                          trainable_only=self.cfg.lora.enabled)
+        native_checkpoint.load_checkpoint(
+            self.model, self.optimizer, self.scheduler, path, trainable_only=self.cfg.lora.enabled
+        )
         native_checkpoint.load_rng_state_if_saved(path, self.rank)
         self.versions.bump()
 
@@ -255,8 +283,9 @@ class DTensorPolicyWorker(PolicyWorker):
             return
         native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
 
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None
-                    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+    def get_weights(
+        self, only_changed: bool = True, dtype: str | None = None
+    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
         """Full (gathered) CPU weights on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
         elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
         last call (see refit.WeightVersions). `dtype` ("bfloat16", "float32") casts floating tensors for the
@@ -267,7 +296,9 @@ class DTensorPolicyWorker(PolicyWorker):
         if not self.versions.take_send(only_changed):  # the same on every rank
             return {}
         if self.cfg.lora.enabled:  # the adapter only: the generation workers keep the base resident
-            adapter = lora.gather_adapter_weights(self.model, self.cfg.lora, self.cfg.model_kind, self.rank, dtype)
+            adapter = lora.gather_adapter_weights(
+                self.model, self.cfg.lora, self.cfg.model_kind, self.rank, dtype
+            )
             self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
             return adapter
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -310,13 +341,23 @@ class DTensorPolicyWorker(PolicyWorker):
     def memory_footprint(self) -> dict[str, int]:
         """Bytes of this rank's parameter shards (all, and those that train), of its optimizer state, and
         the accelerator's total memory (0 on CPU)."""
+
         def local_bytes(tensor: torch.Tensor) -> int:
             return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
 
         params = list(self.model.parameters())
-        optimizer_bytes = sum(local_bytes(value) for state in self.optimizer.state.values()
-                              for value in state.values() if isinstance(value, torch.Tensor))
-        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        return {"param_bytes": int(sum(local_bytes(p) for p in params)),
-                "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
-                "optimizer_state_bytes": int(optimizer_bytes), "device_total_bytes": int(total)}
+        optimizer_bytes = sum(
+            local_bytes(value)
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        total = (
+            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        )
+        return {
+            "param_bytes": int(sum(local_bytes(p) for p in params)),
+            "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
+            "optimizer_state_bytes": int(optimizer_bytes),
+            "device_total_bytes": int(total),
+        }

@@ -147,8 +147,12 @@ class Policy:
         return self._run_loss(data, loss_fn, True, global_batch_size, micro_batch_size)
 
     def _run_loss(
-        self, data: BatchedDataDict, loss_fn: LossFn, eval_mode: bool,
-        global_batch_size: int | None, micro_batch_size: int | None,
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFn,
+        eval_mode: bool,
+        global_batch_size: int | None,
+        micro_batch_size: int | None,
     ) -> dict[str, list[float]]:
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         if data.size % global_batch_size or global_batch_size % self.dp_size:
@@ -158,8 +162,12 @@ class Policy:
             )
         shards = data.shard_by_batch_size(self.dp_size, batch_size=global_batch_size)
         results = self._run_dp(
-            "train", shards, loss_fn=loss_fn, eval_mode=eval_mode,
-            global_batch_size=global_batch_size, micro_batch_size=micro_batch_size,
+            "train",
+            shards,
+            loss_fn=loss_fn,
+            eval_mode=eval_mode,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
         )
         if not eval_mode and self.cfg.stop_on_nonfinite_loss:
             check_finite_losses(results[0]["loss"])
@@ -179,7 +187,8 @@ class Policy:
         self.worker_group.run_all("export_hf", out_dir=str(out_dir))
 
     def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
-        """The workers' get_weights, left in the object store: an ObjectRef of rank 0's dict name -> full CPU tensor (with LoRA: `AdapterWeights`, the adapter tensors
+        """The workers' get_weights, left in the object store: an ObjectRef of rank 0's dict name -> full CPU
+        tensor (with LoRA: `AdapterWeights`, the adapter tensors
         only): {} when `only_changed` and no optimizer step or checkpoint load happened since the last call;
         floating tensors cast to `dtype` when given."""
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
@@ -209,7 +218,8 @@ class Policy:
         return reduce_timing(self.worker_group.run_all("get_timing_metrics"))
 
     def memory_footprint(self) -> list[dict[str, int]]:
-        """Per rank: bytes of its parameter shards (param_bytes, trainable_param_bytes), of its optimizer state
+        """Per rank: bytes of its parameter shards (param_bytes, trainable_param_bytes), of its optimizer
+        state
         (optimizer_state_bytes) and its accelerator's total memory (device_total_bytes, 0 on CPU)."""
         return self.worker_group.run_all("memory_footprint")
 

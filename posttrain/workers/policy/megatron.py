@@ -1,7 +1,8 @@
 """The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a
 tp x pp x dp layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a
 Hugging Face Llama/Qwen2 model, Megatron's DDP and optimizer (optionally distributed). A sibling of
-`DTensorPolicyWorker` on the same base (`base.PolicyWorker`): micro-batched train steps with the project's losses and global
+`DTensorPolicyWorker` on the same base (`base.PolicyWorker`): micro-batched train steps with the project's
+losses and global
 normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
 (`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
 
@@ -137,9 +138,11 @@ class MegatronPolicyWorker(PolicyWorker):
         mcfg, bf16 = self.cfg.megatron, self.cfg.precision == "bfloat16"
         hf_model = load_hf_model(self.cfg)
         self.hf_config = hf_model.config
-        parallel = {"tensor_model_parallel_size": mcfg.tensor_model_parallel_size,
-                    "pipeline_model_parallel_size": mcfg.pipeline_model_parallel_size,
-                    "sequence_parallel": mcfg.sequence_parallel}
+        parallel = {
+            "tensor_model_parallel_size": mcfg.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": mcfg.pipeline_model_parallel_size,
+            "sequence_parallel": mcfg.sequence_parallel,
+        }
         self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
         self.transformer_config = megatron_convert.transformer_config(self.hf_config, parallel, bf16)
         model = megatron_convert.build_gpt_model(
@@ -156,8 +159,11 @@ class MegatronPolicyWorker(PolicyWorker):
                 param.copy_(local[name])
         model = self._prepare_model(model.to(self.device))
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, overlap_param_gather=False,
-            use_distributed_optimizer=mcfg.distributed_optimizer, check_for_nan_in_grad=False,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            use_distributed_optimizer=mcfg.distributed_optimizer,
+            check_for_nan_in_grad=False,
         )
         self.model = DistributedDataParallel(self.transformer_config, ddp_config, model)
         self.transformer_config.finalize_model_grads_func = self._finalize_grads
@@ -199,14 +205,21 @@ class MegatronPolicyWorker(PolicyWorker):
             return None
         return batch_size, -(-seq_len // self.tp_size) * self.tp_size
 
-    def _forward_step(self, data_iterator: Iterator[MicroBatch], model: Any, loss_func: Callable,
-                      shape: tuple[int, int] | None) -> tuple[torch.Tensor, Callable]:
+    def _forward_step(
+        self,
+        data_iterator: Iterator[MicroBatch],
+        model: Any,
+        loss_func: Callable,
+        shape: tuple[int, int] | None,
+    ) -> tuple[torch.Tensor, Callable]:
         microbatch = next(data_iterator)
         input_ids = microbatch.data["input_ids"]  # [b, T_mb]
         if shape is not None:
             input_ids = pad_to(input_ids, *shape)
         elif self.cfg.megatron.sequence_parallel:
-            input_ids = pad_to(input_ids, input_ids.shape[0], -(-input_ids.shape[1] // self.tp_size) * self.tp_size)
+            input_ids = pad_to(
+                input_ids, input_ids.shape[0], -(-input_ids.shape[1] // self.tp_size) * self.tp_size
+            )
         batch_size, seq_len = input_ids.shape
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch_size, seq_len)
         output = model(
@@ -226,8 +239,14 @@ class MegatronPolicyWorker(PolicyWorker):
         logprobs = compute_token_logprobs(logits, input_ids, self.cfg.logprob_temperature)  # [b, T_mb]
         return logprobs * length_mask(row_lengths(microbatch.data).to(self.device), seq_len)
 
-    def _run_schedule(self, microbatches: list[MicroBatch], loss_func: Callable, forward_only: bool,
-                      batch_size: int, seq_len: int) -> None:
+    def _run_schedule(
+        self,
+        microbatches: list[MicroBatch],
+        loss_func: Callable,
+        forward_only: bool,
+        batch_size: int,
+        seq_len: int,
+    ) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shape = self._microbatch_shape(batch_size, seq_len)
@@ -272,7 +291,9 @@ class MegatronPolicyWorker(PolicyWorker):
                     out[microbatch.indices] = outputs
             return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
-        self._run_schedule(microbatches, keep_outputs, True, self.cfg.logprob_batch_size, data["input_ids"].shape[1])
+        self._run_schedule(
+            microbatches, keep_outputs, True, self.cfg.logprob_batch_size, data["input_ids"].shape[1]
+        )
         return self._from_last_stage(out)
 
     # -- training ----------------------------------------------------------------------------------------
@@ -296,9 +317,14 @@ class MegatronPolicyWorker(PolicyWorker):
         if not eval_mode:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        self._run_schedule(microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1])
-        step = StepMetrics(loss=sum(losses), num_microbatches=len(losses),
-                           loss_metrics=reduce_metrics(parts, metric_reductions(loss_fn)))
+        self._run_schedule(
+            microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1]
+        )
+        step = StepMetrics(
+            loss=sum(losses),
+            num_microbatches=len(losses),
+            loss_metrics=reduce_metrics(parts, metric_reductions(loss_fn)),
+        )
         step = self._from_last_stage(step)
         if not eval_mode:
             step.grad_norm, step.lr = self._optimizer_step()
@@ -335,7 +361,8 @@ class MegatronPolicyWorker(PolicyWorker):
         return self.model.module.named_parameters()
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory refit)."""
+        """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory
+        refit)."""
         with self._backend():
             return self._full_hf_weights()
 
@@ -360,7 +387,9 @@ class MegatronPolicyWorker(PolicyWorker):
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
         if self.rank == 0:
-            auto_class = AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
+            auto_class = (
+                AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
+            )
             with torch.device("meta"):
                 model = auto_class.from_config(self.hf_config, dtype=torch.float32)
             model.load_state_dict(weights, strict=True, assign=True)
@@ -418,7 +447,9 @@ class MegatronPolicyWorker(PolicyWorker):
             raise FileNotFoundError(f"{path} holds no Megatron checkpoint ({MEGATRON_DIR}/ is missing)")
         with self._backend():
             with_optimizer = json.loads((path / CONTENTS_FILE).read_text())["optimizer"]
-            state = dist_checkpointing.load(self._sharded_state(with_optimizer, True), str(path / MEGATRON_DIR))
+            state = dist_checkpointing.load(
+                self._sharded_state(with_optimizer, True), str(path / MEGATRON_DIR)
+            )
             self._load_model_state(state["model"])
             if with_optimizer:
                 with torch.no_grad():
@@ -437,11 +468,14 @@ class MegatronPolicyWorker(PolicyWorker):
 
     def memory_footprint(self) -> dict[str, int]:
         param_bytes = sum(p.nbytes for p in self.model.parameters())
-        total = torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        total = (
+            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        )
         return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
 
     def describe(self) -> dict[str, Any]:
         info = super().describe()
-        info.update(backend_name="megatron", tp=self.tp_size, pp=self.pp_size, dp=self.dp_size,
-                    pid=os.getpid())
+        info.update(
+            backend_name="megatron", tp=self.tp_size, pp=self.pp_size, dp=self.dp_size, pid=os.getpid()
+        )
         return info

@@ -44,7 +44,9 @@ def rope_theta(hf_config: Any) -> float:
     scaling = getattr(hf_config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
-        raise ValueError(f"policy.backend=megatron: RoPE scaling {rope_type!r} is not mapped (only plain RoPE)")
+        raise ValueError(
+            f"policy.backend=megatron: RoPE scaling {rope_type!r} is not mapped (only plain RoPE)"
+        )
     return float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
 
 
@@ -63,7 +65,8 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % tp_size or num_kv_heads % tp_size:
         raise ValueError(
-            f"policy.megatron.tensor_model_parallel_size={tp_size} must divide num_attention_heads={num_heads} "
+            f"policy.megatron.tensor_model_parallel_size={tp_size} must divide "
+            f"num_attention_heads={num_heads} "
             f"and num_key_value_heads={num_kv_heads}"
         )
     if hf_config.intermediate_size % tp_size:
@@ -84,7 +87,9 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         padded_vocab_size=-(-vocab_size // tp_size) * tp_size,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        reward_model=(getattr(hf_config, "architectures", None) or [""])[0].endswith("ForSequenceClassification"),
+        reward_model=(getattr(hf_config, "architectures", None) or [""])[0].endswith(
+            "ForSequenceClassification"
+        ),
     )
 
 
@@ -95,9 +100,16 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER_PARTS = {
     "input_layernorm.weight": ["input_layernorm.weight"],
-    "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                         "self_attn.v_proj.weight"],
-    "self_attention.linear_qkv.bias": ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"],
+    "self_attention.linear_qkv.weight": [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+    ],
+    "self_attention.linear_qkv.bias": [
+        "self_attn.q_proj.bias",
+        "self_attn.k_proj.bias",
+        "self_attn.v_proj.bias",
+    ],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
     "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
@@ -159,8 +171,12 @@ def pad_vocab(weight: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
 
 
 def hf_to_megatron(
-    hf_weights: dict[str, torch.Tensor], megatron_names: list[str], layer_offset: int, layout: GPTLayout,
-    tp_rank: int, tp_size: int,
+    hf_weights: dict[str, torch.Tensor],
+    megatron_names: list[str],
+    layer_offset: int,
+    layout: GPTLayout,
+    tp_rank: int,
+    tp_size: int,
 ) -> dict[str, torch.Tensor]:
     """This rank's tensors for each Megatron parameter name of its stage (local layer i = global layer
     layer_offset + i), from full HF weights (`model.*`, `lm_head.weight`)."""
@@ -308,12 +324,16 @@ class ScoreHead(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=config.params_dtype))
         self.sequence_parallel = config.sequence_parallel
 
-    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple:
+    def forward(
+        self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple:
         from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
         if self.sequence_parallel:
             # every rank computes the whole gradient of its input: split it back (no reduce-scatter sum)
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+            hidden_states = gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
         return torch.nn.functional.linear(hidden_states, self.weight), None  # [s, b, 1]
 
 
@@ -329,7 +349,9 @@ def block_spec(config: Any) -> Any:
     layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
     num_layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm
+    )
 
 
 def build_gpt_model(hf_config: Any, config: Any, pre_process: bool, post_process: bool) -> Any:

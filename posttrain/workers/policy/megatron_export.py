@@ -38,7 +38,11 @@ def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> P
     with shim:
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
-        parallel = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "sequence_parallel": False}
+        parallel = {
+            "tensor_model_parallel_size": 1,
+            "pipeline_model_parallel_size": 1,
+            "sequence_parallel": False,
+        }
         config = megatron_convert.transformer_config(hf_config, parallel, bf16=False)
         model = megatron_convert.build_gpt_model(hf_config, config, pre_process=True, post_process=True)
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(policy_dir / MEGATRON_DIR))

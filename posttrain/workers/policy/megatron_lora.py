@@ -55,9 +55,16 @@ class ParallelLinearAdapter(torch.nn.Module):
     """The adapters of the HF modules held by one Megatron parallel linear, on this TP rank: `forward(x)`
     is what they add to the base's (local) output."""
 
-    def __init__(self, linear_name: str, parts: dict[str, tuple[int, int]], cfg: lora.LoraConfig,
-                 layout: megatron_convert.GPTLayout, tp_size: int, sequence_parallel: bool,
-                 dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        linear_name: str,
+        parts: dict[str, tuple[int, int]],
+        cfg: lora.LoraConfig,
+        layout: megatron_convert.GPTLayout,
+        tp_size: int,
+        sequence_parallel: bool,
+        dtype: torch.dtype,
+    ) -> None:
         """`parts`: targeted HF module -> its full (out_features, in_features)."""
         from megatron.core.tensor_parallel import set_tensor_model_parallel_attributes
 
@@ -94,14 +101,20 @@ class ParallelLinearAdapter(torch.nn.Module):
         if self.row_parallel:  # x: [s, b, in/tp] -> [s(/tp), b, out]
             (part,) = self.lora_A.keys()
             h = self.dropout(x) @ self.lora_A[part].t()  # [s, b, r], a partial sum over TP ranks
-            h = (tp.reduce_scatter_to_sequence_parallel_region(h) if self.sequence_parallel
-                 else tp.reduce_from_tensor_model_parallel_region(h))
+            h = (
+                tp.reduce_scatter_to_sequence_parallel_region(h)
+                if self.sequence_parallel
+                else tp.reduce_from_tensor_model_parallel_region(h)
+            )
             return (h @ self.lora_B[part].t()) * self.scaling
         outputs = {}  # x: [s(/tp), b, in] -> per part [s, b, out_part/tp]
         for part in self.lora_A.keys():
             h = self.dropout(x) @ self.lora_A[part].t()  # [s(/tp), b, r]
-            h = (tp.gather_from_sequence_parallel_region(h) if self.sequence_parallel
-                 else tp.copy_to_tensor_model_parallel_region(h))
+            h = (
+                tp.gather_from_sequence_parallel_region(h)
+                if self.sequence_parallel
+                else tp.copy_to_tensor_model_parallel_region(h)
+            )
             outputs[part] = (h @ self.lora_B[part].t()) * self.scaling
         return self._assemble(outputs)
 
@@ -137,9 +150,15 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, outp
 def part_shapes(layout: megatron_convert.GPTLayout) -> dict[str, tuple[int, int]]:
     """Full (out, in) of every HF linear of a layer."""
     hidden, d, ffn = layout.hidden_size, layout.head_dim, layout.ffn_hidden_size
-    return {"q_proj": (layout.num_heads * d, hidden), "k_proj": (layout.num_kv_heads * d, hidden),
-            "v_proj": (layout.num_kv_heads * d, hidden), "o_proj": (hidden, layout.num_heads * d),
-            "gate_proj": (ffn, hidden), "up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+    return {
+        "q_proj": (layout.num_heads * d, hidden),
+        "k_proj": (layout.num_kv_heads * d, hidden),
+        "v_proj": (layout.num_kv_heads * d, hidden),
+        "o_proj": (hidden, layout.num_heads * d),
+        "gate_proj": (ffn, hidden),
+        "up_proj": (ffn, hidden),
+        "down_proj": (hidden, ffn),
+    }
 
 
 def hf_module_name(layer: int, linear_name: str, part: str) -> str:
@@ -155,15 +174,25 @@ def initial_lora_a(name: str, shape: tuple[int, int], seed: int) -> torch.Tensor
     return (torch.rand(shape, generator=generator, dtype=torch.float64) * 2 - 1).mul(bound).float()
 
 
-def add_adapters(model: torch.nn.Module, cfg: lora.LoraConfig, layout: megatron_convert.GPTLayout,
-                 layer_offset: int, tp_rank: int, tp_size: int, sequence_parallel: bool, seed: int,
-                 dtype: torch.dtype) -> None:
+def add_adapters(
+    model: torch.nn.Module,
+    cfg: lora.LoraConfig,
+    layout: megatron_convert.GPTLayout,
+    layer_offset: int,
+    tp_rank: int,
+    tp_size: int,
+    sequence_parallel: bool,
+    seed: int,
+    dtype: torch.dtype,
+) -> None:
     """Freeze every parameter of this stage's GPTModel and attach fresh adapters (B = 0) to the parallel
     linears holding a targeted HF module."""
     unknown = sorted(set(cfg.target_modules) - set(SUPPORTED_TARGETS))
     if unknown:
-        raise ValueError(f"policy.lora.target_modules: {unknown} cannot take adapters on policy.backend=megatron "
-                         f"(supported: {SUPPORTED_TARGETS})")
+        raise ValueError(
+            f"policy.lora.target_modules: {unknown} cannot take adapters on policy.backend=megatron "
+            f"(supported: {SUPPORTED_TARGETS})"
+        )
     model.requires_grad_(False)
     shapes = part_shapes(layout)
     for index, layer in enumerate(model.decoder.layers):
@@ -172,10 +201,13 @@ def add_adapters(model: torch.nn.Module, cfg: lora.LoraConfig, layout: megatron_
             if not parts:
                 continue
             base = layer.get_submodule(linear_name)
-            adapter = ParallelLinearAdapter(linear_name, parts, cfg, layout, tp_size, sequence_parallel, dtype)
+            adapter = ParallelLinearAdapter(
+                linear_name, parts, cfg, layout, tp_size, sequence_parallel, dtype
+            )
             for part, shape in parts.items():
-                full_a = initial_lora_a(hf_module_name(layer_offset + index, linear_name, part), (cfg.rank, shape[1]),
-                                        seed)
+                full_a = initial_lora_a(
+                    hf_module_name(layer_offset + index, linear_name, part), (cfg.rank, shape[1]), seed
+                )
                 with torch.no_grad():
                     adapter.lora_A[part].copy_(shard(full_a, adapter.tp_dim("lora_A"), tp_rank, tp_size))
             adapter.to(next(base.parameters()).device)
@@ -196,7 +228,9 @@ def adapters(model: torch.nn.Module) -> Iterator[tuple[int, str, ParallelLinearA
                 yield index, linear_name, adapter
 
 
-def adapter_params(model: torch.nn.Module, layer_offset: int) -> Iterator[tuple[str, int | None, torch.nn.Parameter]]:
+def adapter_params(
+    model: torch.nn.Module, layer_offset: int
+) -> Iterator[tuple[str, int | None, torch.nn.Parameter]]:
     """(PEFT name, TP dim, parameter) of every adapter factor of this stage, in a fixed order."""
     for index, linear_name, adapter in adapters(model):
         for part in adapter.lora_A.keys():
@@ -224,7 +258,8 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 
 def write_peft_dir(adapter: lora.AdapterWeights, out_dir: str | Path, base_model: str) -> Path:
-    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) of a payload, for `base_model`."""
+    """A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) of a payload, for
+    `base_model`."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
@@ -232,7 +267,10 @@ def write_peft_dir(adapter: lora.AdapterWeights, out_dir: str | Path, base_model
     if Path(base_model).exists():  # a checkpoint read from another directory still finds it
         base_model = str(Path(base_model).resolve())
     lora.peft_config(adapter.cfg, adapter.model_kind, base_model).save_pretrained(str(out_dir))
-    save_file({name: t.contiguous() for name, t in adapter.tensors.items()}, str(out_dir / "adapter_model.safetensors"))
+    save_file(
+        {name: t.contiguous() for name, t in adapter.tensors.items()},
+        str(out_dir / "adapter_model.safetensors"),
+    )
     return out_dir
 
 
@@ -242,8 +280,17 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         dtype = self.transformer_config.params_dtype
-        add_adapters(model, self.cfg.lora, self.layout, self.layer_offset, self.tp_rank, self.tp_size,
-                     self.cfg.megatron.sequence_parallel, self.cfg.seed, dtype)
+        add_adapters(
+            model,
+            self.cfg.lora,
+            self.layout,
+            self.layer_offset,
+            self.tp_rank,
+            self.tp_size,
+            self.cfg.megatron.sequence_parallel,
+            self.cfg.seed,
+            dtype,
+        )
         return model
 
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -256,7 +303,9 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         from posttrain.distributed.batched_data_dict import BatchedDataDict
 
         if self.reference_weights is None:
-            raise RuntimeError(f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True")
+            raise RuntimeError(
+                f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
+            )
         with adapters_disabled(self.model.module):
             return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
 
@@ -299,8 +348,10 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         """Set this rank's adapter shards from a PEFT-format adapter of the same rank and alpha (e.g. one a
         DTensor LoRA policy sent)."""
         if (adapter.cfg.rank, adapter.cfg.alpha) != (self.cfg.lora.rank, self.cfg.lora.alpha):
-            raise ValueError(f"load_adapter: rank/alpha {adapter.cfg.rank}/{adapter.cfg.alpha} differ from "
-                             f"policy.lora {self.cfg.lora.rank}/{self.cfg.lora.alpha}")
+            raise ValueError(
+                f"load_adapter: rank/alpha {adapter.cfg.rank}/{adapter.cfg.alpha} differ from "
+                f"policy.lora {self.cfg.lora.rank}/{self.cfg.lora.alpha}"
+            )
         for name, dim, param in adapter_params(self.model.module, self.layer_offset):
             param.copy_(shard(adapter.tensors[name], dim, self.tp_rank, self.tp_size).to(param))
         self.versions.bump()
@@ -328,8 +379,11 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
 
         state = {}
         for name, dim, param in adapter_params(self.model.module, self.layer_offset):
-            state[name] = (make_sharded_tensor_for_checkpoint(param, name) if dim is None
-                           else make_tp_sharded_tensor_for_checkpoint(param, name, tp_axis=dim))
+            state[name] = (
+                make_sharded_tensor_for_checkpoint(param, name)
+                if dim is None
+                else make_tp_sharded_tensor_for_checkpoint(param, name, tp_axis=dim)
+            )
         return state
 
     @torch.no_grad()
@@ -349,14 +403,18 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     def memory_footprint(self) -> dict[str, int]:
         footprint = super().memory_footprint()
         optimizer_state = self._torch_optimizer().state.values()
-        footprint["trainable_param_bytes"] = int(sum(p.nbytes for p in self.model.parameters() if p.requires_grad))
-        footprint["optimizer_state_bytes"] = int(sum(v.nbytes for state in optimizer_state for v in state.values()
-                                                     if isinstance(v, torch.Tensor)))
+        footprint["trainable_param_bytes"] = int(
+            sum(p.nbytes for p in self.model.parameters() if p.requires_grad)
+        )
+        footprint["optimizer_state_bytes"] = int(
+            sum(v.nbytes for state in optimizer_state for v in state.values() if isinstance(v, torch.Tensor))
+        )
         return footprint
 
 
-def export_megatron_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path, merge: bool = False,
-                                    base_model_dir: str | Path | None = None) -> Path:
+def export_megatron_lora_checkpoint(
+    policy_dir: str | Path, out_dir: str | Path, merge: bool = False, base_model_dir: str | Path | None = None
+) -> Path:
     """`posttrain export` of a Megatron LoRA checkpoint: its `lora/` PEFT adapter directory (with the
     tokenizer), or with `merge` a Hugging Face model with the adapter merged into the base weights."""
     import shutil
@@ -374,8 +432,10 @@ def export_megatron_lora_checkpoint(policy_dir: str | Path, out_dir: str | Path,
         tokenizer.save_pretrained(out_dir)
         return out_dir
     if not Path(base).exists():
-        raise FileNotFoundError(f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
-                                "here; pass the base model directory")
+        raise FileNotFoundError(
+            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
+            "here; pass the base model directory"
+        )
     model_config = AutoConfig.from_pretrained(policy_dir / native_checkpoint.HF_CONFIG_DIR)
     model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
     peft_model = peft.PeftModel.from_pretrained(model, str(policy_dir / lora.LORA_DIR))

@@ -64,7 +64,8 @@ def unpack_row_logprobs(row_logprobs: torch.Tensor, lengths: list[int], seq_len:
 
 
 def select_rows(data: dict[str, Any], indices: list[int], seq_len: int | None = None) -> BatchedDataDict:
-    """Rows `indices` of every value; tensors with a sequence dim (dim 1) equal to the batch's T cut to seq_len."""
+    """Rows `indices` of every value; tensors with a sequence dim (dim 1) equal to the batch's T cut to
+    seq_len."""
     full_len = data["input_ids"].shape[1]
     index = torch.tensor(indices, dtype=torch.long)
     rows = BatchedDataDict()
@@ -99,9 +100,13 @@ def plan_microbatches(data: dict[str, Any], batch_size: int, cfg: PolicyConfig) 
         groups = pack_sequences(lengths, cfg.sequence_packing.max_tokens_per_bin)
     elif cfg.dynamic_batching.enabled:
         budget = cfg.dynamic_batching
-        groups = dynamic_microbatch_indices(lengths, budget.max_tokens_per_microbatch, budget.sequence_length_round)
+        groups = dynamic_microbatch_indices(
+            lengths, budget.max_tokens_per_microbatch, budget.sequence_length_round
+        )
     else:
-        groups = [list(range(i, min(i + batch_size, len(lengths)))) for i in range(0, len(lengths), batch_size)]
+        groups = [
+            list(range(i, min(i + batch_size, len(lengths)))) for i in range(0, len(lengths), batch_size)
+        ]
     microbatches = []
     for indices in groups:
         rows = select_rows(data, indices, seq_len=max(lengths[i] for i in indices))

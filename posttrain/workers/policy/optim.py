@@ -16,7 +16,8 @@ FUSED_OPTIMIZERS = ("Adam", "AdamW")
 
 @torch.no_grad()
 def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None) -> float:
-    """Global L2 norm of all gradients (DTensor shards on any mesh included); scale them to max_norm if above."""
+    """Global L2 norm of all gradients (DTensor shards on any mesh included); scale them to max_norm if
+    above."""
     grads = [p.grad for p in parameters if p.grad is not None]
     grads_by_mesh: dict[Any, list[torch.Tensor]] = {}
     for grad in grads:  # with TP, norms/embeddings live on the dp mesh and projections on the (dp, tp) mesh
@@ -40,7 +41,11 @@ def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Op
     if optimizer_cls is None:
         raise ValueError(f"policy.optimizer.name: torch.optim has no {cfg.optimizer.name!r}")
     kwargs = optimizer_kwargs(cfg.optimizer.kwargs)
-    if cfg.optimizer.name in FUSED_OPTIMIZERS and not cfg.cpu_offload and not {"fused", "foreach"} & set(kwargs):
+    if (
+        cfg.optimizer.name in FUSED_OPTIMIZERS
+        and not cfg.cpu_offload
+        and not {"fused", "foreach"} & set(kwargs)
+    ):
         kwargs["fused"] = True  # one vectorised kernel per step (on a CPU too): the same update, ~4x faster
     return optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
 

@@ -113,14 +113,19 @@ def build_shared_prefix_rows(
     row_positions = torch.zeros(num_rows, width, dtype=torch.long)
     row_segments = torch.full((num_rows, width), -1, dtype=torch.long)  # -1: padding
     for r, (piece, pos, seg) in enumerate(zip(pieces, positions, segments)):
-        row_ids[r, : len(piece)], row_positions[r, : len(piece)], row_segments[r, : len(piece)] = piece, pos, seg
+        row_ids[r, : len(piece)], row_positions[r, : len(piece)], row_segments[r, : len(piece)] = (
+            piece,
+            pos,
+            seg,
+        )
     query, key = row_segments.unsqueeze(2), row_segments.unsqueeze(1)  # [R, N, 1], [R, 1, N]
     visible = ((key == 0) | (key == query)) & (query >= 0)  # the prompt and the query's own continuation
     causal = torch.ones(width, width, dtype=torch.bool).tril()  # [N, N]
     padding_self = torch.eye(width, dtype=torch.bool) & (query < 0)  # a pad token sees itself: no empty rows
     mask = (visible & causal) | padding_self  # [R, N, N]
-    return SharedPrefixRows(row_ids, row_positions.to(input_ids.device), mask.unsqueeze(1).to(input_ids.device),
-                            placements)
+    return SharedPrefixRows(
+        row_ids, row_positions.to(input_ids.device), mask.unsqueeze(1).to(input_ids.device), placements
+    )
 
 
 def unpack_shared_prefix_logprobs(
@@ -132,7 +137,9 @@ def unpack_shared_prefix_logprobs(
     for p in rows.placements:
         count = p.length - p.prefix_length - 1  # tokens after the continuation's first
         if count > 0:
-            out[p.row, p.prefix_length + 1 : p.length] = row_logprobs[p.tree_row, p.start + 1 : p.start + 1 + count]
+            out[p.row, p.prefix_length + 1 : p.length] = row_logprobs[
+                p.tree_row, p.start + 1 : p.start + 1 + count
+            ]
     return out
 
 
@@ -157,6 +164,8 @@ def shared_prefix_logprobs(
         attention_mask=rows.attention_mask.to(device),
         logits_to_keep=num_kept,
     ).logits  # [R, K, V]
-    row_logprobs = compute_token_logprobs(logits, rows.input_ids[:, -num_kept:].to(device), temperature)  # [R, K]
+    row_logprobs = compute_token_logprobs(
+        logits, rows.input_ids[:, -num_kept:].to(device), temperature
+    )  # [R, K]
     row_logprobs = torch.nn.functional.pad(row_logprobs, (width - num_kept, 0))  # [R, N]
     return unpack_shared_prefix_logprobs(row_logprobs, rows, input_ids.shape[0], input_ids.shape[1])

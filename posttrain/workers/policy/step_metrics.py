@@ -34,8 +34,9 @@ def step_value(step: StepMetrics, name: str) -> float:
     return step.loss_metrics[name]
 
 
-def reduce_steps(steps: list[StepMetrics], eval_mode: bool, reductions: dict[str, str],
-                 all_reduce: AllReduce) -> dict[str, Any]:
+def reduce_steps(
+    steps: list[StepMetrics], eval_mode: bool, reductions: dict[str, str], all_reduce: AllReduce
+) -> dict[str, Any]:
     """Per-step lists reduced over dp ranks, each loss metric by its reduction (`reduction_of`: named by the
     loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
     ranks); losses and micro-batch counts summed; grad norm and lr are global already. Every rank must

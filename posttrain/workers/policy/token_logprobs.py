@@ -19,7 +19,9 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
-        scaled = at_least_fp32(logits) if temperature == 1.0 else at_least_fp32(logits) / temperature  # [N, V]
+        scaled = (
+            at_least_fp32(logits) if temperature == 1.0 else at_least_fp32(logits) / temperature
+        )  # [N, V]
         log_normalizer = torch.logsumexp(scaled, dim=-1)  # [N]
         ctx.save_for_backward(logits, targets, log_normalizer)
         ctx.temperature = temperature
@@ -40,7 +42,8 @@ class TokenLogprobs(torch.autograd.Function):
 def compute_token_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
 ) -> torch.Tensor:
-    """Position t holds log p(input_ids[t] | input_ids[<t]) in fp32 (fp64 logits: fp64) from logits / temperature; position 0 is 0."""
+    """Position t holds log p(input_ids[t] | input_ids[<t]) in fp32 (fp64 logits: fp64) from logits /
+    temperature; position 0 is 0."""
     batch, length, vocab = logits.shape
     # Every position's logits against the next token (a dummy 0 after the last, dropped): a view of the
     # logits, where slicing off the last position first would copy them.
