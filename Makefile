@@ -82,6 +82,7 @@ $(REAL_MODEL_DIR)/config.json: $(VENV)/.smollm2
 # Lint as declared in pyproject.toml (ruff, line length 110); .ci/run runs it before the tests.
 lint: install
 	$(VENV)/bin/ruff check posttrain tests benchmarks
+	$(VENV)/bin/ruff format --check posttrain tests benchmarks
 
 # train_generate.py runs in the vLLM environment so that both generation backends are measured.
 bench: install install-vllm install-trl
