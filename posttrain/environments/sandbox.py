@@ -3,11 +3,23 @@ user namespace when not root), a read-only view of only the interpreter's files,
 tmpfs, a dropped uid when started as root, resource limits, a scrubbed environment, capped output, and
 the whole sandbox killed at the time limit. If bwrap or the namespaces are unavailable, nothing runs:
 `SandboxUnavailableError` says what is missing.
+
+Limits that hold for the sandbox as a whole, however its code forks:
+- No new namespaces and no mounts from inside: a seccomp filter (built with pyseccomp, passed to bwrap)
+  refuses unshare, setns, clone with a CLONE_NEW* flag, mount and the new mount API; in the user-namespace
+  mode bwrap's `--disable-userns` also holds. Without pyseccomp the root mode refuses to run.
+- One memory and process budget (`memory_mb`, `max_processes`) for all of its processes and the tmpfs
+  pages they write: a cgroup per run, v2 where this process may create one with the memory and pids
+  controllers, v1 (as root) where those hierarchies are mounted. Where neither can be used (an
+  unprivileged user on a v1 machine, or a v2 tree without delegation), that is logged once and only the
+  per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
+import logging
 import os
 import selectors
 import shutil
@@ -18,6 +30,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 NOBODY = 65534
 SCRATCH_DIR, CODE_DIR = "/scratch", "/code"
@@ -60,6 +74,165 @@ class SandboxResult:
     returncode: int | None  # None when killed (time limit or output cap)
     timed_out: bool
     output_truncated: bool = False
+    memory_peak_bytes: int | None = None  # the whole sandbox's peak memory, where a cgroup measured it
+    memory_exceeded: bool = False  # the cgroup's limit was hit (a process of the sandbox was OOM-killed)
+
+
+# --------------------------------------------------------------------------------------------- seccomp
+CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
+REFUSED_SYSCALLS = (
+    "unshare",
+    "setns",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "chroot",
+    "open_tree",
+    "move_mount",
+    "fsopen",
+    "fsconfig",
+    "fsmount",
+    "fspick",
+    "mount_setattr",
+    "keyctl",
+    "add_key",
+    "request_key",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "kexec_load",
+    "init_module",
+    "finit_module",
+    "swapon",
+    "swapoff",
+)
+
+
+@functools.cache
+def seccomp_program() -> bytes | None:
+    """The compiled seccomp filter of the sandbox (BPF bytes for `bwrap --seccomp`): every syscall allowed
+    except REFUSED_SYSCALLS (EPERM), clone with a new-namespace flag (EPERM), and clone3 (ENOSYS, whose
+    flags a filter cannot read: the C library then falls back to clone). None without pyseccomp.
+    Built once per process."""
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, OSError):  # not installed, or no libseccomp.so.2
+        return None
+    rules = seccomp.SyscallFilter(seccomp.ALLOW)
+    for name in REFUSED_SYSCALLS:
+        try:
+            rules.add_rule(seccomp.ERRNO(errno.EPERM), name)
+        except (OSError, ValueError, RuntimeError):  # not a syscall of this architecture
+            continue
+    for flag in CLONE_NEW_FLAGS:
+        rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
+    rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    with tempfile.TemporaryFile() as program:
+        rules.export_bpf(program)
+        program.seek(0)
+        return program.read()
+
+
+# --------------------------------------------------------------------------------------------- cgroups
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass
+class SandboxCgroup:
+    """The cgroup(s) of one run: one on v2; on v1 one in the memory and one in the pids hierarchy."""
+
+    version: int
+    paths: list[Path]
+
+    def procs_files(self) -> list[Path]:
+        return [path / "cgroup.procs" for path in self.paths]
+
+    def memory_stats(self) -> tuple[int | None, bool]:
+        """(peak bytes, whether the memory limit OOM-killed a process)."""
+        memory = self.paths[0]
+        if self.version == 2:
+            peak = memory / "memory.peak"
+            events = dict(line.split() for line in (memory / "memory.events").read_text().splitlines())
+            return (int(peak.read_text()) if peak.exists() else None), int(events.get("oom_kill", 0)) > 0
+        control = dict(line.split() for line in (memory / "memory.oom_control").read_text().splitlines())
+        return int((memory / "memory.max_usage_in_bytes").read_text()), int(control.get("oom_kill", 0)) > 0
+
+    def remove(self) -> None:
+        """Remove the (empty) groups; their processes are gone once the sandbox was killed."""
+        for path in self.paths:
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # a process still exiting
+                    time.sleep(0.02)
+
+
+def _v2_parent() -> Path | None:
+    """The v2 group this process may create children in, with memory and pids enabled for them."""
+    if not (CGROUP_ROOT / "cgroup.controllers").exists():
+        return None
+    own = next(
+        (line[3:] for line in Path("/proc/self/cgroup").read_text().splitlines() if line.startswith("0::")),
+        None,
+    )
+    if own is None:
+        return None
+    parent = CGROUP_ROOT / own.strip("/")
+    enabled = set((parent / "cgroup.subtree_control").read_text().split())
+    if not {"memory", "pids"} <= enabled:
+        try:
+            (parent / "cgroup.subtree_control").write_text("+memory +pids")
+        except OSError:
+            return None
+    return parent
+
+
+def create_cgroup(limits: SandboxLimits, owner: int | None) -> SandboxCgroup | None:
+    """A fresh cgroup holding `limits.memory_mb` of memory (swap included where accounted) and
+    `limits.max_processes` processes; its cgroup.procs files handed to uid `owner` (the sandbox's launcher
+    moves itself in). None where no cgroup can be made here."""
+    name = f"posttrain-sandbox-{os.getpid()}-{time.monotonic_ns()}"
+    memory_bytes = str(limits.memory_mb * 1024 * 1024)
+    try:
+        parent = _v2_parent()
+        if parent is not None:
+            group = SandboxCgroup(2, [parent / name])
+            group.paths[0].mkdir()
+            (group.paths[0] / "memory.max").write_text(memory_bytes)
+            if (group.paths[0] / "memory.swap.max").exists():
+                (group.paths[0] / "memory.swap.max").write_text("0")
+            (group.paths[0] / "pids.max").write_text(str(limits.max_processes))
+        elif (CGROUP_ROOT / "memory" / "memory.limit_in_bytes").exists() and (CGROUP_ROOT / "pids").is_dir():
+            group = SandboxCgroup(1, [CGROUP_ROOT / "memory" / name, CGROUP_ROOT / "pids" / name])
+            for path in group.paths:
+                path.mkdir()
+            memory = group.paths[0]
+            (memory / "memory.limit_in_bytes").write_text(memory_bytes)
+            if (memory / "memory.memsw.limit_in_bytes").exists():
+                (memory / "memory.memsw.limit_in_bytes").write_text(memory_bytes)
+            (group.paths[1] / "pids.max").write_text(str(limits.max_processes))
+        else:
+            _warn_no_cgroup("neither a v2 group with memory and pids nor v1 memory and pids hierarchies")
+            return None
+    except OSError as error:
+        _warn_no_cgroup(f"{type(error).__name__}: {error}")
+        return None
+    if owner is not None:
+        for procs in group.procs_files():
+            os.chown(procs, owner, owner)
+    return group
+
+
+@functools.cache
+def _warn_no_cgroup(reason: str) -> None:
+    log.warning(
+        "code sandbox: no cgroup can be made here (%s); memory and processes are limited per process "
+        "only (RLIMIT_AS, RLIMIT_NPROC), not for the sandbox as a whole",
+        reason,
+    )
 
 
 def bwrap_path() -> str | None:
@@ -99,9 +272,18 @@ def _mount_args(code_path: str, scratch_mb: int) -> list[str]:
     return args
 
 
-def _command(bwrap: str, mode: str, code_path: str, limits: SandboxLimits) -> list[str]:
+def _command(
+    bwrap: str,
+    mode: str,
+    code_path: str,
+    limits: SandboxLimits,
+    seccomp_fd: int | None = None,
+    cgroup: SandboxCgroup | None = None,
+) -> list[str]:
     """The bwrap command line. mode "root": privileged bwrap, then the launcher drops to uid nobody;
-    mode "userns": an unprivileged user namespace (the caller's uid, or nobody for root; nobody inside)."""
+    mode "userns": an unprivileged user namespace (the caller's uid, or nobody for root; nobody inside).
+    With a cgroup, a shell moves itself into it first and then becomes bwrap, so that every process of the
+    sandbox starts inside."""
     namespaces = ["--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try"]
     if mode == "root":
         identity = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
@@ -133,10 +315,16 @@ def _command(bwrap: str, mode: str, code_path: str, limits: SandboxLimits) -> li
         str(limits.max_file_mb * 1024 * 1024),
         f"{CODE_DIR}/main.py",
     ]
+    enter = []
+    if cgroup is not None:
+        moves = " && ".join(f'echo $$ > "{procs}"' for procs in cgroup.procs_files())
+        enter = ["/bin/sh", "-c", moves + ' && exec "$@"', "sh"]
     return [
+        *enter,
         bwrap,
         *namespaces,
         *identity,
+        *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
         "--die-with-parent",
         "--new-session",
         *environment,
@@ -181,32 +369,49 @@ def run_python(code: str, limits: SandboxLimits | None = None, mode: str | None 
 
 
 def _run(bwrap: str, mode: str, code: str, limits: SandboxLimits) -> SandboxResult:
-    with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as workdir:
+    program = seccomp_program()
+    if program is None and mode == "root":
+        raise SandboxUnavailableError(
+            "the code sandbox's root mode needs a seccomp filter to refuse new namespaces and mounts: "
+            "pip install pyseccomp (and libseccomp2, which most Linux systems have)"
+        )
+    # Root taking the user-namespace path becomes nobody first: inside a namespace that maps to
+    # root, the kernel would exempt the code from RLIMIT_NPROC.
+    as_nobody = mode == "userns" and os.geteuid() == 0
+    with (
+        tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as workdir,
+        tempfile.TemporaryFile() as rules,
+    ):
         code_path = os.path.join(workdir, "main.py")
         with open(code_path, "w") as f:
             f.write(code)
         os.chmod(workdir, 0o755)
         os.chmod(code_path, 0o644)
-        # Root taking the user-namespace path becomes nobody first: inside a namespace that maps to
-        # root, the kernel would exempt the code from RLIMIT_NPROC.
-        as_nobody = (
-            {"user": NOBODY, "group": NOBODY, "extra_groups": []}
-            if mode == "userns" and os.geteuid() == 0
-            else {}
-        )
-        process = subprocess.Popen(
-            _command(bwrap, mode, code_path, limits),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env={"PATH": "/usr/bin:/bin"},
-            start_new_session=True,
-            **as_nobody,
-        )
+        if program is not None:
+            rules.write(program)
+            rules.seek(0)
+        cgroup = create_cgroup(limits, owner=NOBODY if as_nobody else None)
         try:
-            return _collect(process, limits)
+            process = subprocess.Popen(
+                _command(bwrap, mode, code_path, limits, rules.fileno() if program else None, cgroup),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env={"PATH": "/usr/bin:/bin"},
+                start_new_session=True,
+                pass_fds=(rules.fileno(),) if program else (),
+                **({"user": NOBODY, "group": NOBODY, "extra_groups": []} if as_nobody else {}),
+            )
+            try:
+                result = _collect(process, limits)
+            finally:
+                _kill_group(process)
+            if cgroup is not None:
+                result.memory_peak_bytes, result.memory_exceeded = cgroup.memory_stats()
+            return result
         finally:
-            _kill_group(process)
+            if cgroup is not None:
+                cgroup.remove()
 
 
 def _collect(process: subprocess.Popen, limits: SandboxLimits) -> SandboxResult:

@@ -1,14 +1,16 @@
-"""The code sandbox under attack: each test runs the hostile code of issue 13 and checks that it fails
-safely. Every isolation mode that works on this machine is tested: "root" (privileged bubblewrap, uid
-dropped to nobody) when the tests run as root, and "userns" (an unprivileged user namespace, the path a
+"""The code sandbox under attack: each test runs hostile code and checks that it fails safely. Every
+isolation mode that works on this machine is tested: "root" (privileged bubblewrap, uid dropped to nobody)
+when the tests run as root, and "userns" (an unprivileged user namespace, the path a
 normal user takes); the last test repeats the escapes as the unprivileged user `nobody` where it can."""
 
 from __future__ import annotations
 
 import os
 import resource
+import shutil
 import socket
 import subprocess
+import tempfile
 import textwrap
 import threading
 import time
@@ -329,6 +331,9 @@ def test_escapes_fail_when_an_unprivileged_user_runs_the_sandbox(tcp_listener, t
             open({str(target)!r}, 'w')
         except OSError as error:
             print('no host file:', type(error).__name__)
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        print('unshare refused:', libc.unshare(0x10000000 | 0x00020000) != 0)
         children = 0
         try:
             while os.fork():
@@ -338,8 +343,14 @@ def test_escapes_fail_when_an_unprivileged_user_runs_the_sandbox(tcp_listener, t
         else:
             os._exit(0)
     """)
+    # A copy of the module in a directory nobody may read: the clone itself may live in a 0700 directory.
+    readable = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-module-", dir="/tmp"))
+    readable.chmod(0o755)
+    module = readable / "sandbox.py"
+    shutil.copy(sandbox.__file__, module)
+    module.chmod(0o644)
     out = subprocess.run(
-        [python, "-I", "-c", ESCAPES_AS_NOBODY, sandbox.__file__, code],
+        [python, "-I", "-c", ESCAPES_AS_NOBODY, str(module), code],
         user=sandbox.NOBODY,
         group=sandbox.NOBODY,
         extra_groups=[],
@@ -356,6 +367,7 @@ def test_escapes_fail_when_an_unprivileged_user_runs_the_sandbox(tcp_listener, t
         f"{sandbox.NOBODY} ['1', '2']",
         "no network",
         "no host file: FileNotFoundError",
+        "unshare refused: True",
         "forks stopped: True 0",
     ]
     assert connected == [] and not target.exists()
@@ -364,19 +376,25 @@ def test_escapes_fail_when_an_unprivileged_user_runs_the_sandbox(tcp_listener, t
 @mode_param
 def test_an_interpreter_in_a_venv_under_tmp_still_runs(mode):
     """A clone (and its .venv) under /tmp: the sandbox's empty /tmp must not hide the interpreter. The
-    sandbox module is stdlib-only, so a bare venv runs it straight from its file."""
+    sandbox module needs the standard library and pyseccomp (pure Python over libseccomp) only, so a
+    bare venv given a copy of pyseccomp runs it straight from its file."""
     import sys
+
+    import pyseccomp
 
     venv = Path("/tmp") / f"posttrain-venv-{uuid.uuid4().hex[:8]}"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    (venv / "extra").mkdir()
+    shutil.copy(pyseccomp.__file__, venv / "extra")  # one module file
     try:
         program = (
-            "import importlib.util as u, sys; spec = u.spec_from_file_location('sandbox', sys.argv[1]); "
+            "import importlib.util as u, sys; sys.path.insert(0, sys.argv[2]); "
+            "spec = u.spec_from_file_location('sandbox', sys.argv[1]); "
             "box = u.module_from_spec(spec); sys.modules['sandbox'] = box; spec.loader.exec_module(box); "
             f"print(box.run_python('print(6 * 7)', mode={mode!r}).stdout, end='')"
         )
         result = subprocess.run(
-            [str(venv / "bin" / "python"), "-c", program, sandbox.__file__],
+            [str(venv / "bin" / "python"), "-c", program, sandbox.__file__, str(venv / "extra")],
             capture_output=True,
             text=True,
             timeout=60,
@@ -384,3 +402,97 @@ def test_an_interpreter_in_a_venv_under_tmp_still_runs(mode):
         assert result.stdout == "42\n", result.stderr
     finally:
         subprocess.run(["rm", "-rf", str(venv)], check=True)
+
+
+NESTED_TMPFS = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWUSER, CLONE_NEWNS = 0x10000000, 0x00020000
+if libc.unshare(CLONE_NEWUSER | CLONE_NEWNS) != 0:
+    print('unshare:', os.strerror(ctypes.get_errno()))
+else:
+    uid, gid = os.getuid(), os.getgid()
+    open('/proc/self/setgroups', 'w').write('deny')
+    open('/proc/self/uid_map', 'w').write(f'0 {uid} 1')
+    open('/proc/self/gid_map', 'w').write(f'0 {gid} 1')
+    if libc.mount(b'none', b'/tmp', b'tmpfs', 0, b'size=2g') != 0:
+        print('mount:', os.strerror(ctypes.get_errno()))
+written = 0
+try:
+    for i in range(40):
+        with open(f'/tmp/fill{i}', 'wb') as f:
+            f.write(b'x' * (15 * 1024 * 1024))
+        written += 15
+except OSError:
+    pass
+print('written MB:', written)
+"""
+
+
+@mode_param
+def test_a_nested_namespace_with_its_own_tmpfs_is_refused(mode):
+    """The code may neither make a user + mount namespace nor mount a tmpfs of its own, so it cannot hold
+    host memory past the scratch limit: /tmp inside is bwrap's own tmpfs, read-only under --remount-ro."""
+    result = run(NESTED_TMPFS, mode, timeout_s=10.0, memory_mb=512, max_file_mb=16)
+    assert result.stdout.splitlines() == ["unshare: Operation not permitted", "written MB: 0"], result.stderr
+
+
+def test_the_seccomp_filter_refuses_namespaces_mounts_and_clone3():
+    """Decoded from the compiled program: every refused syscall is in it, and it is not empty."""
+    program = sandbox.seccomp_program()
+    assert program is not None and len(program) % 8 == 0 and len(program) > 8 * len(sandbox.REFUSED_SYSCALLS)
+
+
+FORKED_HOLDERS = """
+import os, time
+pids = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = b'x' * (300 * 1024 * 1024)  # written, so every page is resident
+        time.sleep(4)
+        os._exit(0)
+    pids.append(pid)
+time.sleep(3)
+print('holding at once:', sum(os.waitpid(pid, os.WNOHANG) == (0, 0) for pid in pids))
+"""
+
+
+def sandbox_cgroups() -> list[str]:
+    found = []
+    for hierarchy in (sandbox.CGROUP_ROOT, sandbox.CGROUP_ROOT / "memory", sandbox.CGROUP_ROOT / "pids"):
+        if hierarchy.is_dir():
+            found += [p.name for p in hierarchy.iterdir() if p.name.startswith("posttrain-sandbox-")]
+    return found
+
+
+@mode_param
+def test_the_whole_sandbox_holds_at_most_memory_mb_however_it_forks(mode):
+    """Six children of 300 MB each, all asked to hold at once under memory_mb=512 (per process they fit):
+    the sandbox's cgroup lets at most one hold its block, and its peak stays within 512 MiB (margin: none
+    beyond the kernel's page accounting). Where no cgroup can be made the test is skipped, saying so."""
+    if sandbox.create_cgroup(SandboxLimits(), owner=None) is None:
+        pytest.skip("no cgroup can be made here: only per-process limits hold (see sandbox.py)")
+    sandbox_cgroups_before = sandbox_cgroups()
+    for leftover in sandbox_cgroups_before:  # the probe's own group
+        for hierarchy in (sandbox.CGROUP_ROOT / "memory", sandbox.CGROUP_ROOT / "pids", sandbox.CGROUP_ROOT):
+            if (hierarchy / leftover).is_dir():
+                (hierarchy / leftover).rmdir()
+    result = run(FORKED_HOLDERS, mode, timeout_s=15.0, memory_mb=512, max_processes=16)
+    assert result.stdout in ("holding at once: 0\n", "holding at once: 1\n"), (result.stdout, result.stderr)
+    assert result.memory_exceeded
+    assert result.memory_peak_bytes is not None and result.memory_peak_bytes <= 512 * 1024 * 1024
+    assert sandbox_cgroups() == []  # each run removes its group
+
+
+def test_without_a_cgroup_the_sandbox_still_runs_with_per_process_limits(monkeypatch, tmp_path, caplog):
+    """A machine with neither cgroup v2 delegation nor v1 hierarchies: the run goes on, and says which
+    limits hold."""
+    if not MODES:
+        pytest.skip("no bubblewrap sandbox works here")
+    monkeypatch.setattr(sandbox, "CGROUP_ROOT", tmp_path)
+    sandbox._warn_no_cgroup.cache_clear()
+    with caplog.at_level("WARNING"):
+        result = run("print(6 * 7)", MODES[0])
+    assert result.stdout == "42\n" and result.memory_peak_bytes is None
+    assert "limited per process only" in caplog.text
