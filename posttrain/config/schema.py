@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -124,6 +125,8 @@ class _Checker:
             return value
         if tp not in (int, float) and isinstance(tp, type) and isinstance(value, tp):
             return value
+        if tp is str and isinstance(value, os.PathLike):  # a path given as a Path: stored as its text
+            return os.fspath(value)
         raise self.error(key, f"expected {type_name(tp)}, got {describe_value(value)}")
 
     def convert_union(self, tp: Any, value: Any, key: str) -> Any:
