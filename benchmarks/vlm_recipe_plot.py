@@ -1,5 +1,6 @@
-"""The README's vision-language recipe as one curve: greedy validation accuracy on red_squares through SFT
-(`posttrain eval` of the initial model and of each SFT checkpoint) and then GRPO (its own validations).
+"""The vision-language recipe (docs/models.md) as one curve: greedy validation accuracy on red_squares
+through SFT (`posttrain eval` of the initial model and of each SFT checkpoint) and then GRPO (its own
+validations).
 
     python benchmarks/vlm_recipe_plot.py RESULTS_DIR OUT_PNG
 

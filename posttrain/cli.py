@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name in CONFIG_COMMANDS:
             sub.add_argument("--config", required=True, help="YAML config file (may use `defaults:`)")
             sub.add_argument("--help-config", action="store_true", help="list every config key and exit")
+            sub.add_argument(
+                "--check-config", action="store_true", help="validate the config (and overrides), then exit"
+            )
             sub.add_argument("overrides", nargs="*", help="overrides: a.b=1, +a.c=2, ++a.d=3, ~a.e")
         elif name == "demo":
             sub.add_argument("--out", default=None, help="run directory (default results/demo-<time>)")

@@ -184,11 +184,16 @@ def _resolve_leaf(cfg: DictConfig, key: str, sources: Mapping[str, str] | None) 
 
 def load_run_config(schema_cls: type[T], args: Any) -> T:
     """The validated config of `posttrain <command> --config FILE overrides...`; `--help-config` prints
-    every key of the schema and exits."""
+    every key of the schema and exits; `--check-config` validates the config (schema and cross-section
+    checks, nothing started) and exits."""
     if getattr(args, "help_config", False):
         print(format_config_help(schema_cls))
         sys.exit(0)
-    return load_typed_config(schema_cls, args.config, args.overrides)
+    cfg = load_typed_config(schema_cls, args.config, args.overrides)
+    if getattr(args, "check_config", False):
+        print(f"{args.config}: a valid {schema_cls.__name__}")
+        sys.exit(0)
+    return cfg
 
 
 def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:

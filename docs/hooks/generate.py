@@ -1,0 +1,185 @@
+"""MkDocs hook: before each build, write the pages that are generated, never hand-written, into
+docs/generated/: the configuration reference (from the typed schema, what `--help-config` prints), the
+benchmark and measurement pages (from benchmarks/reference/*.json, with the date and machine of every
+figure, and a plot), and the API reference (one page per module of the package, from its docstrings)."""
+
+from __future__ import annotations
+
+import json
+import pkgutil
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+OUT = REPO / "docs" / "generated"
+REFERENCE = REPO / "benchmarks" / "reference"
+
+
+def on_pre_build(config, **kwargs) -> None:
+    OUT.mkdir(exist_ok=True)
+    (OUT / "api").mkdir(exist_ok=True)
+    write_config_reference()
+    write_benchmarks()
+    write_measurements()
+    write_api_reference()
+
+
+def write(path: Path, text: str) -> None:
+    """Write only when changed, so that `mkdocs serve` does not rebuild in a loop."""
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+
+
+# ------------------------------------------------------------------------------------- configuration
+def config_commands() -> dict[str, type]:
+    from posttrain.algorithms.dpo import DPOConfig
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.algorithms.rm import RMConfig
+    from posttrain.algorithms.sft import SFTConfig
+    from posttrain.evals.run import EvalConfig
+
+    return {"sft": SFTConfig, "grpo": GRPOConfig, "dpo": DPOConfig, "rm": RMConfig, "eval": EvalConfig}
+
+
+def cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def write_config_reference() -> None:
+    from posttrain.config.schema import describe_config
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "Every key of every command's config, with its default and meaning, generated from the typed schema",
+        "(the same list `posttrain <command> --config FILE --help-config` prints). Set a key in the YAML file",
+        "or on the command line (`a.b=value`); an unknown key is an error naming the closest valid one.",
+        "",
+    ]
+    for command, schema in config_commands().items():
+        lines += [f"## `posttrain {command}`", "", "| key | default | meaning |", "|---|---|---|"]
+        lines += [f"| `{key}` | `{cell(default)}` | {cell(text)} |" for key, default, text in describe_config(schema)]
+        lines.append("")
+    write(OUT / "config.md", "\n".join(lines))
+
+
+# ---------------------------------------------------------------------------------------- benchmarks
+def machine_text(data: dict) -> str:
+    machine = data.get("machine")
+    if isinstance(machine, dict):
+        cores = machine.get("cpu_count")
+        return f"{machine.get('device', '')} {machine.get('processor') or ''} {cores} cores, torch {machine.get('torch')}".strip()
+    return f"{machine or data.get('device', '')}, {data.get('cpu_count', '?')} cores, torch {data.get('torch', '?')}"
+
+
+def grpo_step_section(name: str, data: dict) -> list[str]:
+    sides = [side for side in ("posttrain", "posttrain_async", "trl") if isinstance(data.get(side), dict)]
+    stages = sorted({stage for side in sides for stage in data[side]["stage_time_median_s"]})
+    lines = [f"### `{name}`", "", f"Measured {data['date']} on {machine_text(data)}; model "
+             f"{data['model'].get('workload', '')} ({data['model'].get('num_parameters', 0) / 1e6:.1f}M parameters); "
+             f"{data['work']['num_prompts']} prompts x {data['work']['num_generations']} samples of at most "
+             f"{data['work']['max_new_tokens']} new tokens.", ""]
+    lines += ["| | " + " | ".join(sides) + " |", "|---|" + "---|" * len(sides)]
+    lines.append("| step (median s) | " + " | ".join(f"{data[s]['step_time_median_s']:.2f}" for s in sides) + " |")
+    for stage in stages:
+        lines.append(f"| {stage} (s) | " + " | ".join(f"{data[s]['stage_time_median_s'].get(stage, 0.0):.2f}" for s in sides) + " |")
+    lines.append("| generated tokens/s | " + " | ".join(f"{data[s]['generated_tokens_per_s']:.0f}" for s in sides) + " |")
+    ratios = [f"{key.replace('ratio_', '').replace('_over_', ' / ')}: {value:.2f}" for key, value in data.items()
+              if key.startswith("ratio_") and value is not None]
+    lines += ["", "Ratios of step times: " + "; ".join(ratios) + ".", ""]
+    return lines
+
+
+def train_generate_section(name: str, data: dict) -> list[str]:
+    lines = [f"### `{name}`", "", f"Measured {data['date']} on {machine_text(data)}. Matmul peaks: "
+             + "; ".join(f"{k} {v['flops'] / 1e9:.0f} GFLOP/s" for k, v in data["peaks"].items()) + ".", "",
+             "| size | params (M) | task | tokens/s | TFLOP/s | MFU |", "|---|---|---|---|---|---|"]
+    for row in data["results"]:
+        lines.append(f"| {row['size']} | {row['params_m']:.1f} | {row['task']} | {row['tokens_per_s']:,.0f} | "
+                     f"{row['tflops']:.3f} | {row['mfu']:.1%} |")
+    return lines + [""]
+
+
+def lora_section(name: str, data: dict) -> list[str]:
+    lines = [f"### `{name}`", "", f"LoRA rank {data['rank']}, alpha {data['alpha']}; bytes as measured on the "
+             "policy workers (`how: measured`) or counted from the model's shapes (`how: shapes`).", "",
+             "| model | how | mode | trainable bytes | optimizer state bytes | refit bytes | refit / full |",
+             "|---|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        lines.append(f"| {row['model']} | {row['how']} | {row['mode']} | {row['trainable_param_bytes']:,} | "
+                     f"{row['optimizer_state_bytes']:,} | {row['refit_bytes']:,} | {row['refit_fraction_of_full']:.3f} |")
+    return lines + [""]
+
+
+def plot_grpo_steps(files: dict[str, dict]) -> str | None:
+    """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [name for name, data in files.items() if name.startswith("grpo_step")]
+    if not names:
+        return None
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    width = 0.27
+    for offset, side in enumerate(("posttrain", "posttrain_async", "trl")):
+        values = [files[n][side]["step_time_median_s"] if isinstance(files[n].get(side), dict) else 0 for n in names]
+        axis.bar([i + (offset - 1) * width for i in range(len(names))], values, width, label=side)
+    axis.set_xticks(range(len(names)), names, rotation=15, fontsize=7)
+    axis.set_ylabel("median step time (s)")
+    axis.set_yscale("log")
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(OUT / "grpo_step_times.png", dpi=110)
+    plt.close(figure)
+    return "grpo_step_times.png"
+
+
+def write_benchmarks() -> None:
+    files = {path.stem: json.loads(path.read_text()) for path in sorted(REFERENCE.glob("*.json"))
+             if path.stem != "measurements"}
+    intro = (REPO / "docs" / "benchmarks-method.md").read_text()
+    lines = [intro.rstrip(), "", "## Results", "",
+             "Generated from `benchmarks/reference/*.json`: each table names the file, and the date and machine "
+             "it was measured on.", ""]
+    plot = plot_grpo_steps(files)
+    if plot:
+        lines += [f"![GRPO step time, posttrain and TRL]({plot})", ""]
+    for name, data in files.items():
+        if name.startswith("grpo_step"):
+            lines += grpo_step_section(name, data)
+        elif name.startswith("train_generate"):
+            lines += train_generate_section(name, data)
+        elif name.startswith("lora_memory"):
+            lines += lora_section(name, data)
+    write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
+
+
+def write_measurements() -> None:
+    """Learning results and run times quoted by the docs: `benchmarks/reference/measurements.json`."""
+    entries = json.loads((REFERENCE / "measurements.json").read_text())["measurements"]
+    lines = ["# Measured results", "",
+             "Learning results, run times and test-suite times quoted by these docs, each with the date, the "
+             "machine and the command it came from (`benchmarks/reference/measurements.json`). Learning "
+             "results are graded strictly: exact match or the reply's final answer, on held-out data.", ""]
+    for entry in entries:
+        lines += [f"## {entry['what']}", "", f"*{entry['date']}, {entry['machine']}.* `{entry['command']}`", ""]
+        lines += [f"- {result}" for result in entry["results"]] + [""]
+        for table in entry.get("tables", []):
+            lines += [table, ""]
+    write(OUT / "measurements.md", "\n".join(lines))
+
+
+# ------------------------------------------------------------------------------------------------ API
+def write_api_reference() -> None:
+    import posttrain
+
+    modules = sorted(name for _, name, is_package in pkgutil.walk_packages(posttrain.__path__, "posttrain.")
+                     if not is_package)
+    index = ["# API reference", "", "Generated from the docstrings of every module of the package, by layer "
+             "([architecture](../../architecture.md)).", ""]
+    for module in modules:
+        page = module.replace(".", "-") + ".md"
+        write(OUT / "api" / page, f"# `{module}`\n\n::: {module}\n")
+        index.append(f"- [`{module}`]({page})")
+    write(OUT / "api" / "index.md", "\n".join(index) + "\n")
