@@ -1,5 +1,6 @@
-"""Pure math on rewards and logprobs: group-relative (GRPO) and leave-one-out (RLOO) advantages, KL
-estimators, and DAPO's reward helpers (dynamic-sampling group filter, overlong penalty and filter, scaling).
+"""Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO), leave-one-out (RLOO) and
+batch-normalised (REINFORCE++) advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
+filter, overlong penalty and filter, scaling).
 """
 
 from __future__ import annotations
@@ -58,6 +59,34 @@ def group_relative_advantages(
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """RLOO: A_i = r_i - mean of the group's other rewards, not divided by the std. [N] -> [N]."""
     return group_relative_advantages(rewards, num_generations, baseline="leave_one_out", normalize_std=False)
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, num_generations: int, group_baseline: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): advantages normalised over the whole batch, not per
+    group. Plain REINFORCE++ (`group_baseline` False): A_i = (r_i - mean_B(r)) / (std_B(r) + eps), the
+    batch's mean and (Bessel-corrected) std over all N samples. REINFORCE++-baseline (`group_baseline`):
+    the group's mean is subtracted first, then the batch normalisation: a_i = r_i - mean(group(i)),
+    A_i = (a_i - mean_B(a)) / (std_B(a) + eps). A batch whose centred rewards are all 0 gets 0.
+    Departure: the paper folds a per-token KL penalty into the reward; here KL stays a loss term
+    (`loss.reference_policy_kl_penalty`). [N] -> [N]"""
+    grouped = _grouped(rewards, num_generations)  # [G, n]
+    if group_baseline:  # a group whose rewards are all equal is exactly 0, whatever rounding leaves
+        centred = grouped - grouped.mean(dim=1, keepdim=True)  # [G, n], batch mean 0
+        centred = centred.masked_fill(~groups_with_signal(rewards, num_generations).unsqueeze(1), 0.0)
+    else:
+        centred = grouped - grouped.mean()  # [G, n]
+    flat = centred.reshape(-1)  # [N]
+    std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
+    return flat / (std + eps) if bool(std > 0) else torch.zeros_like(flat)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): A_i = r_i - mean(group(i)), not divided by the group's
+    std (which over-weights groups that are nearly all right or all wrong). Pair it with the loss's
+    constant-length normaliser (`loss.constant_length_normalizer`). [N] -> [N]"""
+    return group_relative_advantages(rewards, num_generations, baseline="mean", normalize_std=False)
 
 
 def broadcast_advantages(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

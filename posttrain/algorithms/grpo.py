@@ -33,7 +33,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -103,6 +103,14 @@ class GRPOLoopConfig:
     max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
     max_seq_len: int = field(
         default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
+    )
+    advantage_estimator: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"] = field(
+        default="grpo",
+        metadata={
+            "help": "grpo: group baseline (mean or leave-one-out), / group std if normalize_rewards; "
+            "reinforce_pp: batch-normalised rewards; reinforce_pp_baseline: group mean off, then batch-"
+            "normalised; dr_grpo: group mean off, no std (set loss.constant_length_normalizer)"
+        },
     )
     normalize_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
     use_leave_one_out_baseline: bool = field(
@@ -186,6 +194,12 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        if self.grpo.advantage_estimator == "dr_grpo" and self.loss.constant_length_normalizer is None:
+            raise ConfigError.at(
+                "loss.constant_length_normalizer",
+                "grpo.advantage_estimator=dr_grpo normalises the loss by a constant length: set it, e.g. to "
+                f"generation.max_new_tokens={self.generation.max_new_tokens}",
+            )
         max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
         if lora.enabled and max_rank is not None and lora.rank > max_rank:
             raise ConfigError.at(
@@ -354,10 +368,16 @@ def build_train_data(
 
 
 def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tensor:
+    """Per-sample advantages [N] by `grpo.advantage_estimator` (see advantages.py for each formula)."""
+    n = cfg.num_generations_per_prompt
+    if cfg.advantage_estimator == "reinforce_pp":
+        return adv.reinforce_pp_advantages(rewards, n, group_baseline=False)
+    if cfg.advantage_estimator == "reinforce_pp_baseline":
+        return adv.reinforce_pp_advantages(rewards, n, group_baseline=True)
+    if cfg.advantage_estimator == "dr_grpo":
+        return adv.dr_grpo_advantages(rewards, n)
     baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
-    return adv.group_relative_advantages(
-        rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards
-    )
+    return adv.group_relative_advantages(rewards, n, baseline, cfg.normalize_rewards)
 
 
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:

@@ -141,6 +141,13 @@ class ClippedPGLossConfig:
             "needs token_level_loss=False"
         },
     )
+    constant_length_normalizer: int | None = field(
+        default=None,
+        metadata={
+            "help": "Dr. GRPO: divide the summed token losses by global sequences x this constant (e.g. "
+            "generation.max_new_tokens) instead of by tokens; None = off"
+        },
+    )
     use_importance_sampling_correction: bool = field(
         default=False,
         metadata={
@@ -169,6 +176,10 @@ class ClippedPGLossConfig:
             raise ValueError(f"ratio_clip_c={self.ratio_clip_c} must be > 1 (or None to turn dual clip off)")
         if self.kl_type not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_type must be 'k1', 'k2' or 'k3', got {self.kl_type!r}")
+        if self.constant_length_normalizer is not None and self.constant_length_normalizer < 1:
+            raise ValueError(
+                f"constant_length_normalizer must be >= 1, got {self.constant_length_normalizer}"
+            )
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("sequence_level_importance_ratios (GSPO) needs token_level_loss=False")
 
@@ -283,7 +294,12 @@ class ClippedPGLoss:
         global_valid_seqs: Count,
         global_valid_toks: Count,
     ) -> torch.Tensor:
-        """Token level: sum / global tokens. Sequence level: per-sequence token mean, summed / global seqs."""
+        """Token level: sum / global tokens. Sequence level: per-sequence token mean, summed / global seqs.
+        Constant length (Dr. GRPO): sum / (global seqs x constant_length_normalizer), so that a token's
+        weight depends neither on its response's length nor on the batch's token count."""
+        if self.cfg.constant_length_normalizer is not None:
+            denominator = _count(global_valid_seqs, token_loss) * self.cfg.constant_length_normalizer
+            return _masked_sum(token_loss, mask) / denominator
         if self.cfg.token_level_loss:
             return _masked_sum(token_loss, mask) / _count(global_valid_toks, token_loss)
         num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]

@@ -320,6 +320,7 @@ LOSSES = {
         )
     ),
     "gspo": ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)),
+    "dr_grpo": ClippedPGLoss(ClippedPGLossConfig(constant_length_normalizer=16)),
     "dpo_sft": DPOLoss(DPOLossConfig(sft_loss_weight=0.5, preference_average_log_probs=True)),
     "bradley_terry": BradleyTerryLoss(),
 }
@@ -401,3 +402,17 @@ def test_stale_data_in_one_update_weight_by_truncated_prev_over_generation_and_m
         assert loss.item() == pytest.approx(-1.0)
         assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -0.75, -0.25])
         assert metrics["is_weight_mean"] == pytest.approx(1.0)
+
+
+def test_dr_grpo_divides_summed_token_losses_by_sequences_times_a_constant_length():
+    """Dr. GRPO's normaliser. Ratio 1 (pi_prev is the trained forward), A = 1 on the trained tokens, no KL:
+    each trained token's loss is -A r = -1. Two sequences with 2 and 1 trained tokens: summed loss -3.
+    Token level divides by the 3 tokens (-1); Dr. GRPO by 2 sequences x a constant 4 (-3 / 8 = -0.375),
+    so the long and the short response's tokens weigh 1/8 each. Gradient per trained token: -1/8."""
+    data = {"token_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "advantages": torch.ones(2, 3)}
+    for options, expected in (({}, -1.0), ({"constant_length_normalizer": 4}, -0.375)):
+        logprobs = torch.full((2, 3), -0.5, requires_grad=True)
+        loss, _ = ClippedPGLoss(ClippedPGLossConfig(**options), prev_is_current=True)(logprobs, data, 2, 3)
+        loss.backward()
+        assert loss.item() == pytest.approx(expected)
+    assert logprobs.grad.flatten().tolist() == pytest.approx([0.0, -0.125, -0.125, 0.0, -0.125, 0.0])
