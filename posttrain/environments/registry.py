@@ -25,6 +25,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "sliding_puzzle": SlidingPuzzleEnvironment,
     "code": CodeToolEnvironment,
     "reward_model": "posttrain.environments.reward_model:RewardModelEnvironment",
+    "remote": "posttrain.environments.remote:RemoteEnvironment",
 }
 
 

@@ -187,6 +187,45 @@ def test_multi_turn_puzzle_rollout_appends_observations_and_rewards_a_solve(ray_
     assert metrics["termination_rate"] == 1.0 and metrics["truncation_rate"] == 0.0
 
 
+def test_the_same_rollout_through_the_environment_service_on_loopback(ray_session):
+    """The puzzle served over HTTP by a server this test starts on 127.0.0.1, played by the run's
+    environment actors through `env.<task>.cls: remote`: the same rewards and turns as in process, and
+    every episode is closed on the server at its end."""
+    import threading
+
+    from posttrain.environments.server import EnvironmentServer
+    from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
+
+    server = EnvironmentServer(SlidingPuzzleEnvironment(max_moves=3))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        tokenizer = build_char_tokenizer()
+        records = puzzle_records(tokenizer)
+        envs = create_environments(
+            {"sliding_puzzle": EnvironmentConfig(cls="remote", kwargs={"url": server.url, "timeout_s": 10.0})}
+        )
+        boards = [r["extra_env_info"]["board"] for r in records]
+        blank_rows = [next(r for r, row in enumerate(b) if 0 in row) for b in boards]
+        solving = ["down" if row == 0 else "right" for row in blank_rows]
+        script = [["<action>jump</action>"] * 2, [f"<action>{move}</action>" for move in solving]]
+        rollouts, metrics = run_multi_turn_rollout(
+            ScriptedGeneration(tokenizer, script),
+            records_to_rollout_batch(records),
+            tokenizer,
+            envs,
+            max_seq_len=512,
+            max_rollout_turns=4,
+        )
+        assert rollouts["total_reward"].tolist() == [1.0, 1.0] and rollouts["num_turns"].tolist() == [2, 2]
+        assert "Invalid move 'jump'" in rollouts["message_log"][0][2]["content"]
+        assert server.episodes == {}
+        for env in envs.values():
+            env.shutdown()
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_a_rollout_that_would_exceed_max_seq_len_is_truncated(ray_session):
     tokenizer = build_char_tokenizer()
     records = puzzle_records(tokenizer)
