@@ -105,6 +105,9 @@ REFUSED_SYSCALLS = (
     "finit_module",
     "swapon",
     "swapoff",
+    "io_uring_setup",  # io_uring performs syscalls this filter would not see
+    "io_uring_enter",
+    "io_uring_register",
 )
 
 

@@ -161,16 +161,22 @@ def puzzle_records(tokenizer):
     return load_datasets(cfg, tokenizer)[0]
 
 
+def jump_then_solve(records) -> list[list[str]]:
+    """A scripted policy for boards one move from solved: an invalid move, then the solving one (the
+    blank must end bottom right)."""
+    boards = [r["extra_env_info"]["board"] for r in records]
+    blank_rows = [next(r for r, row in enumerate(b) if 0 in row) for b in boards]
+    solving = ["down" if row == 0 else "right" for row in blank_rows]
+    return [["<action>jump</action>"] * 2, [f"<action>{move}</action>" for move in solving]]
+
+
 def test_multi_turn_puzzle_rollout_appends_observations_and_rewards_a_solve(ray_session):
     tokenizer = build_char_tokenizer()
     records = puzzle_records(tokenizer)  # boards one move from solved
     envs = create_environments(
         {"sliding_puzzle": EnvironmentConfig(cls="sliding_puzzle", kwargs={"max_moves": 3})}
     )
-    boards = [r["extra_env_info"]["board"] for r in records]
-    blank_rows = [next(r for r, row in enumerate(b) if 0 in row) for b in boards]
-    solving = ["down" if row == 0 else "right" for row in blank_rows]  # the blank must end bottom right
-    script = [["<action>jump</action>"] * 2, [f"<action>{move}</action>" for move in solving]]
+    script = jump_then_solve(records)
     rollouts, metrics = run_multi_turn_rollout(
         ScriptedGeneration(tokenizer, script),
         records_to_rollout_batch(records),
@@ -204,10 +210,7 @@ def test_the_same_rollout_through_the_environment_service_on_loopback(ray_sessio
         envs = create_environments(
             {"sliding_puzzle": EnvironmentConfig(cls="remote", kwargs={"url": server.url, "timeout_s": 10.0})}
         )
-        boards = [r["extra_env_info"]["board"] for r in records]
-        blank_rows = [next(r for r, row in enumerate(b) if 0 in row) for b in boards]
-        solving = ["down" if row == 0 else "right" for row in blank_rows]
-        script = [["<action>jump</action>"] * 2, [f"<action>{move}</action>" for move in solving]]
+        script = jump_then_solve(records)
         rollouts, metrics = run_multi_turn_rollout(
             ScriptedGeneration(tokenizer, script),
             records_to_rollout_batch(records),

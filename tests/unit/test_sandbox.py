@@ -437,6 +437,18 @@ def test_a_nested_namespace_with_its_own_tmpfs_is_refused(mode):
     assert result.stdout.splitlines() == ["unshare: Operation not permitted", "written MB: 0"], result.stderr
 
 
+@mode_param
+def test_io_uring_which_a_filter_cannot_see_into_is_refused(mode):
+    """io_uring_setup (syscall 425 on x86_64 and arm64) fails with EPERM: io_uring's own requests would
+    bypass the filter."""
+    result = run(
+        "import ctypes; libc = ctypes.CDLL(None, use_errno=True); "
+        "print(libc.syscall(425, 8, 0), ctypes.get_errno())",
+        mode,
+    )
+    assert result.stdout == "-1 1\n", result.stderr
+
+
 def test_the_seccomp_filter_refuses_namespaces_mounts_and_clone3():
     """Decoded from the compiled program: every refused syscall is in it, and it is not empty."""
     program = sandbox.seccomp_program()
