@@ -1,5 +1,6 @@
-"""Pure math on rewards and logprobs: group-relative (GRPO) and leave-one-out (RLOO) advantages, KL
-estimators, and DAPO's reward helpers (dynamic-sampling group filter, overlong penalty and filter, scaling).
+"""Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO) and leave-one-out (RLOO) advantages,
+REINFORCE++'s batch-whitened advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
+filter, overlong penalty and filter, scaling).
 """
 
 from __future__ import annotations
@@ -58,6 +59,46 @@ def group_relative_advantages(
 def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """RLOO: A_i = r_i - mean of the group's other rewards, not divided by the std. [N] -> [N]."""
     return group_relative_advantages(rewards, num_generations, baseline="leave_one_out", normalize_std=False)
+
+
+def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783), [N] -> [N]:
+
+        A_i = R_i - mean(R_1, ..., R_G)
+
+    GRPO's advantage without the division by std(R): that division weights prompts whose rewards barely
+    vary (nearly all right or all wrong) more. Its other fix, a constant length normaliser in the loss,
+    is `ClippedPGLossConfig.constant_length_normalizer`."""
+    return group_relative_advantages(rewards, num_generations, baseline="mean", normalize_std=False)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) with mean and (population) std over the entries of the whole batch where
+    mask is 1: [B, T], [B, T] -> [B, T], 0 where mask is 0. An empty mask gives all zeros."""
+    mask = mask.float()  # [B, T]
+    count = mask.sum().clamp(min=1.0)
+    mean = (values.float() * mask).sum() / count
+    centered = (values.float() - mean) * mask  # [B, T]
+    std = (centered.square().sum() / count).sqrt()
+    return centered / (std + eps)  # [B, T]
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, token_mask: torch.Tensor, num_generations: int | None = None
+) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): per-token advantages [N, T] of rewards [N].
+
+        A_{i,t} = R_i - b_i,    A_norm = (A - mean_batch(A)) / std_batch(A)
+
+    mean and std run over every trained token of the global batch (token_mask [N, T], 0/1), so the batch
+    mean is the baseline. b_i = 0 (REINFORCE++), or with num_generations the mean reward of sample i's
+    group (REINFORCE++-baseline, the paper's variant for several samples per prompt). Departure: the paper
+    folds a per-token KL penalty into R; here the KL penalty stays in the loss
+    (`loss.reference_policy_kl_penalty`), as in GRPO."""
+    baselined = rewards.float()  # [N]
+    if num_generations is not None:
+        baselined = group_relative_advantages(rewards, num_generations, "mean", normalize_std=False)
+    return masked_whiten(broadcast_advantages(baselined, token_mask), token_mask)  # [N, T]
 
 
 def broadcast_advantages(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,11 @@ accelerator, the policy's training state leaves the device while they do (`Refit
 Departures from the paper: KL is off by default (beta = 0, as in DAPO); DAPO's dynamic sampling,
 clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are options of the config.
 
+Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_grpo` (R - group mean, no
+std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
+(REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
+formulas are in `advantages.py`.
+
 Asynchronous GRPO (`grpo.async_grpo.enabled`, generation on workers of its own): the rollouts of the
 coming steps are generated while the policy trains, through a bounded buffer (`experience/
 async_rollouts.py`); the batch of step k comes from the weights of step k - 1 - max_trajectory_age_steps,
@@ -24,6 +29,8 @@ min(exp(prev - generation logprobs), loss.truncated_importance_sampling_ratio)
 (`loss.use_importance_sampling_correction`, required when the bound is > 0).
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
+     posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
+     posttrain grpo --config configs/reinforce_pp_tiny.yaml     (REINFORCE++-baseline)
      posttrain grpo --config configs/grpo_tiny.yaml grpo.async_grpo.enabled=true generation.colocated=false
 """
 
@@ -33,7 +40,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -63,6 +70,8 @@ from posttrain.workers.policy import Policy, PolicyConfig
 from posttrain.workers.refit import Refit, uses_shared_memory
 
 log = logging.getLogger(__name__)
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"]
 
 
 @dataclass
@@ -104,9 +113,20 @@ class GRPOLoopConfig:
     max_seq_len: int = field(
         default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
     )
-    normalize_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
+    advantage_estimator: AdvantageEstimator = field(
+        default="grpo",
+        metadata={
+            "help": "grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: "
+            "R - group mean, no std (needs loss.constant_length_normalizer); reinforce_pp: rewards "
+            "whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group mean, then "
+            "whitened over the batch's tokens"
+        },
+    )
+    normalize_rewards: bool = field(
+        default=True, metadata={"help": "divide advantages by the group std (advantage_estimator grpo)"}
+    )
     use_leave_one_out_baseline: bool = field(
-        default=False, metadata={"help": "RLOO baseline instead of the mean"}
+        default=False, metadata={"help": "RLOO baseline instead of the mean (advantage_estimator grpo)"}
     )
     overlong_filtering: bool = field(default=False, metadata={"help": "DAPO: no loss on truncated samples"})
     dynamic_sampling: DynamicSamplingConfig = field(
@@ -147,6 +167,11 @@ class GRPOLoopConfig:
 
     def validate(self) -> None:
         check_loop_lengths(self)
+        if self.use_leave_one_out_baseline and self.advantage_estimator != "grpo":
+            raise ConfigError.at(
+                "use_leave_one_out_baseline",
+                f"is an option of advantage_estimator 'grpo', not {self.advantage_estimator!r}",
+            )
         if self.val_greedy and self.val_num_generations > 1:
             raise ValueError("val_greedy with val_num_generations > 1 gives identical samples; pick one")
         if self.val_pass_k > self.val_num_generations:
@@ -179,6 +204,12 @@ class GRPOConfig:
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)
+        if self.grpo.advantage_estimator == "dr_grpo" and self.loss.constant_length_normalizer is None:
+            raise ConfigError.at(
+                "loss.constant_length_normalizer",
+                "grpo.advantage_estimator 'dr_grpo' divides the loss by a constant length: set it, e.g. to "
+                f"generation.max_new_tokens ({self.generation.max_new_tokens})",
+            )
         batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if batch % self.policy.train_global_batch_size:
             raise ValueError(
@@ -328,10 +359,10 @@ def setup(cfg: GRPOConfig) -> GRPORun:
 
 # ----------------------------------------------------------------------------------------------- stages
 def build_train_data(
-    rollouts: BatchedDataDict, advantages: torch.Tensor, pad_token_id: int, overlong_filtering: bool
+    rollouts: BatchedDataDict, pad_token_id: int, overlong_filtering: bool
 ) -> BatchedDataDict:
-    """input_ids, input_lengths, token_mask (generated tokens), sample_mask, advantages [B,T] and
-    generation_logprobs [B,T] aligned with input_ids."""
+    """input_ids, input_lengths, token_mask (generated tokens), sample_mask and generation_logprobs [B,T]
+    aligned with input_ids."""
     logs = rollouts["message_log"]
     train_data = message_log_to_flat(logs, pad_token_id, train_on="assistant")
     generation_logprobs = torch.zeros(train_data["input_ids"].shape, dtype=torch.float32)
@@ -345,7 +376,6 @@ def build_train_data(
         flat = torch.cat(per_token)
         generation_logprobs[i, : len(flat)] = flat
     train_data["generation_logprobs"] = generation_logprobs
-    train_data["advantages"] = adv.broadcast_advantages(advantages, train_data["token_mask"])
     sample_mask = torch.ones(len(logs))
     if overlong_filtering:
         sample_mask = adv.overlong_filter_mask(rollouts["truncated"])
@@ -353,11 +383,25 @@ def build_train_data(
     return train_data
 
 
-def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tensor:
-    baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
-    return adv.group_relative_advantages(
-        rewards, cfg.num_generations_per_prompt, baseline, cfg.normalize_rewards
-    )
+def trained_token_mask(train_data: BatchedDataDict) -> torch.Tensor:
+    """token_mask * sample_mask: the tokens the loss trains on [B, T]."""
+    return train_data["token_mask"].float() * train_data["sample_mask"].float().unsqueeze(1)
+
+
+def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages [B, T] of rewards [B] on the trained tokens (token_mask [B, T]), by
+    `cfg.advantage_estimator`."""
+    num_generations = cfg.num_generations_per_prompt
+    if cfg.advantage_estimator == "reinforce_pp":
+        return adv.reinforce_pp_advantages(rewards, token_mask)
+    if cfg.advantage_estimator == "reinforce_pp_baseline":
+        return adv.reinforce_pp_advantages(rewards, token_mask, num_generations)
+    if cfg.advantage_estimator == "dr_grpo":
+        advantages = adv.dr_grpo_advantages(rewards, num_generations)  # [B]
+    else:
+        baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
+        advantages = adv.group_relative_advantages(rewards, num_generations, baseline, cfg.normalize_rewards)
+    return adv.broadcast_advantages(advantages, token_mask)  # [B, T]
 
 
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
@@ -401,10 +445,9 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     batch, async_metrics = run.rollouts.next_batch(run.step, timer)
     rollouts, rollout_metrics = batch.rollouts, batch.metrics
     with timer.time("advantages"):
-        advantages = compute_advantages(cfg, rollouts["rewards"])
-        train_data = build_train_data(
-            rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering
-        )
+        train_data = build_train_data(rollouts, run.tokenizer.pad_token_id, cfg.overlong_filtering)
+        token_mask = trained_token_mask(train_data)  # [B, T]
+        train_data["advantages"] = compute_advantages(cfg, rollouts["rewards"], token_mask)
     # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
     # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first. This holds
     # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
@@ -425,7 +468,9 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
     metrics["refit_bytes"] = float(run.refit.take_bytes_sent())
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
-    metrics["advantage_abs_mean"] = float(advantages.abs().mean())
+    metrics["advantage_abs_mean"] = float(
+        (train_data["advantages"].abs() * token_mask).sum() / token_mask.sum().clamp(min=1.0)
+    )
     return metrics
 
 

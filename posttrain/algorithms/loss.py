@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.algorithms.advantages import kl_estimate
+from posttrain.config import ConfigError
 
 Count = torch.Tensor | float | int
 LossOutput = tuple[torch.Tensor, dict[str, float]]
@@ -134,6 +135,13 @@ class ClippedPGLossConfig:
             "sequence, then mean over sequences"
         },
     )
+    constant_length_normalizer: int | None = field(
+        default=None,
+        metadata={
+            "help": "Dr. GRPO: divide the summed token loss by global sequences x this constant (e.g. the "
+            "generation budget, generation.max_new_tokens) instead of by the token count; None = off"
+        },
+    )
     sequence_level_importance_ratios: bool = field(
         default=False,
         metadata={
@@ -171,6 +179,15 @@ class ClippedPGLossConfig:
             raise ValueError(f"kl_type must be 'k1', 'k2' or 'k3', got {self.kl_type!r}")
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("sequence_level_importance_ratios (GSPO) needs token_level_loss=False")
+        if self.constant_length_normalizer is not None:
+            if self.constant_length_normalizer < 1:
+                raise ConfigError.at("constant_length_normalizer", "must be >= 1")
+            if not self.token_level_loss:
+                raise ConfigError.at(
+                    "constant_length_normalizer",
+                    "Dr. GRPO's constant normaliser replaces the per-sequence token mean of "
+                    "token_level_loss=false: pick one",
+                )
 
 
 class ClippedPGLoss:
@@ -182,7 +199,13 @@ class ClippedPGLoss:
     A < 0 (L capped at -c A, arXiv:1912.09729); DAPO's clip-higher (arXiv:2503.14476); GSPO's
     sequence-level ratio (arXiv:2507.18071); w_t the optional truncated importance weight
     exp(prev - generation logprobs), which also weights the KL term. The reduction is a mean over the
-    global batch's valid tokens (token_level_loss) or a mean over tokens per sequence then over sequences.
+    global batch's valid tokens (token_level_loss), a mean over tokens per sequence then over sequences,
+    or Dr. GRPO's constant normaliser (arXiv:2503.20783) with L a fixed length (the generation budget):
+
+        loss = sum over sequences i and their tokens t of L_{i,t} / (num_sequences * L)
+
+    which, unlike a per-sequence or per-batch token mean, does not weight a token by the length of the
+    response it belongs to.
 
     Metrics (sums unless noted): loss; probs_ratio_mean (over valid tokens); probs_ratio_min and
     probs_ratio_max (micro-batch extremes, reduce with min/max); clip_fraction (tokens with r outside the
@@ -283,7 +306,11 @@ class ClippedPGLoss:
         global_valid_seqs: Count,
         global_valid_toks: Count,
     ) -> torch.Tensor:
-        """Token level: sum / global tokens. Sequence level: per-sequence token mean, summed / global seqs."""
+        """Token level: sum / global tokens. Sequence level: per-sequence token mean, summed / global seqs.
+        Constant length (Dr. GRPO): sum / (global seqs * constant_length_normalizer)."""
+        if self.cfg.constant_length_normalizer is not None:
+            normalizer = _count(global_valid_seqs, token_loss) * self.cfg.constant_length_normalizer
+            return _masked_sum(token_loss, mask) / normalizer
         if self.cfg.token_level_loss:
             return _masked_sum(token_loss, mask) / _count(global_valid_toks, token_loss)
         num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]

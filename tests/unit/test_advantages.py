@@ -7,11 +7,14 @@ import torch
 
 from posttrain.algorithms.advantages import (
     broadcast_advantages,
+    dr_grpo_advantages,
     group_relative_advantages,
     groups_with_signal,
     kl_estimate,
+    masked_whiten,
     overlong_filter_mask,
     overlong_reward_penalty,
+    reinforce_pp_advantages,
     rloo_advantages,
     scale_rewards,
 )
@@ -45,6 +48,49 @@ def test_leave_one_out_baseline_and_rloo_alias():
         group_relative_advantages(rewards, 4, "leave_one_out", normalize_std=False), expected
     )
     torch.testing.assert_close(rloo_advantages(rewards, 4), expected)
+
+
+def test_dr_grpo_is_reward_minus_group_mean_without_std_division():
+    """Groups [1,0,0,0] and [1,1,1,0]: means .25 and .75, so Dr. GRPO gives [.75,-.25,-.25,-.25] and
+    [.25,.25,.25,-.75]. GRPO divides both by their std .5 (sample variance (.5625 + 3 * .0625) / 3 = .25),
+    giving [1.5,-.5,-.5,-.5] and [.5,.5,.5,-1.5]: the same scale as Dr. GRPO's, doubled."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0])
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    torch.testing.assert_close(dr_grpo_advantages(rewards, 4), expected)
+    torch.testing.assert_close(group_relative_advantages(rewards, 4, eps=0.0), expected * 2)
+
+
+def test_masked_whiten_uses_the_batch_mean_and_population_std_of_masked_entries():
+    """Masked entries 1, 2, 3: mean 2, population variance (1 + 0 + 1) / 3 = 2/3, std 0.816497, so
+    -1/0.816497 = -1.224745, 0, 1.224745; the unmasked entries (9s) are 0 and do not count."""
+    values = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    expected = torch.tensor([[-1.224745, 0.0, 0.0], [1.224745, 0.0, 0.0]])
+    torch.testing.assert_close(masked_whiten(values, mask), expected)
+    assert torch.equal(masked_whiten(values, torch.zeros(2, 3)), torch.zeros(2, 3))
+
+
+def test_reinforce_pp_whitens_rewards_over_the_batch_tokens():
+    """REINFORCE++: rewards 1 (3 trained tokens) and 0 (1 token). Token values 1, 1, 1, 0: mean .75,
+    population variance (3 * .0625 + .5625) / 4 = .1875, std .433013; so 0.25 / 0.433013 = 1/sqrt 3 =
+    0.577350 on the first sample's tokens and -0.75 / 0.433013 = -sqrt 3 = -1.732051 on the second's. The
+    mean is token-weighted: the longer response pulls the baseline to .75, not .5."""
+    token_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
+    advantages = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), token_mask)
+    third = 1 / math.sqrt(3)
+    expected = torch.tensor([[0.0, third, third, third], [0.0, -math.sqrt(3), 0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens_over_the_batch():
+    """REINFORCE++-baseline, groups [1,0] and [1,1], one token each: group-centred [.5,-.5,0,0]; over the
+    4 tokens the mean is 0 and the population std sqrt((.25 + .25) / 4) = 0.353553, so [1.414214,
+    -1.414214, 0, 0]. The all-equal group stays 0, and one batch std scales every group (GRPO would
+    divide the first group by its own std .707107 instead: [.707107, -.707107])."""
+    token_mask = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]])
+    advantages = reinforce_pp_advantages(torch.tensor([1.0, 0, 1, 1]), token_mask, num_generations=2)
+    expected = torch.tensor([[0.0, math.sqrt(2)], [0.0, -math.sqrt(2)], [0.0, 0.0], [0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
 
 
 def test_group_advantages_reject_bad_group_size_and_baseline():

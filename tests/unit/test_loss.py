@@ -142,6 +142,25 @@ def test_sequence_level_reduction_averages_per_sequence_then_over_sequences():
     assert pg_loss(cfg, *two_sequence_batch())[0].item() == pytest.approx(-2.0)
 
 
+def test_dr_grpo_constant_length_normaliser_does_not_weight_tokens_by_response_length():
+    """Dr. GRPO with L = 4: token losses -3, -1, -1, -1 summed, -6, over 2 sequences x 4 -> -0.75. Each
+    token's gradient is -A / (2 * 4): -3/8 = -0.375 for sequence 0's token, -1/8 = -0.125 for each of
+    sequence 1's, whatever the lengths (token mean: -3/4 and -1/4; sequence mean: -3/2 and -1/6)."""
+    logprobs, data = two_sequence_batch()
+    loss, _ = pg_loss(ClippedPGLossConfig(constant_length_normalizer=4), logprobs, data)
+    assert loss.item() == pytest.approx(-0.75)
+    loss.backward()
+    expected = torch.tensor([[0.0, -0.375, 0, 0], [0, -0.125, -0.125, -0.125]])
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
+def test_dr_grpo_normaliser_with_sequence_level_loss_is_a_config_error():
+    with pytest.raises(ValueError, match="constant_length_normalizer.*pick one"):
+        ClippedPGLossConfig(constant_length_normalizer=8, token_level_loss=False).validate()
+    with pytest.raises(ValueError, match="constant_length_normalizer.*>= 1"):
+        ClippedPGLossConfig(constant_length_normalizer=0).validate()
+
+
 def test_gspo_uses_one_sequence_ratio_from_mean_log_ratio():
     """Log ratios [ln 2, 0] -> sequence ratio exp(ln 2 / 2) = sqrt 2 for both tokens (clip 0.5: inside),
     A=1 -> loss -sqrt 2; d/dlogp_t = -sqrt 2 / 2 each. Per-token ratios instead: 2 (clipped to 1.5) and 1,
@@ -320,6 +339,7 @@ LOSSES = {
         )
     ),
     "gspo": ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)),
+    "dr_grpo": ClippedPGLoss(ClippedPGLossConfig(constant_length_normalizer=6)),
     "dpo_sft": DPOLoss(DPOLossConfig(sft_loss_weight=0.5, preference_average_log_probs=True)),
     "bradley_terry": BradleyTerryLoss(),
 }
