@@ -1,10 +1,11 @@
 """Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO) and leave-one-out (RLOO) advantages,
-REINFORCE++'s batch-whitened advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
-filter, overlong penalty and filter, scaling).
+REINFORCE++'s batch-whitened advantages, PPO's generalised advantage estimation (GAE), KL estimators, and
+DAPO's reward helpers (dynamic-sampling group filter, overlong penalty and filter, scaling).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -99,6 +100,51 @@ def reinforce_pp_advantages(
     if num_generations is not None:
         baselined = group_relative_advantages(rewards, num_generations, "mean", normalize_std=False)
     return masked_whiten(broadcast_advantages(baselined, token_mask), token_mask)  # [N, T]
+
+
+def terminal_token_rewards(rewards: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence rewards [N] placed on each sample's last trained token: [N, T], 0 elsewhere (and 0 for a
+    sample with no trained token)."""
+    token_mask = token_mask.float()  # [N, T]
+    positions = torch.arange(token_mask.shape[1], device=token_mask.device).float()  # [T]
+    last = (token_mask * (positions + 1)).argmax(dim=1)  # [N], the last position where the mask is 1
+    token_rewards = torch.zeros_like(token_mask)
+    token_rewards[torch.arange(token_mask.shape[0]), last] = rewards.float()
+    return token_rewards * token_mask  # [N, T]
+
+
+@dataclass
+class GAEResult:
+    """Per-token advantages and returns of `gae_advantages`, both [N, T] and 0 off the mask."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, gamma: float, lam: float
+) -> GAEResult:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over the tokens of
+    token_mask [N, T] (the policy's actions; values [N, T] at them, V(state before the token)):
+
+        delta_t = r_t + gamma * V_{t'} - V_t,   A_t = delta_t + gamma * lam * A_{t'},   R_t = A_t + V_t
+
+    where t' is the next masked token of the same row (V = 0 and A = 0 past the last). Unmasked tokens
+    (prompts, environment turns) are skipped, not steps of the episode, so a multi-turn episode is one
+    trajectory of its assistant tokens, as in PPO for multi-turn rollouts."""
+    mask = token_mask.float()  # [N, T]
+    advantages = torch.zeros_like(mask)
+    next_value = torch.zeros(mask.shape[0], device=mask.device)  # [N]
+    next_advantage = torch.zeros_like(next_value)  # [N]
+    for t in reversed(range(mask.shape[1])):
+        delta = token_rewards[:, t].float() + gamma * next_value - values[:, t].float()  # [N]
+        advantage = delta + gamma * lam * next_advantage  # [N]
+        on = mask[:, t] > 0  # [N]
+        advantages[:, t] = torch.where(on, advantage, torch.zeros_like(advantage))
+        next_value = torch.where(on, values[:, t].float(), next_value)
+        next_advantage = torch.where(on, advantage, next_advantage)
+    returns = (advantages + values.float()) * mask  # [N, T]
+    return GAEResult(advantages, returns)
 
 
 def broadcast_advantages(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

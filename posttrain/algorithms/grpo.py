@@ -46,6 +46,7 @@ import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, check_parallelism
+from posttrain.algorithms.critic import Critic, CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
@@ -71,7 +72,7 @@ from posttrain.workers.refit import Refit, uses_shared_memory
 
 log = logging.getLogger(__name__)
 
-AdvantageEstimator = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"]
+AdvantageEstimator = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
 
 
 @dataclass
@@ -119,7 +120,8 @@ class GRPOLoopConfig:
             "help": "grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: "
             "R - group mean, no std (needs loss.constant_length_normalizer); reinforce_pp: rewards "
             "whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group mean, then "
-            "whitened over the batch's tokens"
+            "whitened over the batch's tokens; gae: PPO, per-token GAE from the value model of the critic "
+            "section"
         },
     )
     normalize_rewards: bool = field(
@@ -185,6 +187,9 @@ class GRPOConfig:
     grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
     loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    critic: CriticConfig = field(
+        default_factory=CriticConfig, metadata={"help": "PPO's value model (grpo.advantage_estimator gae)"}
+    )
     generation: GenerationConfig = field(
         default_factory=GenerationConfig, metadata={"help": "rollout sampling"}
     )
@@ -217,6 +222,13 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        if self.grpo.advantage_estimator == "gae":
+            check_parallelism(self.critic.model, self.cluster)
+            if batch % self.critic.model.train_global_batch_size:
+                raise ConfigError.at(
+                    "critic.model.train_global_batch_size",
+                    f"{self.critic.model.train_global_batch_size} must divide the {batch} samples of a step",
+                )
         max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
         if lora.enabled and max_rank is not None and lora.rank > max_rank:
             raise ConfigError.at(
@@ -267,8 +279,15 @@ class GRPORun:
     rollouts: RolloutSource
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
+    critic: Critic | None = None  # PPO's value model (grpo.advantage_estimator gae)
+
+    def extra_models(self) -> dict[str, Policy]:
+        """Models checkpointed beside the policy."""
+        return {"critic": self.critic.model} if self.critic is not None else {}
 
     def shutdown(self) -> None:
+        if self.critic is not None:
+            self.critic.shutdown()
         self.rollouts.shutdown()
         self.logger.finish()
         for env in self.envs.values():
@@ -315,13 +334,20 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
     loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     cluster = RayVirtualCluster(cfg.cluster)
-    policy = Policy(cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0)
+    # A PPO critic takes a quarter of each bundle, as the policy then does, beside generation's half.
+    with_critic = cfg.grpo.advantage_estimator == "gae"
+    share = 0.25 if with_critic else 0.5
+    policy = Policy(
+        cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0, bundle_share=share
+    )
+    critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
+    extra_models = {"critic": critic.model} if critic is not None else None
     generation = make_generation(
         cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
     )
     envs = create_environments(cfg.env)
     checkpoints = CheckpointManager(cfg.checkpointing)
-    restored = restore_run(checkpoints, policy) if cfg.checkpointing.enabled else None
+    restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
     step = int(restored.training_info["step"]) if restored is not None else 0
     if restored is not None:
         loader.load_state_dict(restored.loader_state)
@@ -354,6 +380,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         refit,
         rollouts,
         step,
+        critic=critic,
     )
 
 
@@ -392,6 +419,8 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor, token_mask: t
     """Per-token advantages [B, T] of rewards [B] on the trained tokens (token_mask [B, T]), by
     `cfg.advantage_estimator`."""
     num_generations = cfg.num_generations_per_prompt
+    if cfg.advantage_estimator == "gae":
+        raise ValueError("advantage_estimator 'gae' needs values: the critic computes them (Critic.estimate)")
     if cfg.advantage_estimator == "reinforce_pp":
         return adv.reinforce_pp_advantages(rewards, token_mask)
     if cfg.advantage_estimator == "reinforce_pp_baseline":
@@ -434,7 +463,14 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
     and the rollout source's counters."""
     info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
     checkpoint_if_due(
-        run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg, force
+        run.checkpoints,
+        run.policy,
+        run.step,
+        info,
+        run.rollouts.loader_state(),
+        run.cfg,
+        force,
+        run.extra_models(),
     )
 
 
@@ -447,7 +483,12 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("advantages"):
         train_data = build_train_data(rollouts, run.tokenizer.pad_token_id, cfg.overlong_filtering)
         token_mask = trained_token_mask(train_data)  # [B, T]
-        train_data["advantages"] = compute_advantages(cfg, rollouts["rewards"], token_mask)
+        if run.critic is None:
+            train_data["advantages"] = compute_advantages(cfg, rollouts["rewards"], token_mask)
+    if run.critic is not None:  # PPO: per-token GAE from the critic's values
+        with timer.time("values"):
+            estimate = run.critic.estimate(train_data, rollouts["rewards"], token_mask)
+            train_data.update(vars(estimate))
     # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
     # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first. This holds
     # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
@@ -463,6 +504,9 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
+    if run.critic is not None:
+        with timer.time("critic_training"):
+            metrics.update({f"critic/{k}": v for k, v in run.critic.train(train_data).items()})
     run.rollouts.after_update(run.step)  # sync: refit at the next generation; async: publish the weights
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
@@ -507,8 +551,8 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
     return run.last_val
 
 
-def main(args: Any) -> int:
-    cfg = load_run_config(GRPOConfig, args)
+def train_and_export(cfg: GRPOConfig) -> int:
+    """Set up, train to the last step, export the policy to <log_dir>/hf_model."""
     run = setup(cfg)
     try:
         val = grpo_train(run)
@@ -520,3 +564,7 @@ def main(args: Any) -> int:
         f"directory {run.log_dir}"
     )
     return 0
+
+
+def main(args: Any) -> int:
+    return train_and_export(load_run_config(GRPOConfig, args))

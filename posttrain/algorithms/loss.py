@@ -1,5 +1,5 @@
 """Loss functions called by the training worker once per micro-batch: NLL (SFT), the clipped policy
-gradient (GRPO/DAPO/GSPO options), DPO and Bradley-Terry (reward model).
+gradient (GRPO/DAPO/GSPO options), PPO's clipped value loss (critic), DPO and Bradley-Terry (reward model).
 
 Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
 - `logprobs [B, T]`: position t holds log p(token t | tokens < t), position 0 is 0 (`scores [B]` for the
@@ -362,6 +362,69 @@ def token_mult_prob_error(
         return torch.ones_like(prev_logprobs)
     difference = prev_logprobs - generation_logprobs.to(prev_logprobs.device).float()
     return torch.exp(difference.abs())  # [B, T]
+
+
+# -- value loss (PPO critic) ------------------------------------------------------------------------
+
+
+@dataclass
+class ValueLossConfig:
+    """Options of PPO's value (critic) loss."""
+
+    value_clip: float | None = field(
+        default=0.2,
+        metadata={
+            "help": "clip the new value to within this of the value that computed the advantages; None = off"
+        },
+    )
+
+    def validate(self) -> None:
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ConfigError.at(
+                "value_clip", f"{self.value_clip} must be > 0 (or null to turn clipping off)"
+            )
+
+
+class ValueLoss:
+    """PPO's clipped value loss (Schulman et al. 2017, arXiv:1707.06347, as in its reference code), per
+    trained token t with value V_t, the value V_old_t that computed the advantages and the return R_t:
+
+        V_clip = V_old + clip(V - V_old, -eps, eps),   L_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+    averaged over the global batch's valid tokens (no clipping: L_t = 0.5 * (V - R)^2). The first argument
+    is `values [B, T]` (a value model's), not logprobs; data hold `returns` and `prev_values` [B, T].
+    Metrics (sums): loss; values_mean, returns_mean; value_clip_fraction (tokens where the clipped term is
+    the larger, so the gradient is cut)."""
+
+    def __init__(self, cfg: ValueLossConfig | None = None) -> None:
+        self.cfg = cfg or ValueLossConfig()
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        values = values.float()  # [B, T]
+        mask = _valid_token_mask(data, values, "ValueLoss")  # [B, T]
+        returns = _require(data, "returns", "ValueLoss").to(values.device).float()  # [B, T]
+        prev_values = _require(data, "prev_values", "ValueLoss").to(values.device).float()  # [B, T]
+        squared_error = (values - returns).square()  # [B, T]
+        clipped_error = squared_error
+        if self.cfg.value_clip is not None:
+            eps = self.cfg.value_clip
+            clipped_values = prev_values + (values - prev_values).clamp(-eps, eps)  # [B, T]
+            clipped_error = (clipped_values - returns).square()
+        num_toks = _count(global_valid_toks, values)
+        loss = 0.5 * _masked_sum(torch.maximum(squared_error, clipped_error), mask) / num_toks
+        clipped = (clipped_error > squared_error).float()  # [B, T]
+        return loss, {
+            "loss": float(loss.detach()),
+            "values_mean": float(_masked_sum(values.detach(), mask) / num_toks),
+            "returns_mean": float(_masked_sum(returns, mask) / num_toks),
+            "value_clip_fraction": float(_masked_sum(clipped, mask) / num_toks),
+        }
 
 
 # -- preference losses ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import torch
 from posttrain.algorithms.advantages import (
     broadcast_advantages,
     dr_grpo_advantages,
+    gae_advantages,
     group_relative_advantages,
     groups_with_signal,
     kl_estimate,
@@ -17,6 +18,7 @@ from posttrain.algorithms.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
     scale_rewards,
+    terminal_token_rewards,
 )
 
 
@@ -91,6 +93,32 @@ def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens_over_the_ba
     advantages = reinforce_pp_advantages(torch.tensor([1.0, 0, 1, 1]), token_mask, num_generations=2)
     expected = torch.tensor([[0.0, math.sqrt(2)], [0.0, -math.sqrt(2)], [0.0, 0.0], [0.0, 0.0]])
     torch.testing.assert_close(advantages, expected)
+
+
+def test_terminal_token_rewards_sit_on_the_last_trained_token():
+    """Rewards 1, 2, 3: row 0's last trained token is position 4 (an environment token at 3 between its
+    turns), row 1's is position 1, row 2 has none and gets nothing."""
+    token_mask = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    expected = torch.tensor([[0.0, 0, 0, 0, 1], [0, 2, 0, 0, 0], [0, 0, 0, 0, 0]])
+    torch.testing.assert_close(terminal_token_rewards(torch.tensor([1.0, 2, 3]), token_mask), expected)
+
+
+def test_gae_skips_untrained_tokens_and_matches_the_recursion_by_hand():
+    """Assistant tokens at 1, 2 and 4 (prompt at 0, an environment token at 3 whose value 9 must not
+    count), values .5, .6, .8, reward 1 on token 4; gamma .9, lambda .8 (gamma * lambda = .72):
+    t=4: delta = 1 + .9 * 0 - .8 = .2, A = .2;
+    t=2: delta = 0 + .9 * .8 - .6 = .12, A = .12 + .72 * .2 = .264;
+    t=1: delta = 0 + .9 * .6 - .5 = .04, A = .04 + .72 * .264 = .23008.
+    Returns A + V: .73008, .864, 1.0. With gamma = lambda = 1, A_t = R - V_t: .5, .4, .2, returns all 1."""
+    token_mask = torch.tensor([[0, 1, 1, 0, 1]])
+    values = torch.tensor([[9.0, 0.5, 0.6, 9.0, 0.8]])
+    rewards = terminal_token_rewards(torch.tensor([1.0]), token_mask)
+    result = gae_advantages(rewards, values, token_mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(result.advantages, torch.tensor([[0.0, 0.23008, 0.264, 0.0, 0.2]]))
+    torch.testing.assert_close(result.returns, torch.tensor([[0.0, 0.73008, 0.864, 0.0, 1.0]]))
+    monte_carlo = gae_advantages(rewards, values, token_mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(monte_carlo.advantages, torch.tensor([[0.0, 0.5, 0.4, 0.0, 0.2]]))
+    torch.testing.assert_close(monte_carlo.returns, torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0]]))
 
 
 def test_group_advantages_reject_bad_group_size_and_baseline():

@@ -75,3 +75,31 @@ def test_an_unknown_estimator_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as error:
         load_typed_config(GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), ["grpo.advantage_estimator=ppo2"])
     assert error.value.key == "grpo.advantage_estimator"
+
+
+def test_ppo_config_gets_a_value_model_critic_by_default():
+    """The critic section's model is a value_model even where the file does not say so."""
+    cfg = load_typed_config(GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), ["grpo.advantage_estimator=gae"])
+    assert cfg.critic.model.model_kind == "value_model" and cfg.critic.model.model_name is None
+    ppo = load_typed_config(GRPOConfig, str(CONFIGS / "ppo_tiny.yaml"))
+    assert (ppo.critic.gamma, ppo.critic.lam, ppo.critic.loss.value_clip) == (1.0, 0.95, 0.2)
+
+
+def test_ppo_config_errors_name_the_critic_key():
+    base = ["grpo.advantage_estimator=gae"]
+    for override, key in (
+        ("critic.model.model_kind=causal_lm", "critic.model.model_kind"),
+        ("critic.lam=1.5", "critic.lam"),
+        ("critic.loss.value_clip=0", "critic.loss.value_clip"),
+        ("critic.model.train_global_batch_size=48", "critic.model.train_global_batch_size"),
+    ):
+        with pytest.raises(ConfigError) as error:
+            load_typed_config(GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), [*base, override])
+        assert error.value.key == key, override
+
+
+def test_posttrain_ppo_refuses_a_config_without_the_critic(capsys):
+    from posttrain.cli import main
+
+    assert main(["ppo", "--config", str(CONFIGS / "grpo_tiny.yaml")]) == 2
+    assert "grpo.advantage_estimator" in capsys.readouterr().err

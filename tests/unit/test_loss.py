@@ -13,6 +13,8 @@ from posttrain.algorithms.loss import (
     DPOLoss,
     DPOLossConfig,
     NLLLoss,
+    ValueLoss,
+    ValueLossConfig,
 )
 from posttrain.utils.metrics import sum_metrics
 
@@ -306,6 +308,44 @@ def test_bradley_terry_by_hand():
     assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((2.0, 0.0))
 
 
+# -- value loss ---------------------------------------------------------------------------------------
+
+
+def test_clipped_value_loss_by_hand():
+    """eps .2, three tokens (V, V_old, R):
+    a (1, .5, 2): V_clip = .7, errors (1 - 2)^2 = 1 and (.7 - 2)^2 = 1.69 -> 1.69, clipped: no gradient;
+    b (1, .9, 0): V_clip = 1 (inside), both 1 -> 1, gradient 2 * (1 - 0) * .5 / 3 = 1/3;
+    c (0, .5, .4): V_clip = .3, errors .16 and .01 -> .16, gradient 2 * (0 - .4) * .5 / 3 = -.133333.
+    loss = .5 * (1.69 + 1 + .16) / 3 = .475; clip fraction 1/3; values mean 2/3, returns mean .8.
+    Without clipping: .5 * (1 + 1 + .16) / 3 = .36, and a's gradient is (1 - 2) / 3."""
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1, 1]]),
+        "prev_values": torch.tensor([[0.0, 0.5, 0.9, 0.5]]),
+        "returns": torch.tensor([[0.0, 2.0, 0.0, 0.4]]),
+    }
+    values = torch.tensor([[7.0, 1.0, 1.0, 0.0]], requires_grad=True)
+    loss, metrics = ValueLoss(ValueLossConfig(value_clip=0.2))(values, data, 1, 3)
+    assert loss.item() == pytest.approx(0.475)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.0, 1 / 3, -0.4 / 3]]))
+    assert metrics["value_clip_fraction"] == pytest.approx(1 / 3)
+    assert (metrics["values_mean"], metrics["returns_mean"]) == pytest.approx((2 / 3, 0.8))
+    values.grad = None
+    unclipped, _ = ValueLoss(ValueLossConfig(value_clip=None))(values, data, 1, 3)
+    assert unclipped.item() == pytest.approx(0.36)
+    unclipped.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -1 / 3, 1 / 3, -0.4 / 3]]))
+
+
+def test_value_loss_needs_returns_and_a_positive_clip():
+    with pytest.raises(KeyError, match="returns"):
+        ValueLoss()(
+            torch.zeros(1, 2), {"token_mask": torch.ones(1, 2), "prev_values": torch.zeros(1, 2)}, 1, 2
+        )
+    with pytest.raises(ValueError, match="value_clip"):
+        ValueLossConfig(value_clip=0.0).validate()
+
+
 # -- micro-batch additivity ---------------------------------------------------------------------------
 
 
@@ -324,6 +364,8 @@ def random_batch(seed: int) -> tuple[torch.Tensor, dict]:
         "prev_logprobs": logprobs + 0.3 * torch.randn(8, 6, generator=gen),
         "generation_logprobs": logprobs + 0.1 * torch.randn(8, 6, generator=gen),
         "reference_policy_logprobs": logprobs + 0.5 * torch.randn(8, 6, generator=gen),
+        "prev_values": logprobs + 0.2 * torch.randn(8, 6, generator=gen),
+        "returns": torch.randn(8, 6, generator=gen),
     }
     return logprobs.requires_grad_(), data
 
@@ -340,6 +382,7 @@ LOSSES = {
     ),
     "gspo": ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)),
     "dr_grpo": ClippedPGLoss(ClippedPGLossConfig(constant_length_normalizer=6)),
+    "value": ValueLoss(ValueLossConfig(value_clip=0.1)),
     "dpo_sft": DPOLoss(DPOLossConfig(sft_loss_weight=0.5, preference_average_log_probs=True)),
     "bradley_terry": BradleyTerryLoss(),
 }
