@@ -15,7 +15,8 @@ clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are opt
 Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_grpo` (R - group mean, no
 std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
 (REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
-formulas are in `advantages.py`.
+formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives per-token GAE
+advantages and trains beside the policy.
 
 Asynchronous GRPO (`grpo.async_grpo.enabled`, generation on workers of its own): the rollouts of the
 coming steps are generated while the policy trains, through a bounded buffer (`experience/
@@ -31,6 +32,7 @@ min(exp(prev - generation logprobs), loss.truncated_importance_sampling_ratio)
 Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
      posttrain grpo --config configs/reinforce_pp_tiny.yaml     (REINFORCE++-baseline)
+     posttrain ppo --config configs/ppo_tiny.yaml               (PPO with a value model)
      posttrain grpo --config configs/grpo_tiny.yaml grpo.async_grpo.enabled=true generation.colocated=false
 """
 

@@ -57,7 +57,7 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     """The configured model in fp32 on CPU with SDPA attention: a causal LM, a 1-label sequence classifier
     (reward model) or a 1-label token classifier without dropout (value model: the policy's architecture
     with a linear value head on every position)."""
-    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from posttrain.models.build import causal_lm_class
 
@@ -67,9 +67,14 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     if cfg.model_kind == "causal_lm":
         return causal_lm_class(cfg.model_name).from_pretrained(cfg.model_name, **kwargs)
     if cfg.model_kind == "value_model":
-        model = AutoModelForTokenClassification.from_pretrained(
-            cfg.model_name, num_labels=1, classifier_dropout=0.0, **kwargs
-        )
+        config = AutoConfig.from_pretrained(cfg.model_name, num_labels=1)
+        config.classifier_dropout = 0.0  # a value head regresses: dropout would only add noise
+        starts_a_head = not any("TokenClassification" in name for name in config.architectures or [])
+        model = AutoModelForTokenClassification.from_pretrained(cfg.model_name, config=config, **kwargs)
+        if starts_a_head:  # a new head predicts 0: the first advantages are the rewards, not noise
+            torch.nn.init.zeros_(model.score.weight)
+            if model.score.bias is not None:
+                torch.nn.init.zeros_(model.score.bias)
     else:
         model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
     model.config.architectures = [type(model).__name__]  # exports and checkpoints rebuild this class
