@@ -19,7 +19,7 @@ PPO = {
     "grpo.advantage_estimator": "gae",
     "critic.model.train_global_batch_size": 8,
     "critic.model.train_micro_batch_size": 4,
-    "critic.model.optimizer.kwargs.lr": 0.01,
+    "++critic.model.optimizer.kwargs.lr": 0.01,
 }
 
 
