@@ -1,6 +1,7 @@
 """Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO) and leave-one-out (RLOO) advantages,
-REINFORCE++'s batch-whitened advantages, PPO's generalised advantage estimation (GAE), KL estimators, and
-DAPO's reward helpers (dynamic-sampling group filter, overlong penalty and filter, scaling).
+REINFORCE++'s batch-whitened advantages, PPO's generalised advantage estimation (GAE), on-policy
+distillation's per-token advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
+filter, overlong penalty and filter, scaling).
 """
 
 from __future__ import annotations
@@ -145,6 +146,21 @@ def gae_advantages(
         next_advantage = torch.where(on, advantage, next_advantage)
     returns = (advantages + values.float()) * mask  # [N, T]
     return GAEResult(advantages, returns)
+
+
+def distillation_advantages(
+    teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD, arXiv:2306.13649; the reverse-KL recipe of Qwen3,
+    arXiv:2505.09388): the student samples y, and each of its tokens gets the advantage
+
+        A_t = log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)
+
+    the negative of the per-token reverse KL estimate (k1), so the policy gradient lowers
+    KL(pi_student || pi_teacher) on the student's own samples. Departure: each token is credited with its
+    own term only (no sum over the later tokens, i.e. discount 0), which keeps the variance low.
+    Shapes: [B, T], [B, T], [B, T] -> [B, T], 0 where token_mask is 0."""
+    return (teacher_logprobs.float() - student_logprobs.float()) * token_mask.float()  # [B, T]
 
 
 def broadcast_advantages(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

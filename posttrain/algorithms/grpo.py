@@ -38,6 +38,7 @@ Run: posttrain grpo --config configs/grpo_tiny.yaml
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
 from posttrain.algorithms.run import checkpoint_if_due, log_step, prepare_run, restore_run
+from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_tokenizer
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -74,7 +76,9 @@ from posttrain.workers.refit import Refit, uses_shared_memory
 
 log = logging.getLogger(__name__)
 
-AdvantageEstimator = Literal["grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae"]
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae", "on_policy_distillation"
+]
 
 
 @dataclass
@@ -123,7 +127,7 @@ class GRPOLoopConfig:
             "R - group mean, no std (needs loss.constant_length_normalizer); reinforce_pp: rewards "
             "whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group mean, then "
             "whitened over the batch's tokens; gae: PPO, per-token GAE from the value model of the critic "
-            "section"
+            "section; on_policy_distillation: log pi_teacher - log pi_student per token (teacher section)"
         },
     )
     normalize_rewards: bool = field(
@@ -192,6 +196,10 @@ class GRPOConfig:
     critic: CriticConfig = field(
         default_factory=CriticConfig, metadata={"help": "PPO's value model (grpo.advantage_estimator gae)"}
     )
+    teacher: TeacherConfig = field(
+        default_factory=TeacherConfig,
+        metadata={"help": "the frozen teacher (grpo.advantage_estimator on_policy_distillation)"},
+    )
     generation: GenerationConfig = field(
         default_factory=GenerationConfig, metadata={"help": "rollout sampling"}
     )
@@ -224,6 +232,14 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        if (
+            self.grpo.advantage_estimator == "on_policy_distillation"
+            and self.teacher.model.model_name is None
+        ):
+            raise ConfigError.at(
+                "teacher.model.model_name",
+                "on-policy distillation needs a teacher: a model directory or hub name",
+            )
         if self.grpo.advantage_estimator == "gae":
             check_parallelism(self.critic.model, self.cluster)
             if batch % self.critic.model.train_global_batch_size:
@@ -282,6 +298,7 @@ class GRPORun:
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
     critic: Critic | None = None  # PPO's value model (grpo.advantage_estimator gae)
+    teacher: Teacher | None = None  # on-policy distillation's teacher
 
     def extra_models(self) -> dict[str, Policy]:
         """Models checkpointed beside the policy."""
@@ -290,6 +307,8 @@ class GRPORun:
     def shutdown(self) -> None:
         if self.critic is not None:
             self.critic.shutdown()
+        if self.teacher is not None:
+            self.teacher.shutdown()
         self.rollouts.shutdown()
         self.logger.finish()
         for env in self.envs.values():
@@ -336,14 +355,19 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
     loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     cluster = RayVirtualCluster(cfg.cluster)
-    # A PPO critic takes a quarter of each bundle, as the policy then does, beside generation's half.
+    # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside generation's
+    # half.
     with_critic = cfg.grpo.advantage_estimator == "gae"
-    share = 0.25 if with_critic else 0.5
+    with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
+    if with_teacher:
+        check_same_tokenizer(tokenizer, cfg.teacher)
+    share = 0.25 if with_critic or with_teacher else 0.5
     policy = Policy(
         cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0, bundle_share=share
     )
     critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
     extra_models = {"critic": critic.model} if critic is not None else None
+    teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
     generation = make_generation(
         cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
     )
@@ -383,6 +407,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         rollouts,
         step,
         critic=critic,
+        teacher=teacher,
     )
 
 
@@ -421,8 +446,8 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor, token_mask: t
     """Per-token advantages [B, T] of rewards [B] on the trained tokens (token_mask [B, T]), by
     `cfg.advantage_estimator`."""
     num_generations = cfg.num_generations_per_prompt
-    if cfg.advantage_estimator == "gae":
-        raise ValueError("advantage_estimator 'gae' needs values: the critic computes them (Critic.estimate)")
+    if cfg.advantage_estimator in ("gae", "on_policy_distillation"):
+        raise ValueError(f"advantage_estimator {cfg.advantage_estimator!r} is computed in add_advantages")
     if cfg.advantage_estimator == "reinforce_pp":
         return adv.reinforce_pp_advantages(rewards, token_mask)
     if cfg.advantage_estimator == "reinforce_pp_baseline":
@@ -476,21 +501,43 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
     )
 
 
+def add_advantages(
+    run: GRPORun, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor, timer: Timer
+) -> dict[str, float]:
+    """The advantages stage: train_data["advantages"] [B, T] from the rewards [B] (and, for PPO, the
+    critic's values and returns; for on-policy distillation, the teacher's logprobs). Returns metrics."""
+    cfg = run.cfg.grpo
+    if run.critic is not None:  # PPO: per-token GAE from the critic's values
+        with timer.time("values"):
+            train_data.update(vars(run.critic.estimate(train_data, rewards, token_mask)))
+        return {}
+    if run.teacher is None:
+        with timer.time("advantages"):
+            train_data["advantages"] = compute_advantages(cfg, rewards, token_mask)
+        return {}
+    with timer.time("teacher_logprobs"):
+        teacher_logprobs = run.teacher.logprobs(train_data)  # [B, T]
+    with timer.time("advantages"):
+        student_logprobs = train_data["generation_logprobs"]  # [B, T], the sampling policy's
+        advantages = adv.distillation_advantages(teacher_logprobs, student_logprobs, token_mask)
+        weight = run.teacher.cfg.reward_weight
+        if weight > 0:
+            group = dataclasses.replace(cfg, advantage_estimator="grpo")
+            advantages = advantages + weight * compute_advantages(group, rewards, token_mask)
+        train_data["advantages"] = advantages
+    reverse_kl = ((student_logprobs - teacher_logprobs) * token_mask).sum() / token_mask.sum().clamp(min=1.0)
+    return {"distillation/reverse_kl": float(reverse_kl)}
+
+
 # ------------------------------------------------------------------------------------------------- loop
 def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     """One GRPO step, stage by stage (docs/architecture.md shows its data flow)."""
     cfg = run.cfg.grpo
     batch, async_metrics = run.rollouts.next_batch(run.step, timer)
     rollouts, rollout_metrics = batch.rollouts, batch.metrics
-    with timer.time("advantages"):
-        train_data = build_train_data(rollouts, run.tokenizer.pad_token_id, cfg.overlong_filtering)
-        token_mask = trained_token_mask(train_data)  # [B, T]
-        if run.critic is None:
-            train_data["advantages"] = compute_advantages(cfg, rollouts["rewards"], token_mask)
-    if run.critic is not None:  # PPO: per-token GAE from the critic's values
-        with timer.time("values"):
-            estimate = run.critic.estimate(train_data, rollouts["rewards"], token_mask)
-            train_data.update(vars(estimate))
+    train_data = build_train_data(rollouts, run.tokenizer.pad_token_id, cfg.overlong_filtering)
+    token_mask = trained_token_mask(train_data)  # [B, T]
+    advantage_metrics = add_advantages(run, train_data, rollouts["rewards"], token_mask, timer)
     # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
     # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first. This holds
     # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
@@ -510,6 +557,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
         with timer.time("critic_training"):
             metrics.update({f"critic/{k}": v for k, v in run.critic.train(train_data).items()})
     run.rollouts.after_update(run.step)  # sync: refit at the next generation; async: publish the weights
+    metrics.update(advantage_metrics)
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
     metrics["refit_bytes"] = float(run.refit.take_bytes_sent())

@@ -7,6 +7,7 @@ import torch
 
 from posttrain.algorithms.advantages import (
     broadcast_advantages,
+    distillation_advantages,
     dr_grpo_advantages,
     gae_advantages,
     group_relative_advantages,
@@ -182,3 +183,13 @@ def test_overlong_filter_masks_truncated_samples():
 def test_scale_rewards_is_affine():
     """[1, 0] * 2 - 1 = [1, -1]."""
     torch.testing.assert_close(scale_rewards(torch.tensor([1.0, 0.0]), 2.0, -1.0), torch.tensor([1.0, -1.0]))
+
+
+def test_distillation_advantage_is_teacher_minus_student_logprob_on_trained_tokens():
+    """Student logprobs ln .5 and ln .25 on its two sampled tokens, teacher ln .25 and ln .5: advantages
+    ln(.25/.5) = -0.693147 (the teacher likes the token less: push it down) and ln(.5/.25) = 0.693147;
+    the untrained prompt position stays 0 whatever the logprobs there."""
+    student = torch.tensor([[-3.0, math.log(0.5), math.log(0.25)]])
+    teacher = torch.tensor([[-1.0, math.log(0.25), math.log(0.5)]])
+    advantages = distillation_advantages(teacher, student, torch.tensor([[0, 1, 1]]))
+    torch.testing.assert_close(advantages, torch.tensor([[0.0, -math.log(2), math.log(2)]]))

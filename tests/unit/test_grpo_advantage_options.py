@@ -103,3 +103,37 @@ def test_posttrain_ppo_refuses_a_config_without_the_critic(capsys):
 
     assert main(["ppo", "--config", str(CONFIGS / "grpo_tiny.yaml")]) == 2
     assert "grpo.advantage_estimator" in capsys.readouterr().err
+
+
+def test_distillation_needs_a_teacher_and_the_tiny_config_names_one():
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(
+            GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), ["grpo.advantage_estimator=on_policy_distillation"]
+        )
+    assert error.value.key == "teacher.model.model_name"
+    cfg = load_typed_config(GRPOConfig, str(CONFIGS / "distill_tiny.yaml"))
+    assert cfg.teacher.model.model_name == "results/sft_tiny/hf_model" and cfg.teacher.reward_weight == 0.0
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_naming_the_key(tmp_path):
+    from posttrain.algorithms.teacher import TeacherConfig, check_same_tokenizer
+    from posttrain.models.build import ModelFromConfig, build_model_dir
+    from posttrain.models.tokenizer import build_char_tokenizer
+    from posttrain.workers.policy import PolicyConfig
+
+    tiny = {"hidden_size": 16, "num_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}
+    for name in ("byte", "char"):
+        build_model_dir(ModelFromConfig(**tiny, tokenizer=name), tmp_path / name)
+    byte_teacher = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "byte")))
+    with pytest.raises(ConfigError) as error:
+        check_same_tokenizer(build_char_tokenizer(), byte_teacher)
+    assert error.value.key == "teacher.model.model_name" and "vocabulary" in str(error.value)
+    char_teacher = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "char")))
+    assert check_same_tokenizer(build_char_tokenizer(), char_teacher) is None
+
+
+def test_posttrain_distill_refuses_a_config_without_the_teacher(capsys):
+    from posttrain.cli import main
+
+    assert main(["distill", "--config", str(CONFIGS / "grpo_tiny.yaml")]) == 2
+    assert "on_policy_distillation" in capsys.readouterr().err
