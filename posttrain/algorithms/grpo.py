@@ -520,6 +520,8 @@ def add_advantages(
     with timer.time("advantages"):
         student_logprobs = train_data["generation_logprobs"]  # [B, T], the sampling policy's
         advantages = adv.distillation_advantages(teacher_logprobs, student_logprobs, token_mask)
+        if run.teacher.cfg.whiten_advantages:
+            advantages = adv.masked_whiten(advantages, token_mask)
         weight = run.teacher.cfg.reward_weight
         if weight > 0:
             group = dataclasses.replace(cfg, advantage_estimator="grpo")

@@ -43,6 +43,14 @@ class TeacherConfig:
         },
     )
 
+    whiten_advantages: bool = field(
+        default=True,
+        metadata={
+            "help": "whiten the distillation advantages over the batch's trained tokens (the batch mean is "
+            "a baseline: nearly every sampled token starts below the teacher's logprob)"
+        },
+    )
+
     def validate(self) -> None:
         if self.model.model_kind != "causal_lm":
             raise ConfigError.at(
