@@ -16,7 +16,8 @@ Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_gr
 std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
 (REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
 formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives per-token GAE
-advantages and trains beside the policy.
+advantages and trains beside the policy. `on_policy_distillation`: a frozen teacher (`teacher.py`) scores
+the sampled tokens, and each token's advantage is log pi_teacher - log pi_student.
 
 Asynchronous GRPO (`grpo.async_grpo.enabled`, generation on workers of its own): the rollouts of the
 coming steps are generated while the policy trains, through a bounded buffer (`experience/
@@ -33,6 +34,7 @@ Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
      posttrain grpo --config configs/reinforce_pp_tiny.yaml     (REINFORCE++-baseline)
      posttrain ppo --config configs/ppo_tiny.yaml               (PPO with a value model)
+     posttrain distill --config configs/distill_tiny.yaml       (on-policy distillation)
      posttrain grpo --config configs/grpo_tiny.yaml grpo.async_grpo.enabled=true generation.colocated=false
 """
 
