@@ -94,9 +94,9 @@ def teacher_accuracy(log_dir, teacher) -> float:
 
 def test_on_policy_distillation_closes_most_of_the_accuracy_gap(arithmetic_sft_model, weak_student, tmp_path):
     """Graded strictly (the reply's final number equals the sum) on 200 held-out prompts, greedy: after
-    60 steps the student has closed at least half of its gap to the teacher, and its mean
+    300 steps the student has closed at least half of its gap to the teacher, and its mean
     per-token reverse KL to the teacher has fallen by a third."""
-    num_steps = 60
+    num_steps = 300
     teacher = teacher_accuracy(tmp_path / "teacher", arithmetic_sft_model)
     steps = distill_run(tmp_path / "distill", weak_student, arithmetic_sft_model, num_steps)
     start, end = steps[0]["val/strict_accuracy"], steps[num_steps]["val/strict_accuracy"]

@@ -53,7 +53,7 @@ def test_ppo_trains_its_critic_and_a_resumed_run_equals_an_uninterrupted_one(ray
             assert resumed[step][key] == uninterrupted[step][key], (step, key)
 
 
-def learning_run(log_dir, sft_model, estimator: str, num_steps: int) -> dict[int, dict]:
+def learning_run(log_dir, sft_model, estimator: str, num_steps: int, **extra) -> dict[int, dict]:
     """`num_steps` steps of 16 prompts x 8 samples from the SFT model; greedy validation on 200 held-out
     prompts at the start and the end."""
     batch = {
@@ -73,6 +73,7 @@ def learning_run(log_dir, sft_model, estimator: str, num_steps: int) -> dict[int
         "grpo.max_val_samples": 200,
         "cluster.num_cpus_per_worker": 0.5,
         **batch,
+        **extra,
     }
     cfg = load_typed_config(
         grpo.GRPOConfig, str(CONFIGS / "ppo_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
