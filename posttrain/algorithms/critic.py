@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.checks import check_model_exists
 from posttrain.algorithms.loss import ValueLoss, ValueLossConfig
 from posttrain.config import ConfigError
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -79,6 +80,8 @@ class Critic:
         self, cluster: RayVirtualCluster, cfg: CriticConfig, policy_model_name: str, bundle_share: float
     ) -> None:
         self.cfg = cfg
+        if cfg.model.model_name:
+            check_model_exists("critic.model.model_name", cfg.model.model_name)
         model_cfg = dataclasses.replace(cfg.model, model_name=cfg.model.model_name or policy_model_name)
         self.model = Policy(cluster, model_cfg, name_prefix="critic", bundle_share=bundle_share)
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
@@ -61,7 +62,11 @@ class TeacherConfig:
 
 
 def check_same_tokenizer(student_tokenizer: Any, cfg: TeacherConfig) -> None:
-    """ConfigError naming teacher.model.model_name unless the teacher's tokenizer gives the student's ids."""
+    """ConfigError naming teacher.model.model_name unless the teacher exists and its tokenizer gives the
+    student's ids."""
+    check_model_exists("teacher.model.model_name", cfg.model.model_name)
+    if cfg.model.tokenizer_name:
+        check_model_exists("teacher.model.tokenizer_name", cfg.model.tokenizer_name)
     teacher_tokenizer = load_tokenizer(cfg.model.tokenizer_name or cfg.model.model_name)
     mismatch = tokenizer_mismatch(student_tokenizer, teacher_tokenizer)
     if mismatch is not None:

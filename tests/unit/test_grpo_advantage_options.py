@@ -130,6 +130,10 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_the_key(tmp_path):
     assert error.value.key == "teacher.model.model_name" and "vocabulary" in str(error.value)
     char_teacher = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "char")))
     assert check_same_tokenizer(build_char_tokenizer(), char_teacher) is None
+    missing = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "none" / "hf_model")))
+    with pytest.raises(ConfigError) as error:
+        check_same_tokenizer(build_char_tokenizer(), missing)
+    assert error.value.key == "teacher.model.model_name" and "does not exist" in str(error.value)
 
 
 def test_posttrain_distill_refuses_a_config_without_the_teacher(capsys):
