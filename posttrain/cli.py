@@ -1,5 +1,5 @@
-"""The `posttrain` command: one subcommand per job (sft, grpo, dpo, rm, eval, demo, export, create-model,
-convert-gguf, serve-env)."""
+"""The `posttrain` command: one subcommand per job (sft, grpo, ppo, distill, dpo, rm, eval, demo, export,
+create-model, convert-gguf, serve-env)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import sys
 COMMANDS = {
     "sft": ("posttrain.algorithms.sft", "supervised fine-tuning on conversations or prompt/response pairs"),
     "grpo": ("posttrain.algorithms.grpo", "GRPO-family RL with verifiable rewards (DAPO/GSPO options)"),
+    "ppo": ("posttrain.algorithms.ppo", "PPO: GRPO's loop with a value model and per-token GAE advantages"),
+    "distill": ("posttrain.algorithms.distill", "on-policy distillation from a teacher model"),
     "dpo": ("posttrain.algorithms.dpo", "direct preference optimisation on chosen/rejected pairs"),
     "rm": ("posttrain.algorithms.rm", "Bradley-Terry reward-model training on preference pairs"),
     "eval": ("posttrain.evals.run", "evaluate a model or checkpoint with pass@k or cons@k"),
@@ -26,7 +28,7 @@ COMMANDS = {
     ),
 }
 
-CONFIG_COMMANDS = ("sft", "grpo", "dpo", "rm", "eval")
+CONFIG_COMMANDS = ("sft", "grpo", "ppo", "distill", "dpo", "rm", "eval")
 
 
 def _user_errors() -> tuple[type[Exception], ...]:

@@ -1,10 +1,12 @@
-"""Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO), leave-one-out (RLOO) and
-batch-normalised (REINFORCE++) advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
+"""Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO) and leave-one-out (RLOO) advantages,
+REINFORCE++'s batch-whitened advantages, PPO's generalised advantage estimation (GAE), on-policy
+distillation's per-token advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
 filter, overlong penalty and filter, scaling).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -61,32 +63,104 @@ def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor
     return group_relative_advantages(rewards, num_generations, baseline="leave_one_out", normalize_std=False)
 
 
-def reinforce_pp_advantages(
-    rewards: torch.Tensor, num_generations: int, group_baseline: bool = False, eps: float = 1e-6
-) -> torch.Tensor:
-    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): advantages normalised over the whole batch, not per
-    group. Plain REINFORCE++ (`group_baseline` False): A_i = (r_i - mean_B(r)) / (std_B(r) + eps), the
-    batch's mean and (Bessel-corrected) std over all N samples. REINFORCE++-baseline (`group_baseline`):
-    the group's mean is subtracted first, then the batch normalisation: a_i = r_i - mean(group(i)),
-    A_i = (a_i - mean_B(a)) / (std_B(a) + eps). A batch whose centred rewards are all 0 gets 0.
-    Departure: the paper folds a per-token KL penalty into the reward; here KL stays a loss term
-    (`loss.reference_policy_kl_penalty`). [N] -> [N]"""
-    grouped = _grouped(rewards, num_generations)  # [G, n]
-    if group_baseline:  # a group whose rewards are all equal is exactly 0, whatever rounding leaves
-        centred = grouped - grouped.mean(dim=1, keepdim=True)  # [G, n], batch mean 0
-        centred = centred.masked_fill(~groups_with_signal(rewards, num_generations).unsqueeze(1), 0.0)
-    else:
-        centred = grouped - grouped.mean()  # [G, n]
-    flat = centred.reshape(-1)  # [N]
-    std = flat.std() if flat.numel() > 1 else flat.new_zeros(())
-    return flat / (std + eps) if bool(std > 0) else torch.zeros_like(flat)
-
-
 def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): A_i = r_i - mean(group(i)), not divided by the group's
-    std (which over-weights groups that are nearly all right or all wrong). Pair it with the loss's
-    constant-length normaliser (`loss.constant_length_normalizer`). [N] -> [N]"""
+    """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783), [N] -> [N]:
+
+        A_i = R_i - mean(R_1, ..., R_G)
+
+    GRPO's advantage without the division by std(R): that division weights prompts whose rewards barely
+    vary (nearly all right or all wrong) more. Its other fix, a constant length normaliser in the loss,
+    is `ClippedPGLossConfig.constant_length_normalizer`."""
     return group_relative_advantages(rewards, num_generations, baseline="mean", normalize_std=False)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """(x - mean) / (std + eps) with mean and (population) std over the entries of the whole batch where
+    mask is 1: [B, T], [B, T] -> [B, T], 0 where mask is 0. An empty mask gives all zeros."""
+    mask = mask.float()  # [B, T]
+    count = mask.sum().clamp(min=1.0)
+    mean = (values.float() * mask).sum() / count
+    centered = (values.float() - mean) * mask  # [B, T]
+    std = (centered.square().sum() / count).sqrt()
+    return centered / (std + eps)  # [B, T]
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, token_mask: torch.Tensor, num_generations: int | None = None
+) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): per-token advantages [N, T] of rewards [N].
+
+        A_{i,t} = R_i - b_i,    A_norm = (A - mean_batch(A)) / std_batch(A)
+
+    mean and std run over every trained token of the global batch (token_mask [N, T], 0/1), so the batch
+    mean is the baseline. b_i = 0 (REINFORCE++), or with num_generations the mean reward of sample i's
+    group (REINFORCE++-baseline, the paper's variant for several samples per prompt). Departure: the paper
+    folds a per-token KL penalty into R; here the KL penalty stays in the loss
+    (`loss.reference_policy_kl_penalty`), as in GRPO."""
+    baselined = rewards.float()  # [N]
+    if num_generations is not None:
+        baselined = group_relative_advantages(rewards, num_generations, "mean", normalize_std=False)
+    return masked_whiten(broadcast_advantages(baselined, token_mask), token_mask)  # [N, T]
+
+
+def terminal_token_rewards(rewards: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Sequence rewards [N] placed on each sample's last trained token: [N, T], 0 elsewhere (and 0 for a
+    sample with no trained token)."""
+    token_mask = token_mask.float()  # [N, T]
+    positions = torch.arange(token_mask.shape[1], device=token_mask.device).float()  # [T]
+    last = (token_mask * (positions + 1)).argmax(dim=1)  # [N], the last position where the mask is 1
+    token_rewards = torch.zeros_like(token_mask)
+    token_rewards[torch.arange(token_mask.shape[0]), last] = rewards.float()
+    return token_rewards * token_mask  # [N, T]
+
+
+@dataclass
+class GAEResult:
+    """Per-token advantages and returns of `gae_advantages`, both [N, T] and 0 off the mask."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+def gae_advantages(
+    token_rewards: torch.Tensor, values: torch.Tensor, token_mask: torch.Tensor, gamma: float, lam: float
+) -> GAEResult:
+    """Generalised advantage estimation (Schulman et al. 2016, arXiv:1506.02438) over the tokens of
+    token_mask [N, T] (the policy's actions; values [N, T] at them, V(state before the token)):
+
+        delta_t = r_t + gamma * V_{t'} - V_t,   A_t = delta_t + gamma * lam * A_{t'},   R_t = A_t + V_t
+
+    where t' is the next masked token of the same row (V = 0 and A = 0 past the last). Unmasked tokens
+    (prompts, environment turns) are skipped, not steps of the episode, so a multi-turn episode is one
+    trajectory of its assistant tokens, as in PPO for multi-turn rollouts."""
+    mask = token_mask.float()  # [N, T]
+    advantages = torch.zeros_like(mask)
+    next_value = torch.zeros(mask.shape[0], device=mask.device)  # [N]
+    next_advantage = torch.zeros_like(next_value)  # [N]
+    for t in reversed(range(mask.shape[1])):
+        delta = token_rewards[:, t].float() + gamma * next_value - values[:, t].float()  # [N]
+        advantage = delta + gamma * lam * next_advantage  # [N]
+        on = mask[:, t] > 0  # [N]
+        advantages[:, t] = torch.where(on, advantage, torch.zeros_like(advantage))
+        next_value = torch.where(on, values[:, t].float(), next_value)
+        next_advantage = torch.where(on, advantage, next_advantage)
+    returns = (advantages + values.float()) * mask  # [N, T]
+    return GAEResult(advantages, returns)
+
+
+def distillation_advantages(
+    teacher_logprobs: torch.Tensor, student_logprobs: torch.Tensor, token_mask: torch.Tensor
+) -> torch.Tensor:
+    """On-policy distillation (Agarwal et al. 2024, GKD, arXiv:2306.13649; the reverse-KL recipe of Qwen3,
+    arXiv:2505.09388): the student samples y, and each of its tokens gets the advantage
+
+        A_t = log pi_teacher(y_t | y_<t) - log pi_student(y_t | y_<t)
+
+    the negative of the per-token reverse KL estimate (k1), so the policy gradient lowers
+    KL(pi_student || pi_teacher) on the student's own samples. Departure: each token is credited with its
+    own term only (no sum over the later tokens, i.e. discount 0), which keeps the variance low.
+    Shapes: [B, T], [B, T], [B, T] -> [B, T], 0 where token_mask is 0."""
+    return (teacher_logprobs.float() - student_logprobs.float()) * token_mask.float()  # [B, T]
 
 
 def broadcast_advantages(advantages: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,13 @@ accelerator, the policy's training state leaves the device while they do (`Refit
 Departures from the paper: KL is off by default (beta = 0, as in DAPO); DAPO's dynamic sampling,
 clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are options of the config.
 
+Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_grpo` (R - group mean, no
+std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
+(REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
+formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives per-token GAE
+advantages and trains beside the policy. `on_policy_distillation`: a frozen teacher (`teacher.py`) scores
+the sampled tokens, and each token's advantage is log pi_teacher - log pi_student.
+
 Asynchronous GRPO (`grpo.async_grpo.enabled`, generation on workers of its own): the rollouts of the
 coming steps are generated while the policy trains, through a bounded buffer (`experience/
 async_rollouts.py`); the batch of step k comes from the weights of step k - 1 - max_trajectory_age_steps,
@@ -24,11 +31,16 @@ min(exp(prev - generation logprobs), loss.truncated_importance_sampling_ratio)
 (`loss.use_importance_sampling_correction`, required when the bound is > 0).
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
+     posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
+     posttrain grpo --config configs/reinforce_pp_tiny.yaml     (REINFORCE++-baseline)
+     posttrain ppo --config configs/ppo_tiny.yaml               (PPO with a value model)
+     posttrain distill --config configs/distill_tiny.yaml       (on-policy distillation)
      posttrain grpo --config configs/grpo_tiny.yaml grpo.async_grpo.enabled=true generation.colocated=false
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -39,10 +51,12 @@ import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, check_parallelism
+from posttrain.algorithms.critic import Critic, CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
 from posttrain.algorithms.run import checkpoint_if_due, log_step, prepare_run, restore_run
+from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_tokenizer
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -63,6 +77,10 @@ from posttrain.workers.policy import Policy, PolicyConfig
 from posttrain.workers.refit import Refit, uses_shared_memory
 
 log = logging.getLogger(__name__)
+
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae", "on_policy_distillation"
+]
 
 
 @dataclass
@@ -104,17 +122,21 @@ class GRPOLoopConfig:
     max_seq_len: int = field(
         default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
     )
-    advantage_estimator: Literal["grpo", "reinforce_pp", "reinforce_pp_baseline", "dr_grpo"] = field(
+    advantage_estimator: AdvantageEstimator = field(
         default="grpo",
         metadata={
-            "help": "grpo: group baseline (mean or leave-one-out), / group std if normalize_rewards; "
-            "reinforce_pp: batch-normalised rewards; reinforce_pp_baseline: group mean off, then batch-"
-            "normalised; dr_grpo: group mean off, no std (set loss.constant_length_normalizer)"
+            "help": "grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: "
+            "R - group mean, no std (needs loss.constant_length_normalizer); reinforce_pp: rewards "
+            "whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group mean, then "
+            "whitened over the batch's tokens; gae: PPO, per-token GAE from the value model of the critic "
+            "section; on_policy_distillation: log pi_teacher - log pi_student per token (teacher section)"
         },
     )
-    normalize_rewards: bool = field(default=True, metadata={"help": "divide advantages by the group std"})
+    normalize_rewards: bool = field(
+        default=True, metadata={"help": "divide advantages by the group std (advantage_estimator grpo)"}
+    )
     use_leave_one_out_baseline: bool = field(
-        default=False, metadata={"help": "RLOO baseline instead of the mean"}
+        default=False, metadata={"help": "RLOO baseline instead of the mean (advantage_estimator grpo)"}
     )
     overlong_filtering: bool = field(default=False, metadata={"help": "DAPO: no loss on truncated samples"})
     dynamic_sampling: DynamicSamplingConfig = field(
@@ -155,6 +177,11 @@ class GRPOLoopConfig:
 
     def validate(self) -> None:
         check_loop_lengths(self)
+        if self.use_leave_one_out_baseline and self.advantage_estimator != "grpo":
+            raise ConfigError.at(
+                "use_leave_one_out_baseline",
+                f"is an option of advantage_estimator 'grpo', not {self.advantage_estimator!r}",
+            )
         if self.val_greedy and self.val_num_generations > 1:
             raise ValueError("val_greedy with val_num_generations > 1 gives identical samples; pick one")
         if self.val_pass_k > self.val_num_generations:
@@ -168,6 +195,13 @@ class GRPOConfig:
     grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
     loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
     policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    critic: CriticConfig = field(
+        default_factory=CriticConfig, metadata={"help": "PPO's value model (grpo.advantage_estimator gae)"}
+    )
+    teacher: TeacherConfig = field(
+        default_factory=TeacherConfig,
+        metadata={"help": "the frozen teacher (grpo.advantage_estimator on_policy_distillation)"},
+    )
     generation: GenerationConfig = field(
         default_factory=GenerationConfig, metadata={"help": "rollout sampling"}
     )
@@ -187,6 +221,12 @@ class GRPOConfig:
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)
+        if self.grpo.advantage_estimator == "dr_grpo" and self.loss.constant_length_normalizer is None:
+            raise ConfigError.at(
+                "loss.constant_length_normalizer",
+                "grpo.advantage_estimator 'dr_grpo' divides the loss by a constant length: set it, e.g. to "
+                f"generation.max_new_tokens ({self.generation.max_new_tokens})",
+            )
         batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if batch % self.policy.train_global_batch_size:
             raise ValueError(
@@ -194,12 +234,21 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
-        if self.grpo.advantage_estimator == "dr_grpo" and self.loss.constant_length_normalizer is None:
+        if (
+            self.grpo.advantage_estimator == "on_policy_distillation"
+            and self.teacher.model.model_name is None
+        ):
             raise ConfigError.at(
-                "loss.constant_length_normalizer",
-                "grpo.advantage_estimator=dr_grpo normalises the loss by a constant length: set it, e.g. to "
-                f"generation.max_new_tokens={self.generation.max_new_tokens}",
+                "teacher.model.model_name",
+                "on-policy distillation needs a teacher: a model directory or hub name",
             )
+        if self.grpo.advantage_estimator == "gae":
+            check_parallelism(self.critic.model, self.cluster)
+            if batch % self.critic.model.train_global_batch_size:
+                raise ConfigError.at(
+                    "critic.model.train_global_batch_size",
+                    f"{self.critic.model.train_global_batch_size} must divide the {batch} samples of a step",
+                )
         max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
         if lora.enabled and max_rank is not None and lora.rank > max_rank:
             raise ConfigError.at(
@@ -250,8 +299,18 @@ class GRPORun:
     rollouts: RolloutSource
     step: int = 0
     last_val: dict[str, float] = field(default_factory=dict)
+    critic: Critic | None = None  # PPO's value model (grpo.advantage_estimator gae)
+    teacher: Teacher | None = None  # on-policy distillation's teacher
+
+    def extra_models(self) -> dict[str, Policy]:
+        """Models checkpointed beside the policy."""
+        return {"critic": self.critic.model} if self.critic is not None else {}
 
     def shutdown(self) -> None:
+        if self.critic is not None:
+            self.critic.shutdown()
+        if self.teacher is not None:
+            self.teacher.shutdown()
         self.rollouts.shutdown()
         self.logger.finish()
         for env in self.envs.values():
@@ -298,13 +357,25 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
     loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     cluster = RayVirtualCluster(cfg.cluster)
-    policy = Policy(cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0)
+    # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside generation's
+    # half.
+    with_critic = cfg.grpo.advantage_estimator == "gae"
+    with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
+    if with_teacher:
+        check_same_tokenizer(tokenizer, cfg.teacher)
+    share = 0.25 if with_critic or with_teacher else 0.5
+    policy = Policy(
+        cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0, bundle_share=share
+    )
+    critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
+    extra_models = {"critic": critic.model} if critic is not None else None
+    teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
     generation = make_generation(
         cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
     )
     envs = create_environments(cfg.env)
     checkpoints = CheckpointManager(cfg.checkpointing)
-    restored = restore_run(checkpoints, policy) if cfg.checkpointing.enabled else None
+    restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
     step = int(restored.training_info["step"]) if restored is not None else 0
     if restored is not None:
         loader.load_state_dict(restored.loader_state)
@@ -337,15 +408,17 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         refit,
         rollouts,
         step,
+        critic=critic,
+        teacher=teacher,
     )
 
 
 # ----------------------------------------------------------------------------------------------- stages
 def build_train_data(
-    rollouts: BatchedDataDict, advantages: torch.Tensor, pad_token_id: int, overlong_filtering: bool
+    rollouts: BatchedDataDict, pad_token_id: int, overlong_filtering: bool
 ) -> BatchedDataDict:
-    """input_ids, input_lengths, token_mask (generated tokens), sample_mask, advantages [B,T] and
-    generation_logprobs [B,T] aligned with input_ids."""
+    """input_ids, input_lengths, token_mask (generated tokens), sample_mask and generation_logprobs [B,T]
+    aligned with input_ids."""
     logs = rollouts["message_log"]
     train_data = message_log_to_flat(logs, pad_token_id, train_on="assistant")
     generation_logprobs = torch.zeros(train_data["input_ids"].shape, dtype=torch.float32)
@@ -359,7 +432,6 @@ def build_train_data(
         flat = torch.cat(per_token)
         generation_logprobs[i, : len(flat)] = flat
     train_data["generation_logprobs"] = generation_logprobs
-    train_data["advantages"] = adv.broadcast_advantages(advantages, train_data["token_mask"])
     sample_mask = torch.ones(len(logs))
     if overlong_filtering:
         sample_mask = adv.overlong_filter_mask(rollouts["truncated"])
@@ -367,17 +439,27 @@ def build_train_data(
     return train_data
 
 
-def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor) -> torch.Tensor:
-    """Per-sample advantages [N] by `grpo.advantage_estimator` (see advantages.py for each formula)."""
-    n = cfg.num_generations_per_prompt
+def trained_token_mask(train_data: BatchedDataDict) -> torch.Tensor:
+    """token_mask * sample_mask: the tokens the loss trains on [B, T]."""
+    return train_data["token_mask"].float() * train_data["sample_mask"].float().unsqueeze(1)
+
+
+def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token advantages [B, T] of rewards [B] on the trained tokens (token_mask [B, T]), by
+    `cfg.advantage_estimator`."""
+    num_generations = cfg.num_generations_per_prompt
+    if cfg.advantage_estimator in ("gae", "on_policy_distillation"):
+        raise ValueError(f"advantage_estimator {cfg.advantage_estimator!r} is computed in add_advantages")
     if cfg.advantage_estimator == "reinforce_pp":
-        return adv.reinforce_pp_advantages(rewards, n, group_baseline=False)
+        return adv.reinforce_pp_advantages(rewards, token_mask)
     if cfg.advantage_estimator == "reinforce_pp_baseline":
-        return adv.reinforce_pp_advantages(rewards, n, group_baseline=True)
+        return adv.reinforce_pp_advantages(rewards, token_mask, num_generations)
     if cfg.advantage_estimator == "dr_grpo":
-        return adv.dr_grpo_advantages(rewards, n)
-    baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
-    return adv.group_relative_advantages(rewards, n, baseline, cfg.normalize_rewards)
+        advantages = adv.dr_grpo_advantages(rewards, num_generations)  # [B]
+    else:
+        baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
+        advantages = adv.group_relative_advantages(rewards, num_generations, baseline, cfg.normalize_rewards)
+    return adv.broadcast_advantages(advantages, token_mask)  # [B, T]
 
 
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
@@ -410,8 +492,46 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
     and the rollout source's counters."""
     info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
     checkpoint_if_due(
-        run.checkpoints, run.policy, run.step, info, run.rollouts.loader_state(), run.cfg, force
+        run.checkpoints,
+        run.policy,
+        run.step,
+        info,
+        run.rollouts.loader_state(),
+        run.cfg,
+        force,
+        run.extra_models(),
     )
+
+
+def add_advantages(
+    run: GRPORun, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor, timer: Timer
+) -> dict[str, float]:
+    """The advantages stage: the per-token advantages [B, T] of the rewards [B], into train_data (and, for
+    PPO, the critic's values and returns; for on-policy distillation, the teacher's logprobs). Returns
+    metrics."""
+    cfg = run.cfg.grpo
+    if run.critic is not None:  # PPO: per-token GAE from the critic's values
+        with timer.time("values"):
+            train_data.update(vars(run.critic.estimate(train_data, rewards, token_mask)))
+        return {}
+    if run.teacher is None:
+        with timer.time("advantages"):
+            train_data["advantages"] = compute_advantages(cfg, rewards, token_mask)
+        return {}
+    with timer.time("teacher_logprobs"):
+        teacher_logprobs = run.teacher.logprobs(train_data)  # [B, T]
+    with timer.time("advantages"):
+        student_logprobs = train_data["generation_logprobs"]  # [B, T], the sampling policy's
+        advantages = adv.distillation_advantages(teacher_logprobs, student_logprobs, token_mask)
+        if run.teacher.cfg.whiten_advantages:
+            advantages = adv.masked_whiten(advantages, token_mask)
+        weight = run.teacher.cfg.reward_weight
+        if weight > 0:
+            group = dataclasses.replace(cfg, advantage_estimator="grpo")
+            advantages = advantages + weight * compute_advantages(group, rewards, token_mask)
+        train_data["advantages"] = advantages
+    reverse_kl = ((student_logprobs - teacher_logprobs) * token_mask).sum() / token_mask.sum().clamp(min=1.0)
+    return {"distillation/reverse_kl": float(reverse_kl)}
 
 
 # ------------------------------------------------------------------------------------------------- loop
@@ -420,11 +540,9 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     cfg = run.cfg.grpo
     batch, async_metrics = run.rollouts.next_batch(run.step, timer)
     rollouts, rollout_metrics = batch.rollouts, batch.metrics
-    with timer.time("advantages"):
-        advantages = compute_advantages(cfg, rollouts["rewards"])
-        train_data = build_train_data(
-            rollouts, advantages, run.tokenizer.pad_token_id, cfg.overlong_filtering
-        )
+    train_data = build_train_data(rollouts, run.tokenizer.pad_token_id, cfg.overlong_filtering)
+    token_mask = trained_token_mask(train_data)  # [B, T]
+    advantage_metrics = add_advantages(run, train_data, rollouts["rewards"], token_mask, timer)
     # One optimizer step over the whole batch: pi_prev is the policy as it trains (the loss stops the
     # gradient of its own logprobs). Several steps: pi_prev must be recorded before the first. This holds
     # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
@@ -440,12 +558,18 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
+    if run.critic is not None:
+        with timer.time("critic_training"):
+            metrics.update({f"critic/{k}": v for k, v in run.critic.train(train_data).items()})
     run.rollouts.after_update(run.step)  # sync: refit at the next generation; async: publish the weights
+    metrics.update(advantage_metrics)
     metrics.update({f"rollout/{k}": v for k, v in rollout_metrics.items()})
     metrics.update({f"async/{k}": v for k, v in async_metrics.items()})
     metrics["refit_bytes"] = float(run.refit.take_bytes_sent())
     metrics["reward_mean"] = float(rollouts["total_reward"].mean())
-    metrics["advantage_abs_mean"] = float(advantages.abs().mean())
+    metrics["advantage_abs_mean"] = float(
+        (train_data["advantages"].abs() * token_mask).sum() / token_mask.sum().clamp(min=1.0)
+    )
     return metrics
 
 
@@ -482,8 +606,8 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
     return run.last_val
 
 
-def main(args: Any) -> int:
-    cfg = load_run_config(GRPOConfig, args)
+def train_and_export(cfg: GRPOConfig) -> int:
+    """Set up, train to the last step, export the policy to <log_dir>/hf_model."""
     run = setup(cfg)
     try:
         val = grpo_train(run)
@@ -495,3 +619,7 @@ def main(args: Any) -> int:
         f"directory {run.log_dir}"
     )
     return 0
+
+
+def main(args: Any) -> int:
+    return train_and_export(load_run_config(GRPOConfig, args))

@@ -1,5 +1,5 @@
 """Loss functions called by the training worker once per micro-batch: NLL (SFT), the clipped policy
-gradient (GRPO/DAPO/GSPO options), DPO and Bradley-Terry (reward model).
+gradient (GRPO/DAPO/GSPO options), PPO's clipped value loss (critic), DPO and Bradley-Terry (reward model).
 
 Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
 - `logprobs [B, T]`: position t holds log p(token t | tokens < t), position 0 is 0 (`scores [B]` for the
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from posttrain.algorithms.advantages import kl_estimate
+from posttrain.config import ConfigError
 
 Count = torch.Tensor | float | int
 LossOutput = tuple[torch.Tensor, dict[str, float]]
@@ -134,18 +135,18 @@ class ClippedPGLossConfig:
             "sequence, then mean over sequences"
         },
     )
+    constant_length_normalizer: int | None = field(
+        default=None,
+        metadata={
+            "help": "Dr. GRPO: divide the summed token loss by global sequences x this constant (e.g. the "
+            "generation budget, generation.max_new_tokens) instead of by the token count; None = off"
+        },
+    )
     sequence_level_importance_ratios: bool = field(
         default=False,
         metadata={
             "help": "GSPO: one ratio per sequence, exp(mean over its tokens of logprobs - prev_logprobs); "
             "needs token_level_loss=False"
-        },
-    )
-    constant_length_normalizer: int | None = field(
-        default=None,
-        metadata={
-            "help": "Dr. GRPO: divide the summed token losses by global sequences x this constant (e.g. "
-            "generation.max_new_tokens) instead of by tokens; None = off"
         },
     )
     use_importance_sampling_correction: bool = field(
@@ -176,12 +177,17 @@ class ClippedPGLossConfig:
             raise ValueError(f"ratio_clip_c={self.ratio_clip_c} must be > 1 (or None to turn dual clip off)")
         if self.kl_type not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_type must be 'k1', 'k2' or 'k3', got {self.kl_type!r}")
-        if self.constant_length_normalizer is not None and self.constant_length_normalizer < 1:
-            raise ValueError(
-                f"constant_length_normalizer must be >= 1, got {self.constant_length_normalizer}"
-            )
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("sequence_level_importance_ratios (GSPO) needs token_level_loss=False")
+        if self.constant_length_normalizer is not None:
+            if self.constant_length_normalizer < 1:
+                raise ConfigError.at("constant_length_normalizer", "must be >= 1")
+            if not self.token_level_loss:
+                raise ConfigError.at(
+                    "constant_length_normalizer",
+                    "Dr. GRPO's constant normaliser replaces the per-sequence token mean of "
+                    "token_level_loss=false: pick one",
+                )
 
 
 class ClippedPGLoss:
@@ -193,7 +199,13 @@ class ClippedPGLoss:
     A < 0 (L capped at -c A, arXiv:1912.09729); DAPO's clip-higher (arXiv:2503.14476); GSPO's
     sequence-level ratio (arXiv:2507.18071); w_t the optional truncated importance weight
     exp(prev - generation logprobs), which also weights the KL term. The reduction is a mean over the
-    global batch's valid tokens (token_level_loss) or a mean over tokens per sequence then over sequences.
+    global batch's valid tokens (token_level_loss), a mean over tokens per sequence then over sequences,
+    or Dr. GRPO's constant normaliser (arXiv:2503.20783) with L a fixed length (the generation budget):
+
+        loss = sum over sequences i and their tokens t of L_{i,t} / (num_sequences * L)
+
+    which, unlike a per-sequence or per-batch token mean, does not weight a token by the length of the
+    response it belongs to.
 
     Metrics (sums unless noted): loss; probs_ratio_mean (over valid tokens); probs_ratio_min and
     probs_ratio_max (micro-batch extremes, reduce with min/max); clip_fraction (tokens with r outside the
@@ -295,11 +307,10 @@ class ClippedPGLoss:
         global_valid_toks: Count,
     ) -> torch.Tensor:
         """Token level: sum / global tokens. Sequence level: per-sequence token mean, summed / global seqs.
-        Constant length (Dr. GRPO): sum / (global seqs x constant_length_normalizer), so that a token's
-        weight depends neither on its response's length nor on the batch's token count."""
+        Constant length (Dr. GRPO): sum / (global seqs * constant_length_normalizer)."""
         if self.cfg.constant_length_normalizer is not None:
-            denominator = _count(global_valid_seqs, token_loss) * self.cfg.constant_length_normalizer
-            return _masked_sum(token_loss, mask) / denominator
+            normalizer = _count(global_valid_seqs, token_loss) * self.cfg.constant_length_normalizer
+            return _masked_sum(token_loss, mask) / normalizer
         if self.cfg.token_level_loss:
             return _masked_sum(token_loss, mask) / _count(global_valid_toks, token_loss)
         num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]
@@ -351,6 +362,69 @@ def token_mult_prob_error(
         return torch.ones_like(prev_logprobs)
     difference = prev_logprobs - generation_logprobs.to(prev_logprobs.device).float()
     return torch.exp(difference.abs())  # [B, T]
+
+
+# -- value loss (PPO critic) ------------------------------------------------------------------------
+
+
+@dataclass
+class ValueLossConfig:
+    """Options of PPO's value (critic) loss."""
+
+    value_clip: float | None = field(
+        default=0.2,
+        metadata={
+            "help": "clip the new value to within this of the value that computed the advantages; None = off"
+        },
+    )
+
+    def validate(self) -> None:
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ConfigError.at(
+                "value_clip", f"{self.value_clip} must be > 0 (or null to turn clipping off)"
+            )
+
+
+class ValueLoss:
+    """PPO's clipped value loss (Schulman et al. 2017, arXiv:1707.06347, as in its reference code), per
+    trained token t with value V_t, the value V_old_t that computed the advantages and the return R_t:
+
+        V_clip = V_old + clip(V - V_old, -eps, eps),   L_t = 0.5 * max((V - R)^2, (V_clip - R)^2)
+
+    averaged over the global batch's valid tokens (no clipping: L_t = 0.5 * (V - R)^2). The first argument
+    is `values [B, T]` (a value model's), not logprobs; data hold `returns` and `prev_values` [B, T].
+    Metrics (sums): loss; values_mean, returns_mean; value_clip_fraction (tokens where the clipped term is
+    the larger, so the gradient is cut)."""
+
+    def __init__(self, cfg: ValueLossConfig | None = None) -> None:
+        self.cfg = cfg or ValueLossConfig()
+
+    def __call__(
+        self,
+        values: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        values = values.float()  # [B, T]
+        mask = _valid_token_mask(data, values, "ValueLoss")  # [B, T]
+        returns = _require(data, "returns", "ValueLoss").to(values.device).float()  # [B, T]
+        prev_values = _require(data, "prev_values", "ValueLoss").to(values.device).float()  # [B, T]
+        squared_error = (values - returns).square()  # [B, T]
+        clipped_error = squared_error
+        if self.cfg.value_clip is not None:
+            eps = self.cfg.value_clip
+            clipped_values = prev_values + (values - prev_values).clamp(-eps, eps)  # [B, T]
+            clipped_error = (clipped_values - returns).square()
+        num_toks = _count(global_valid_toks, values)
+        loss = 0.5 * _masked_sum(torch.maximum(squared_error, clipped_error), mask) / num_toks
+        clipped = (clipped_error > squared_error).float()  # [B, T]
+        return loss, {
+            "loss": float(loss.detach()),
+            "values_mean": float(_masked_sum(values.detach(), mask) / num_toks),
+            "returns_mean": float(_masked_sum(returns, mask) / num_toks),
+            "value_clip_fraction": float(_masked_sum(clipped, mask) / num_toks),
+        }
 
 
 # -- preference losses ----------------------------------------------------------------------------

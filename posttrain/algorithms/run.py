@@ -100,25 +100,34 @@ def save_run_checkpoint(
     training_info: dict[str, Any],
     loader_state: dict[str, Any],
     run_config: Any,
+    extra_models: dict[str, Policy] | None = None,
 ) -> Path:
-    """tmp_step_N: training info + config, policy (DCP, RNG of every rank), loader; then finalize
-    (which writes the sha256 manifest before the rename)."""
+    """tmp_step_N: training info + config, policy (DCP, RNG of every rank), each extra model (a PPO
+    critic) in a directory of its name, loader; then finalize (which writes the sha256 manifest before
+    the rename)."""
     path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
     policy.save_checkpoint(str(path / "policy"), save_optimizer=manager.save_optimizer)
+    for name, model in (extra_models or {}).items():
+        model.save_checkpoint(str(path / name), save_optimizer=manager.save_optimizer)
     (path / "dataloader.json").write_text(json.dumps(loader_state))
     manager.finalize_checkpoint(path)
     return path.with_name(f"step_{step}")
 
 
-def restore_run(manager: CheckpointManager, policy: Policy) -> RunCheckpoint | None:
+def restore_run(
+    manager: CheckpointManager, policy: Policy, extra_models: dict[str, Policy] | None = None
+) -> RunCheckpoint | None:
     """Remove partial checkpoints, then load the explicit `resume_from` or the newest checkpoint that
-    matches its sha256 manifest (damaged newer ones are skipped with a warning)."""
+    matches its sha256 manifest (damaged newer ones are skipped with a warning), into the policy and
+    each extra model."""
     manager.clean_partial_checkpoints()
     path = manager.get_resume_checkpoint_path()
     if path is None:
         return None
     path = Path(path)
     policy.load_checkpoint(str(path / "policy"))
+    for name, model in (extra_models or {}).items():
+        model.load_checkpoint(str(path / name))
     training_info = manager.load_training_info(path) or {}
     loader_file = path / "dataloader.json"
     loader_state = json.loads(loader_file.read_text()) if loader_file.exists() else {}
@@ -144,9 +153,10 @@ def checkpoint_if_due(
     loader_state: dict[str, Any],
     run_config: Any,
     force: bool = False,
+    extra_models: dict[str, Policy] | None = None,
 ) -> None:
     """Save the run's state at `step` every `checkpointing.save_period` steps, or when forced (a run's
     last step); nothing when checkpointing is off."""
     cfg = run_config.checkpointing
     if cfg.enabled and (force or step % cfg.save_period == 0):
-        save_run_checkpoint(manager, policy, step, training_info, loader_state, run_config)
+        save_run_checkpoint(manager, policy, step, training_info, loader_state, run_config, extra_models)

@@ -43,14 +43,19 @@ def validate_config(
     return checker.convert(schema_cls, cfg, "")
 
 
-def schema_defaults(schema_cls: type, present: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The scalar defaults of a dataclass schema as a nested dict (nested dataclasses recursed). An
+def schema_defaults(
+    schema_cls: type, present: Mapping[str, Any] | None = None, instance: Any = None
+) -> dict[str, Any]:
+    """The scalar defaults of a dataclass schema as a nested dict (nested dataclasses recursed, with the
+    values of the section's own default instance, e.g. a `default_factory` that sets a field). An
     optional section (`X | None`, default None) gets X's defaults where the tree `present` has it."""
     tree: dict[str, Any] = {}
     present = present if isinstance(present, Mapping) else {}
     hints = typing.get_type_hints(schema_cls)
     for item in dataclasses.fields(schema_cls):
-        if item.default is not dataclasses.MISSING:
+        if instance is not None:
+            value = getattr(instance, item.name)
+        elif item.default is not dataclasses.MISSING:
             value = item.default
         elif item.default_factory is not dataclasses.MISSING:
             value = item.default_factory()
@@ -58,7 +63,7 @@ def schema_defaults(schema_cls: type, present: Mapping[str, Any] | None = None) 
             continue  # mandatory: the file or the command line must give it
         optional_section = dataclass_in(hints[item.name])
         if dataclasses.is_dataclass(value):
-            tree[item.name] = schema_defaults(type(value), present.get(item.name))
+            tree[item.name] = schema_defaults(type(value), present.get(item.name), value)
         elif value is None and optional_section and isinstance(present.get(item.name), Mapping):
             tree[item.name] = schema_defaults(optional_section, present[item.name])
         elif value is None or isinstance(value, (bool, int, float, str)):

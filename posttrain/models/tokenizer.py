@@ -1,12 +1,13 @@
 """The project's own offline tokenizers, with special tokens and a chat template: character-level (~105
-tokens) and byte-level BPE (300 tokens, trained here on a small built-in corpus)."""
+tokens) and byte-level BPE (300 tokens, trained here on a small built-in corpus); and the check that two
+tokenizers give the same ids (a distillation teacher scores the student's token ids)."""
 
 from __future__ import annotations
 
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = {
@@ -97,3 +98,20 @@ def build_byte_tokenizer(vocab_size: int = BYTE_VOCAB_SIZE) -> PreTrainedTokeniz
 
 
 TOKENIZERS = {"char": build_char_tokenizer, "byte": build_byte_tokenizer}
+
+
+def tokenizer_mismatch(student: PreTrainedTokenizerBase, teacher: PreTrainedTokenizerBase) -> str | None:
+    """None when both tokenizers map every token to the same id and agree on the eos and pad tokens, so
+    that a teacher can score the student's token ids as they are; else the first difference, in words."""
+    student_vocab, teacher_vocab = student.get_vocab(), teacher.get_vocab()
+    if len(student_vocab) != len(teacher_vocab):
+        return f"the student's vocabulary has {len(student_vocab)} tokens, the teacher's {len(teacher_vocab)}"
+    for token, index in sorted(student_vocab.items(), key=lambda item: item[1]):
+        if teacher_vocab.get(token) != index:
+            teacher_index = teacher_vocab.get(token)
+            return f"token {token!r} is id {index} for the student and {teacher_index} for the teacher"
+    for name in ("eos_token", "pad_token"):
+        ours, theirs = getattr(student, name), getattr(teacher, name)
+        if ours != theirs:
+            return f"{name} is {ours!r} for the student, {theirs!r} for the teacher"
+    return None

@@ -324,17 +324,20 @@ def is_sequence_classifier(model_config: Any) -> bool:
 
 def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """An HF model of `model_config` with uninitialised CPU weights in `dtype` (no random init cost): a
-    sequence classifier when the config's architecture names one (a reward model), an image-text-to-text
-    model when it has a vision tower, else a causal LM."""
+    sequence classifier when the config's architecture names one (a reward model), a token classifier
+    likewise (a value model), an image-text-to-text model when it has a vision tower, else a causal LM."""
     from transformers import (
         AutoModelForCausalLM,
         AutoModelForImageTextToText,
         AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
     )
 
     auto_class = (
         AutoModelForSequenceClassification if is_sequence_classifier(model_config) else AutoModelForCausalLM
     )
+    if (getattr(model_config, "architectures", None) or [""])[0].endswith("ForTokenClassification"):
+        auto_class = AutoModelForTokenClassification
     if getattr(model_config, "vision_config", None) is not None:
         auto_class = AutoModelForImageTextToText
     with torch.device("meta"):

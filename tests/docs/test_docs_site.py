@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.cli import CONFIG_COMMANDS
 from posttrain.cli import main as posttrain_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,7 +23,7 @@ DOC_FILES = sorted(p for p in (REPO / "docs").rglob("*.md") if "generated" not i
     REPO / "README.md"
 ]
 COMMAND = re.compile(
-    r"posttrain (sft|grpo|dpo|rm|eval) --config ([^\s`;]+\.yaml)"  # the config file
+    r"posttrain (sft|grpo|ppo|distill|dpo|rm|eval) --config ([^\s`;]+\.yaml)"  # the config file
     r"((?:[ \t]+(?:\\\n\s*)?[+~]*[\w.\[\]]+=[^\s`;]+)*)"  # overrides, on continued lines too
 )
 
@@ -74,7 +75,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 
 def test_the_docs_show_commands_of_every_algorithm():
     commands = {argv[0] for _, argv in documented_commands()}
-    assert commands == {"sft", "grpo", "dpo", "rm", "eval"}
+    assert commands == set(CONFIG_COMMANDS)
 
 
 @pytest.mark.parametrize(

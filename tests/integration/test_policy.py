@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss
+from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss, ValueLoss, ValueLossConfig
 from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -293,6 +293,38 @@ def test_reward_model_scores_ignore_padding_and_order_and_bradley_terry_training
     finally:
         policy.shutdown()
         cluster.shutdown()
+
+
+def test_value_model_starts_at_zero_learns_returns_and_exports_values_aligned_with_logprobs(
+    ray_session, model_dir, tmp_path
+):
+    """A PPO critic on 2 workers: a new head predicts 0 everywhere; value-loss steps toward returns of 1
+    on the trained tokens lower the loss; the exported model's head at position t - 1 is the value at t
+    (the state before token t), with 0 at position 0 and past each length."""
+    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
+    policy = Policy(cluster, policy_config(model_dir, model_kind="value_model"))
+    try:
+        data = make_train_data()
+        assert torch.equal(policy.get_values(data)["values"], torch.zeros(NUM_ROWS, SEQ_LEN))
+        data["returns"] = data["token_mask"].float()  # [B, T]
+        data["prev_values"] = torch.zeros(NUM_ROWS, SEQ_LEN)
+        loss_fn = ValueLoss(ValueLossConfig(value_clip=None))
+        losses = [policy.train(data, loss_fn)["loss"][0] for _ in range(NUM_STEPS)]
+        assert losses[0] == pytest.approx(0.5) and losses[-1] < 0.5 * losses[0]  # 0.5 * (0 - 1)^2 at first
+        values = policy.get_values(data)["values"]  # [B, T]
+        policy.export_hf(str(tmp_path / "critic"))
+    finally:
+        policy.shutdown()
+        cluster.shutdown()
+    model = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32)
+    lengths = data["input_lengths"]
+    real = (torch.arange(SEQ_LEN).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [B, T]
+    with torch.no_grad():
+        head = model(input_ids=data["input_ids"], attention_mask=real).logits.squeeze(-1)  # [B, T]
+    expected = torch.zeros(NUM_ROWS, SEQ_LEN)
+    for row in range(NUM_ROWS):
+        expected[row, 1 : lengths[row]] = head[row, : lengths[row] - 1]
+    torch.testing.assert_close(values, expected, atol=1e-5, rtol=0)
 
 
 def test_activation_checkpointing_recomputes_to_the_same_update(runs):

@@ -109,7 +109,7 @@ def grpo_run(ray_session, smollm2_dir, tmp_path_factory):
 def test_greedy_rollouts_stop_at_im_end_and_train_on_it(grpo_run):
     run, greedy, _ = grpo_run
     im_end = run.tokenizer.convert_tokens_to_ids(IM_END)
-    train_data = grpo.build_train_data(greedy, torch.zeros(greedy.size), run.tokenizer.pad_token_id, False)
+    train_data = grpo.build_train_data(greedy, run.tokenizer.pad_token_id, False)
     stopped = 0
     for i, log in enumerate(greedy["message_log"]):
         reply = log[-1]
@@ -151,7 +151,7 @@ def test_checkpoint_export_reproduces_the_policys_weights_and_logprobs(grpo_run,
     for name, tensor in exported_weights.items():
         assert torch.equal(tensor, policy_weights[name]), name
 
-    data = grpo.build_train_data(greedy, torch.zeros(greedy.size), run.tokenizer.pad_token_id, False)
+    data = grpo.build_train_data(greedy, run.tokenizer.pad_token_id, False)
     expected = run.policy.get_logprobs(data)["logprobs"]  # [B, T], the trained step-1 weights
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
     ids, lengths = data["input_ids"], data["input_lengths"]
@@ -261,5 +261,5 @@ def test_restating_the_question_earns_the_run_nothing(grpo_run):
             metadata.append(info)
     result = run.envs["math"].step(logs, metadata)
     assert result.rewards.tolist() == [0.0] * len(logs) and result.num_errors == 0
-    advantages = grpo.compute_advantages(run.cfg.grpo, result.rewards)
+    advantages = grpo.compute_advantages(run.cfg.grpo, result.rewards, torch.ones(len(logs), 1))
     assert advantages.abs().sum() == 0

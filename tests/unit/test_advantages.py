@@ -7,13 +7,19 @@ import torch
 
 from posttrain.algorithms.advantages import (
     broadcast_advantages,
+    distillation_advantages,
+    dr_grpo_advantages,
+    gae_advantages,
     group_relative_advantages,
     groups_with_signal,
     kl_estimate,
+    masked_whiten,
     overlong_filter_mask,
     overlong_reward_penalty,
+    reinforce_pp_advantages,
     rloo_advantages,
     scale_rewards,
+    terminal_token_rewards,
 )
 
 
@@ -45,6 +51,75 @@ def test_leave_one_out_baseline_and_rloo_alias():
         group_relative_advantages(rewards, 4, "leave_one_out", normalize_std=False), expected
     )
     torch.testing.assert_close(rloo_advantages(rewards, 4), expected)
+
+
+def test_dr_grpo_is_reward_minus_group_mean_without_std_division():
+    """Groups [1,0,0,0] and [1,1,1,0]: means .25 and .75, so Dr. GRPO gives [.75,-.25,-.25,-.25] and
+    [.25,.25,.25,-.75]. GRPO divides both by their std .5 (sample variance (.5625 + 3 * .0625) / 3 = .25),
+    giving [1.5,-.5,-.5,-.5] and [.5,.5,.5,-1.5]: the same scale as Dr. GRPO's, doubled."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 0])
+    expected = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.25, 0.25, 0.25, -0.75])
+    torch.testing.assert_close(dr_grpo_advantages(rewards, 4), expected)
+    torch.testing.assert_close(group_relative_advantages(rewards, 4, eps=0.0), expected * 2)
+
+
+def test_masked_whiten_uses_the_batch_mean_and_population_std_of_masked_entries():
+    """Masked entries 1, 2, 3: mean 2, population variance (1 + 0 + 1) / 3 = 2/3, std 0.816497, so
+    -1/0.816497 = -1.224745, 0, 1.224745; the unmasked entries (9s) are 0 and do not count."""
+    values = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    expected = torch.tensor([[-1.224745, 0.0, 0.0], [1.224745, 0.0, 0.0]])
+    torch.testing.assert_close(masked_whiten(values, mask), expected)
+    assert torch.equal(masked_whiten(values, torch.zeros(2, 3)), torch.zeros(2, 3))
+
+
+def test_reinforce_pp_whitens_rewards_over_the_batch_tokens():
+    """REINFORCE++: rewards 1 (3 trained tokens) and 0 (1 token). Token values 1, 1, 1, 0: mean .75,
+    population variance (3 * .0625 + .5625) / 4 = .1875, std .433013; so 0.25 / 0.433013 = 1/sqrt 3 =
+    0.577350 on the first sample's tokens and -0.75 / 0.433013 = -sqrt 3 = -1.732051 on the second's. The
+    mean is token-weighted: the longer response pulls the baseline to .75, not .5."""
+    token_mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])
+    advantages = reinforce_pp_advantages(torch.tensor([1.0, 0.0]), token_mask)
+    third = 1 / math.sqrt(3)
+    expected = torch.tensor([[0.0, third, third, third], [0.0, -math.sqrt(3), 0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_reinforce_pp_baseline_subtracts_the_group_mean_then_whitens_over_the_batch():
+    """REINFORCE++-baseline, groups [1,0] and [1,1], one token each: group-centred [.5,-.5,0,0]; over the
+    4 tokens the mean is 0 and the population std sqrt((.25 + .25) / 4) = 0.353553, so [1.414214,
+    -1.414214, 0, 0]. The all-equal group stays 0, and one batch std scales every group (GRPO would
+    divide the first group by its own std .707107 instead: [.707107, -.707107])."""
+    token_mask = torch.tensor([[0, 1], [0, 1], [0, 1], [0, 1]])
+    advantages = reinforce_pp_advantages(torch.tensor([1.0, 0, 1, 1]), token_mask, num_generations=2)
+    expected = torch.tensor([[0.0, math.sqrt(2)], [0.0, -math.sqrt(2)], [0.0, 0.0], [0.0, 0.0]])
+    torch.testing.assert_close(advantages, expected)
+
+
+def test_terminal_token_rewards_sit_on_the_last_trained_token():
+    """Rewards 1, 2, 3: row 0's last trained token is position 4 (an environment token at 3 between its
+    turns), row 1's is position 1, row 2 has none and gets nothing."""
+    token_mask = torch.tensor([[0, 1, 1, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    expected = torch.tensor([[0.0, 0, 0, 0, 1], [0, 2, 0, 0, 0], [0, 0, 0, 0, 0]])
+    torch.testing.assert_close(terminal_token_rewards(torch.tensor([1.0, 2, 3]), token_mask), expected)
+
+
+def test_gae_skips_untrained_tokens_and_matches_the_recursion_by_hand():
+    """Assistant tokens at 1, 2 and 4 (prompt at 0, an environment token at 3 whose value 9 must not
+    count), values .5, .6, .8, reward 1 on token 4; gamma .9, lambda .8 (gamma * lambda = .72):
+    t=4: delta = 1 + .9 * 0 - .8 = .2, A = .2;
+    t=2: delta = 0 + .9 * .8 - .6 = .12, A = .12 + .72 * .2 = .264;
+    t=1: delta = 0 + .9 * .6 - .5 = .04, A = .04 + .72 * .264 = .23008.
+    Returns A + V: .73008, .864, 1.0. With gamma = lambda = 1, A_t = R - V_t: .5, .4, .2, returns all 1."""
+    token_mask = torch.tensor([[0, 1, 1, 0, 1]])
+    values = torch.tensor([[9.0, 0.5, 0.6, 9.0, 0.8]])
+    rewards = terminal_token_rewards(torch.tensor([1.0]), token_mask)
+    result = gae_advantages(rewards, values, token_mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(result.advantages, torch.tensor([[0.0, 0.23008, 0.264, 0.0, 0.2]]))
+    torch.testing.assert_close(result.returns, torch.tensor([[0.0, 0.73008, 0.864, 0.0, 1.0]]))
+    monte_carlo = gae_advantages(rewards, values, token_mask, gamma=1.0, lam=1.0)
+    torch.testing.assert_close(monte_carlo.advantages, torch.tensor([[0.0, 0.5, 0.4, 0.0, 0.2]]))
+    torch.testing.assert_close(monte_carlo.returns, torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0]]))
 
 
 def test_group_advantages_reject_bad_group_size_and_baseline():
@@ -108,3 +183,13 @@ def test_overlong_filter_masks_truncated_samples():
 def test_scale_rewards_is_affine():
     """[1, 0] * 2 - 1 = [1, -1]."""
     torch.testing.assert_close(scale_rewards(torch.tensor([1.0, 0.0]), 2.0, -1.0), torch.tensor([1.0, -1.0]))
+
+
+def test_distillation_advantage_is_teacher_minus_student_logprob_on_trained_tokens():
+    """Student logprobs ln .5 and ln .25 on its two sampled tokens, teacher ln .25 and ln .5: advantages
+    ln(.25/.5) = -0.693147 (the teacher likes the token less: push it down) and ln(.5/.25) = 0.693147;
+    the untrained prompt position stays 0 whatever the logprobs there."""
+    student = torch.tensor([[-3.0, math.log(0.5), math.log(0.25)]])
+    teacher = torch.tensor([[-1.0, math.log(0.25), math.log(0.5)]])
+    advantages = distillation_advantages(teacher, student, torch.tensor([[0, 1, 1]]))
+    torch.testing.assert_close(advantages, torch.tensor([[0.0, -math.log(2), math.log(2)]]))

@@ -13,6 +13,8 @@ from posttrain.algorithms.loss import (
     DPOLoss,
     DPOLossConfig,
     NLLLoss,
+    ValueLoss,
+    ValueLossConfig,
 )
 from posttrain.utils.metrics import sum_metrics
 
@@ -140,6 +142,25 @@ def test_sequence_level_reduction_averages_per_sequence_then_over_sequences():
     """Sequence means -3 and -1 over 2 sequences -> -2."""
     cfg = ClippedPGLossConfig(token_level_loss=False)
     assert pg_loss(cfg, *two_sequence_batch())[0].item() == pytest.approx(-2.0)
+
+
+def test_dr_grpo_constant_length_normaliser_does_not_weight_tokens_by_response_length():
+    """Dr. GRPO with L = 4: token losses -3, -1, -1, -1 summed, -6, over 2 sequences x 4 -> -0.75. Each
+    token's gradient is -A / (2 * 4): -3/8 = -0.375 for sequence 0's token, -1/8 = -0.125 for each of
+    sequence 1's, whatever the lengths (token mean: -3/4 and -1/4; sequence mean: -3/2 and -1/6)."""
+    logprobs, data = two_sequence_batch()
+    loss, _ = pg_loss(ClippedPGLossConfig(constant_length_normalizer=4), logprobs, data)
+    assert loss.item() == pytest.approx(-0.75)
+    loss.backward()
+    expected = torch.tensor([[0.0, -0.375, 0, 0], [0, -0.125, -0.125, -0.125]])
+    torch.testing.assert_close(logprobs.grad, expected)
+
+
+def test_dr_grpo_normaliser_with_sequence_level_loss_is_a_config_error():
+    with pytest.raises(ValueError, match="constant_length_normalizer.*pick one"):
+        ClippedPGLossConfig(constant_length_normalizer=8, token_level_loss=False).validate()
+    with pytest.raises(ValueError, match="constant_length_normalizer.*>= 1"):
+        ClippedPGLossConfig(constant_length_normalizer=0).validate()
 
 
 def test_gspo_uses_one_sequence_ratio_from_mean_log_ratio():
@@ -287,6 +308,44 @@ def test_bradley_terry_by_hand():
     assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((2.0, 0.0))
 
 
+# -- value loss ---------------------------------------------------------------------------------------
+
+
+def test_clipped_value_loss_by_hand():
+    """eps .2, three tokens (V, V_old, R):
+    a (1, .5, 2): V_clip = .7, errors (1 - 2)^2 = 1 and (.7 - 2)^2 = 1.69 -> 1.69, clipped: no gradient;
+    b (1, .9, 0): V_clip = 1 (inside), both 1 -> 1, gradient 2 * (1 - 0) * .5 / 3 = 1/3;
+    c (0, .5, .4): V_clip = .3, errors .16 and .01 -> .16, gradient 2 * (0 - .4) * .5 / 3 = -.133333.
+    loss = .5 * (1.69 + 1 + .16) / 3 = .475; clip fraction 1/3; values mean 2/3, returns mean .8.
+    Without clipping: .5 * (1 + 1 + .16) / 3 = .36, and a's gradient is (1 - 2) / 3."""
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1, 1]]),
+        "prev_values": torch.tensor([[0.0, 0.5, 0.9, 0.5]]),
+        "returns": torch.tensor([[0.0, 2.0, 0.0, 0.4]]),
+    }
+    values = torch.tensor([[7.0, 1.0, 1.0, 0.0]], requires_grad=True)
+    loss, metrics = ValueLoss(ValueLossConfig(value_clip=0.2))(values, data, 1, 3)
+    assert loss.item() == pytest.approx(0.475)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, 0.0, 1 / 3, -0.4 / 3]]))
+    assert metrics["value_clip_fraction"] == pytest.approx(1 / 3)
+    assert (metrics["values_mean"], metrics["returns_mean"]) == pytest.approx((2 / 3, 0.8))
+    values.grad = None
+    unclipped, _ = ValueLoss(ValueLossConfig(value_clip=None))(values, data, 1, 3)
+    assert unclipped.item() == pytest.approx(0.36)
+    unclipped.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -1 / 3, 1 / 3, -0.4 / 3]]))
+
+
+def test_value_loss_needs_returns_and_a_positive_clip():
+    with pytest.raises(KeyError, match="returns"):
+        ValueLoss()(
+            torch.zeros(1, 2), {"token_mask": torch.ones(1, 2), "prev_values": torch.zeros(1, 2)}, 1, 2
+        )
+    with pytest.raises(ValueError, match="value_clip"):
+        ValueLossConfig(value_clip=0.0).validate()
+
+
 # -- micro-batch additivity ---------------------------------------------------------------------------
 
 
@@ -305,6 +364,8 @@ def random_batch(seed: int) -> tuple[torch.Tensor, dict]:
         "prev_logprobs": logprobs + 0.3 * torch.randn(8, 6, generator=gen),
         "generation_logprobs": logprobs + 0.1 * torch.randn(8, 6, generator=gen),
         "reference_policy_logprobs": logprobs + 0.5 * torch.randn(8, 6, generator=gen),
+        "prev_values": logprobs + 0.2 * torch.randn(8, 6, generator=gen),
+        "returns": torch.randn(8, 6, generator=gen),
     }
     return logprobs.requires_grad_(), data
 
@@ -320,7 +381,8 @@ LOSSES = {
         )
     ),
     "gspo": ClippedPGLoss(ClippedPGLossConfig(token_level_loss=False, sequence_level_importance_ratios=True)),
-    "dr_grpo": ClippedPGLoss(ClippedPGLossConfig(constant_length_normalizer=16)),
+    "dr_grpo": ClippedPGLoss(ClippedPGLossConfig(constant_length_normalizer=6)),
+    "value": ValueLoss(ValueLossConfig(value_clip=0.1)),
     "dpo_sft": DPOLoss(DPOLossConfig(sft_loss_weight=0.5, preference_average_log_probs=True)),
     "bradley_terry": BradleyTerryLoss(),
 }
@@ -402,17 +464,3 @@ def test_stale_data_in_one_update_weight_by_truncated_prev_over_generation_and_m
         assert loss.item() == pytest.approx(-1.0)
         assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -0.75, -0.25])
         assert metrics["is_weight_mean"] == pytest.approx(1.0)
-
-
-def test_dr_grpo_divides_summed_token_losses_by_sequences_times_a_constant_length():
-    """Dr. GRPO's normaliser. Ratio 1 (pi_prev is the trained forward), A = 1 on the trained tokens, no KL:
-    each trained token's loss is -A r = -1. Two sequences with 2 and 1 trained tokens: summed loss -3.
-    Token level divides by the 3 tokens (-1); Dr. GRPO by 2 sequences x a constant 4 (-3 / 8 = -0.375),
-    so the long and the short response's tokens weigh 1/8 each. Gradient per trained token: -1/8."""
-    data = {"token_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "advantages": torch.ones(2, 3)}
-    for options, expected in (({}, -1.0), ({"constant_length_normalizer": 4}, -0.375)):
-        logprobs = torch.full((2, 3), -0.5, requires_grad=True)
-        loss, _ = ClippedPGLoss(ClippedPGLossConfig(**options), prev_is_current=True)(logprobs, data, 2, 3)
-        loss.backward()
-        assert loss.item() == pytest.approx(expected)
-    assert logprobs.grad.flatten().tolist() == pytest.approx([0.0, -0.125, -0.125, 0.0, -0.125, 0.0])

@@ -3,7 +3,7 @@ template."""
 
 import pytest
 
-from posttrain.models.tokenizer import build_byte_tokenizer, build_char_tokenizer
+from posttrain.models.tokenizer import build_byte_tokenizer, build_char_tokenizer, tokenizer_mismatch
 
 
 def test_text_round_trips_character_by_character():
@@ -93,3 +93,16 @@ def test_byte_tokenizer_saves_and_reloads(tmp_path):
     assert reloaded(text)["input_ids"] == tokenizer(text)["input_ids"]
     assert reloaded.decode(reloaded(text)["input_ids"]) == text
     assert len(reloaded) == 300 and reloaded.chat_template == tokenizer.chat_template
+
+
+def test_tokenizer_mismatch_accepts_the_same_vocabulary_and_names_the_first_difference():
+    """Two builds of the character tokenizer give the same ids; the byte-level BPE has 300 tokens, the
+    character one fewer; a character tokenizer whose eos is another token differs only there."""
+    char = build_char_tokenizer()
+    assert tokenizer_mismatch(char, build_char_tokenizer()) is None
+    message = tokenizer_mismatch(char, build_byte_tokenizer())
+    assert message is not None and "300" in message and str(len(char.get_vocab())) in message
+    other_eos = build_char_tokenizer()
+    other_eos.eos_token = "<pad>"
+    expected = "eos_token is '<eos>' for the student, '<pad>' for the teacher"
+    assert tokenizer_mismatch(char, other_eos) == expected

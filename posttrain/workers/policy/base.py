@@ -54,9 +54,10 @@ def ensure_process_group() -> None:
 
 
 def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
-    """The configured model in fp32 on CPU with SDPA attention (causal LM or a 1-label sequence
-    classifier)."""
-    from transformers import AutoModelForSequenceClassification
+    """The configured model in fp32 on CPU with SDPA attention: a causal LM, a 1-label sequence classifier
+    (reward model) or a 1-label token classifier without dropout (value model: the policy's architecture
+    with a linear value head on every position)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
     from posttrain.models.build import causal_lm_class
 
@@ -65,7 +66,17 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     if cfg.model_kind == "causal_lm":
         return causal_lm_class(cfg.model_name).from_pretrained(cfg.model_name, **kwargs)
-    model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
+    if cfg.model_kind == "value_model":
+        config = AutoConfig.from_pretrained(cfg.model_name, num_labels=1)
+        config.classifier_dropout = 0.0  # a value head regresses: dropout would only add noise
+        starts_a_head = not any("TokenClassification" in name for name in config.architectures or [])
+        model = AutoModelForTokenClassification.from_pretrained(cfg.model_name, config=config, **kwargs)
+        if starts_a_head:  # a new head predicts 0: the first advantages are the rewards, not noise
+            torch.nn.init.zeros_(model.score.weight)
+            if model.score.bias is not None:
+                torch.nn.init.zeros_(model.score.bias)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(cfg.model_name, num_labels=1, **kwargs)
     model.config.architectures = [type(model).__name__]  # exports and checkpoints rebuild this class
     if model.config.pad_token_id is None:
         model.config.pad_token_id = model.config.eos_token_id
@@ -159,7 +170,7 @@ class PolicyWorker:
     def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
         """{"logprobs": [B, T]} in fp32: position t = log p(token t | < t), position 0 and padding 0."""
         if self.cfg.model_kind != "causal_lm":
-            raise ValueError("get_logprobs: policy.model_kind is 'reward_model'; use get_scores")
+            raise ValueError(f"get_logprobs: policy.model_kind is {self.cfg.model_kind!r}, not 'causal_lm'")
         batch_size, seq_len = data["input_ids"].shape
         with self._backend(), self.timer.time("logprobs"):
             return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
@@ -168,11 +179,20 @@ class PolicyWorker:
     def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
         """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
         if self.cfg.model_kind != "reward_model":
-            raise ValueError("get_scores: policy.model_kind is 'causal_lm'; use get_logprobs")
+            raise ValueError(f"get_scores: policy.model_kind is {self.cfg.model_kind!r}, not 'reward_model'")
         with self._backend():
             return BatchedDataDict(
                 {"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))}
             )
+
+    @torch.no_grad()
+    def get_values(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"values": [B, T]} in fp32 from a value model: position t = V(tokens < t), the value of the state
+        in which token t is chosen (aligned with logprobs); position 0 and padding 0."""
+        if self.cfg.model_kind != "value_model":
+            raise ValueError(f"get_values: policy.model_kind is {self.cfg.model_kind!r}, not 'value_model'")
+        with self._backend():
+            return BatchedDataDict({"values": self._forward_all(data, torch.zeros(data["input_ids"].shape))})
 
     # -- reference model -------------------------------------------------------------------------------
 

@@ -159,9 +159,12 @@ class PolicyConfig:
     tokenizer_name: str | None = field(
         default=None, metadata={"help": "Tokenizer directory or hub name (None: same as model_name)."}
     )
-    model_kind: Literal["causal_lm", "reward_model"] = field(
+    model_kind: Literal["causal_lm", "reward_model", "value_model"] = field(
         default="causal_lm",
-        metadata={"help": "causal_lm: token logprobs; reward_model: one scalar score per sequence."},
+        metadata={
+            "help": "causal_lm: token logprobs; reward_model: one scalar score per sequence; value_model: "
+            "one value per token (a PPO critic)."
+        },
     )
     precision: Literal["float32", "bfloat16"] = field(
         default="float32",
@@ -242,8 +245,13 @@ class PolicyConfig:
 
 def validate_policy_config(cfg: PolicyConfig) -> None:
     """Raise ValueError naming the first impossible setting of the `policy` section."""
-    if cfg.model_kind not in ("causal_lm", "reward_model"):
-        raise ValueError(f"policy.model_kind: expected 'causal_lm' or 'reward_model', got {cfg.model_kind!r}")
+    if cfg.model_kind not in ("causal_lm", "reward_model", "value_model"):
+        raise ValueError(
+            "policy.model_kind: expected 'causal_lm', 'reward_model' or 'value_model', "
+            f"got {cfg.model_kind!r}"
+        )
+    if cfg.model_kind == "value_model" and (cfg.backend != "dtensor" or cfg.lora.enabled):
+        raise ValueError("policy.model_kind 'value_model' trains in full on the dtensor backend (no LoRA)")
     if cfg.precision not in ("float32", "bfloat16"):
         raise ValueError(f"policy.precision: expected 'float32' or 'bfloat16', got {cfg.precision!r}")
     for key in (

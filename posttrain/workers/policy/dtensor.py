@@ -144,7 +144,8 @@ class DTensorPolicyWorker(PolicyWorker):
     # -- forward ---------------------------------------------------------------------------------------
 
     def _forward(self, microbatch: MicroBatch) -> torch.Tensor:
-        """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model (fp32)."""
+        """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model, values [b, T_mb] for a value
+        model (fp32)."""
         data = microbatch.data
         input_ids = data["input_ids"].to(self.device)  # [b, T_mb]
         if microbatch.packed is not None:
@@ -156,6 +157,11 @@ class DTensorPolicyWorker(PolicyWorker):
             input_ids = torch.where(attention_mask.bool(), input_ids, torch.full_like(input_ids, pad_id))
             logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, 1]
             return logits.float().squeeze(-1)  # [b]
+        if self.cfg.model_kind == "value_model":
+            # The head at position t - 1 has seen tokens < t: shift right so values line up with logprobs.
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask).logits  # [b, T_mb, 1]
+            values = torch.nn.functional.pad(outputs.float().squeeze(-1)[:, :-1], (1, 0))  # [b, T_mb]
+            return values * attention_mask
         text_only = not is_vision_language_model(self.model)  # equal VLM prompts may show different images
         if self.cfg.prefix_sharing and text_only and "token_mask" in data:  # shared prompts computed once
             logprobs = shared_prefix_logprobs(

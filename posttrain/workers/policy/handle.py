@@ -64,7 +64,10 @@ class Policy:
         cfg: PolicyConfig,
         init_reference_model: bool = False,
         name_prefix: str = "policy",
+        bundle_share: float = 0.5,
     ) -> None:
+        """`bundle_share`: the share of each bundle's CPUs and GPUs that a worker reserves (half, so that
+        a colocated generation group fits beside it; a quarter each for a policy and a PPO critic)."""
         self.cfg = cfg
         if cfg.model_name is None:
             raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
@@ -77,6 +80,8 @@ class Policy:
             init_kwargs={"cfg": cfg, "init_reference_model": init_reference_model},
             sharding=self.sharding,
             name_prefix=name_prefix,
+            num_cpus_per_worker=cluster.num_cpus_per_worker * bundle_share,
+            num_gpus_per_worker=cluster.cfg.num_gpus_per_worker * bundle_share,
         )
 
     # -- data-parallel dispatch ------------------------------------------------------------------------
@@ -113,6 +118,11 @@ class Policy:
     def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
         """{"scores": [B]} fp32 from a reward model (policy.model_kind = "reward_model")."""
         return self._gather_rows("get_scores", data)
+
+    def get_values(self, data: BatchedDataDict) -> BatchedDataDict:
+        """{"values": [B, T]} fp32 from a value model (policy.model_kind = "value_model"); position t is the
+        value of the state before token t, aligned with logprobs."""
+        return self._gather_rows("get_values", data)
 
     def get_reference_policy_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         """{"reference_policy_logprobs": [B, T]} from the frozen initial weights."""

@@ -1,0 +1,105 @@
+"""PPO's critic on GRPO's loop (`grpo.advantage_estimator: gae`): a value model beside the policy, the
+per-token GAE advantages it gives, and its clipped value-loss update.
+
+Algorithm as implemented (PPO, Schulman et al. 2017, arXiv:1707.06347, with GAE, arXiv:1506.02438):
+the critic is the policy's architecture with a linear value head on every position
+(`critic.model.model_kind: value_model`, started from the policy's weights unless `critic.model.model_name`
+names others; the head starts at random). Each step it computes V_t for the batch's trained
+(assistant) tokens, the sequence reward sits on the last of them, GAE with `critic.gamma` and
+`critic.lam` gives A_t and the returns R_t = A_t + V_t, and A_t is whitened over the batch's trained
+tokens. The policy then takes its clipped policy-gradient step on A_t, and the critic one step of the
+clipped value loss toward R_t. Departures from the paper: no per-token KL penalty in the reward (the KL
+penalty, if any, is the loss's), and one epoch over each batch, as in GRPO's loop.
+
+Run: posttrain ppo --config configs/ppo_tiny.yaml
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from posttrain.algorithms import advantages as adv
+from posttrain.algorithms.checks import check_model_exists
+from posttrain.algorithms.loss import ValueLoss, ValueLossConfig
+from posttrain.config import ConfigError
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
+from posttrain.utils.metrics import mean_over_steps
+from posttrain.workers.policy import Policy, PolicyConfig
+
+
+def _value_model_config() -> PolicyConfig:
+    return PolicyConfig(model_kind="value_model")
+
+
+@dataclass
+class CriticConfig:
+    """PPO's critic: a value model trained beside the policy (used with grpo.advantage_estimator gae)."""
+
+    model: PolicyConfig = field(
+        default_factory=_value_model_config,
+        metadata={
+            "help": "the value model (model_kind value_model); model_name null = the policy's model, with a "
+            "new value head"
+        },
+    )
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig, metadata={"help": "value loss"})
+    gamma: float = field(default=1.0, metadata={"help": "GAE discount per token"})
+    lam: float = field(default=0.95, metadata={"help": "GAE lambda: 0 = one-step TD, 1 = Monte Carlo"})
+    whiten_advantages: bool = field(
+        default=True, metadata={"help": "whiten the advantages over the batch's trained tokens"}
+    )
+
+    def validate(self) -> None:
+        if self.model.model_kind != "value_model":
+            raise ConfigError.at(
+                "model.model_kind", f"the critic is a value_model, got {self.model.model_kind!r}"
+            )
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError.at(key, f"{getattr(self, key)} must be in [0, 1]")
+
+
+@dataclass
+class CriticEstimate:
+    """What the critic adds to a batch, each [B, T]: advantages (whitened if configured), the returns the
+    value loss aims at, and the values that computed them (prev_values, the value clip's centre)."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    prev_values: torch.Tensor
+
+
+class Critic:
+    """The value model's worker group and its two stages: `estimate` (values -> GAE) and `train`."""
+
+    def __init__(
+        self, cluster: RayVirtualCluster, cfg: CriticConfig, policy_model_name: str, bundle_share: float
+    ) -> None:
+        self.cfg = cfg
+        if cfg.model.model_name:
+            check_model_exists("critic.model.model_name", cfg.model.model_name)
+        model_cfg = dataclasses.replace(cfg.model, model_name=cfg.model.model_name or policy_model_name)
+        self.model = Policy(cluster, model_cfg, name_prefix="critic", bundle_share=bundle_share)
+
+    def estimate(
+        self, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor
+    ) -> CriticEstimate:
+        """GAE advantages and returns of sequence rewards [B] on the trained tokens token_mask [B, T]."""
+        values = self.model.get_values(train_data)["values"] * token_mask  # [B, T]
+        token_rewards = adv.terminal_token_rewards(rewards, token_mask)  # [B, T]
+        gae = adv.gae_advantages(token_rewards, values, token_mask, self.cfg.gamma, self.cfg.lam)
+        advantages = gae.advantages
+        if self.cfg.whiten_advantages:
+            advantages = adv.masked_whiten(advantages, token_mask)
+        return CriticEstimate(advantages, gae.returns, values)
+
+    def train(self, train_data: BatchedDataDict) -> dict[str, float]:
+        """One value-loss step per global batch of the critic; train_data holds returns and prev_values."""
+        return mean_over_steps(self.model.train(train_data, ValueLoss(self.cfg.loss)))
+
+    def shutdown(self) -> None:
+        self.model.shutdown()

@@ -1,0 +1,92 @@
+"""On-policy distillation's teacher on GRPO's loop (`grpo.advantage_estimator: on_policy_distillation`):
+a frozen causal LM on a worker group of its own that scores the student's sampled tokens.
+
+Algorithm as implemented (GKD, Agarwal et al. 2024, arXiv:2306.13649, with the reverse KL as in Qwen3's
+on-policy distillation): the student (the policy) samples responses as in GRPO; the teacher computes
+log pi_teacher of each sampled token; each token's advantage is log pi_teacher - log pi_student (the
+student's sampling logprobs), plus `teacher.reward_weight` times the environment's group-relative
+advantage; the student takes GRPO's clipped policy-gradient step on it. The teacher must share the
+student's tokenizer (checked at setup, an error names `teacher.model.model_name` otherwise). Departures:
+per-token credit only (discount 0), and the teacher is any Hugging Face causal LM (it may be larger).
+
+Run: posttrain distill --config configs/distill_tiny.yaml
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.algorithms.checks import check_model_exists
+from posttrain.config import ConfigError
+from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
+from posttrain.models.build import load_tokenizer
+from posttrain.models.tokenizer import tokenizer_mismatch
+from posttrain.workers.policy import Policy, PolicyConfig
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation's frozen teacher (used with grpo.advantage_estimator on_policy_distillation)."""
+
+    model: PolicyConfig = field(
+        default_factory=PolicyConfig,
+        metadata={"help": "the teacher: a causal LM with the student's tokenizer (only its forward runs)"},
+    )
+    reward_weight: float = field(
+        default=0.0,
+        metadata={
+            "help": "weight of the environment's group-relative advantage added to the distillation "
+            "advantage; 0 = pure distillation"
+        },
+    )
+
+    whiten_advantages: bool = field(
+        default=True,
+        metadata={
+            "help": "whiten the distillation advantages over the batch's trained tokens (the batch mean is "
+            "a baseline: nearly every sampled token starts below the teacher's logprob)"
+        },
+    )
+
+    def validate(self) -> None:
+        if self.model.model_kind != "causal_lm":
+            raise ConfigError.at(
+                "model.model_kind", f"the teacher is a causal_lm, got {self.model.model_kind!r}"
+            )
+        if self.reward_weight < 0:
+            raise ConfigError.at("reward_weight", f"{self.reward_weight} must be >= 0")
+
+
+def check_same_tokenizer(student_tokenizer: Any, cfg: TeacherConfig) -> None:
+    """ConfigError naming teacher.model.model_name unless the teacher exists and its tokenizer gives the
+    student's ids."""
+    check_model_exists("teacher.model.model_name", cfg.model.model_name)
+    if cfg.model.tokenizer_name:
+        check_model_exists("teacher.model.tokenizer_name", cfg.model.tokenizer_name)
+    teacher_tokenizer = load_tokenizer(cfg.model.tokenizer_name or cfg.model.model_name)
+    mismatch = tokenizer_mismatch(student_tokenizer, teacher_tokenizer)
+    if mismatch is not None:
+        raise ConfigError(
+            "teacher.model.model_name",
+            f"{cfg.model.model_name} does not share the student's tokenizer ({mismatch}): the teacher "
+            "scores the student's token ids, so both need the same vocabulary",
+        )
+
+
+class Teacher:
+    """The teacher's worker group; `logprobs` is its one stage."""
+
+    def __init__(self, cluster: RayVirtualCluster, cfg: TeacherConfig, bundle_share: float) -> None:
+        self.cfg = cfg
+        self.model = Policy(cluster, cfg.model, name_prefix="teacher", bundle_share=bundle_share)
+
+    def logprobs(self, train_data: BatchedDataDict) -> torch.Tensor:
+        """log pi_teacher of each token of the batch [B, T] (position 0 and padding 0)."""
+        return self.model.get_logprobs(train_data)["logprobs"]
+
+    def shutdown(self) -> None:
+        self.model.shutdown()

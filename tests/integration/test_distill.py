@@ -1,0 +1,116 @@
+"""On-policy distillation (GRPO's loop with `grpo.advantage_estimator: on_policy_distillation`) on real
+Ray workers, a learning run: a weak student distilled from the SFT model of the test fixtures (the
+teacher, on a worker group of its own) moves toward the teacher: its per-token reverse KL to the teacher
+falls by more than half and its strict held-out accuracy rises.
+
+Measured here: reverse KL 1.040 -> 0.284 and accuracy 0.060 -> 0.255 after 200 steps (the teacher:
+0.410), i.e. 56% of the accuracy gap; after 300 steps the KL is lower still (0.249) but greedy accuracy
+is 0.135. The reverse KL on the student's own samples falls steadily; greedy accuracy follows it only
+loosely, so the test asserts a rise of the accuracy, not a share of the gap."""
+
+from pathlib import Path
+
+import pytest
+from run_logs import metrics_by_step
+
+from posttrain.algorithms import grpo, sft
+from posttrain.config import load_typed_config
+
+pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+SFT_STEPS = 150  # the teacher's SFT runs until val loss < 0.4, ~250+ steps
+
+
+@pytest.fixture(scope="module")
+def weak_student(ray_session, tmp_path_factory):
+    """The teacher's model and SFT schedule (the `arithmetic_sft_model` fixture), stopped at SFT_STEPS."""
+    log_dir = tmp_path_factory.mktemp("weak_student")
+    overrides = {
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "checkpointing.enabled": "false",
+        "policy.model.from_config.hidden_size": 64,
+        "policy.model.from_config.num_layers": 2,
+        "policy.model.from_config.intermediate_size": 256,
+        "policy.optimizer.kwargs.lr": 3e-3,
+        "sft.max_num_steps": SFT_STEPS,
+        "sft.val_max_samples": 64,
+        "sft.export_final_model": "false",
+        "cluster.num_cpus_per_worker": 0.5,
+    }
+    cfg = load_typed_config(
+        sft.SFTConfig, str(CONFIGS / "sft_tiny.yaml"), [f"{k}={v}" for k, v in overrides.items()]
+    )
+    run = sft.setup(cfg)
+    try:
+        sft.sft_train(run)
+        run.policy.export_hf(str(log_dir / "hf_model"))
+    finally:
+        run.shutdown()
+    return log_dir / "hf_model"
+
+
+def distill_run(log_dir, student, teacher, num_steps: int) -> dict[int, dict]:
+    """configs/distill_tiny.yaml with the fixtures' models: `num_steps` steps of 32 prompts x 8 samples,
+    4 optimizer steps each (the config's); greedy validation on 200 held-out prompts at the start and
+    the end."""
+    values = {
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "checkpointing.enabled": "false",
+        "policy.model_name": str(student),
+        "teacher.model.model_name": str(teacher),
+        "grpo.max_num_steps": num_steps,
+        "grpo.val_period": num_steps,
+        "grpo.max_val_samples": 200,
+        "cluster.num_cpus_per_worker": 0.5,
+    }
+    cfg = load_typed_config(
+        grpo.GRPOConfig, str(CONFIGS / "distill_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
+    )
+    run = grpo.setup(cfg)
+    try:
+        grpo.grpo_train(run)
+    finally:
+        run.shutdown()
+    return metrics_by_step(log_dir)
+
+
+def teacher_accuracy(log_dir, teacher) -> float:
+    """The teacher's strict held-out accuracy, by the same validation (a GRPO run of 0 steps)."""
+    values = {
+        "logger.log_dir": str(log_dir),
+        "logger.tensorboard_enabled": "false",
+        "checkpointing.enabled": "false",
+        "policy.model_name": str(teacher),
+        "grpo.max_val_samples": 200,
+        "cluster.num_cpus_per_worker": 0.5,
+    }
+    cfg = load_typed_config(
+        grpo.GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
+    )
+    run = grpo.setup(cfg)
+    try:
+        return grpo.validate(run, 0)["strict_accuracy"]
+    finally:
+        run.shutdown()
+
+
+def test_on_policy_distillation_lowers_the_reverse_kl_and_raises_accuracy(
+    arithmetic_sft_model, weak_student, tmp_path
+):
+    """Graded strictly (the reply's final number equals the sum) on 200 held-out prompts, greedy: after
+    200 steps the student's mean per-token reverse KL to the teacher is below half its first value, and
+    its accuracy has risen by at least 0.1 toward the teacher's."""
+    num_steps = 200
+    teacher = teacher_accuracy(tmp_path / "teacher", arithmetic_sft_model)
+    steps = distill_run(tmp_path / "distill", weak_student, arithmetic_sft_model, num_steps)
+    start, end = steps[0]["val/strict_accuracy"], steps[num_steps]["val/strict_accuracy"]
+    first_kl = steps[1]["train/distillation/reverse_kl"]
+    last_kl = steps[num_steps]["train/distillation/reverse_kl"]
+    print(f"strict accuracy: teacher {teacher:.3f}, student {start:.3f} -> {end:.3f}")
+    print(f"reverse KL per token: {first_kl:.3f} -> {last_kl:.3f}")
+    assert teacher - start >= 0.2  # a real gap to close
+    assert last_kl < first_kl / 2
+    assert end >= start + 0.1
