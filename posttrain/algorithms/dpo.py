@@ -15,6 +15,9 @@ exact resume and logging as in SFT. Departures from the paper: the reference is 
 starts from (the paper's pi_SFT when that is an SFT model, as in configs/dpo_tiny.yaml); the optional SFT
 term on the chosen response is RPO's (arXiv:2404.19733).
 
+`loss.preference_loss` swaps the pair loss for IPO's squared one or SimPO's reference-free one (formulas in
+`loss.DPOLoss`); SimPO computes no reference logprobs and keeps no reference weights.
+
 Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain dpo --config configs/dpo_tiny.yaml
 """
 
@@ -75,11 +78,16 @@ def add_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedData
     return data
 
 
+def uses_reference(cfg: DPOConfig) -> bool:
+    """Every pair loss but SimPO's compares with the frozen reference."""
+    return cfg.loss.preference_loss != "simpo"
+
+
 def val_batches(
     cfg: DPOConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
 ) -> list[BatchedDataDict]:
     return [
-        add_reference_logprobs(policy, batch)
+        add_reference_logprobs(policy, batch) if uses_reference(cfg) else batch
         for batch in pairs.pair_batches(
             records, cfg.dpo.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id
         )
@@ -96,8 +104,9 @@ def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
     """One optimizer step on the next global batch of pairs."""
     with timer.time("data"):
         batch = pairs.pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
-    with timer.time("reference_logprobs"):
-        add_reference_logprobs(run.policy, batch)
+    if uses_reference(run.cfg):
+        with timer.time("reference_logprobs"):
+            add_reference_logprobs(run.policy, batch)
     with timer.time("train"):
         metrics = single_step_metrics(run.policy.train(batch, DPOLoss(run.cfg.loss)))
     metrics["num_trained_tokens"] = float(batch["token_mask"].sum())
@@ -113,7 +122,7 @@ def setup(cfg: DPOConfig) -> DPORun:
         cfg.policy.train_global_batch_size // 2,
         val_batches,
         hyperparams={"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data},
-        init_reference_model=True,
+        init_reference_model=uses_reference(cfg),
     )
 
 

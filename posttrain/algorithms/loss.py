@@ -432,10 +432,24 @@ class ValueLoss:
 
 @dataclass
 class DPOLossConfig:
-    """Options of the DPO loss."""
+    """Options of the DPO loss and its one-loss-away variants (IPO, SimPO)."""
 
+    preference_loss: Literal["dpo", "ipo", "simpo"] = field(
+        default="dpo",
+        metadata={
+            "help": "dpo: -log sigmoid(r_c - r_r); ipo: (h - 1/(2 beta))^2 with h the difference of log "
+            "ratios; simpo: reference-free, -log sigmoid(beta (mean log pi(y_c) - mean log pi(y_r)) - "
+            "simpo_gamma)"
+        },
+    )
     reference_policy_kl_penalty: float = field(
-        default=0.1, metadata={"help": "beta: scale of the implicit reward beta * (log pi - log pi_ref)"}
+        default=0.1,
+        metadata={
+            "help": "beta: scale of the implicit reward beta * (log pi - log pi_ref); IPO's tau; SimPO's beta"
+        },
+    )
+    simpo_gamma: float = field(
+        default=0.5, metadata={"help": "SimPO's target reward margin gamma (preference_loss simpo)"}
     )
     preference_average_log_probs: bool = field(
         default=False,
@@ -454,6 +468,12 @@ class DPOLossConfig:
         default=False, metadata={"help": "the SFT term uses the mean (not sum) of the chosen token logprobs"}
     )
 
+    def validate(self) -> None:
+        if self.preference_loss == "ipo" and self.reference_policy_kl_penalty <= 0:
+            raise ConfigError.at(
+                "reference_policy_kl_penalty", "IPO's target margin is 1 / (2 beta): beta must be > 0"
+            )
+
 
 def _sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average: bool) -> torch.Tensor:
     """Sum (or mean) over trained tokens: [B, T] -> [B]."""
@@ -468,16 +488,26 @@ def _pair_mask(data: Mapping[str, Any], like: torch.Tensor, loss_name: str) -> t
 
 
 class DPOLoss:
-    """Direct preference optimisation (Rafailov et al. 2023, arXiv:2305.18290).
+    """Direct preference optimisation (Rafailov et al. 2023, arXiv:2305.18290) and two variants that are one
+    loss away, IPO and SimPO (`cfg.preference_loss`).
 
     Rows are interleaved pairs: row 2i is the chosen response of pair i and row 2i+1 its rejected one, and
-    both rows of a pair carry the same sample_mask. With the implicit reward
-    r = beta * (log pi(y) - log pi_ref(y)), log pi(y) the sum (or mean) of the response's token logprobs:
+    both rows of a pair carry the same sample_mask. log pi(y) is the sum (or, with
+    preference_average_log_probs, the mean) of the response's token logprobs, beta
+    `reference_policy_kl_penalty`, and per pair:
 
-        loss = sum over pairs of [w_pref * -log sigmoid(r_c - r_r) + w_sft * -log pi(y_c)] / global pairs
+        dpo:    r = beta * (log pi(y) - log pi_ref(y)),   l = -log sigmoid(r_c - r_r)
+        ipo:    h = (log pi(y_c) - log pi_ref(y_c)) - (log pi(y_r) - log pi_ref(y_r)),
+                l = (h - 1 / (2 beta))^2                  (Azar et al. 2023, arXiv:2310.12036; beta is tau)
+        simpo:  r = beta * mean log pi(y), no reference,  l = -log sigmoid(r_c - r_r - gamma)
+                                                          (Meng et al. 2024, arXiv:2405.14734)
 
-    where global pairs = global_valid_seqs / 2. Metrics (sums): loss, preference_loss, sft_loss, accuracy
-    (fraction of pairs with r_c > r_r), rewards_chosen_mean, rewards_rejected_mean.
+        loss = sum over pairs of [w_pref * l + w_sft * -log pi(y_c)] / global pairs
+
+    where global pairs = global_valid_seqs / 2. SimPO always uses the mean logprob (its length
+    normalisation) and ignores reference_policy_logprobs. The reported rewards are r (for IPO, DPO's r).
+    Metrics (sums): loss, preference_loss, sft_loss, accuracy (fraction of pairs with r_c > r_r),
+    rewards_chosen_mean, rewards_rejected_mean.
     """
 
     def __init__(self, cfg: DPOLossConfig | None = None) -> None:
@@ -492,17 +522,10 @@ class DPOLoss:
     ) -> LossOutput:
         logprobs = logprobs.float()  # [B, T]
         token_mask = _require(data, "token_mask", "DPOLoss").to(logprobs.device).float()  # [B, T]
-        ref_logprobs = _require(data, "reference_policy_logprobs", "DPOLoss").to(logprobs.device).float()
         pair_mask = _pair_mask(data, logprobs, "DPOLoss")  # [P]
         num_pairs = _count(torch.as_tensor(global_valid_seqs, dtype=torch.float32) / 2, logprobs)
-        average = self.cfg.preference_average_log_probs
-        log_ratio = _sequence_logprobs(logprobs, token_mask, average) - _sequence_logprobs(
-            ref_logprobs, token_mask, average
-        )  # [B]
-        rewards_chosen, rewards_rejected = _pair_halves(
-            self.cfg.reference_policy_kl_penalty * log_ratio, "DPOLoss"
-        )
-        preference_loss = (-F.logsigmoid(rewards_chosen - rewards_rejected) * pair_mask).sum() / num_pairs
+        rewards_chosen, rewards_rejected, pair_losses = self._pair_losses(logprobs, token_mask, data)  # [P]
+        preference_loss = (pair_losses * pair_mask).sum() / num_pairs
         chosen_logprobs, _ = _pair_halves(
             _sequence_logprobs(logprobs, token_mask, self.cfg.sft_average_log_probs), "DPOLoss"
         )  # [P]
@@ -515,6 +538,25 @@ class DPOLoss:
             sft_loss=float(sft_loss.detach()),
         )
         return loss, metrics
+
+    def _pair_losses(
+        self, logprobs: torch.Tensor, token_mask: torch.Tensor, data: Mapping[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rewards of the chosen and rejected responses and the per-pair preference loss l, each [P]."""
+        beta = self.cfg.reference_policy_kl_penalty
+        if self.cfg.preference_loss == "simpo":
+            chosen, rejected = _pair_halves(beta * _sequence_logprobs(logprobs, token_mask, True), "DPOLoss")
+            return chosen, rejected, -F.logsigmoid(chosen - rejected - self.cfg.simpo_gamma)
+        ref_logprobs = _require(data, "reference_policy_logprobs", "DPOLoss").to(logprobs.device).float()
+        average = self.cfg.preference_average_log_probs
+        log_ratio = _sequence_logprobs(logprobs, token_mask, average) - _sequence_logprobs(
+            ref_logprobs, token_mask, average
+        )  # [B]
+        chosen, rejected = _pair_halves(beta * log_ratio, "DPOLoss")  # [P], [P]
+        if self.cfg.preference_loss == "ipo":
+            ratio_chosen, ratio_rejected = _pair_halves(log_ratio, "DPOLoss")
+            return chosen, rejected, (ratio_chosen - ratio_rejected - 1.0 / (2.0 * beta)).square()
+        return chosen, rejected, -F.logsigmoid(chosen - rejected)
 
 
 def _pair_metrics(

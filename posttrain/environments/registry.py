@@ -2,7 +2,8 @@
 in `posttrain.environments.pool`).
 
 In YAML, `env.<task_name>.cls` is a registered name (`math`, `exact_match`, `sliding_puzzle`, `code`,
-`reward_model`), or a user's class as `path/to/file.py:ClassName` or `package.module:ClassName`.
+`reward_model`, `remote`, `judge`), or a user's class as `path/to/file.py:ClassName` or
+`package.module:ClassName`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "code": CodeToolEnvironment,
     "reward_model": "posttrain.environments.reward_model:RewardModelEnvironment",
     "remote": "posttrain.environments.remote:RemoteEnvironment",
+    "judge": "posttrain.environments.judge:JudgeEnvironment",
 }
 
 

@@ -16,6 +16,7 @@ from posttrain.algorithms.loss import (
     ValueLoss,
     ValueLossConfig,
 )
+from posttrain.config import ConfigError
 from posttrain.utils.metrics import sum_metrics
 
 LN2 = math.log(2.0)
@@ -294,6 +295,45 @@ def test_dpo_normalises_by_global_pairs():
     assert DPOLoss(cfg)(*preference_batch(), 4, 8)[0].item() == pytest.approx(math.log1p(math.exp(-1.0)) / 2)
 
 
+def test_ipo_by_hand():
+    """h = (1) - (-1) = 2 on sums. beta 0.1: target 1/(2 beta) = 5, loss (2 - 5)^2 = 9, dl/dh = 2 (2 - 5) = -6
+    on each chosen token and +6 on each rejected one. beta 0.5: (2 - 1)^2 = 1. On means (h = 1), beta 0.5:
+    0; rewards are DPO's beta * log ratio."""
+    logprobs, data = preference_batch()
+    loss, metrics = DPOLoss(DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.1))(
+        logprobs, data, 2, 4
+    )
+    assert loss.item() == pytest.approx(9.0)
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -6.0, -6.0], [0.0, 6.0, 6.0]]))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((0.1, -0.1))
+    half = DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.5)
+    assert DPOLoss(half)(*preference_batch(), 2, 4)[0].item() == pytest.approx(1.0)
+    half.preference_average_log_probs = True
+    assert DPOLoss(half)(*preference_batch(), 2, 4)[0].item() == pytest.approx(0.0)
+
+
+def test_simpo_by_hand_needs_no_reference():
+    """beta 2, gamma 0.5, mean logprobs -1 and -2: r_c = -2, r_r = -4, loss -log sigmoid(2 - 0.5) =
+    log(1 + e^-1.5) = 0.201413; dl/dlogp = -sigmoid(-1.5) * beta / 2 tokens = -0.182426 per chosen token,
+    +0.182426 per rejected one. No reference logprobs in the batch."""
+    logprobs, data = preference_batch()
+    del data["reference_policy_logprobs"]
+    cfg = DPOLossConfig(preference_loss="simpo", reference_policy_kl_penalty=2.0, simpo_gamma=0.5)
+    loss, metrics = DPOLoss(cfg)(logprobs, data, 2, 4)
+    assert loss.item() == pytest.approx(math.log1p(math.exp(-1.5)))
+    loss.backward()
+    g = 1.0 / (1.0 + math.exp(1.5))
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -g, -g], [0.0, g, g]]))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((-2.0, -4.0))
+    assert metrics["accuracy"] == 1.0
+
+
+def test_ipo_with_beta_zero_is_a_config_error():
+    with pytest.raises(ConfigError, match="reference_policy_kl_penalty"):
+        DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.0).validate()
+
+
 def test_pair_losses_reject_odd_batches():
     with pytest.raises(ValueError, match="odd batch of 3 rows"):
         BradleyTerryLoss()(torch.zeros(3), {}, 3, 3)
@@ -384,6 +424,8 @@ LOSSES = {
     "dr_grpo": ClippedPGLoss(ClippedPGLossConfig(constant_length_normalizer=6)),
     "value": ValueLoss(ValueLossConfig(value_clip=0.1)),
     "dpo_sft": DPOLoss(DPOLossConfig(sft_loss_weight=0.5, preference_average_log_probs=True)),
+    "ipo": DPOLoss(DPOLossConfig(preference_loss="ipo")),
+    "simpo": DPOLoss(DPOLossConfig(preference_loss="simpo", reference_policy_kl_penalty=2.0)),
     "bradley_terry": BradleyTerryLoss(),
 }
 
