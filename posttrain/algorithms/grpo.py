@@ -362,7 +362,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     with_critic = cfg.grpo.advantage_estimator == "gae"
     with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
     if with_teacher:
-        check_same_tokenizer(tokenizer, cfg.teacher)
+        check_same_tokenizer(tokenizer, cfg.teacher.model)
     share = 0.25 if with_critic or with_teacher else 0.5
     policy = Policy(
         cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0, bundle_share=share

@@ -93,6 +93,65 @@ class NLLLoss:
         return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(mask.sum())}
 
 
+@dataclass
+class KDLossConfig:
+    """Weights of off-policy knowledge distillation's loss."""
+
+    kd_weight: float = field(default=1.0, metadata={"help": "weight of the KL to the teacher's top-k"})
+    nll_weight: float = field(
+        default=0.0, metadata={"help": "weight of the data's own NLL (SFT's loss) beside it; 0 = off"}
+    )
+
+    def validate(self) -> None:
+        if self.kd_weight < 0 or self.nll_weight < 0 or self.kd_weight + self.nll_weight == 0:
+            raise ConfigError.at("kd_weight", "kd_weight and nll_weight must be >= 0, not both 0")
+
+
+class KDLoss:
+    """Off-policy knowledge distillation on the teacher's top-k (Hinton et al. 2015, arXiv:1503.02531, with
+    the top-k truncation of large-vocabulary distillation). At each trained token t the teacher's k most
+    likely next tokens j with logprobs l_j are renormalised, q_j = exp(l_j) / sum_i exp(l_i), and with the
+    student's full-vocabulary logprobs s_j of the same ids:
+
+        KL_t = sum_j q_j (log q_j - s_j)          (forward KL on the teacher's top-k support)
+        loss = [w_kd * sum_t KL_t + w_nll * sum_t -log p(y_t)] / global trained tokens
+
+    Its first argument is [B, T, 1 + k]: each token's logprob, then the student's logprobs of the teacher's
+    k ids (`candidate_ids_key` tells the worker which ids). Needs `teacher_topk_logprobs` [B, T, k].
+    Metrics (sums): loss, kd_loss, nll_loss, teacher_topk_mass (the teacher's probability inside its top k,
+    summed over tokens / global tokens), num_valid_tokens."""
+
+    candidate_ids_key = "teacher_topk_ids"
+
+    def __init__(self, cfg: KDLossConfig | None = None) -> None:
+        self.cfg = cfg or KDLossConfig()
+
+    def __call__(
+        self,
+        outputs: torch.Tensor,
+        data: Mapping[str, Any],
+        global_valid_seqs: Count,
+        global_valid_toks: Count,
+    ) -> LossOutput:
+        logprobs, student = outputs[..., 0].float(), outputs[..., 1:].float()  # [B, T], [B, T, k]
+        teacher = _require(data, "teacher_topk_logprobs", "KDLoss").to(outputs.device).float()  # [B, T, k]
+        mask = _valid_token_mask(data, logprobs, "KDLoss")  # [B, T]
+        tokens = _count(global_valid_toks, logprobs)
+        target = torch.log_softmax(teacher, dim=-1)  # log q [B, T, k]
+        kl = (target.exp() * (target - student)).sum(dim=-1)  # [B, T]
+        kd_loss = _masked_sum(kl, mask) / tokens
+        nll_loss = -_masked_sum(logprobs, mask) / tokens
+        loss = self.cfg.kd_weight * kd_loss + self.cfg.nll_weight * nll_loss
+        topk_mass = _masked_sum(teacher.exp().sum(dim=-1), mask) / tokens
+        return loss, {
+            "loss": float(loss.detach()),
+            "kd_loss": float(kd_loss.detach()),
+            "nll_loss": float(nll_loss.detach()),
+            "teacher_topk_mass": float(topk_mass),
+            "num_valid_tokens": float(mask.sum()),
+        }
+
+
 # -- clipped policy gradient ----------------------------------------------------------------------
 
 

@@ -8,7 +8,14 @@ conversations. Validation loss every `sft.val_period` steps and at the end; chec
 `checkpointing.save_period` steps (ranked by `val_loss`); a restarted run resumes from the latest
 checkpoint in its checkpoint directory with the same model, optimizer, scheduler, data position and RNG.
 
+Off-policy knowledge distillation (`distillation.enabled`): a frozen teacher (`distillation.teacher`, any
+Hugging Face causal LM with the student's tokenizer, on workers of its own) gives its `distillation.top_k`
+most likely next tokens at every trained position of each batch, and the loss is the forward KL from the
+teacher's renormalised top-k to the student (`loss.KDLoss`), optionally beside the data's NLL. Validation
+reports `kd_loss` (the student's KL to the teacher on held-out data) and `nll_loss`.
+
 Run: posttrain sft --config configs/sft_tiny.yaml
+     posttrain sft --config configs/kd_tiny.yaml      (distillation from the SFT model)
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import supervised
 from posttrain.algorithms.checks import check_parallelism
-from posttrain.algorithms.loss import NLLLoss
+from posttrain.algorithms.loss import KDLoss, KDLossConfig, NLLLoss
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
-from posttrain.config import load_run_config
+from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
@@ -31,6 +38,35 @@ from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
+
+
+@dataclass
+class DistillationConfig:
+    """Off-policy knowledge distillation: SFT's data, a frozen teacher's top-k as the target."""
+
+    enabled: bool = field(
+        default=False, metadata={"help": "train on the teacher's top-k instead of only the data"}
+    )
+    top_k: int = field(
+        default=20, metadata={"help": "the teacher's most likely next tokens kept per position"}
+    )
+    loss: KDLossConfig = field(
+        default_factory=KDLossConfig, metadata={"help": "weights of the KL and NLL terms"}
+    )
+    teacher: PolicyConfig = field(
+        default_factory=PolicyConfig,
+        metadata={"help": "the teacher: a causal LM with the student's tokenizer (only its forward runs)"},
+    )
+
+    def validate(self) -> None:
+        if self.top_k < 1:
+            raise ConfigError.at("top_k", f"{self.top_k} must be >= 1")
+        if self.enabled and self.teacher.model_name is None:
+            raise ConfigError.at(
+                "teacher.model_name", "distillation needs a teacher: a model directory or hub name"
+            )
+        if self.teacher.model_kind != "causal_lm" or self.teacher.backend != "dtensor":
+            raise ConfigError.at("teacher.backend", "the teacher is a causal_lm on the dtensor backend")
 
 
 @dataclass
@@ -47,9 +83,21 @@ class SFTConfig:
     checkpointing: CheckpointingConfig = field(
         default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
     )
+    distillation: DistillationConfig = field(
+        default_factory=DistillationConfig,
+        metadata={"help": "off-policy knowledge distillation (off by default)"},
+    )
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)
+        if self.distillation.enabled:
+            check_parallelism(self.distillation.teacher, self.cluster)
+            if self.policy.backend != "dtensor" or self.policy.sequence_packing.enabled:
+                raise ConfigError(
+                    "policy.backend",
+                    "distillation trains on the dtensor backend without sequence packing "
+                    "(policy.sequence_packing.enabled: false)",
+                )
 
 
 SFTRun = SupervisedRun[SFTConfig]
@@ -69,20 +117,36 @@ def val_batches(
     ]
 
 
+def loss_function(cfg: SFTConfig) -> NLLLoss | KDLoss:
+    return KDLoss(cfg.distillation.loss) if cfg.distillation.enabled else NLLLoss()
+
+
+def add_teacher_targets(teacher: Policy, batch: BatchedDataDict, k: int) -> BatchedDataDict:
+    """`teacher_topk_logprobs` and `teacher_topk_ids` [B, T, k] from the frozen teacher, added to `batch`."""
+    targets = teacher.get_topk_logprobs(batch, k)
+    batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = targets["topk_logprobs"], targets["topk_ids"]
+    return batch
+
+
 def validate(run: SFTRun) -> dict[str, float]:
-    """Token-weighted mean NLL over the validation batches."""
-    total_loss, total_tokens = 0.0, 0.0
+    """Token-weighted means over the validation batches: the loss (NLL, or with distillation the KD loss),
+    and with distillation its `kd_loss` (the KL to the teacher) and `nll_loss`."""
+    loss_fn = loss_function(run.cfg)
+    totals: dict[str, float] = {}
+    total_tokens = 0.0
     for batch in run.val_data:
         num_tokens = float((batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)).sum())
         metrics = run.policy.evaluate(
             batch,
-            NLLLoss(),
+            loss_fn,
             global_batch_size=batch.size,
             micro_batch_size=run.cfg.policy.train_micro_batch_size,
         )
-        total_loss += float(metrics["loss"][0]) * num_tokens
+        for key in ("loss", "kd_loss", "nll_loss"):
+            if key in metrics:
+                totals[key] = totals.get(key, 0.0) + float(metrics[key][0]) * num_tokens
         total_tokens += num_tokens
-    return {"loss": total_loss / max(total_tokens, 1.0)}
+    return {key: value / max(total_tokens, 1.0) for key, value in totals.items()}
 
 
 def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
@@ -91,8 +155,11 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
         batch = to_train_data(
             run.train_loader.next_batch(), run.tokenizer.pad_token_id, run.cfg.data.train_on
         )
+    if run.teacher is not None:
+        with timer.time("teacher_topk"):
+            add_teacher_targets(run.teacher, batch, run.cfg.distillation.top_k)
     with timer.time("train"):
-        metrics = mean_over_steps(run.policy.train(batch, NLLLoss()))
+        metrics = mean_over_steps(run.policy.train(batch, loss_function(run.cfg)))
     num_tokens = float(batch["input_lengths"].sum())
     metrics["tokens_per_second"] = num_tokens / max(timer.get_latest("train"), 1e-9)
     metrics["num_trained_tokens"] = float(batch["token_mask"].sum())
@@ -100,15 +167,27 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
 
 
 def setup(cfg: SFTConfig) -> SFTRun:
-    """Data, model, workers, logger and checkpoints; resumes from the latest checkpoint if there is one."""
-    return supervised.setup_run(
+    """Data, model, workers (and the teacher's, with distillation), logger and checkpoints; resumes from the
+    latest checkpoint if there is one."""
+    distilling = cfg.distillation.enabled
+    run = supervised.setup_run(
         cfg,
         "sft",
         "sft",
         cfg.policy.train_global_batch_size,
         val_batches,
-        hyperparams={"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data},
+        hyperparams={
+            "sft": cfg.sft,
+            "policy": cfg.policy,
+            "data": cfg.data,
+            "distillation": cfg.distillation,
+        },
+        teacher=cfg.distillation.teacher if distilling else None,
     )
+    if run.teacher is not None:  # the validation targets, once
+        for batch in run.val_data:
+            add_teacher_targets(run.teacher, batch, cfg.distillation.top_k)
+    return run
 
 
 def sft_progress(metrics: dict[str, float], val_metrics: dict[str, float] | None) -> dict[str, float]:

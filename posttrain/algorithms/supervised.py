@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
 from posttrain.algorithms.run import RunConfig, checkpoint_if_due, log_step, prepare_run, restore_run
+from posttrain.algorithms.teacher import check_same_tokenizer
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -27,7 +28,7 @@ from posttrain.utils.checkpoint import CheckpointManager
 from posttrain.utils.logger import Logger
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
-from posttrain.workers.policy import Policy
+from posttrain.workers.policy import Policy, PolicyConfig
 
 
 @dataclass
@@ -83,10 +84,13 @@ class SupervisedRun(Generic[ConfigT]):
     total_steps: int
     step: int = 0
     data_stats: dict[str, Any] = field(default_factory=dict)
+    teacher: Policy | None = None  # a frozen distillation teacher (SFT with distillation.enabled)
 
     def shutdown(self) -> None:
         self.logger.finish()
         self.policy.shutdown()
+        if self.teacher is not None:
+            self.teacher.shutdown()
         self.cluster.shutdown()
 
 
@@ -101,11 +105,13 @@ def setup_run(
     val_batches: ValBatches,
     hyperparams: dict[str, Any],
     init_reference_model: bool = False,
+    teacher: PolicyConfig | None = None,
 ) -> SupervisedRun[ConfigT]:
     """Data, model, workers, logger and checkpoints for algorithm `name` (its loop section `loop_key`,
     `records_per_step` training records per step, validation batches from `val_batches`); resumes from the
     latest checkpoint if there is one. With `init_reference_model` the workers keep the initial weights as
-    a frozen reference."""
+    a frozen reference; with `teacher`, a frozen teacher model shares each bundle with the policy (half of
+    it each) and must have the policy's tokenizer."""
     cfg = prepare_run(cfg, name)
     loop = getattr(cfg, loop_key)
     log_dir = Path(cfg.logger.log_dir)
@@ -122,6 +128,10 @@ def setup_run(
     cluster = RayVirtualCluster(cfg.cluster)
     # A reference is the weights the workers load now: the initial model, also when resuming below.
     policy = Policy(cluster, cfg.policy, init_reference_model=init_reference_model)
+    teacher_policy = None
+    if teacher is not None:
+        check_same_tokenizer(tokenizer, teacher, "distillation.teacher")
+        teacher_policy = Policy(cluster, teacher, name_prefix="teacher")
     val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
     val_data = val_batches(cfg, policy, tokenizer, val_records)
     run = SupervisedRun(
@@ -138,6 +148,7 @@ def setup_run(
         CheckpointManager(cfg.checkpointing),
         total_steps,
         data_stats=data_stats,
+        teacher=teacher_policy,
     )
     restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
     if restored is not None:

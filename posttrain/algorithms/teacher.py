@@ -61,18 +61,18 @@ class TeacherConfig:
             raise ConfigError.at("reward_weight", f"{self.reward_weight} must be >= 0")
 
 
-def check_same_tokenizer(student_tokenizer: Any, cfg: TeacherConfig) -> None:
-    """ConfigError naming teacher.model.model_name unless the teacher exists and its tokenizer gives the
-    student's ids."""
-    check_model_exists("teacher.model.model_name", cfg.model.model_name)
-    if cfg.model.tokenizer_name:
-        check_model_exists("teacher.model.tokenizer_name", cfg.model.tokenizer_name)
-    teacher_tokenizer = load_tokenizer(cfg.model.tokenizer_name or cfg.model.model_name)
+def check_same_tokenizer(student_tokenizer: Any, model: PolicyConfig, key: str = "teacher.model") -> None:
+    """ConfigError naming `<key>.model_name` unless the teacher `model` exists and its tokenizer gives the
+    student's ids (on-policy distillation's `teacher.model`, SFT's `distillation.teacher`)."""
+    check_model_exists(f"{key}.model_name", model.model_name)
+    if model.tokenizer_name:
+        check_model_exists(f"{key}.tokenizer_name", model.tokenizer_name)
+    teacher_tokenizer = load_tokenizer(model.tokenizer_name or model.model_name)
     mismatch = tokenizer_mismatch(student_tokenizer, teacher_tokenizer)
     if mismatch is not None:
         raise ConfigError(
-            "teacher.model.model_name",
-            f"{cfg.model.model_name} does not share the student's tokenizer ({mismatch}): the teacher "
+            f"{key}.model_name",
+            f"{model.model_name} does not share the student's tokenizer ({mismatch}): the teacher "
             "scores the student's token ids, so both need the same vocabulary",
         )
 

@@ -126,13 +126,13 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_the_key(tmp_path):
         build_model_dir(ModelFromConfig(**tiny, tokenizer=name), tmp_path / name)
     byte_teacher = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "byte")))
     with pytest.raises(ConfigError) as error:
-        check_same_tokenizer(build_char_tokenizer(), byte_teacher)
+        check_same_tokenizer(build_char_tokenizer(), byte_teacher.model)
     assert error.value.key == "teacher.model.model_name" and "vocabulary" in str(error.value)
     char_teacher = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "char")))
-    assert check_same_tokenizer(build_char_tokenizer(), char_teacher) is None
+    assert check_same_tokenizer(build_char_tokenizer(), char_teacher.model) is None
     missing = TeacherConfig(model=PolicyConfig(model_name=str(tmp_path / "none" / "hf_model")))
     with pytest.raises(ConfigError) as error:
-        check_same_tokenizer(build_char_tokenizer(), missing)
+        check_same_tokenizer(build_char_tokenizer(), missing.model)
     assert error.value.key == "teacher.model.model_name" and "does not exist" in str(error.value)
 
 

@@ -12,6 +12,8 @@ from posttrain.algorithms.loss import (
     ClippedPGLossConfig,
     DPOLoss,
     DPOLossConfig,
+    KDLoss,
+    KDLossConfig,
     NLLLoss,
     ValueLoss,
     ValueLossConfig,
@@ -332,6 +334,39 @@ def test_simpo_by_hand_needs_no_reference():
 def test_ipo_with_beta_zero_is_a_config_error():
     with pytest.raises(ConfigError, match="reference_policy_kl_penalty"):
         DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.0).validate()
+
+
+def kd_batch() -> tuple[torch.Tensor, dict]:
+    """One row, T=2, position 1 trained: token logprob -1; the teacher's top 2 at position 1 have
+    probabilities 0.6 and 0.2 (renormalised: 0.75, 0.25); the student gives them 0.5 and 0.25."""
+    outputs = torch.tensor([[[0.0, 0.0, 0.0], [-1.0, math.log(0.5), math.log(0.25)]]], requires_grad=True)
+    data = {
+        "token_mask": torch.tensor([[0, 1]]),
+        "sample_mask": torch.tensor([1]),
+        "teacher_topk_logprobs": torch.tensor([[[0.0, 0.0], [math.log(0.6), math.log(0.2)]]]),
+    }
+    return outputs, data
+
+
+def test_kd_loss_by_hand():
+    """KL = 0.75 ln(0.75 / 0.5) + 0.25 ln(0.25 / 0.25) = 0.75 ln 1.5 = 0.304099; with NLL weight 0.5 the
+    loss adds 0.5 * 1. Gradients: -q = (-0.75, -0.25) on the student's candidate logprobs, -0.5 on the
+    token's logprob, none at the untrained position. The teacher's top-2 mass is 0.8."""
+    outputs, data = kd_batch()
+    loss, metrics = KDLoss(KDLossConfig(kd_weight=1.0, nll_weight=0.5))(outputs, data, 1, 1)
+    assert metrics["kd_loss"] == pytest.approx(0.75 * math.log(1.5))
+    assert loss.item() == pytest.approx(0.75 * math.log(1.5) + 0.5)
+    assert (metrics["nll_loss"], metrics["teacher_topk_mass"]) == pytest.approx((1.0, 0.8))
+    loss.backward()
+    torch.testing.assert_close(outputs.grad, torch.tensor([[[0.0, 0.0, 0.0], [-0.5, -0.75, -0.25]]]))
+    assert KDLoss.candidate_ids_key == "teacher_topk_ids"
+
+
+def test_student_equal_to_the_renormalised_teacher_has_zero_kd_loss():
+    outputs, data = kd_batch()
+    with torch.no_grad():
+        outputs[0, 1, 1:] = torch.log(torch.tensor([0.75, 0.25]))
+    assert KDLoss()(outputs, data, 1, 1)[1]["kd_loss"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_pair_losses_reject_odd_batches():

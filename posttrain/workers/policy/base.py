@@ -175,6 +175,22 @@ class PolicyWorker:
         with self._backend(), self.timer.time("logprobs"):
             return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
 
+    def topk_logprobs(self, data: dict[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(
+            f"top-k logprobs (a distillation teacher's) run on the dtensor backend, not {self.cfg.backend!r}"
+        )
+
+    def get_topk_logprobs(self, data: dict[str, Any], k: int) -> BatchedDataDict:
+        """{"topk_logprobs": [B, T, k] fp32, "topk_ids": [B, T, k]}: the k most likely next tokens at each
+        position (position t: token t given < t, aligned with logprobs) and their logprobs."""
+        if self.cfg.model_kind != "causal_lm":
+            raise ValueError(
+                f"get_topk_logprobs: policy.model_kind is {self.cfg.model_kind!r}, not 'causal_lm'"
+            )
+        with self._backend(), self.timer.time("topk_logprobs"):
+            values, ids = self.topk_logprobs(data, k)
+        return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
+
     @torch.no_grad()
     def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
         """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""

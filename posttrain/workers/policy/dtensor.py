@@ -34,7 +34,12 @@ from posttrain.workers.policy.microbatches import (
 from posttrain.workers.policy.optim import build_optimizer, build_scheduler, clip_gradients
 from posttrain.workers.policy.shared_prefix import shared_prefix_logprobs
 from posttrain.workers.policy.step_metrics import StepMetrics
-from posttrain.workers.policy.token_logprobs import compute_token_logprobs, first_trained_position
+from posttrain.workers.policy.token_logprobs import (
+    compute_token_logprobs,
+    first_trained_position,
+    next_token_logprobs_at,
+    topk_next_token_logprobs,
+)
 from posttrain.workers.refit import cast_floating
 
 
@@ -143,11 +148,14 @@ class DTensorPolicyWorker(PolicyWorker):
 
     # -- forward ---------------------------------------------------------------------------------------
 
-    def _forward(self, microbatch: MicroBatch) -> torch.Tensor:
+    def _forward(self, microbatch: MicroBatch, logprobs_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model, values [b, T_mb] for a value
-        model (fp32)."""
+        model (fp32). With `logprobs_at` ([b, T_mb, k] token ids, a distillation loss's candidates): the
+        logprobs and, after them, the logprobs of those ids at each position, [b, T_mb, 1 + k]."""
         data = microbatch.data
         input_ids = data["input_ids"].to(self.device)  # [b, T_mb]
+        if logprobs_at is not None:
+            return self._forward_with_candidates(data, input_ids, logprobs_at.to(self.device))
         if microbatch.packed is not None:
             return self._forward_packed(microbatch.packed, input_ids.shape[1])
         attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
@@ -188,6 +196,46 @@ class DTensorPolicyWorker(PolicyWorker):
         )  # [b, K]
         logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
         return logprobs * attention_mask + vision_tower_anchor(self.model)
+
+    def _causal_logits(self, data: dict[str, Any], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K."""
+        attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
+        num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
+        logits = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept
+        ).logits
+        return logits, num_kept
+
+    def _forward_with_candidates(
+        self, data: dict[str, Any], input_ids: torch.Tensor, candidate_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """[b, T_mb, 1 + k]: each token's logprob, then the logprobs of its k candidate ids."""
+        logits, num_kept = self._causal_logits(data, input_ids)  # [b, K, V]
+        temperature = self.cfg.logprob_temperature
+        token = compute_token_logprobs(logits, input_ids[:, -num_kept:], temperature)  # [b, K]
+        candidates = next_token_logprobs_at(logits, candidate_ids[:, -num_kept:], temperature)  # [b, K, k]
+        both = torch.cat([token.unsqueeze(-1), candidates], dim=-1)  # [b, K, 1 + k]
+        mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1]).unsqueeze(-1)
+        return torch.nn.functional.pad(both, (0, 0, input_ids.shape[1] - num_kept, 0)) * mask
+
+    @torch.no_grad()
+    def topk_logprobs(self, data: dict[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k most likely next tokens at every position and their logprobs, [B, T, k] fp32 and [B, T, k]
+        long, aligned with logprobs (position t: token t given < t); 0 before the first trained token."""
+        self.model.eval()
+        batch_size, seq_len = data["input_ids"].shape
+        values = torch.zeros(batch_size, seq_len, k)
+        ids = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
+        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size):
+            input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
+            logits, num_kept = self._causal_logits(microbatch.data, input_ids)  # every rank runs each
+            top_values, top_ids = topk_next_token_logprobs(logits, k, self.cfg.logprob_temperature)
+            if microbatch.is_padding:
+                continue
+            end = input_ids.shape[1]
+            values[microbatch.indices, end - num_kept : end] = top_values.cpu()
+            ids[microbatch.indices, end - num_kept : end] = top_ids.cpu()
+        return values, ids
 
     def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
         logits = self.model(
@@ -234,7 +282,9 @@ class DTensorPolicyWorker(PolicyWorker):
         step, parts = StepMetrics(), []
         for microbatch in self.make_microbatches(batch, micro_batch_size):
             with torch.set_grad_enabled(not eval_mode):
-                outputs = self._forward(microbatch)  # [b, T_mb] logprobs or [b] scores
+                candidates_key = getattr(loss_fn, "candidate_ids_key", None)  # a distillation loss's
+                candidates = microbatch.data[candidates_key] if candidates_key else None
+                outputs = self._forward(microbatch, candidates)  # [b, T_mb] logprobs or [b] scores
                 loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
             if not eval_mode:
                 (loss * (0.0 if microbatch.is_padding else 1.0)).backward()

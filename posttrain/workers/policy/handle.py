@@ -98,7 +98,7 @@ class Policy:
             **kwargs,
         )
 
-    def _gather_rows(self, method: str, data: BatchedDataDict) -> BatchedDataDict:
+    def _gather_rows(self, method: str, data: BatchedDataDict, **kwargs: Any) -> BatchedDataDict:
         """Split rows evenly over dp ranks (padding with copies of the last row), run, re-join in order."""
         num_rows = data.size
         num_padding = -num_rows % self.dp_size
@@ -106,7 +106,7 @@ class Policy:
             padding_rows = data.select_indices([num_rows - 1] * num_padding)
             data = BatchedDataDict.from_batches([data, padding_rows])
         shards = data.shard_by_batch_size(self.dp_size)
-        results = self._run_dp(method, shards)
+        results = self._run_dp(method, shards, **kwargs)
         return BatchedDataDict.from_batches(results).slice(0, num_rows)
 
     # -- public API ------------------------------------------------------------------------------------
@@ -114,6 +114,11 @@ class Policy:
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         """{"logprobs": [B, T]} fp32; position t = log p(token t | tokens < t), position 0 and padding 0."""
         return self._gather_rows("get_logprobs", data)
+
+    def get_topk_logprobs(self, data: BatchedDataDict, k: int) -> BatchedDataDict:
+        """{"topk_logprobs": [B, T, k] fp32, "topk_ids": [B, T, k]}: the k most likely next tokens at each
+        position, aligned with logprobs (a distillation teacher's targets)."""
+        return self._gather_rows("get_topk_logprobs", data, k=k)
 
     def get_scores(self, data: BatchedDataDict) -> BatchedDataDict:
         """{"scores": [B]} fp32 from a reward model (policy.model_kind = "reward_model")."""

@@ -58,3 +58,30 @@ def first_trained_position(token_mask: torch.Tensor | None) -> int:
     if token_mask is None or not bool(token_mask.any()):
         return 1
     return max(1, int(token_mask.any(dim=0).nonzero()[0]))
+
+
+def _next_token_log_normalizer(logits: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits / temperature, their logsumexp over the vocabulary): [b, K, V] and [b, K], fp32 or wider."""
+    scaled = at_least_fp32(logits) if temperature == 1.0 else at_least_fp32(logits) / temperature
+    return scaled, torch.logsumexp(scaled, dim=-1)
+
+
+def topk_next_token_logprobs(
+    logits: torch.Tensor, k: int, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens at each position and their logprobs, aligned like compute_token_logprobs:
+    position t holds the distribution of token t given tokens < t (from the logits at t - 1); position 0
+    is 0 (logprobs) and 0 (ids). [b, K, V] -> ([b, K, k] fp32, [b, K, k] long)."""
+    scaled, log_normalizer = _next_token_log_normalizer(logits[:, :-1], temperature)  # [b, K-1, V]
+    values, ids = torch.topk(scaled, k, dim=-1)  # [b, K-1, k]
+    values = values - log_normalizer.unsqueeze(-1)
+    pad = (0, 0, 1, 0)  # one position in front
+    return torch.nn.functional.pad(values, pad), torch.nn.functional.pad(ids, pad)
+
+
+def next_token_logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[t, j] | tokens < t) for each position t and each of its k candidate ids, aligned like
+    compute_token_logprobs (position 0 is 0): [b, K, V], [b, K, k] -> [b, K, k], differentiable."""
+    scaled, log_normalizer = _next_token_log_normalizer(logits[:, :-1], temperature)  # [b, K-1, V]
+    gathered = scaled.gather(-1, ids[:, 1:]) - log_normalizer.unsqueeze(-1)  # [b, K-1, k]
+    return torch.nn.functional.pad(gathered, (0, 0, 1, 0))
