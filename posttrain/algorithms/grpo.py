@@ -54,7 +54,7 @@ from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, ch
 from posttrain.algorithms.critic import Critic, CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
-from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig
+from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig, KDLoss
 from posttrain.algorithms.run import checkpoint_if_due, log_step, prepare_run, restore_run
 from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_tokenizer
 from posttrain.config import ConfigError, load_run_config
@@ -518,6 +518,11 @@ def add_advantages(
         with timer.time("advantages"):
             train_data["advantages"] = compute_advantages(cfg, rewards, token_mask)
         return {}
+    if run.teacher.cfg.top_k:  # supervised on the student's samples: the teacher's top-k as targets
+        with timer.time("teacher_topk"):
+            train_data.update(run.teacher.topk_targets(train_data))
+        train_data["advantages"] = torch.zeros_like(token_mask)
+        return {}
     with timer.time("teacher_logprobs"):
         teacher_logprobs = run.teacher.logprobs(train_data)  # [B, T]
     with timer.time("advantages"):
@@ -548,7 +553,8 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     # for stale (async) data too: pi_prev is the current weights, and the distance to the weights that
     # generated the data is the loss's importance weight against generation_logprobs.
     single_update = train_data.size == run.cfg.policy.train_global_batch_size
-    if not single_update:
+    supervised = "teacher_topk_ids" in train_data  # on-policy distillation on the teacher's top-k
+    if not (single_update or supervised):
         with timer.time("logprobs"):
             train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
     if run.cfg.loss.reference_policy_kl_penalty > 0:
@@ -556,7 +562,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             reference = run.policy.get_reference_policy_logprobs(train_data)
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
-        loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
+        loss_fn = KDLoss() if supervised else ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
     if run.critic is not None:
         with timer.time("critic_training"):

@@ -5,7 +5,10 @@ Algorithm as implemented (GKD, Agarwal et al. 2024, arXiv:2306.13649, with the r
 on-policy distillation): the student (the policy) samples responses as in GRPO; the teacher computes
 log pi_teacher of each sampled token; each token's advantage is log pi_teacher - log pi_student (the
 student's sampling logprobs), plus `teacher.reward_weight` times the environment's group-relative
-advantage; the student takes GRPO's clipped policy-gradient step on it. The teacher must share the
+advantage; the student takes GRPO's clipped policy-gradient step on it. With `teacher.top_k` = k > 0 the
+student instead minimises, at every position of its own samples, the forward KL from the teacher's
+renormalised top-k next tokens (`loss.KDLoss`: GKD's on-policy distillation, a supervised loss on
+on-policy data, no advantage). The teacher must share the
 student's tokenizer (checked at setup, an error names `teacher.model.model_name` otherwise). Departures:
 per-token credit only (discount 0), and the teacher is any Hugging Face causal LM (it may be larger).
 
@@ -44,6 +47,14 @@ class TeacherConfig:
         },
     )
 
+    top_k: int = field(
+        default=0,
+        metadata={
+            "help": "0: each sampled token's advantage is log pi_teacher - log pi_student (a policy "
+            "gradient); k > 0: the loss on the student's samples is the forward KL from the teacher's top-k "
+            "next tokens at every sampled position (GKD's supervised on-policy distillation)"
+        },
+    )
     whiten_advantages: bool = field(
         default=True,
         metadata={
@@ -59,6 +70,10 @@ class TeacherConfig:
             )
         if self.reward_weight < 0:
             raise ConfigError.at("reward_weight", f"{self.reward_weight} must be >= 0")
+        if self.top_k < 0:
+            raise ConfigError.at("top_k", f"{self.top_k} must be >= 0")
+        if self.top_k and self.reward_weight:
+            raise ConfigError.at("reward_weight", "a reward needs the policy gradient: use it with top_k 0")
 
 
 def check_same_tokenizer(student_tokenizer: Any, model: PolicyConfig, key: str = "teacher.model") -> None:
@@ -83,6 +98,11 @@ class Teacher:
     def __init__(self, cluster: RayVirtualCluster, cfg: TeacherConfig, bundle_share: float) -> None:
         self.cfg = cfg
         self.model = Policy(cluster, cfg.model, name_prefix="teacher", bundle_share=bundle_share)
+
+    def topk_targets(self, train_data: BatchedDataDict) -> dict[str, torch.Tensor]:
+        """`teacher_topk_logprobs` and `teacher_topk_ids` [B, T, top_k] at every position of the batch."""
+        targets = self.model.get_topk_logprobs(train_data, self.cfg.top_k)
+        return {"teacher_topk_logprobs": targets["topk_logprobs"], "teacher_topk_ids": targets["topk_ids"]}
 
     def logprobs(self, train_data: BatchedDataDict) -> torch.Tensor:
         """log pi_teacher of each token of the batch [B, T] (position 0 and padding 0)."""

@@ -51,7 +51,7 @@ def weak_student(ray_session, tmp_path_factory):
     return log_dir / "hf_model"
 
 
-def distill_run(log_dir, student, teacher, num_steps: int) -> dict[int, dict]:
+def distill_run(log_dir, student, teacher, num_steps: int, **extra) -> dict[int, dict]:
     """configs/distill_tiny.yaml with the fixtures' models: `num_steps` steps of 32 prompts x 8 samples,
     4 optimizer steps each (the config's); greedy validation on 200 held-out prompts at the start and
     the end."""
@@ -65,6 +65,7 @@ def distill_run(log_dir, student, teacher, num_steps: int) -> dict[int, dict]:
         "grpo.val_period": num_steps,
         "grpo.max_val_samples": 200,
         "cluster.num_cpus_per_worker": 0.5,
+        **extra,
     }
     cfg = load_typed_config(
         grpo.GRPOConfig, str(CONFIGS / "distill_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
@@ -114,3 +115,22 @@ def test_on_policy_distillation_lowers_the_reverse_kl_and_raises_accuracy(
     assert teacher - start >= 0.2  # a real gap to close
     assert last_kl < first_kl / 2
     assert end >= start + 0.1
+
+
+def test_on_policy_distillation_on_the_teachers_top_k_fits_the_teacher_on_the_students_samples(
+    arithmetic_sft_model, weak_student, tmp_path
+):
+    """`teacher.top_k: 20`: the student's loss on its own samples is the forward KL from the teacher's top
+    20 (GKD's supervised form). Over 30 steps that KL, measured on each step's fresh samples, falls by
+    more than 40% (measured 0.842 -> 0.451; 0.256 after 60 steps)."""
+    steps = distill_run(
+        tmp_path / "topk",
+        weak_student,
+        arithmetic_sft_model,
+        30,
+        **{"teacher.top_k": 20, "grpo.val_period": 0},
+    )
+    first, last = steps[1]["train/kd_loss"], steps[30]["train/kd_loss"]
+    print(f"forward KL to the teacher's top 20 on the student's samples: {first:.3f} -> {last:.3f}")
+    assert last < 0.6 * first
+    assert steps[1]["timing/teacher_topk"] > 0 and "timing/teacher_logprobs" not in steps[1]
