@@ -242,6 +242,13 @@ class GRPOConfig:
                 "teacher.model.model_name",
                 "on-policy distillation needs a teacher: a model directory or hub name",
             )
+        if self.teacher.top_k and (
+            self.policy.backend != "dtensor" or self.teacher.model.backend != "dtensor"
+        ):
+            raise ConfigError.at(
+                "teacher.top_k",
+                "distillation on the teacher's top-k runs on the dtensor backend (policy and teacher)",
+            )
         if self.grpo.advantage_estimator == "gae":
             check_parallelism(self.critic.model, self.cluster)
             if batch % self.critic.model.train_global_batch_size:

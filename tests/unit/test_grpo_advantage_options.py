@@ -113,6 +113,13 @@ def test_distillation_needs_a_teacher_and_the_tiny_config_names_one():
     assert error.value.key == "teacher.model.model_name"
     cfg = load_typed_config(GRPOConfig, str(CONFIGS / "distill_tiny.yaml"))
     assert cfg.teacher.model.model_name == "results/sft_tiny/hf_model" and cfg.teacher.reward_weight == 0.0
+    for overrides, key in [
+        (["teacher.top_k=20", "teacher.reward_weight=0.5"], "teacher.reward_weight"),
+        (["teacher.top_k=20", "teacher.model.backend=megatron"], "teacher.top_k"),
+    ]:
+        with pytest.raises(ConfigError) as error:
+            load_typed_config(GRPOConfig, str(CONFIGS / "distill_tiny.yaml"), overrides)
+        assert error.value.key == key, overrides
 
 
 def test_a_teacher_with_another_tokenizer_is_refused_naming_the_key(tmp_path):
