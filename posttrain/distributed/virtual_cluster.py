@@ -169,6 +169,7 @@ def start_local_ray(
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         logger.warning("RAY_AUTH_MODE=disabled: this Ray instance accepts unauthenticated requests")
     kwargs = {
+        "address": "local",  # a new instance: never join a cluster that happens to run on this machine
         "num_cpus": num_cpus,
         "include_dashboard": include_dashboard,
         "log_to_driver": log_to_driver,
