@@ -110,6 +110,17 @@ def lora_section(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def vllm_refit_section(name: str, data: dict) -> list[str]:
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}; torch {data['torch']}, vLLM {data['vllm']}.* "
+             f"`{data['model']}` ({data['weight_bytes']:,} bytes of weights), median of {data['refits_per_run']} refits "
+             f"in each of {data['runs']} alternating runs per mode (`benchmarks/vllm_refit.py`); decode: {data['decode']}.",
+             "", "| refit | refit (s) | bytes written to disk per refit | decode tokens/s |", "|---|---|---|---|"]
+    for mode, row in data["modes"].items():
+        lines.append(f"| {mode} | {row['refit_median_s']:.3f} | {row['disk_bytes_per_refit']:,} | "
+                     f"{row['decode_tokens_per_s']:.0f} |")
+    return lines + [""]
+
+
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
     """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
     import matplotlib
@@ -152,6 +163,8 @@ def write_benchmarks() -> None:
             lines += train_generate_section(name, data)
         elif name.startswith("lora_memory"):
             lines += lora_section(name, data)
+        elif name.startswith("vllm_refit"):
+            lines += vllm_refit_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
 
 

