@@ -62,7 +62,7 @@ from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, messag
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
-from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
+from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments, tool_prompts
 from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
@@ -356,7 +356,9 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
-    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
+    train_records, val_records, data_stats = load_datasets(
+        cfg.data, tokenizer, processor, tool_prompts(cfg.env)
+    )
     missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
     if missing:
         raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")

@@ -53,6 +53,10 @@ class DataConfig:
         },
     )
     task_key: str = field(default="task_name", metadata={"help": "column naming the task/environment (rl)"})
+    tools_key: str = field(
+        default="tools",
+        metadata={"help": "column of the tool names a row may call (default: all its task's)"},
+    )
     task_name: str = field(default="math", metadata={"help": "task of rows without a task column (rl)"})
     system_prompt: str | None = field(
         default=None, metadata={"help": "system message; '@path' reads it from a file"}
