@@ -52,20 +52,20 @@ def register_environment(name: str, cls: type[EnvironmentInterface]) -> None:
     _REGISTRY[name] = cls
 
 
-def import_attribute(spec: str) -> Any:
-    """The attribute named by `path/to/file.py:name` or `package.module:name`."""
+def import_attribute(spec: str, kind: str = "environment") -> Any:
+    """The attribute named by `path/to/file.py:name` or `package.module:name` (`kind` names it in errors)."""
     location, _, attribute = spec.rpartition(":")
     if location.endswith(".py"):
         path = Path(location).resolve()
         if not path.exists():
-            raise FileNotFoundError(f"environment file {path} (from {spec!r}) does not exist")
+            raise FileNotFoundError(f"{kind} file {path} (from {spec!r}) does not exist")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(location)
     if not hasattr(module, attribute):
-        raise AttributeError(f"environment {spec!r}: {location} has no attribute {attribute!r}")
+        raise AttributeError(f"{kind} {spec!r}: {location} has no attribute {attribute!r}")
     return getattr(module, attribute)
 
 

@@ -174,7 +174,7 @@ def resolve_tool(spec: str, parameters: dict[str, Any] | None, python_limits: di
         return make_tool("python", python_tool(**python_limits), parameters or PYTHON_PARAMETERS)
     if ":" not in spec:
         raise KeyError(f"unknown tool {spec!r}; built-in: {list(BUILTIN_TOOLS)} (or module:function)")
-    function = import_attribute(spec)
+    function = import_attribute(spec, kind="tool")
     if not callable(function):
         raise TypeError(f"tool {spec!r} is not callable")
     return make_tool(spec.rpartition(":")[2], function, parameters)

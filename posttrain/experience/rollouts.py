@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from posttrain.data.tool_calls import strip_end_markers
 from posttrain.data.vision import batch_vision_inputs
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.utils.timer import Timer
@@ -41,13 +42,38 @@ def build_generation_input(
 
 
 def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) -> list[int]:
-    """Token ids that the chat template adds for `observation` plus the next assistant prompt."""
+    """Token ids that the chat template adds for `observation` plus the next assistant prompt.
+
+    When `message_log` ends with a generated assistant turn, the ids also close that turn the way the
+    template does (e.g. `<|im_end|>\n` after a turn that a stop string such as `</tool_call>` ended), less
+    the end-of-turn token the generation already wrote."""
     plain = [{"role": m["role"], "content": m["content"]} for m in message_log]
-    before = tokenizer.apply_chat_template(plain, tokenize=False)
     after = tokenizer.apply_chat_template(plain + [observation], tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("the chat template does not render conversations incrementally; cannot append turns")
-    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+    delta = _text_after_generation(tokenizer, plain, after)
+    if delta is None:
+        before = tokenizer.apply_chat_template(plain, tokenize=False)
+        if not after.startswith(before):
+            raise ValueError(
+                "the chat template does not render conversations incrementally; cannot append turns"
+            )
+        delta = after[len(before) :]
+    return tokenizer(delta, add_special_tokens=False)["input_ids"]
+
+
+def _text_after_generation(tokenizer, plain: list[dict], after: str) -> str | None:
+    """`after` past the last assistant turn's generated text (None when the log does not end with an
+    assistant turn or the template does not render its content verbatim)."""
+    if not plain or plain[-1]["role"] != "assistant" or len(plain) < 2:
+        return None
+    generated = plain[-1]["content"]
+    content = strip_end_markers(generated)
+    prompt = tokenizer.apply_chat_template(plain[:-1], tokenize=False, add_generation_prompt=True)
+    if not after.startswith(prompt + content):
+        return None
+    delta, written_end = after[len(prompt + content) :], generated[len(content) :].strip()
+    if written_end and delta.startswith(written_end):
+        delta = delta[len(written_end) :]  # the generation already holds the end-of-turn token
+    return delta
 
 
 def _append_generations(message_logs, active, generated, tokenizer, max_seq_len) -> list[bool]:
