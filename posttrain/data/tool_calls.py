@@ -148,12 +148,17 @@ def tool_call_format(name: str) -> ToolCallFormat:
     return TOOL_CALL_FORMATS[name]
 
 
-def default_tool_prompt(tools: list[dict[str, Any]], format_name: str) -> str:
+DEFAULT_TOOL_PROMPT = "You can call these tools:\n<tools>\n{tools}\n</tools>\n{instructions}"
+
+
+def default_tool_prompt(tools: list[dict[str, Any]], format_name: str, template: str | None = None) -> str:
     """The system prompt that declares `tools` to a model whose chat template has no `tools=` support:
-    one JSON schema a line between `<tools>` tags, then the format's calling instructions."""
+    `template` (default `DEFAULT_TOOL_PROMPT`) with `{tools}` replaced by one JSON schema a line and
+    `{instructions}` by the format's calling instructions."""
     schemas = "\n".join(json.dumps(tool) for tool in tools)
     instructions = tool_call_format(format_name).instructions
-    return f"You can call these tools:\n<tools>\n{schemas}\n</tools>\n{instructions}"
+    text = DEFAULT_TOOL_PROMPT if template is None else template
+    return text.replace("{tools}", schemas).replace("{instructions}", instructions)
 
 
 def template_supports_tools(tokenizer: Any) -> bool:
@@ -166,10 +171,12 @@ def template_supports_tools(tokenizer: Any) -> bool:
 
 @dataclass(frozen=True)
 class ToolPrompt:
-    """The tools one task declares to the model (OpenAI function schemas) and their call format."""
+    """The tools one task declares to the model (OpenAI function schemas), their call format, and the
+    system prompt template used where the chat template has no `tools=` support (None: the default)."""
 
     tools: tuple[dict[str, Any], ...]
     format_name: str = "hermes"
+    system_prompt: str | None = None
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -184,7 +191,7 @@ class ToolPrompt:
         unknown = sorted(set(names) - set(by_name))
         if unknown:
             raise ValueError(f"{where} names unknown tool(s) {unknown}; the task's tools: {sorted(by_name)}")
-        return ToolPrompt(tuple(by_name[name] for name in names), self.format_name)
+        return ToolPrompt(tuple(by_name[name] for name in names), self.format_name, self.system_prompt)
 
 
 def add_tool_prompt(
@@ -197,7 +204,7 @@ def add_tool_prompt(
         return messages, {}
     if template_supports_tools(tokenizer):
         return messages, {"tools": tools}
-    text = default_tool_prompt(tools, prompt.format_name)
+    text = default_tool_prompt(tools, prompt.format_name, prompt.system_prompt)
     if messages and messages[0]["role"] == "system":
         return [{**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], {}
     return [{"role": "system", "content": text}, *messages], {}

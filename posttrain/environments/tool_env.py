@@ -36,6 +36,13 @@ class ToolEnvironmentConfig:
         default="hermes",
         metadata={"help": "how calls are written: <tool_call>{json}</tool_call> or Llama-3.1 JSON"},
     )
+    system_prompt: str | None = field(
+        default=None,
+        metadata={
+            "help": "tool prompt for templates without tools= support; {tools} and {instructions} are "
+            "filled in (None: the default)"
+        },
+    )
     max_tool_turns: int = field(default=4, metadata={"help": "assistant turns with tool calls per episode"})
     max_episode_tokens: int | None = field(
         default=None, metadata={"help": "tokens of the conversation after which a call ends the episode"}
@@ -58,6 +65,12 @@ class ToolEnvironmentConfig:
                 hint = f"; did you mean {guess[0]!r}?" if guess else f"; valid: {names}"
                 raise ValueError(f"tools environment: unknown kwarg {key!r}{hint}")
         cfg = cls(**kwargs)
+        if not (isinstance(cfg.tools, list | tuple) and all(isinstance(t, str) for t in cfg.tools)):
+            raise ValueError(f"tools environment: tools must be a list of names, got {cfg.tools!r}")
+        if not isinstance(cfg.parameters, dict):
+            raise ValueError(
+                f"tools environment: parameters must map tool names to schemas, got {cfg.parameters!r}"
+            )
         tool_call_format(cfg.format)
         if cfg.max_tool_turns < 0 or cfg.max_tool_time_s <= 0:
             raise ValueError("tools environment: max_tool_turns must be >= 0 and max_tool_time_s > 0")
@@ -105,7 +118,7 @@ class ToolEnvironment(EnvironmentInterface):
 
     def __init__(self, **kwargs: Any):
         self.cfg = ToolEnvironmentConfig.from_kwargs(kwargs)
-        self.format = tool_call_format(self.cfg.format)
+        self.call_format = tool_call_format(self.cfg.format)
         self.tools = build_tools(self.cfg)
         if "python" in self.tools:
             sandbox_mode()  # raises SandboxUnavailableError (what is missing) before any code is accepted
@@ -114,7 +127,7 @@ class ToolEnvironment(EnvironmentInterface):
     def tool_prompt(cls, kwargs: dict[str, Any]) -> ToolPrompt:
         cfg = ToolEnvironmentConfig.from_kwargs(kwargs)
         schemas = [tool.schema for tool in build_tools(cfg).values()]
-        return ToolPrompt(tuple(schemas), cfg.format)
+        return ToolPrompt(tuple(schemas), cfg.format, cfg.system_prompt)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         turns = [self._step_one(log, dict(meta)) for log, meta in zip(message_logs, metadata)]
@@ -123,7 +136,7 @@ class ToolEnvironment(EnvironmentInterface):
             observations=[t.observation for t in turns],
             metadata=[t.metadata for t in turns],
             next_stop_strings=[
-                None if t.terminated else list(self.format.stop_strings) or None for t in turns
+                None if t.terminated else list(self.call_format.stop_strings) or None for t in turns
             ],
             rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
             terminateds=torch.tensor([t.terminated for t in turns], dtype=torch.bool),
@@ -132,7 +145,7 @@ class ToolEnvironment(EnvironmentInterface):
         )
 
     def _step_one(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
-        reply = self.format.parse(log[-1]["content"] if log and log[-1]["role"] == "assistant" else "")
+        reply = self.call_format.parse(log[-1]["content"] if log and log[-1]["role"] == "assistant" else "")
         if not reply.has_calls:
             reward, answer = grade_reply(reply.content, str(meta.get(self.cfg.ground_truth_key)))
             return _Turn({"role": "environment", "content": ""}, meta, reward, True, answer)

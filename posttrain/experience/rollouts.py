@@ -48,10 +48,12 @@ def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) 
     template does (e.g. `<|im_end|>\n` after a turn that a stop string such as `</tool_call>` ended), less
     the end-of-turn token the generation already wrote."""
     plain = [{"role": m["role"], "content": m["content"]} for m in message_log]
-    after = tokenizer.apply_chat_template(plain + [observation], tokenize=False, add_generation_prompt=True)
-    delta = _text_after_generation(tokenizer, plain, after)
+    delta = _text_after_generation(tokenizer, plain, observation)
     if delta is None:
         before = tokenizer.apply_chat_template(plain, tokenize=False)
+        after = tokenizer.apply_chat_template(
+            plain + [observation], tokenize=False, add_generation_prompt=True
+        )
         if not after.startswith(before):
             raise ValueError(
                 "the chat template does not render conversations incrementally; cannot append turns"
@@ -60,14 +62,17 @@ def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) 
     return tokenizer(delta, add_special_tokens=False)["input_ids"]
 
 
-def _text_after_generation(tokenizer, plain: list[dict], after: str) -> str | None:
-    """`after` past the last assistant turn's generated text (None when the log does not end with an
-    assistant turn or the template does not render its content verbatim)."""
-    if not plain or plain[-1]["role"] != "assistant" or len(plain) < 2:
+def _text_after_generation(tokenizer, plain: list[dict], observation: dict) -> str | None:
+    """The template's text after the last assistant turn's generated text, through `observation` and the
+    next assistant prompt (None when the log does not end with an assistant turn after a prompt, or the
+    template does not render its content verbatim)."""
+    if len(plain) < 2 or plain[-1]["role"] != "assistant":
         return None
     generated = plain[-1]["content"]
     content = strip_end_markers(generated)
     prompt = tokenizer.apply_chat_template(plain[:-1], tokenize=False, add_generation_prompt=True)
+    conversation = plain[:-1] + [{"role": "assistant", "content": content}, observation]
+    after = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
     if not after.startswith(prompt + content):
         return None
     delta, written_end = after[len(prompt + content) :], generated[len(content) :].strip()

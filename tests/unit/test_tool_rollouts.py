@@ -7,7 +7,11 @@ from posttrain.data.config import DataConfig
 from posttrain.data.message_log import message_log_to_flat
 from posttrain.data.records import row_to_record
 from posttrain.environments.tool_env import ToolEnvironment
-from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
+from posttrain.experience.rollouts import (
+    records_to_rollout_batch,
+    run_multi_turn_rollout,
+    tokenize_observation,
+)
 from posttrain.models.tokenizer import SPECIAL_TOKENS, build_char_tokenizer
 
 # The character tokenizer's template, plus a one-letter system turn when tools are declared (so the
@@ -98,3 +102,22 @@ def test_a_tool_episode_trains_on_the_model_turns_only_token_by_token():
     # What was trained on decodes to exactly the two generations.
     trained_ids = flat["input_ids"][0][flat["token_mask"][0].bool()]
     assert tokenizer.decode(trained_ids, skip_special_tokens=False) == CALL + "42<eos>"
+
+
+CHATML = (
+    "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_an_observation_closes_the_turn_once_whether_or_not_the_generation_wrote_its_end():
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHATML
+    prompt = [{"role": "user", "content": "hi"}]
+    tool = {"role": "tool", "content": "42"}
+    rest = "<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+    for generated, expected in [(CALL, "<|im_end|>\n" + rest), ("move<|im_end|>", "\n" + rest)]:
+        ids = tokenize_observation(tokenizer, prompt + [{"role": "assistant", "content": generated}], tool)
+        assert tokenizer.decode(ids) == expected, generated
