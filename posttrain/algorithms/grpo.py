@@ -63,6 +63,7 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments, tool_prompts
+from posttrain.environments.tool_env import ToolEnvironmentConfig
 from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
@@ -234,6 +235,7 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        check_tool_environments(self.env)
         if (
             self.grpo.advantage_estimator == "on_policy_distillation"
             and self.teacher.model.model_name is None
@@ -349,6 +351,16 @@ def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface,
         colocated_offload=cfg.generation.colocated_offload,
         stale=stale,
     )
+
+
+def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig]) -> None:
+    """The keyword arguments of every `tools` environment, checked when the config loads."""
+    for task, env_cfg in env_cfgs.items():
+        if env_cfg.cls == "tools":
+            try:
+                ToolEnvironmentConfig.from_kwargs(env_cfg.kwargs)
+            except (KeyError, TypeError, ValueError) as error:
+                raise ConfigError.at(f"env.{task}.kwargs", str(error).strip("'\"")) from None
 
 
 def setup(cfg: GRPOConfig) -> GRPORun:

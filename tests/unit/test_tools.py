@@ -190,3 +190,22 @@ def test_llama3_json_format_parses_calls_and_has_no_stop_string():
     call = '{"name": "calculator", "parameters": {"expression": "6*7"}}<|eot_id|>'
     result = env.step([PROMPT + [assistant(call)]], [{"ground_truth": "42"}])
     assert result.observations[0]["content"] == "42" and result.next_stop_strings == [None]
+
+
+def test_a_bad_tools_kwarg_is_a_config_error_naming_the_key():
+    from pathlib import Path
+
+    from posttrain.algorithms.grpo import GRPOConfig
+    from posttrain.config import ConfigError, load_typed_config
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml")
+    with pytest.raises(
+        ConfigError, match=r"env.arithmetic.kwargs: .*unknown kwarg 'fromat'; did you mean 'format'"
+    ):
+        load_typed_config(
+            GRPOConfig, config, ["env.arithmetic.cls=tools", "+env.arithmetic.kwargs.fromat=hermes"]
+        )
+    with pytest.raises(ConfigError, match=r"env.arithmetic.kwargs: unknown tool call format 'xml'"):
+        load_typed_config(
+            GRPOConfig, config, ["env.arithmetic.cls=tools", "+env.arithmetic.kwargs.format=xml"]
+        )
