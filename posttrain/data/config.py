@@ -83,7 +83,7 @@ class DataConfig:
         default=None, metadata={"help": "validation rows used (built-in tasks: generated)"}
     )
     num_digits: int = field(
-        default=2, metadata={"help": "built-in arithmetic: digits per operand (difficulty)"}
+        default=2, metadata={"help": "built-in arithmetic, math_words, multiplication: digits per operand"}
     )
     puzzle_size: int = field(default=2, metadata={"help": "built-in sliding_puzzle: board size"})
     puzzle_scramble_moves: int = field(
