@@ -209,3 +209,15 @@ def test_a_bad_tools_kwarg_is_a_config_error_naming_the_key():
         load_typed_config(
             GRPOConfig, config, ["env.arithmetic.cls=tools", "+env.arithmetic.kwargs.format=xml"]
         )
+
+
+def test_the_python_tool_runs_code_in_the_sandbox():
+    from posttrain.environments.sandbox import SandboxUnavailableError
+
+    try:
+        env = ToolEnvironment(tools=["python"], python_timeout_s=5.0)
+    except SandboxUnavailableError as error:
+        pytest.skip(f"no sandbox here: {error}")
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(123 * 456)"}}</tool_call>'
+    result = env.step([PROMPT + [assistant(call)]], [{"ground_truth": "56088"}])
+    assert result.observations[0] == {"role": "tool", "content": "56088\n"}
