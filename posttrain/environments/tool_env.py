@@ -33,8 +33,7 @@ class ToolEnvironmentConfig:
         metadata={"help": "JSON schema of a tool's arguments by tool name (default: inferred)"},
     )
     format: Literal["hermes", "llama3_json"] = field(
-        default="hermes",
-        metadata={"help": "how calls are written: <tool_call>{json}</tool_call> or Llama-3.1 JSON"},
+        default="hermes", metadata={"help": "call format: hermes (Hermes/Qwen tool_call tags) or llama3_json"}
     )
     system_prompt: str | None = field(
         default=None,
