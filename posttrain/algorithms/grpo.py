@@ -235,7 +235,7 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
-        check_tool_environments(self.env)
+        check_tool_environments(self.env, self.grpo.max_rollout_turns)
         if (
             self.grpo.advantage_estimator == "on_policy_distillation"
             and self.teacher.model.model_name is None
@@ -353,9 +353,15 @@ def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface,
     )
 
 
-def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig]) -> None:
-    """The keyword arguments of every `tools` environment, checked when the config loads."""
+def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_turns: int) -> None:
+    """The keyword arguments of every `tools` environment, checked when the config loads; a tool episode
+    needs a second turn to answer after its call."""
     for task, env_cfg in env_cfgs.items():
+        if env_cfg.cls == "tools" and max_rollout_turns < 2:
+            raise ConfigError.at(
+                "grpo.max_rollout_turns",
+                f"env.{task} is a tools environment: set >= 2 (a call, then the answer)",
+            )
         if env_cfg.cls == "tools":
             try:
                 ToolEnvironmentConfig.from_kwargs(env_cfg.kwargs)

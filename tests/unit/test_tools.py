@@ -199,16 +199,15 @@ def test_a_bad_tools_kwarg_is_a_config_error_naming_the_key():
     from posttrain.config import ConfigError, load_typed_config
 
     config = str(Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml")
+    tools = ["env.arithmetic.cls=tools", "grpo.max_rollout_turns=2"]
     with pytest.raises(
         ConfigError, match=r"env.arithmetic.kwargs: .*unknown kwarg 'fromat'; did you mean 'format'"
     ):
-        load_typed_config(
-            GRPOConfig, config, ["env.arithmetic.cls=tools", "+env.arithmetic.kwargs.fromat=hermes"]
-        )
+        load_typed_config(GRPOConfig, config, [*tools, "+env.arithmetic.kwargs.fromat=hermes"])
     with pytest.raises(ConfigError, match=r"env.arithmetic.kwargs: unknown tool call format 'xml'"):
-        load_typed_config(
-            GRPOConfig, config, ["env.arithmetic.cls=tools", "+env.arithmetic.kwargs.format=xml"]
-        )
+        load_typed_config(GRPOConfig, config, [*tools, "+env.arithmetic.kwargs.format=xml"])
+    with pytest.raises(ConfigError, match=r"grpo.max_rollout_turns: env.arithmetic is a tools environment"):
+        load_typed_config(GRPOConfig, config, ["env.arithmetic.cls=tools"])
 
 
 def test_the_python_tool_runs_code_in_the_sandbox():
