@@ -59,6 +59,11 @@ def write_config_reference() -> None:
         lines += [f"## `posttrain {command}`", "", "| key | default | meaning |", "|---|---|---|"]
         lines += [f"| `{key}` | `{cell(default)}` | {cell(text)} |" for key, default, text in describe_config(schema)]
         lines.append("")
+    from posttrain.environments.tool_env import ToolEnvironmentConfig
+
+    lines += ["## `env.<task>.kwargs` of `cls: tools`", "", "| key | default | meaning |", "|---|---|---|"]
+    lines += [f"| `{key}` | `{cell(default)}` | {cell(text)} |" for key, default, text in describe_config(ToolEnvironmentConfig)]
+    lines.append("")
     write(OUT / "config.md", "\n".join(lines))
 
 

@@ -62,7 +62,8 @@ from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, messag
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
-from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments
+from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments, tool_prompts
+from posttrain.environments.tool_env import ToolEnvironmentConfig
 from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
@@ -234,6 +235,7 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        check_tool_environments(self.env, self.grpo.max_rollout_turns)
         if (
             self.grpo.advantage_estimator == "on_policy_distillation"
             and self.teacher.model.model_name is None
@@ -351,12 +353,30 @@ def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface,
     )
 
 
+def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_turns: int) -> None:
+    """The keyword arguments of every `tools` environment, checked when the config loads; a tool episode
+    needs a second turn to answer after its call."""
+    for task, env_cfg in env_cfgs.items():
+        if env_cfg.cls == "tools" and max_rollout_turns < 2:
+            raise ConfigError.at(
+                "grpo.max_rollout_turns",
+                f"env.{task} is a tools environment: set >= 2 (a call, then the answer)",
+            )
+        if env_cfg.cls == "tools":
+            try:
+                ToolEnvironmentConfig.from_kwargs(env_cfg.kwargs)
+            except (KeyError, TypeError, ValueError) as error:
+                raise ConfigError.at(f"env.{task}.kwargs", str(error).strip("'\"")) from None
+
+
 def setup(cfg: GRPOConfig) -> GRPORun:
     """Data, policy, generation workers, environments, logger, checkpoints; resumes when it can."""
     cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
-    train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
+    train_records, val_records, data_stats = load_datasets(
+        cfg.data, tokenizer, processor, tool_prompts(cfg.env)
+    )
     missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
     if missing:
         raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")

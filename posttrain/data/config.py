@@ -53,6 +53,10 @@ class DataConfig:
         },
     )
     task_key: str = field(default="task_name", metadata={"help": "column naming the task/environment (rl)"})
+    tools_key: str = field(
+        default="tools",
+        metadata={"help": "column of the tool names a row may call (default: all its task's)"},
+    )
     task_name: str = field(default="math", metadata={"help": "task of rows without a task column (rl)"})
     system_prompt: str | None = field(
         default=None, metadata={"help": "system message; '@path' reads it from a file"}
@@ -79,7 +83,7 @@ class DataConfig:
         default=None, metadata={"help": "validation rows used (built-in tasks: generated)"}
     )
     num_digits: int = field(
-        default=2, metadata={"help": "built-in arithmetic: digits per operand (difficulty)"}
+        default=2, metadata={"help": "built-in arithmetic, math_words, multiplication: digits per operand"}
     )
     puzzle_size: int = field(default=2, metadata={"help": "built-in sliding_puzzle: board size"})
     puzzle_scramble_moves: int = field(

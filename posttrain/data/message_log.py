@@ -19,9 +19,14 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 Message = dict[str, Any]
 
 
-def _render(tokenizer: Any, messages: list[Message], add_generation_prompt: bool) -> str:
+def _render(
+    tokenizer: Any, messages: list[Message], add_generation_prompt: bool, tools: list | None = None
+) -> str:
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
-    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        plain, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
+    )
 
 
 def tokenize_message_log(
@@ -30,9 +35,11 @@ def tokenize_message_log(
     add_generation_prompt: bool = False,
     processor: Any = None,
     base_dir: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[Message]:
     """Each message gets `token_ids`: the tokens the chat template adds for it (the last one also gets
     the assistant generation prompt when asked), so the concatenation is the whole rendered conversation.
+    `tools` (OpenAI function schemas) go to the chat template's own `tools=` argument.
 
     A message with image parts also gets `pixel_values` and `image_grid_thw` from `processor` (a
     vision-language
@@ -45,7 +52,7 @@ def tokenize_message_log(
     result, previous = [], ""
     for i, message in enumerate(messages):
         last = i == len(messages) - 1
-        text = _render(tokenizer, messages[: i + 1], add_generation_prompt and last)
+        text = _render(tokenizer, messages[: i + 1], add_generation_prompt and last, tools)
         if not text.startswith(previous):
             raise ValueError("the chat template does not render conversations incrementally")
         delta, vision = text[len(previous) :], {}

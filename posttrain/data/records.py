@@ -12,6 +12,7 @@ from posttrain.data.config import DataConfig
 from posttrain.data.message_log import message_log_length, tokenize_message_log
 from posttrain.data.sources import DataError, Row, SkipCounter, is_file_source, read_file, read_hf_dataset
 from posttrain.data.tasks import BUILTIN_TASKS, builtin_rows
+from posttrain.data.tool_calls import ToolPrompt, add_tool_prompt
 
 DatumSpec = dict[str, Any]
 
@@ -80,11 +81,17 @@ def _clip_contents(messages: list[dict], cfg: DataConfig, tokenizer: Any) -> lis
 
 
 def row_to_record(
-    row: dict, cfg: DataConfig, tokenizer: Any, idx: int, processor: Any = None, base_dir: str | None = None
+    row: dict,
+    cfg: DataConfig,
+    tokenizer: Any,
+    idx: int,
+    processor: Any = None,
+    base_dir: str | None = None,
+    tool_prompts: dict[str, ToolPrompt] | None = None,
 ) -> DatumSpec:
     """One row -> one record in the row's format (errors are KeyError/ValueError; the caller adds where).
     `processor` (a vision-language model's) turns the rows' images into patches; `base_dir` is where
-    relative image paths are looked up first."""
+    relative image paths are looked up first. `tool_prompts` (by task) declare tools in rl prompts."""
     fmt = detect_format(row, cfg)
     tokenize = functools.partial(tokenize_message_log, processor=processor, base_dir=base_dir)
     record: DatumSpec = {
@@ -108,7 +115,16 @@ def row_to_record(
         record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "rl":
         prompt = _clip_contents(_prompt_messages(row, cfg, fmt), cfg, tokenizer)
-        record["message_log"] = tokenize(prompt, tokenizer, add_generation_prompt=True)
+        tool_prompt = (tool_prompts or {}).get(record["task_name"])
+        if tool_prompt is None and row.get(cfg.tools_key) is not None:
+            raise ValueError(f"{cfg.tools_key!r} is set but task {record['task_name']!r} has no tools")
+        template_kwargs = {}
+        if tool_prompt is not None:
+            names = row.get(cfg.tools_key)
+            tool_prompt = tool_prompt.select(names, f"column {cfg.tools_key!r}")
+            prompt, template_kwargs = add_tool_prompt(prompt, tool_prompt, tokenizer)
+            record["stop_strings"] = list(tool_prompt.stop_strings) or None
+        record["message_log"] = tokenize(prompt, tokenizer, add_generation_prompt=True, **template_kwargs)
         answer = row.get(cfg.answer_key)
         if answer is None and record["task_name"] != "sliding_puzzle":
             _require(row, cfg.answer_key, fmt)
@@ -116,6 +132,8 @@ def row_to_record(
             "ground_truth": None if answer is None else str(answer),
             **(row.get("metadata") or {}),
         }
+        if tool_prompt is not None and row.get(cfg.tools_key) is not None:
+            record["extra_env_info"]["tools"] = [t["function"]["name"] for t in tool_prompt.tools]
     elif fmt == "preference":
         prompt = _prompt_messages(row, cfg, fmt)
         for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key)):
@@ -159,7 +177,12 @@ def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> Datu
 
 
 def rows_to_records(
-    rows: list[Row], cfg: DataConfig, tokenizer: Any, counter: SkipCounter, processor: Any = None
+    rows: list[Row],
+    cfg: DataConfig,
+    tokenizer: Any,
+    counter: SkipCounter,
+    processor: Any = None,
+    tool_prompts: dict[str, ToolPrompt] | None = None,
 ) -> list[DatumSpec]:
     records = []
     for row in rows:
@@ -167,7 +190,13 @@ def rows_to_records(
             if "_invalid" in row.values:
                 raise ValueError(f"expected an object, got {row.values['_invalid']!r}")
             record = row_to_record(
-                row.values, cfg, tokenizer, idx=len(records), processor=processor, base_dir=row.base_dir
+                row.values,
+                cfg,
+                tokenizer,
+                idx=len(records),
+                processor=processor,
+                base_dir=row.base_dir,
+                tool_prompts=tool_prompts,
             )
         except Exception as error:  # a template that cannot render a role raises from jinja
             if not cfg.skip_invalid:
@@ -212,10 +241,11 @@ def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[R
 
 
 def load_datasets(
-    cfg: DataConfig, tokenizer: Any, processor: Any = None
+    cfg: DataConfig, tokenizer: Any, processor: Any = None, tool_prompts: dict[str, ToolPrompt] | None = None
 ) -> tuple[list[DatumSpec], list[DatumSpec], dict[str, float]]:
     """(training records, validation records, counts of skipped/truncated/dropped samples). `processor`: a
-    vision-language model's (posttrain.models.vlm.load_processor), needed by rows with images."""
+    vision-language model's (posttrain.models.vlm.load_processor), needed by rows with images;
+    `tool_prompts`: the tools each task declares to the model (posttrain.data.tool_calls)."""
     counter = SkipCounter()
     train_rows, val_rows = _read_rows(cfg, counter)
     if val_rows is None:  # carve a validation split off with the seed
@@ -228,8 +258,8 @@ def load_datasets(
         train_rows = train_rows[: cfg.num_train]
     if cfg.num_val is not None and cfg.dataset not in BUILTIN_TASKS:
         val_rows = val_rows[: cfg.num_val]
-    train = rows_to_records(train_rows, cfg, tokenizer, counter, processor)
-    val = rows_to_records(val_rows, cfg, tokenizer, counter, processor)
+    train = rows_to_records(train_rows, cfg, tokenizer, counter, processor, tool_prompts)
+    val = rows_to_records(val_rows, cfg, tokenizer, counter, processor, tool_prompts)
     if not train:
         raise DataError(f"data.dataset={cfg.dataset}: no usable training rows")
     stats = {

@@ -7,7 +7,14 @@ import random
 from posttrain.data.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
 from posttrain.data.visual_tasks import red_squares_rows
 
-BUILTIN_TASKS = ("arithmetic", "arithmetic_preference", "sliding_puzzle", "math_words", "red_squares")
+BUILTIN_TASKS = (
+    "arithmetic",
+    "arithmetic_preference",
+    "sliding_puzzle",
+    "math_words",
+    "multiplication",
+    "red_squares",
+)
 
 
 def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> tuple[list, list]:
@@ -89,6 +96,30 @@ def word_problem_row(a: int, op: str, b: int) -> dict:
     return {"prompt": question, "response": answer, "answer": answer, "task_name": "math"}
 
 
+def multiplication_rows(num_digits: int, num_train: int, num_val: int, seed: int) -> tuple[list, list]:
+    """Disjoint products of two `num_digits`-digit numbers asked in words (`What is 347 times 912? Reply
+    with the number only.` -> `316464`), validation drawn first; task `math`."""
+    low, high = 10 ** (num_digits - 1), 10**num_digits - 1
+    if num_train + num_val > (high - low + 1) ** 2:
+        raise ValueError(f"{num_train}+{num_val} products requested; {num_digits}-digit operands have fewer")
+    rng, seen = random.Random(seed), set()
+
+    def draw(count: int) -> list[dict]:
+        rows = []
+        while len(rows) < count:
+            a, b = rng.randint(low, high), rng.randint(low, high)
+            if (a, b) not in seen:
+                seen.add((a, b))
+                question = f"What is {a} times {b}? Reply with the number only."
+                rows.append(
+                    {"prompt": question, "response": str(a * b), "answer": str(a * b), "task_name": "math"}
+                )
+        return rows
+
+    val = draw(num_val)
+    return draw(num_train), val
+
+
 def builtin_rows(
     name: str,
     num_train: int | None,
@@ -108,6 +139,8 @@ def builtin_rows(
         return [make(i) for i in range(num_train)], [make(-1 - i) for i in range(num_val)]
     if name == "red_squares":  # images: needs a vision-language model
         return red_squares_rows(num_train, num_val, seed)
+    if name == "multiplication":
+        return multiplication_rows(num_digits, num_train, num_val, seed)
     if name == "math_words":
         train, val = word_problems(num_digits, num_train, num_val, seed)
         return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]

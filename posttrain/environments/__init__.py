@@ -1,8 +1,13 @@
-"""Environments score rollouts: math (final answer), exact match, sliding puzzle, code tool, reward model."""
+"""Environments score rollouts: math, exact match, sliding puzzle, code, reward model, judge, tool calls."""
 
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn
 from posttrain.environments.pool import EnvironmentPool, create_environments
-from posttrain.environments.registry import EnvironmentConfig, register_environment, resolve_environment_class
+from posttrain.environments.registry import (
+    EnvironmentConfig,
+    register_environment,
+    resolve_environment_class,
+    tool_prompts,
+)
 
 __all__ = [
     "EnvironmentConfig",
@@ -12,4 +17,5 @@ __all__ = [
     "create_environments",
     "register_environment",
     "resolve_environment_class",
+    "tool_prompts",
 ]

@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-Message = dict[str, Any]  # {"role": ..., "content": ..., optional "token_ids"}
+from posttrain.data.tool_calls import ToolPrompt
+
+Message = dict[str, Any]  # {"role", "content"}; in a rollout also "num_tokens" (its token count)
 
 
 @dataclass
@@ -23,11 +25,17 @@ class EnvironmentReturn:
     terminateds: torch.Tensor  # [B] bool, the episode ended
     answers: list[str | None]  # the answer extracted from the response, for cons@k and logging
     num_errors: int = 0  # reward functions that raised or timed out (each scored 0)
+    counts: dict[str, float] = field(default_factory=dict)  # summed over a rollout, logged as rollout/env/*
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 class EnvironmentInterface(abc.ABC):
     """An environment scores (and may answer) the last assistant message of each conversation."""
+
+    @classmethod
+    def tool_prompt(cls, kwargs: dict[str, Any]) -> ToolPrompt | None:
+        """The tools this environment (built with `kwargs`) declares in its tasks' prompts (default: none)."""
+        return None
 
     @abc.abstractmethod
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:

@@ -126,6 +126,9 @@ def merge_returns(parts: list[EnvironmentReturn]) -> EnvironmentReturn:
         terminateds=torch.cat([p.terminateds for p in parts]) if parts else torch.zeros(0, dtype=torch.bool),
         answers=[a for p in parts for a in p.answers],
         num_errors=sum(p.num_errors for p in parts),
+        counts={
+            k: sum(p.counts.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p.counts})
+        },
     )
 
 

@@ -2,7 +2,7 @@
 in `posttrain.environments.pool`).
 
 In YAML, `env.<task_name>.cls` is a registered name (`math`, `exact_match`, `sliding_puzzle`, `code`,
-`reward_model`, `remote`, `judge`), or a user's class as `path/to/file.py:ClassName` or
+`reward_model`, `remote`, `judge`, `tools`), or a user's class as `path/to/file.py:ClassName` or
 `package.module:ClassName`.
 """
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.data.tool_calls import ToolPrompt
 from posttrain.environments.code_sandbox import CodeToolEnvironment
 from posttrain.environments.exact_match import ExactMatchEnvironment
 from posttrain.environments.interface import EnvironmentInterface
@@ -28,6 +29,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "reward_model": "posttrain.environments.reward_model:RewardModelEnvironment",
     "remote": "posttrain.environments.remote:RemoteEnvironment",
     "judge": "posttrain.environments.judge:JudgeEnvironment",
+    "tools": "posttrain.environments.tool_env:ToolEnvironment",
 }
 
 
@@ -50,20 +52,20 @@ def register_environment(name: str, cls: type[EnvironmentInterface]) -> None:
     _REGISTRY[name] = cls
 
 
-def import_attribute(spec: str) -> Any:
-    """The attribute named by `path/to/file.py:name` or `package.module:name`."""
+def import_attribute(spec: str, kind: str = "environment") -> Any:
+    """The attribute named by `path/to/file.py:name` or `package.module:name` (`kind` names it in errors)."""
     location, _, attribute = spec.rpartition(":")
     if location.endswith(".py"):
         path = Path(location).resolve()
         if not path.exists():
-            raise FileNotFoundError(f"environment file {path} (from {spec!r}) does not exist")
+            raise FileNotFoundError(f"{kind} file {path} (from {spec!r}) does not exist")
         module_spec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(module)
     else:
         module = importlib.import_module(location)
     if not hasattr(module, attribute):
-        raise AttributeError(f"environment {spec!r}: {location} has no attribute {attribute!r}")
+        raise AttributeError(f"{kind} {spec!r}: {location} has no attribute {attribute!r}")
     return getattr(module, attribute)
 
 
@@ -80,3 +82,17 @@ def resolve_environment_class(spec: str) -> type[EnvironmentInterface]:
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(f"environment {spec!r} is not an EnvironmentInterface subclass")
     return cls
+
+
+def tool_prompts(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, ToolPrompt]:
+    """The tools each task's environment declares in its prompts (tasks without tools are left out); a
+    bad tool configuration is an error naming `env.<task>.kwargs`."""
+    prompts = {}
+    for task, cfg in env_cfgs.items():
+        try:
+            prompt = resolve_environment_class(cfg.cls).tool_prompt(cfg.kwargs)
+        except Exception as error:
+            raise ValueError(f"env.{task}.kwargs: {error}") from error
+        if prompt is not None:
+            prompts[task] = prompt
+    return prompts

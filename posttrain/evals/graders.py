@@ -24,11 +24,13 @@ _NUMBER = re.compile(r"[+\-\u2212]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
 
 def final_number(sample: dict[str, Any]) -> float | None:
     """1.0 when the last number in the reply equals the ground truth, else 0.0; None when the ground truth
-    is not a number. `59 + 63 = 122` -> 1 and `59 + 63 = ?` -> 0 (its last number is 63) for 122."""
+    is not a number. `59 + 63 = 122` -> 1 and `59 + 63 = ?` -> 0 (its last number is 63) for 122. The
+    reply of a multi-turn episode is its last assistant turn (`final_response`): not a tool's result."""
     gold = parse_number(str(sample.get("ground_truth", "")))
     if gold is None:
         return None
-    numbers = _NUMBER.findall(strip_end_markers(sample["response"]))
+    reply = sample["final_response"] if "final_response" in sample else sample["response"]
+    numbers = _NUMBER.findall(strip_end_markers(reply))
     return float(bool(numbers) and parse_number(numbers[-1]) == gold)
 
 

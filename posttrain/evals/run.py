@@ -24,7 +24,7 @@ from rich.table import Table
 from posttrain.config import ConfigError, load_run_config, save_config
 from posttrain.data import DataConfig, load_datasets
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
-from posttrain.environments import EnvironmentConfig, create_environments
+from posttrain.environments import EnvironmentConfig, create_environments, tool_prompts
 from posttrain.evals.graders import resolve_grader, summarize_strict_grades
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
@@ -202,7 +202,7 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
 def load_eval_records(cfg: EvalConfig, tokenizer: Any, processor: Any = None) -> list[dict]:
     """The validation records of `cfg.data` (the first `eval.max_samples`), checked against `cfg.env`;
     `processor`: a vision-language model's, for rows with images."""
-    _, val_records, _ = load_datasets(cfg.data, tokenizer, processor)
+    _, val_records, _ = load_datasets(cfg.data, tokenizer, processor, tool_prompts(cfg.env))
     records = val_records[: cfg.eval.max_samples] if cfg.eval.max_samples else val_records
     if not records:
         raise ConfigError("data", "the dataset has no validation records to evaluate (see data.val_* keys)")

@@ -17,7 +17,9 @@ from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_tu
 @dataclass
 class ValidationResult:
     metrics: dict[str, float]
-    samples: list[dict[str, Any]]  # prompt, response, message_log, reward, answer, ground truth
+    # prompt, response (every turn after the prompt), final_response (the last assistant turn),
+    # message_log, reward, answer, ground truth
+    samples: list[dict[str, Any]]
     rewards: torch.Tensor  # [num_prompts * num_generations], each prompt's samples contiguous
 
 
@@ -32,6 +34,9 @@ def sample_records(rollouts: Any) -> list[dict[str, Any]]:
                 "task_name": rollouts["task_name"][i],
                 "prompt": "".join(content_text(m["content"]) for m in log[:first_assistant]),
                 "response": "".join(content_text(m["content"]) for m in log[first_assistant:]),
+                "final_response": next(
+                    (content_text(m["content"]) for m in reversed(log) if m["role"] == "assistant"), ""
+                ),
                 "message_log": [{"role": m["role"], "content": m["content"]} for m in log],
                 "reward": float(rollouts["total_reward"][i]),
                 "answer": rollouts["answer"][i],

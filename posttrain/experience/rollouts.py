@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from posttrain.data.tool_calls import strip_end_markers
 from posttrain.data.vision import batch_vision_inputs
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.utils.timer import Timer
@@ -41,13 +42,43 @@ def build_generation_input(
 
 
 def tokenize_observation(tokenizer, message_log: list[dict], observation: dict) -> list[int]:
-    """Token ids that the chat template adds for `observation` plus the next assistant prompt."""
+    """Token ids that the chat template adds for `observation` plus the next assistant prompt.
+
+    When `message_log` ends with a generated assistant turn, the ids also close that turn the way the
+    template does (e.g. `<|im_end|>\n` after a turn that a stop string such as `</tool_call>` ended), less
+    the end-of-turn token the generation already wrote."""
     plain = [{"role": m["role"], "content": m["content"]} for m in message_log]
-    before = tokenizer.apply_chat_template(plain, tokenize=False)
-    after = tokenizer.apply_chat_template(plain + [observation], tokenize=False, add_generation_prompt=True)
-    if not after.startswith(before):
-        raise ValueError("the chat template does not render conversations incrementally; cannot append turns")
-    return tokenizer(after[len(before) :], add_special_tokens=False)["input_ids"]
+    delta = _text_after_generation(tokenizer, plain, observation)
+    if delta is None:
+        before = tokenizer.apply_chat_template(plain, tokenize=False)
+        after = tokenizer.apply_chat_template(
+            plain + [observation], tokenize=False, add_generation_prompt=True
+        )
+        if not after.startswith(before):
+            raise ValueError(
+                "the chat template does not render conversations incrementally; cannot append turns"
+            )
+        delta = after[len(before) :]
+    return tokenizer(delta, add_special_tokens=False)["input_ids"]
+
+
+def _text_after_generation(tokenizer, plain: list[dict], observation: dict) -> str | None:
+    """The template's text after the last assistant turn's generated text, through `observation` and the
+    next assistant prompt (None when the log does not end with an assistant turn after a prompt, or the
+    template does not render its content verbatim)."""
+    if len(plain) < 2 or plain[-1]["role"] != "assistant":
+        return None
+    generated = plain[-1]["content"]
+    content = strip_end_markers(generated)
+    prompt = tokenizer.apply_chat_template(plain[:-1], tokenize=False, add_generation_prompt=True)
+    conversation = plain[:-1] + [{"role": "assistant", "content": content}, observation]
+    after = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    if not after.startswith(prompt + content):
+        return None
+    delta, written_end = after[len(prompt + content) :], generated[len(content) :].strip()
+    if written_end and delta.startswith(written_end):
+        delta = delta[len(written_end) :]  # the generation already holds the end-of-turn token
+    return delta
 
 
 def _append_generations(message_logs, active, generated, tokenizer, max_seq_len) -> list[bool]:
@@ -72,8 +103,9 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
     return cut
 
 
-def _step_environments(task_to_env, message_logs, metadata, task_names, indices):
-    """Call each task's environment once for its samples.
+def _step_environments(task_to_env, message_logs, metadata, task_names, indices, counts):
+    """Call each task's environment once for its samples (each message as `role`, `content` and its
+    `num_tokens`); the environments' `counts` are added to `counts`.
 
     Returns ({sample index: (EnvironmentReturn, position in it)}, number of reward-function errors).
     """
@@ -82,9 +114,17 @@ def _step_environments(task_to_env, message_logs, metadata, task_names, indices)
         if task not in task_to_env:
             raise KeyError(f"no environment for task {task!r}; configured: {sorted(task_to_env)}")
         task_indices = [i for i in indices if task_names[i] == task]
-        logs = [[{"role": m["role"], "content": m["content"]} for m in message_logs[i]] for i in task_indices]
+        logs = [
+            [
+                {"role": m["role"], "content": m["content"], "num_tokens": len(m["token_ids"])}
+                for m in message_logs[i]
+            ]
+            for i in task_indices
+        ]
         result = task_to_env[task].step(logs, [metadata[i] for i in task_indices])
         num_errors += result.num_errors
+        for name, value in result.counts.items():
+            counts[name] = counts.get(name, 0.0) + float(value)
         for position, i in enumerate(task_indices):
             answers[i] = (result, position)
     return answers, num_errors
@@ -104,7 +144,8 @@ def run_multi_turn_rollout(
     """Roll out every sample of `batch` (keys `message_log`, `extra_env_info`, `task_name`).
 
     Returns the batch with updated `message_log`, `extra_env_info`, and new `total_reward [B]`,
-    `truncated [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics.
+    `truncated [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics (the
+    environments' `counts`, summed over the turns, as `env/<name>`).
     With `seed`, turn t samples with seed `seed + t`, so a resumed run regenerates the same rollouts.
     With a `timer`, the environments' steps are timed as "rewards".
     """
@@ -118,7 +159,7 @@ def run_multi_turn_rollout(
     truncated = torch.zeros(batch_size, dtype=torch.bool)
     num_turns = torch.zeros(batch_size, dtype=torch.long)
     answers: list[str | None] = [None] * batch_size
-    num_env_errors = 0
+    num_env_errors, env_counts = 0, {}
 
     for turn in range(max_rollout_turns):
         active = [i for i in range(batch_size) if not done[i]]
@@ -132,7 +173,9 @@ def run_multi_turn_rollout(
         cut = _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         num_turns[active] += 1
         with timer.time("rewards") if timer is not None else nullcontext():
-            env_answers, errors = _step_environments(task_to_env, message_logs, metadata, task_names, active)
+            env_answers, errors = _step_environments(
+                task_to_env, message_logs, metadata, task_names, active, env_counts
+            )
         num_env_errors += errors
         for j, i in enumerate(active):
             result, k = env_answers[i]
@@ -160,7 +203,9 @@ def run_multi_turn_rollout(
         num_turns=num_turns,
         answer=answers,
     )
-    return out, rollout_metrics(message_logs, total_reward, truncated, num_turns, done, num_env_errors)
+    metrics = rollout_metrics(message_logs, total_reward, truncated, num_turns, done, num_env_errors)
+    metrics.update({f"env/{name}": value for name, value in env_counts.items()})
+    return out, metrics
 
 
 def _append_observation(message_logs, i, observation, tokenizer, max_seq_len, truncated, done) -> None:

@@ -168,6 +168,19 @@ def test_scrambled_boards_are_reproducible_and_not_solved():
     assert sorted(sum(scrambled_board(3, 5, seed=2), [])) == list(range(9))
 
 
+def test_builtin_multiplication_asks_for_products_of_n_digit_numbers_with_disjoint_splits():
+    from posttrain.data.tasks import builtin_rows
+
+    train, val = builtin_rows("multiplication", 500, 50, seed=1, num_digits=3)
+    assert builtin_rows("multiplication", 500, 50, seed=1, num_digits=3) == (train, val)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val} and len(train) == 500
+    for row in train + val:
+        words = row["prompt"].split()  # What is A times B? Reply with the number only.
+        a, b = int(words[2]), int(words[4].rstrip("?"))
+        assert 100 <= a <= 999 and 100 <= b <= 999 and words[3] == "times"
+        assert row["answer"] == row["response"] == str(a * b) and row["task_name"] == "math"
+
+
 def test_builtin_math_words_asks_in_words_with_right_answers_and_disjoint_splits():
     from posttrain.data.tasks import builtin_rows
 

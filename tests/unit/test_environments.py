@@ -75,3 +75,20 @@ def test_registry_resolves_names_files_and_rejects_unknown(tmp_path):
     assert resolve_environment_class("my_env").__name__ == "MyEnv"
     with pytest.raises(KeyError, match="unknown environment 'nope'"):
         resolve_environment_class("nope")
+
+
+def test_merged_returns_sum_the_counts_of_every_actor():
+    import torch
+
+    from posttrain.environments.interface import EnvironmentReturn
+    from posttrain.environments.pool import merge_returns
+
+    def part(counts):
+        return EnvironmentReturn(
+            [{}], [{}], [None], torch.zeros(1), torch.ones(1, dtype=torch.bool), [None], 0, counts
+        )
+
+    merged = merge_returns(
+        [part({"tool_calls": 2.0}), part({"tool_calls": 1.0, "tool_errors": 1.0}), part({})]
+    )
+    assert merged.counts == {"tool_calls": 3.0, "tool_errors": 1.0}

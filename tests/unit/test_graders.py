@@ -40,6 +40,15 @@ def test_final_number_grades_the_last_number_of_the_reply(response, ground_truth
     assert final_number(sample(response, ground_truth)) == grade
 
 
+def test_final_number_grades_the_last_turn_of_a_tool_episode():
+    """The whole response runs the tool's result into the answer (`...</tool_call>122122`); the grade is
+    the final assistant turn's."""
+    episode = sample('<tool_call>{"name": "calculator"}</tool_call>122122<|im_end|>', "122")
+    assert final_number(episode) == 0.0
+    assert final_number({**episode, "final_response": "122<|im_end|>"}) == 1.0
+    assert final_number({**episode, "final_response": "121"}) == 0.0
+
+
 def test_strict_grades_summarise_only_the_graded_samples():
     """Rewards 1, 1, 0 and grades 1, 0, 0 over the three numeric samples: strict accuracy 1/3, mean
     reward 2/3, gap 1/3; the non-numeric sample is left out."""
