@@ -16,7 +16,14 @@ from typing import Any, Generic, Protocol, TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
-from posttrain.algorithms.run import RunConfig, checkpoint_if_due, log_step, prepare_run, restore_run
+from posttrain.algorithms.run import (
+    RunConfig,
+    check_run_directories,
+    checkpoint_if_due,
+    log_step,
+    prepare_run,
+    restore_run,
+)
 from posttrain.algorithms.teacher import check_same_tokenizer
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -126,6 +133,11 @@ def setup_run(
     epochs_steps = loop.max_num_epochs * len(loader)
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
     cluster = RayVirtualCluster(cfg.cluster)
+    try:
+        check_run_directories(cfg, cluster.bundle_node_ids())
+    except Exception:
+        cluster.shutdown()
+        raise
     # A reference is the weights the workers load now: the initial model, also when resuming below.
     policy = Policy(cluster, cfg.policy, init_reference_model=init_reference_model)
     teacher_policy = None

@@ -1,0 +1,100 @@
+"""A run that outlives its workers: when a worker or its whole node dies, the run's worker groups are
+rebuilt (on the nodes left, or on nodes that joined) and training continues from the latest intact
+checkpoint, in the same process, up to `cluster.max_restarts` times; then `RunLostError` says what was
+lost and how to resume by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from posttrain.distributed.virtual_cluster import ClusterResourceError
+from posttrain.distributed.worker_group import WorkerDiedError
+
+logger = logging.getLogger(__name__)
+
+RunT = TypeVar("RunT")
+ResultT = TypeVar("ResultT")
+
+
+class RunLostError(RuntimeError):
+    """Workers died and no restart is left (or no nodes are left to rebuild them on)."""
+
+
+def _stop(run: Any) -> None:
+    """Shut a run down after a loss; what is already dead cannot answer, so errors are only logged."""
+    try:
+        run.shutdown()
+    except Exception as error:  # a dead actor, a process group that cannot be left
+        logger.warning("shutting down after the loss: %s", error)
+
+
+def _resume_hint(cfg: Any) -> str:
+    if not cfg.checkpointing.enabled:
+        return "checkpointing is off, so a new run starts from step 0"
+    return (
+        f"run the same command again with logger.log_dir={cfg.logger.log_dir}: it resumes from the latest "
+        f"intact checkpoint in {cfg.checkpointing.checkpoint_dir}"
+    )
+
+
+def train_with_restarts(
+    cfg: Any,
+    setup: Callable[[Any], RunT],
+    train: Callable[[RunT], ResultT],
+    max_restarts: int | None = None,
+) -> tuple[RunT, ResultT]:
+    """`train(setup(cfg))`, shut down at the end; when a worker dies (`WorkerDiedError`), shut the run
+    down, set it up again from its own (resolved) config, which resumes from the latest intact
+    checkpoint, and train on, at most `max_restarts` times (default `cfg.cluster.max_restarts`). Returns
+    the last run and what `train` returned."""
+    limit = cfg.cluster.max_restarts if max_restarts is None else max_restarts
+    restarts, run_cfg = 0, cfg
+    while True:
+        run = None
+        try:
+            run = setup(run_cfg)
+            run_cfg = run.cfg  # log and checkpoint directories resolved: a restart finds the same ones
+            result = train(run)
+            run.shutdown()
+            return run, result
+        except (WorkerDiedError, ClusterResourceError) as error:
+            if run is not None:
+                _stop(run)
+            if isinstance(error, ClusterResourceError) and not restarts:
+                raise  # the run never started: nothing was lost
+            resolved = run_cfg if run is not None or restarts else cfg
+            lost = _describe_loss(error)
+            if isinstance(error, ClusterResourceError) or restarts >= limit:
+                why = "no restart left" if restarts >= limit else "the workers cannot be placed again"
+                raise RunLostError(
+                    f"{lost}; {why} (cluster.max_restarts={limit}, {restarts} used): {_resume_hint(resolved)}"
+                    f"\n{error}"
+                ) from error
+            restarts += 1
+            logger.warning(
+                "%s; rebuilding the workers and resuming from the latest checkpoint (restart %d of %d)",
+                lost,
+                restarts,
+                limit,
+            )
+            print(f"{lost}; restart {restarts} of {limit} from the latest checkpoint", flush=True)
+            checkpointing = dataclasses.replace(run_cfg.checkpointing, resume_from=None)
+            run_cfg = dataclasses.replace(run_cfg, checkpointing=checkpointing)
+            time.sleep(1.0)  # let Ray mark the lost node dead before placing the workers again
+        except BaseException:
+            if run is not None:
+                run.shutdown()
+            raise
+
+
+def _describe_loss(error: Exception) -> str:
+    """ "lost node(s) N (workers A, B)" from a WorkerDiedError, or the error's first line."""
+    if isinstance(error, WorkerDiedError):
+        nodes = ", ".join(error.lost_nodes) or "none (the worker process died)"
+        workers = ", ".join(error.dead_workers) or "unknown"
+        return f"lost node(s): {nodes}; lost workers: {workers}"
+    return str(error).splitlines()[0]
