@@ -62,6 +62,7 @@ from posttrain.algorithms.run import (
     log_step,
     prepare_run,
     restore_run,
+    shutdown_on_error,
 )
 from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_tokenizer
 from posttrain.config import ConfigError, load_run_config
@@ -392,65 +393,67 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
     loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     cluster = RayVirtualCluster(cfg.cluster, also_needs=placed_beside_policy(cfg))
-    try:
+    with shutdown_on_error(cluster):  # a failed start leaves no placement group or worker behind
         check_run_directories(cfg, cluster.bundle_node_ids())
-    except Exception:
-        cluster.shutdown()
-        raise
-    # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside generation's
-    # half.
-    with_critic = cfg.grpo.advantage_estimator == "gae"
-    with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
-    if with_teacher:
-        check_same_tokenizer(tokenizer, cfg.teacher.model)
-    share = 0.25 if with_critic or with_teacher else 0.5
-    policy = Policy(
-        cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0, bundle_share=share
-    )
-    critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
-    extra_models = {"critic": critic.model} if critic is not None else None
-    teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
-    generation = make_generation(
-        cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
-    )
-    envs = create_environments(cfg.env)
-    checkpoints = CheckpointManager(cfg.checkpointing)
-    restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
-    step = int(restored.training_info["step"]) if restored is not None else 0
-    if restored is not None:
-        loader.load_state_dict(restored.loader_state)
-    refit = make_refit(cfg, policy, generation, stale=restored is not None)
-    collector = RolloutCollector(cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens)
-    async_cfg = cfg.grpo.async_grpo
-    rollouts: RolloutSource = SyncRollouts(collector, refit)
-    if async_cfg.enabled:
-        rollouts = AsyncRollouts(
-            collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps
+        # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside
+        # generation's half.
+        with_critic = cfg.grpo.advantage_estimator == "gae"
+        with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
+        if with_teacher:
+            check_same_tokenizer(tokenizer, cfg.teacher.model)
+        share = 0.25 if with_critic or with_teacher else 0.5
+        policy = Policy(
+            cluster,
+            cfg.policy,
+            init_reference_model=cfg.loss.reference_policy_kl_penalty > 0,
+            bundle_share=share,
         )
-    if restored is not None:
-        rollouts.restore(restored.training_info)
-    logger = Logger(cfg.logger)
-    logger.log_hyperparams(
-        {"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation}
-    )
-    logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, step)
-    return GRPORun(
-        cfg,
-        Path(cfg.logger.log_dir),
-        tokenizer,
-        policy,
-        generation,
-        [cluster],
-        envs,
-        val_records[: cfg.grpo.max_val_samples],
-        logger,
-        checkpoints,
-        refit,
-        rollouts,
-        step,
-        critic=critic,
-        teacher=teacher,
-    )
+        critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
+        extra_models = {"critic": critic.model} if critic is not None else None
+        teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
+        generation = make_generation(
+            cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
+        )
+        envs = create_environments(cfg.env)
+        checkpoints = CheckpointManager(cfg.checkpointing)
+        restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
+        step = int(restored.training_info["step"]) if restored is not None else 0
+        if restored is not None:
+            loader.load_state_dict(restored.loader_state)
+        refit = make_refit(cfg, policy, generation, stale=restored is not None)
+        collector = RolloutCollector(
+            cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens
+        )
+        async_cfg = cfg.grpo.async_grpo
+        rollouts: RolloutSource = SyncRollouts(collector, refit)
+        if async_cfg.enabled:
+            rollouts = AsyncRollouts(
+                collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps
+            )
+        if restored is not None:
+            rollouts.restore(restored.training_info)
+        logger = Logger(cfg.logger)
+        logger.log_hyperparams(
+            {"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation}
+        )
+        logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, step)
+        return GRPORun(
+            cfg,
+            Path(cfg.logger.log_dir),
+            tokenizer,
+            policy,
+            generation,
+            [cluster],
+            envs,
+            val_records[: cfg.grpo.max_val_samples],
+            logger,
+            checkpoints,
+            refit,
+            rollouts,
+            step,
+            critic=critic,
+            teacher=teacher,
+        )
 
 
 # ----------------------------------------------------------------------------------------------- stages

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from posttrain.distributed.virtual_cluster import ClusterResourceError
-from posttrain.distributed.worker_group import WorkerDiedError
+from posttrain.distributed.worker_group import WorkerDiedError, wait_until_marked_dead
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +63,13 @@ def train_with_restarts(
         except (WorkerDiedError, ClusterResourceError) as error:
             if run is not None:
                 _stop(run)
-            if isinstance(error, ClusterResourceError) and not restarts:
-                raise  # the run never started: nothing was lost
-            resolved = run_cfg if run is not None or restarts else cfg
+            if run_cfg is cfg:
+                raise  # the first start failed: nothing was lost, and trying again would fail the same way
             lost = _describe_loss(error)
             if isinstance(error, ClusterResourceError) or restarts >= limit:
                 why = "no restart left" if restarts >= limit else "the workers cannot be placed again"
                 raise RunLostError(
-                    f"{lost}; {why} (cluster.max_restarts={limit}, {restarts} used): {_resume_hint(resolved)}"
+                    f"{lost}; {why} (cluster.max_restarts={limit}, {restarts} used): {_resume_hint(run_cfg)}"
                     f"\n{error}"
                 ) from error
             restarts += 1
@@ -84,7 +82,10 @@ def train_with_restarts(
             print(f"{lost}; restart {restarts} of {limit} from the latest checkpoint", flush=True)
             checkpointing = dataclasses.replace(run_cfg.checkpointing, resume_from=None)
             run_cfg = dataclasses.replace(run_cfg, checkpointing=checkpointing)
-            time.sleep(1.0)  # let Ray mark the lost node dead before placing the workers again
+            if isinstance(error, WorkerDiedError) and error.lost_nodes:
+                # Placed again before Ray counts the node dead, workers could land on it once more.
+                if not wait_until_marked_dead(set(error.lost_nodes)):
+                    logger.warning("Ray still counts node(s) %s alive; placing the workers anyway", lost)
         except BaseException:
             if run is not None:
                 run.shutdown()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -59,6 +61,16 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(run_cfg, log_dir / "config.yaml")
     return dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
+
+
+@contextmanager
+def shutdown_on_error(cluster: Any) -> Iterator[None]:
+    """Remove the cluster's placement group (and so every actor placed in it) when the block raises."""
+    try:
+        yield
+    except BaseException:
+        cluster.shutdown()
+        raise
 
 
 def check_run_directories(cfg: RunConfig, node_ids: list[str]) -> None:

@@ -5,10 +5,17 @@ asked, instead of an actor that waits forever to be placed."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+CHECK_WAIT_S = 10.0  # resources just released (a previous run's placement group) take a moment to show
 
-class UnplaceableError(RuntimeError):
+
+class ClusterResourceError(RuntimeError):
+    """The resources asked for could not be reserved in time."""
+
+
+class UnplaceableError(ClusterResourceError):
     """The actors a run asks for cannot all be placed on the cluster's nodes."""
 
 
@@ -72,13 +79,19 @@ def describe_nodes(nodes: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def check_placeable(requests: list[ResourceRequest]) -> None:
-    """Raise `UnplaceableError` when the requests cannot all be placed on the live nodes' free resources."""
+def check_placeable(requests: list[ResourceRequest], wait_s: float = CHECK_WAIT_S) -> None:
+    """Raise `UnplaceableError` when the requests cannot all be placed on the live nodes' free resources,
+    still after `wait_s` seconds (resources being released, a node joining)."""
     requests = [r for r in requests if r.count > 0]
-    nodes = live_nodes()
-    misfit = place(requests, nodes)
-    if misfit is None:
-        return
+    deadline = time.monotonic() + wait_s
+    while True:
+        nodes = live_nodes()
+        misfit = place(requests, nodes)
+        if misfit is None:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     asked = "\n".join(
         f"  {r.key}: {r.count} x {_format(r.resources)}{' on one node' if r.one_node else ''}"
         for r in requests

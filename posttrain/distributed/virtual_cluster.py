@@ -22,13 +22,14 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from posttrain.config import ConfigError
-from posttrain.distributed.placement import ResourceRequest, UnplaceableError, check_placeable
+from posttrain.distributed.placement import (
+    ClusterResourceError,
+    ResourceRequest,
+    UnplaceableError,
+    check_placeable,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class ClusterResourceError(RuntimeError):
-    """The resources asked for could not be reserved in time."""
 
 
 class ClusterConnectionError(ConnectionError):

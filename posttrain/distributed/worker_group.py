@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +30,6 @@ RENDEZVOUS_FILE_ENV = "POSTTRAIN_RENDEZVOUS_FILE"
 # A group across machines meets at its rank 0's node address (MASTER_ADDR) and each rank's sockets use the
 # interface holding its own node's address, which Ray gives the group in this variable.
 NODE_IP_ENV = "POSTTRAIN_NODE_IP"
-RENDEZVOUS_ACTOR_ENV = "POSTTRAIN_RENDEZVOUS_ACTOR"  # the store actor (posttrain.distributed.rendezvous)
 
 
 class WorkerDiedError(RuntimeError):
@@ -72,20 +72,21 @@ def assigned_device() -> Any:
 
 
 def init_torch_distributed(backend: str | None = None) -> None:
-    """Join the group described by RANK/WORLD_SIZE: at the rendezvous file of a one-machine group, at the
-    store actor of a group across machines, or at MASTER_ADDR/MASTER_PORT (gloo on CPU, NCCL on GPU)."""
+    """Join the group described by RANK/WORLD_SIZE: at the rendezvous file of a one-machine group, at
+    MASTER_ADDR/MASTER_PORT (rank 0's node address, listened on by rank 0 alone) for a group across
+    machines, or as torch's env:// says outside a worker group (gloo on CPU, NCCL on GPU)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if assigned_device().type == "cuda" else "gloo")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store_name = os.environ.get(RENDEZVOUS_ACTOR_ENV)
-    if store_name:
-        from posttrain.distributed.rendezvous import RayActorStore
+    if os.environ.get(NODE_IP_ENV) and not os.environ.get(RENDEZVOUS_FILE_ENV):  # a group across machines
+        from posttrain.distributed.rendezvous import bound_tcp_store
 
-        pin_socket_interface(os.environ.get(NODE_IP_ENV) or ray.util.get_node_ip_address())
-        dist.init_process_group(backend, store=RayActorStore(store_name), rank=rank, world_size=world_size)
+        pin_socket_interface(os.environ[NODE_IP_ENV])
+        store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         return
     dist.init_process_group(backend, init_method=rendezvous_init_method(), rank=rank, world_size=world_size)
 
@@ -134,6 +135,34 @@ def loopback_rendezvous_env() -> dict[str, str]:
     )
     path = os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
     return {RENDEZVOUS_FILE_ENV: path, "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
+
+
+def dead_nodes(node_ids: set[str]) -> set[str]:
+    """Those of `node_ids` that Ray counts dead, or whose raylet no longer accepts connections: Ray's own
+    health checks take tens of seconds to declare a node dead, a refused connection takes milliseconds."""
+    dead = set()
+    for node in ray.nodes():
+        if node["NodeID"] not in node_ids:
+            continue
+        if not node["Alive"]:
+            dead.add(node["NodeID"])
+            continue
+        try:
+            socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=2).close()
+        except OSError:
+            dead.add(node["NodeID"])
+    return dead
+
+
+def wait_until_marked_dead(node_ids: set[str], timeout_s: float = 120.0) -> bool:
+    """Wait until Ray itself counts `node_ids` dead (so nothing is placed on them again); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        if not alive & set(node_ids):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _with_group_methods(worker_cls: type) -> type:
@@ -194,15 +223,7 @@ class RayWorkerGroup:
         local = len(set(cluster.bundle_node_ids())) == 1  # one machine: the file rendezvous
         remote_cls = ray.remote(_with_group_methods(worker_cls))
         suffix = uuid.uuid4().hex[:6]
-        self.store = None  # the rendezvous store actor of a group across machines
-        if local:
-            rendezvous = loopback_rendezvous_env()
-        else:
-            from posttrain.distributed.rendezvous import start_store
-
-            store_name = f"{name_prefix}-rendezvous-{suffix}"
-            self.store = start_store(store_name, ray.get_runtime_context().get_node_id())
-            rendezvous = {RENDEZVOUS_ACTOR_ENV: store_name}
+        rendezvous = loopback_rendezvous_env() if local else {}
         self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
@@ -235,7 +256,8 @@ class RayWorkerGroup:
     # -- calls ----------------------------------------------------------------------------------------
     def get(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:
         """Wait for results; a dead worker, or one whose node has died (its peers may wait for it in a
-        collective), raises WorkerDiedError (names, nodes, log tails) within seconds, never hangs."""
+        collective, or fail in one), raises WorkerDiedError (names, nodes, log tails) within seconds, never
+        hangs."""
         pending = list(refs)
         try:
             while pending:
@@ -248,37 +270,48 @@ class RayWorkerGroup:
             return ray.get(list(refs))
         except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as error:
             raise self._died_error(error) from error
+        except ray.exceptions.RayTaskError as error:  # a collective that lost its peer fails like this
+            died = self._died_error(error)
+            if died.dead_workers:
+                raise died from error
+            raise
 
     def _dead_nodes(self) -> set[str]:
-        """The ids of this group's nodes that Ray no longer counts alive."""
-        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-        return {info["node_id"] for info in getattr(self, "info", [])} - alive
+        """The ids of this group's nodes that are gone (see `dead_nodes`)."""
+        return dead_nodes({info["node_id"] for info in getattr(self, "info", [])})
 
-    def _died_error(self, error: Exception) -> WorkerDiedError:
-        """Which workers died (no answer to a ping within a few seconds, or on a dead node) and where."""
+    def _dead_ranks(self, lost_nodes: set[str]) -> list[int]:
+        """Ranks that do not answer a ping (an error, not a busy worker) or live on a lost node."""
         infos = getattr(self, "info", None)
-        dead_nodes = self._dead_nodes() if infos else set()
         pings = [worker.group_worker_info.remote() for worker in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
         dead = []
         for rank, ping in enumerate(pings):
+            on_lost_node = bool(infos) and infos[rank]["node_id"] in lost_nodes
             try:
-                ray.get(ping, timeout=0) if ping in ready else None
+                if ping in ready:
+                    ray.get(ping)
             except Exception:
+                on_lost_node = True
+            if on_lost_node:
                 dead.append(rank)
-            if infos and infos[rank]["node_id"] in dead_nodes and rank not in dead:
-                dead.append(rank)
+        return dead
+
+    def _died_error(self, error: Exception) -> WorkerDiedError:
+        """Which workers died and where."""
+        infos = getattr(self, "info", None)
+        lost = sorted(self._dead_nodes()) if infos else []
+        dead = self._dead_ranks(set(lost))
         parts = []
-        for rank in sorted(dead) or range(self.world_size):
+        for rank in dead or range(self.world_size):
             where = f"node {infos[rank]['node_ip']}, pid {infos[rank]['pid']}" if infos else "during start-up"
             tail = _log_tail(infos[rank]["pid"]) if infos else ""
             parts.append(f"worker rank {rank} ({self.names[rank]}, {where}) died\n{tail}")
-        lost = sorted(dead_nodes)
         nodes_line = f"lost node(s): {', '.join(lost)}\n" if lost else ""
         return WorkerDiedError(
             nodes_line + "\n".join(parts) + f"\ncause: {error}",
             lost_nodes=lost,
-            dead_workers=[self.names[rank] for rank in sorted(dead)],
+            dead_workers=[self.names[rank] for rank in dead],
         )
 
     def run_all_async(self, method: str, **kwargs: Any) -> list[ray.ObjectRef]:
@@ -331,6 +364,3 @@ class RayWorkerGroup:
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
         self.workers = []
-        if self.store is not None:
-            ray.kill(self.store, no_restart=True)
-            self.store = None

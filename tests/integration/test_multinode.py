@@ -1,0 +1,132 @@
+"""posttrain on a Ray cluster of several nodes (`ray.cluster_utils.Cluster`: a head and worker nodes, each
+its own raylet, all on this machine): one training worker per node gives the losses of the one-node run,
+asynchronous GRPO refits generation workers on another node, and a node removed mid-run is survived in
+the same process: the workers are rebuilt on the nodes left (or one that joins) and training resumes from
+the latest checkpoint with the losses of an uninterrupted run. A run that cannot be placed fails at once,
+naming the config key and the nodes' free resources."""
+
+import os
+import time
+
+import pytest
+from run_logs import metrics_by_step
+from test_grpo import overrides as grpo_overrides
+from test_sft import tiny_overrides as sft_overrides
+
+from posttrain.algorithms import grpo, sft
+from posttrain.algorithms.recovery import train_with_restarts
+from posttrain.config import load_typed_config
+from posttrain.distributed.placement import UnplaceableError
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and two worker nodes of 1 CPU each (so no node can hold two 1-CPU workers: every run below
+    spans nodes); the driver joins it. The tests' local Ray instance, if running, is stopped meanwhile."""
+    import ray
+    from conftest import start_test_ray, workers_python_path
+    from ray.cluster_utils import Cluster
+
+    was_running = ray.is_initialized()
+    if was_running:
+        ray.shutdown()
+    saved_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = workers_python_path()  # the raylets' workers inherit it
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    for _ in range(2):
+        nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_path
+        if was_running:
+            start_test_ray()
+
+
+def remove_worker_node(nodes, worker_group) -> str:
+    """Remove (kill) the node of the group's last worker that is not on the head; returns its node id."""
+    head_id = nodes.head_node.node_id
+    by_id = {node.node_id: node for node in nodes.list_all_nodes()}
+    node_id = next(info["node_id"] for info in reversed(worker_group.info) if info["node_id"] != head_id)
+    nodes.remove_node(by_id[node_id], allow_graceful=False)
+    return node_id
+
+
+def last_values(log_dir, key: str) -> dict[int, list[float]]:
+    """Every value logged for `key` at each step (a step trained again after a recovery appears twice)."""
+    import json
+
+    values: dict[int, list[float]] = {}
+    for line in open(os.path.join(log_dir, "metrics.jsonl")):
+        record = json.loads(line)
+        if key in record:
+            values.setdefault(record["step"], []).append(record[key])
+    return values
+
+
+def test_sft_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_path, capsys):
+    """Reference: both workers on one node. Then one worker on each of two nodes, checkpoints every 2
+    steps; after step 3 the second worker's node is removed. The run notices, names the node, rebuilds
+    its workers on the nodes left, resumes from step 2 and trains to step 6: every logged loss, before and
+    after the loss of the node, equals the one-node run's."""
+    settings = {
+        "sft.max_num_steps": 6,
+        "sft.val_period": 1000,
+        "checkpointing.save_period": 2,
+        "checkpointing.keep_top_k": 10,
+        "sft.export_final_model": "false",
+    }
+    one_node = load_typed_config(
+        sft.SFTConfig,
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        sft_overrides(
+            tmp_path / "one", **settings, **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5}
+        ),
+    )
+    train_with_restarts(one_node, sft.setup, sft.sft_train)
+    reference = last_values(tmp_path / "one", "train/loss")
+
+    two_nodes = load_typed_config(
+        sft.SFTConfig,
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        sft_overrides(
+            tmp_path / "two",
+            **settings,
+            **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1, "cluster.max_restarts": 1},
+        ),
+    )
+    lost: dict[str, float | str] = {}
+
+    def train(run):
+        if not lost:  # the first attempt: 3 steps, then a worker's node goes away
+            assert len({info["node_id"] for info in run.policy.worker_group.info}) == 2
+            sft.sft_train(run, num_steps=3)
+            lost["node"] = remove_worker_node(cluster, run.policy.worker_group)
+            lost["at"] = time.monotonic()
+        else:
+            lost["recovered_after_s"] = time.monotonic() - lost["at"]
+        return sft.sft_train(run)
+
+    run, _ = train_with_restarts(two_nodes, sft.setup, train)
+    cluster.add_node(num_cpus=1)  # back to three nodes for the next test
+    assert run.step == 6
+    losses = last_values(tmp_path / "two", "train/loss")
+    assert sorted(losses) == list(range(1, 7))
+    assert len(losses[3]) == 2  # step 3 trained before the loss, and again after resuming from step 2
+    for step, values in losses.items():
+        for value in values:
+            assert value == pytest.approx(reference[step][0], abs=1e-5), step
+    out = capsys.readouterr().out
+    assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
+    assert lost["recovered_after_s"] < 60, lost
