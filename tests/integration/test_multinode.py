@@ -36,7 +36,9 @@ def cluster():
         ray.shutdown()
     saved_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = workers_python_path()  # the raylets' workers inherit it
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    # Ray declares a node dead after missed health checks (~17 s at its defaults): quicker here.
+    health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": health})
     for _ in range(2):
         nodes.add_node(num_cpus=1)
     nodes.wait_for_nodes()
@@ -91,7 +93,9 @@ def test_sft_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_
         sft.SFTConfig,
         os.path.join(REPO, "configs", "sft_tiny.yaml"),
         sft_overrides(
-            tmp_path / "one", **settings, **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5}
+            tmp_path / "one",
+            **settings,
+            **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5},
         ),
     )
     train_with_restarts(one_node, sft.setup, sft.sft_train)
@@ -129,4 +133,75 @@ def test_sft_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_
             assert value == pytest.approx(reference[step][0], abs=1e-5), step
     out = capsys.readouterr().out
     assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
+    print(f"rebuilt and resumed {lost['recovered_after_s']:.1f} s after the node was removed")
     assert lost["recovered_after_s"] < 60, lost
+
+
+def test_async_grpo_refits_generation_on_another_node_and_survives_a_lost_node(cluster, tmp_path, capsys):
+    """Asynchronous GRPO, the policy's two workers on two nodes and the generation worker on the third:
+    weights reach it through the object store and its logprobs match the trainer's every step
+    (token_mult_prob_error <= 1.01; age bound 0, so every batch comes from the latest weights). After step 3
+    (checkpointed: the first call trains to there) a policy node is removed and another joins: the run
+    rebuilds policy and generation on the nodes there are, resumes from step 3 and finishes step 4."""
+    cfg = load_typed_config(
+        grpo.GRPOConfig,
+        os.path.join(REPO, "configs", "grpo_tiny.yaml"),
+        grpo_overrides(
+            tmp_path,
+            **{
+                "grpo.max_num_steps": 4,
+                "grpo.val_period": 0,
+                "grpo.async_grpo.enabled": "true",
+                "grpo.async_grpo.max_trajectory_age_steps": 0,
+                "generation.colocated": "false",
+                "generation.num_cpus_per_worker": 1,
+                "cluster.num_nodes": 2,
+                "cluster.num_cpus_per_worker": 1,
+                "cluster.max_restarts": 1,
+                "+env.arithmetic.num_cpus": 0,
+                "checkpointing.keep_top_k": 10,
+            },
+        ),
+    )
+    lost: dict[str, str] = {}
+
+    def train(run):
+        if not lost:
+            policy_nodes = {info["node_id"] for info in run.policy.worker_group.info}
+            generation_nodes = {info["node_id"] for info in run.generation.worker_group.info}
+            assert len(policy_nodes) == 2 and not policy_nodes & generation_nodes
+            grpo.grpo_train(run, num_steps=3)
+            lost["node"] = remove_worker_node(cluster, run.policy.worker_group)
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+        return grpo.train_to_end(run)
+
+    run, _ = train_with_restarts(cfg, grpo.setup, train)
+    assert run.step == 4
+    errors = last_values(tmp_path, "train/token_mult_prob_error")
+    assert sorted(errors) == [1, 2, 3, 4]
+    for step, values in errors.items():
+        assert all(1.0 <= value <= 1.01 for value in values), (step, values)
+    assert all(v > 0 for values in last_values(tmp_path, "train/refit_bytes").values() for v in values)
+    assert f"lost node(s): {lost['node']}" in capsys.readouterr().out
+    assert (tmp_path / "hf_model" / "config.json").exists()
+
+
+def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(cluster, tmp_path):
+    """Environment actors of 2 CPUs fit on no node of 1 CPU: an error within seconds, before any worker
+    starts, instead of a run that waits forever for them."""
+    cfg = load_typed_config(
+        grpo.GRPOConfig,
+        os.path.join(REPO, "configs", "grpo_tiny.yaml"),
+        grpo_overrides(
+            tmp_path,
+            **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1, "+env.arithmetic.num_cpus": 2},
+        ),
+    )
+    start = time.monotonic()
+    with pytest.raises(UnplaceableError) as error:
+        grpo.setup(cfg)
+    assert time.monotonic() - start < 30
+    message = str(error.value)
+    assert message.startswith("env.arithmetic.num_workers x num_cpus asks for 1 x {CPU: 2}")
+    assert message.count("CPUs, 0 GPUs free") == 3  # every node, with what it has free
