@@ -9,7 +9,6 @@ import os
 import time
 
 import pytest
-from run_logs import metrics_by_step
 from test_grpo import overrides as grpo_overrides
 from test_sft import tiny_overrides as sft_overrides
 
