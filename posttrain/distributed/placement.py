@@ -31,13 +31,18 @@ class ResourceRequest:
 
 
 def live_nodes() -> list[dict]:
-    """The live Ray nodes: id, IP and free resources (CPU, GPU, memory... as Ray counts them)."""
+    """The live Ray nodes: id, IP, free and total resources (CPU, GPU, memory... as Ray counts them)."""
     import ray
     from ray._private import state
 
-    free = state.available_resources_per_node()
+    free, total = state.available_resources_per_node(), state.total_resources_per_node()
     return [
-        {"id": node["NodeID"], "ip": node["NodeManagerAddress"], "free": dict(free.get(node["NodeID"], {}))}
+        {
+            "id": node["NodeID"],
+            "ip": node["NodeManagerAddress"],
+            "free": dict(free.get(node["NodeID"], {})),
+            "total": dict(total.get(node["NodeID"], {})),
+        }
         for node in ray.nodes()
         if node["Alive"]
     ]
@@ -52,10 +57,10 @@ def _take(free: dict[str, float], resources: dict[str, float]) -> bool:
     return True
 
 
-def place(requests: list[ResourceRequest], nodes: list[dict]) -> ResourceRequest | None:
-    """Pack the requests, largest first, into copies of the nodes' free resources (first fit); returns the
-    first request that does not fit, or None when all do."""
-    free = {node["id"]: dict(node["free"]) for node in nodes}
+def place(requests: list[ResourceRequest], nodes: list[dict], of: str = "free") -> ResourceRequest | None:
+    """Pack the requests, largest first, into copies of the nodes' `of` ("free" or "total") resources
+    (first fit); returns the first request that does not fit, or None when all do."""
+    free = {node["id"]: dict(node[of]) for node in nodes}
     order = sorted(requests, key=lambda r: -r.count * sum(r.resources.values()))
     for request in order:
         if request.one_node:
@@ -80,8 +85,9 @@ def describe_nodes(nodes: list[dict]) -> str:
 
 
 def check_placeable(requests: list[ResourceRequest], wait_s: float = CHECK_WAIT_S) -> None:
-    """Raise `UnplaceableError` when the requests cannot all be placed on the live nodes' free resources,
-    still after `wait_s` seconds (resources being released, a node joining)."""
+    """Raise `UnplaceableError` when the requests cannot all be placed on the live nodes' free resources:
+    at once when they would not fit even into the nodes' total resources, else after `wait_s` seconds
+    (resources being released, a node joining)."""
     requests = [r for r in requests if r.count > 0]
     deadline = time.monotonic() + wait_s
     while True:
@@ -89,7 +95,8 @@ def check_placeable(requests: list[ResourceRequest], wait_s: float = CHECK_WAIT_
         misfit = place(requests, nodes)
         if misfit is None:
             return
-        if time.monotonic() > deadline:
+        # Past the deadline, or it would not fit even into empty nodes: waiting cannot help.
+        if time.monotonic() > deadline or place(requests, nodes, of="total") is not None:
             break
         time.sleep(0.5)
     asked = "\n".join(
