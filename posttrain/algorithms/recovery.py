@@ -60,7 +60,19 @@ def train_with_restarts(
             result = train(run)
             run.shutdown()
             return run, result
-        except (WorkerDiedError, ClusterResourceError) as error:
+        except BaseException as raised:
+            error = _loss_in(raised)
+            if error is None:  # not a loss of workers: stop as any failure does
+                if run is not None:
+                    run.shutdown()
+                raise
+            if isinstance(error, WorkerDiedError) and error.lost_nodes and run_cfg is not cfg:
+                # Placed again before Ray counts the node dead, workers could land on it once more (and the
+                # run's shutdown may leave Ray, so wait while still connected).
+                if not wait_until_marked_dead(set(error.lost_nodes)):
+                    logger.warning(
+                        "Ray still counts node(s) %s alive; placing the workers anyway", error.lost_nodes
+                    )
             if run is not None:
                 _stop(run)
             if run_cfg is cfg:
@@ -82,14 +94,18 @@ def train_with_restarts(
             print(f"{lost}; restart {restarts} of {limit} from the latest checkpoint", flush=True)
             checkpointing = dataclasses.replace(run_cfg.checkpointing, resume_from=None)
             run_cfg = dataclasses.replace(run_cfg, checkpointing=checkpointing)
-            if isinstance(error, WorkerDiedError) and error.lost_nodes:
-                # Placed again before Ray counts the node dead, workers could land on it once more.
-                if not wait_until_marked_dead(set(error.lost_nodes)):
-                    logger.warning("Ray still counts node(s) %s alive; placing the workers anyway", lost)
-        except BaseException:
-            if run is not None:
-                run.shutdown()
-            raise
+
+
+def _loss_in(error: BaseException) -> WorkerDiedError | ClusterResourceError | None:
+    """The worker death (or the failure to place workers) that `error` is or was caused by: a loss seen
+    by a background thread (asynchronous GRPO's producer) reaches the loop as the error it caused."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (WorkerDiedError, ClusterResourceError)):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _describe_loss(error: Exception) -> str:

@@ -252,6 +252,12 @@ class RayWorkerGroup:
             ).remote(**(init_kwargs or {}))
             self.workers.append(actor)
         self.info = self.get([w.group_worker_info.remote() for w in self.workers])
+        if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
+            places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
+            print(
+                f"{name_prefix}: {self.world_size} workers on {len(set(node_ips))} nodes: {places}",
+                flush=True,
+            )
 
     # -- calls ----------------------------------------------------------------------------------------
     def get(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:

@@ -1,15 +1,19 @@
-"""posttrain across hosts that each have their own network address: three network namespaces (a head and
-two workers) joined by veth pairs to a bridge in a fourth, with addresses this test assigns
-(10.231.0.1-3, reachable only inside the namespaces), a Ray node started in each with token
-authentication, and `posttrain sft` then `posttrain grpo` (from the SFT model) run on the head with
-`cluster.num_nodes=2`. Skipped, saying why, where namespaces cannot be made (not root, no `ip`)."""
+"""posttrain across hosts that each have their own network address, and the loss of one of them: three
+network namespaces (a head of 2 CPUs and two workers of 1) joined by veth pairs to a bridge in a fourth,
+with addresses this test assigns (10.231.0.1-3, reachable only inside the namespaces), a Ray node started
+in each with token authentication, and `posttrain grpo` run on the head: asynchronous, the policy's two
+workers on two hosts (STRICT_SPREAD), its generation worker apart. Mid-run every process of one worker
+host is killed; the run notices, rebuilds on the hosts left and finishes with exit status 0. Skipped,
+saying why, where namespaces cannot be made (not root, no `ip`)."""
 
 import os
+import re
 import secrets
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,6 +25,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 SUBNET = "10.231.0"
 NAMES = ("head", "w1", "w2")
+CPUS = (2, 1, 1)  # per host
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -72,13 +77,22 @@ class Hosts:
 
     def start_ray(self) -> None:
         ray = str(Path(sys.executable).parent / "ray")
-        common = ["--num-cpus=1", f"--temp-dir={self.temp_dir}", "--block"]
-        head = [ray, "start", "--head", f"--node-ip-address={self.ip(0)}", "--port=6379"]
-        head += ["--include-dashboard=false", *common]
+        # Each host its own temp dir, as on separate machines: nodes sharing one race for socket names.
+        common = ["--block"]
+        head = [
+            ray,
+            "start",
+            "--head",
+            f"--node-ip-address={self.ip(0)}",
+            "--port=6379",
+            f"--num-cpus={CPUS[0]}",
+        ]
+        head += ["--include-dashboard=false", f"--temp-dir={self.temp_dir / NAMES[0]}", *common]
         self.nodes.append(subprocess.Popen(self.in_namespace(0, *head), env=self.env, start_new_session=True))
         self.wait_for_port(0, 6379)
-        for index in (1, 2):
+        for index in range(1, len(NAMES)):
             worker = [ray, "start", f"--address={self.ip(0)}:6379", f"--node-ip-address={self.ip(index)}"]
+            worker += [f"--num-cpus={CPUS[index]}", f"--temp-dir={self.temp_dir / NAMES[index]}"]
             self.nodes.append(
                 subprocess.Popen(
                     self.in_namespace(index, *worker, *common), env=self.env, start_new_session=True
@@ -111,15 +125,19 @@ class Hosts:
             time.sleep(1)
         raise TimeoutError(f"{count} Ray nodes did not join within {timeout_s:g}s")
 
+    def kill_host(self, index: int) -> None:
+        """Every process of host `index` (its Ray node and the workers on it), killed at once."""
+        for pid in run("ip", "netns", "pids", self.namespaces[index], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def close(self) -> None:
         """Kill the Ray nodes (every process inside the namespaces, which this test started, by pid; then
         the `ray start` processes), then delete the namespaces."""
-        for ns in self.namespaces:
-            for pid in run("ip", "netns", "pids", ns, check=False).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        for index in range(len(self.namespaces)):
+            self.kill_host(index)
         for process in self.nodes:
             if process.poll() is None:
                 process.kill()
@@ -149,65 +167,100 @@ def hosts(tmp_path):
     try:
         built.build_network()
         built.start_ray()
-        built.wait_for_nodes(3)
+        built.wait_for_nodes(len(NAMES))
         yield built
     finally:
         built.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def posttrain(hosts: Hosts, command: str, config: str, *overrides: str) -> None:
-    cli = [sys.executable, "-m", "posttrain.cli", command, "--config", str(REPO / "configs" / config)]
-    cluster = [f"cluster.address={hosts.ip(0)}:6379", "cluster.num_nodes=2", "cluster.num_cpus_per_worker=1"]
-    done = subprocess.run(
-        hosts.in_namespace(0, *cli, *cluster, *overrides),
+def test_async_grpo_across_hosts_survives_the_loss_of_one(hosts, tmp_path):
+    """Steps 1-5, a checkpoint after each; once step 2 is logged, the worker host of a policy worker (as
+    the driver prints where each rank runs) is killed. The run names the lost node, places the workers on
+    the hosts left, resumes from its latest checkpoint, and every step's sampled tokens score the same
+    under the trainer as under the generation worker that sampled them."""
+    log_dir = tmp_path / "grpo"
+    overrides = {
+        "logger.log_dir": log_dir,
+        "logger.tensorboard_enabled": "false",
+        "policy.model_name": "null",
+        "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
+        "intermediate_size: 64, seed: 3}",
+        "grpo.max_num_steps": 5,
+        "grpo.num_prompts_per_step": 4,
+        "grpo.num_generations_per_prompt": 4,
+        "grpo.val_at_start": "false",
+        "grpo.val_period": 0,
+        "grpo.async_grpo.enabled": "true",
+        "grpo.async_grpo.max_trajectory_age_steps": 0,
+        "generation.colocated": "false",
+        "generation.num_cpus_per_worker": 1,
+        "policy.train_global_batch_size": 16,
+        "policy.train_micro_batch_size": 8,
+        "data.num_train": 64,
+        "data.num_val": 8,
+        "+env.arithmetic.num_cpus": 0,
+        "checkpointing.save_period": 1,
+        "cluster.address": f"{hosts.ip(0)}:6379",
+        "cluster.num_nodes": 2,
+        "cluster.num_cpus_per_worker": 1,
+        "cluster.placement_strategy": "STRICT_SPREAD",
+        "cluster.max_restarts": 1,
+    }
+    cli = [
+        sys.executable,
+        "-m",
+        "posttrain.cli",
+        "grpo",
+        "--config",
+        str(REPO / "configs" / "grpo_tiny.yaml"),
+    ]
+    cli += [f"{key}={value}" for key, value in overrides.items()]
+    driver = subprocess.Popen(
+        hosts.in_namespace(0, *cli),
         env=hosts.env,
         cwd=REPO,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=300,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(driver.stdout), daemon=True)
+    reader.start()
+    killed = None
+    deadline = time.monotonic() + 300
+    while driver.poll() is None and time.monotonic() < deadline:
+        if killed is None and 2 in metrics_by_step_if_any(log_dir):
+            killed = policy_worker_host(hosts, lines)
+            hosts.kill_host(killed)
+        time.sleep(0.2)
+    if driver.poll() is None:
+        driver.kill()
+    driver.wait()
+    reader.join(timeout=10)
+    output = "".join(lines)
+    assert killed and driver.returncode == 0, output[-8000:]
+    assert "lost node(s): " in output and "restart 1 of 1" in output, output[-8000:]
+    steps = metrics_by_step(log_dir)
+    assert all(step in steps for step in range(1, 6))
+    for step in range(1, 6):
+        assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01, (step, steps[step])
+    assert (log_dir / "hf_model" / "config.json").exists()
 
 
-def test_sft_then_grpo_across_hosts_with_their_own_addresses(hosts, tmp_path):
-    sft_dir, grpo_dir = tmp_path / "sft", tmp_path / "grpo"
-    posttrain(
-        hosts,
-        "sft",
-        "sft_tiny.yaml",
-        f"logger.log_dir={sft_dir}",
-        "logger.tensorboard_enabled=false",
-        "policy.model.from_config.hidden_size=64",
-        "policy.model.from_config.num_layers=2",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "sft.max_num_steps=3",
-        "sft.val_period=3",
-        "sft.val_max_samples=16",
-        "data.num_train=200",
-        "data.num_val=16",
-        "checkpointing.enabled=false",
-    )
-    assert sorted(step for step, m in metrics_by_step(sft_dir).items() if "train/loss" in m) == [1, 2, 3]
-    posttrain(
-        hosts,
-        "grpo",
-        "grpo_tiny.yaml",
-        f"policy.model_name={sft_dir / 'hf_model'}",
-        f"logger.log_dir={grpo_dir}",
-        "grpo.max_num_steps=2",
-        "grpo.num_prompts_per_step=4",
-        "grpo.num_generations_per_prompt=4",
-        "grpo.val_at_start=false",
-        "grpo.val_period=0",
-        "policy.train_global_batch_size=16",
-        "policy.train_micro_batch_size=8",
-        "data.num_train=64",
-        "data.num_val=8",
-        "checkpointing.enabled=false",
-    )
-    steps = metrics_by_step(grpo_dir)
-    for step in (1, 2):
-        assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01
-    assert (grpo_dir / "hf_model" / "config.json").exists()
+def policy_worker_host(hosts: Hosts, lines: list[str]) -> int:
+    """The index of a worker host (not the head) that runs a policy rank, from the driver's line
+    `policy: 2 workers on 2 nodes: rank 0 on IP, rank 1 on IP`."""
+    placed = [line for line in list(lines) if line.startswith("policy: ")][-1]
+    ips = re.findall(r"rank \d+ on ([\d.]+)", placed)
+    return next(index for index in range(1, len(NAMES)) if hosts.ip(index) in ips)
+
+
+def metrics_by_step_if_any(log_dir: Path) -> dict[int, dict]:
+    """The run's metrics so far (none before its first step is logged)."""
+    if not (log_dir / "metrics.jsonl").exists():
+        return {}
+    try:
+        return metrics_by_step(log_dir)
+    except ValueError:  # a line being written
+        return {}
