@@ -1,14 +1,15 @@
 """posttrain on a Ray cluster of several nodes (`ray.cluster_utils.Cluster`: a head and worker nodes, each
 its own raylet, all on this machine): one training worker per node gives the losses of the one-node run,
-asynchronous GRPO refits generation workers on another node, and a node removed mid-run is survived in
-the same process: the workers are rebuilt on the nodes left (or one that joins) and training resumes from
-the latest checkpoint with the losses of an uninterrupted run. A run that cannot be placed fails at once,
-naming the config key and the nodes' free resources."""
+and a node removed mid-run is survived in the same process: the workers are rebuilt on the nodes left and
+training resumes from the latest checkpoint with the losses of an uninterrupted run. A run that cannot be
+placed fails at once, naming the config key and the nodes' free resources. GRPO across hosts (generation
+apart, asynchronous, a host lost mid-run) is test_multihost_netns."""
 
 import os
 import time
 
 import pytest
+import ray
 from test_grpo import overrides as grpo_overrides
 from test_sft import tiny_overrides as sft_overrides
 
@@ -26,7 +27,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def cluster():
     """A head and two worker nodes of 1 CPU each (so no node can hold two 1-CPU workers: every run below
     spans nodes); the driver joins it. The tests' local Ray instance, if running, is stopped meanwhile."""
-    import ray
     from conftest import start_test_ray, workers_python_path
     from ray.cluster_utils import Cluster
 
@@ -122,7 +122,6 @@ def test_sft_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_
         return sft.sft_train(run)
 
     run, _ = train_with_restarts(two_nodes, sft.setup, train)
-    cluster.add_node(num_cpus=1)  # back to three nodes for the next test
     assert run.step == 6
     losses = last_values(tmp_path / "two", "train/loss")
     assert sorted(losses) == list(range(1, 7))
@@ -134,56 +133,6 @@ def test_sft_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_
     assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
     print(f"rebuilt and resumed {lost['recovered_after_s']:.1f} s after the node was removed")
     assert lost["recovered_after_s"] < 60, lost
-
-
-def test_async_grpo_refits_generation_on_another_node_and_survives_a_lost_node(cluster, tmp_path, capsys):
-    """Asynchronous GRPO, the policy's two workers on two nodes and the generation worker on the third:
-    weights reach it through the object store and its logprobs match the trainer's every step
-    (token_mult_prob_error <= 1.01; age bound 0, so every batch comes from the latest weights). After step 3
-    (checkpointed: the first call trains to there) a policy node is removed and another joins: the run
-    rebuilds policy and generation on the nodes there are, resumes from step 3 and finishes step 4."""
-    cfg = load_typed_config(
-        grpo.GRPOConfig,
-        os.path.join(REPO, "configs", "grpo_tiny.yaml"),
-        grpo_overrides(
-            tmp_path,
-            **{
-                "grpo.max_num_steps": 4,
-                "grpo.val_period": 0,
-                "grpo.async_grpo.enabled": "true",
-                "grpo.async_grpo.max_trajectory_age_steps": 0,
-                "generation.colocated": "false",
-                "generation.num_cpus_per_worker": 1,
-                "cluster.num_nodes": 2,
-                "cluster.num_cpus_per_worker": 1,
-                "cluster.max_restarts": 1,
-                "+env.arithmetic.num_cpus": 0,
-                "checkpointing.keep_top_k": 10,
-            },
-        ),
-    )
-    lost: dict[str, str] = {}
-
-    def train(run):
-        if not lost:
-            policy_nodes = {info["node_id"] for info in run.policy.worker_group.info}
-            generation_nodes = {info["node_id"] for info in run.generation.worker_group.info}
-            assert len(policy_nodes) == 2 and not policy_nodes & generation_nodes
-            grpo.grpo_train(run, num_steps=3)
-            lost["node"] = remove_worker_node(cluster, run.policy.worker_group)
-            cluster.add_node(num_cpus=1)
-            cluster.wait_for_nodes()
-        return grpo.train_to_end(run)
-
-    run, _ = train_with_restarts(cfg, grpo.setup, train)
-    assert run.step == 4
-    errors = last_values(tmp_path, "train/token_mult_prob_error")
-    assert sorted(errors) == [1, 2, 3, 4]
-    for step, values in errors.items():
-        assert all(1.0 <= value <= 1.01 for value in values), (step, values)
-    assert all(v > 0 for values in last_values(tmp_path, "train/refit_bytes").values() for v in values)
-    assert f"lost node(s): {lost['node']}" in capsys.readouterr().out
-    assert (tmp_path / "hf_model" / "config.json").exists()
 
 
 def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(cluster, tmp_path):
@@ -203,4 +152,5 @@ def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(
     assert time.monotonic() - start < 30
     message = str(error.value)
     assert message.startswith("env.arithmetic.num_workers x num_cpus asks for 1 x {CPU: 2}")
-    assert message.count("CPUs, 0 GPUs free") == 3  # every node, with what it has free
+    live = [node for node in ray.nodes() if node["Alive"]]
+    assert message.count("CPUs, 0 GPUs free") == len(live)  # every node, with what it has free
