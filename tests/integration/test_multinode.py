@@ -154,3 +154,41 @@ def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(
     assert message.startswith("env.arithmetic.num_workers x num_cpus asks for 1 x {CPU: 2}")
     live = [node for node in ray.nodes() if node["Alive"]]
     assert message.count("CPUs, 0 GPUs free") == len(live)  # every node, with what it has free
+
+
+def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path):
+    """DPO (a frozen reference on every worker) on a fresh tiny model: 2 workers on one node, then one on
+    each of two nodes; the losses of both steps agree."""
+    from posttrain.algorithms import dpo
+
+    def run_dpo(log_dir, **layout):
+        values = {
+            "logger.log_dir": log_dir,
+            "logger.tensorboard_enabled": "false",
+            "policy.model_name": "null",
+            "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
+            "intermediate_size: 64, seed: 3}",
+            "policy.train_global_batch_size": 16,
+            "policy.train_micro_batch_size": 8,
+            "data.num_train": 64,
+            "data.num_val": 16,
+            "dpo.val_max_samples": 16,
+            "dpo.max_num_steps": 2,
+            "dpo.val_period": 1000,
+            "dpo.export_final_model": "false",
+            "checkpointing.enabled": "false",
+            **layout,
+        }
+        cfg = load_typed_config(
+            dpo.DPOConfig,
+            os.path.join(REPO, "configs", "dpo_tiny.yaml"),
+            [f"{key}={value}" for key, value in values.items()],
+        )
+        train_with_restarts(cfg, dpo.setup, dpo.dpo_train)
+        return last_values(log_dir, "train/loss")
+
+    one = run_dpo(tmp_path / "one", **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5})
+    two = run_dpo(tmp_path / "two", **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1})
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in (1, 2):
+        assert two[step][0] == pytest.approx(one[step][0], abs=1e-5)
