@@ -12,30 +12,40 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 RAY_TEST_NUM_CPUS = 8
 
 
-@pytest.fixture(scope="session")
-def ray_session():
-    """Start (once) and yield a local Ray instance, the way posttrain starts one (127.0.0.1 only, token
-    authentication on), with the full dashboard agent for the system-monitor test; shut it down at the end."""
-    import ray
-
-    from posttrain.distributed.virtual_cluster import start_local_ray
-
-    # Workers must import classes defined in test modules (pytest imports them as top-level modules).
+def workers_python_path() -> str:
+    """PYTHONPATH for Ray workers: they must import classes defined in test modules (pytest imports them
+    as top-level modules)."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    python_path = os.pathsep.join(
+    return os.pathsep.join(
         [
             os.path.join(tests_dir, "integration"),
             os.path.join(tests_dir, "unit"),
             os.environ.get("PYTHONPATH", ""),
         ]
     )
+
+
+def start_test_ray() -> None:
+    """The tests' local Ray instance, started the way posttrain starts one (127.0.0.1 only, token
+    authentication on), with the full dashboard agent for the system-monitor test."""
+    from posttrain.distributed.virtual_cluster import start_local_ray
+
+    start_local_ray(
+        RAY_TEST_NUM_CPUS,
+        dashboard_agent=True,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": workers_python_path()}},
+    )
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Start (once) and yield the tests' local Ray instance; shut it down at the end. A module that needs a
+    cluster of several nodes stops it and starts it again afterwards (test_multinode)."""
+    import ray
+
     if not ray.is_initialized():
-        start_local_ray(
-            RAY_TEST_NUM_CPUS,
-            dashboard_agent=True,
-            log_to_driver=False,
-            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": python_path}},
-        )
+        start_test_ray()
     yield ray
     ray.shutdown()
 

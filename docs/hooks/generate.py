@@ -126,6 +126,17 @@ def vllm_refit_section(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def refit_nodes_section(name: str, data: dict) -> list[str]:
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}; torch {data['torch']}, Ray {data['ray']}.* "
+             f"{data['model']}, median of {data['refits_per_layout']} refits, each after an optimizer step "
+             "(`benchmarks/refit_nodes.py`). The nodes are raylets of `ray.cluster_utils.Cluster` on one machine.",
+             "", "| layout | nodes | refit (ms) | weight bytes | through the object store |", "|---|---|---|---|---|"]
+    for row in data["rows"]:
+        lines.append(f"| {row['layout']} | {row['nodes']} | {row['refit_median_s'] * 1000:.1f} | "
+                     f"{row['weight_bytes_per_refit']:,} | {row['object_store_bytes_per_refit']:,} |")
+    return lines + [""]
+
+
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
     """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
     import matplotlib
@@ -170,6 +181,8 @@ def write_benchmarks() -> None:
             lines += lora_section(name, data)
         elif name.startswith("vllm_refit"):
             lines += vllm_refit_section(name, data)
+        elif name.startswith("refit_nodes"):
+            lines += refit_nodes_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
 
 

@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
 from posttrain.algorithms.loss import DPOLoss, DPOLossConfig
+from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
@@ -132,10 +133,6 @@ def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:
 
 
 def main(args: Any) -> int:
-    run = setup(load_run_config(DPOConfig, args))
-    try:
-        val_metrics = dpo_train(run)
-    finally:
-        run.shutdown()
+    run, val_metrics = train_with_restarts(load_run_config(DPOConfig, args), setup, dpo_train)
     print(pairs.pair_summary("dpo", run.step, val_metrics, run.log_dir))
     return 0

@@ -55,11 +55,20 @@ from posttrain.algorithms.critic import Critic, CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
 from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig, KDLoss
-from posttrain.algorithms.run import checkpoint_if_due, log_step, prepare_run, restore_run
+from posttrain.algorithms.recovery import train_with_restarts
+from posttrain.algorithms.run import (
+    check_run_directories,
+    checkpoint_if_due,
+    log_step,
+    prepare_run,
+    restore_run,
+    shutdown_on_error,
+)
 from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_tokenizer
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.placement import ResourceRequest
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments, tool_prompts
@@ -369,6 +378,26 @@ def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_
                 raise ConfigError.at(f"env.{task}.kwargs", str(error).strip("'\"")) from None
 
 
+def placed_beside_policy(cfg: GRPOConfig) -> list[ResourceRequest]:
+    """What GRPO places outside the policy's bundles: each environment's actors and, apart from the
+    policy, the generation workers' bundles (on one node)."""
+    requests = [
+        ResourceRequest(f"env.{task}.num_workers x num_cpus", {"CPU": env.num_cpus}, env.num_workers)
+        for task, env in cfg.env.items()
+    ]
+    if not cfg.generation.colocated:
+        gen = cfg.generation
+        requests.append(
+            ResourceRequest(
+                "generation.num_workers x num_cpus_per_worker",
+                {"CPU": gen.num_cpus_per_worker, "GPU": 1.0 if cfg.cluster.num_gpus_per_worker else 0.0},
+                gen.num_workers,
+                one_node=True,
+            )
+        )
+    return requests
+
+
 def setup(cfg: GRPOConfig) -> GRPORun:
     """Data, policy, generation workers, environments, logger, checkpoints; resumes when it can."""
     cfg = prepare_run(cfg, "grpo", metric=("val_accuracy", True))
@@ -383,61 +412,68 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     prompts = cfg.grpo.num_prompts_per_step
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
     loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
-    cluster = RayVirtualCluster(cfg.cluster)
-    # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside generation's
-    # half.
-    with_critic = cfg.grpo.advantage_estimator == "gae"
-    with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
-    if with_teacher:
-        check_same_tokenizer(tokenizer, cfg.teacher.model)
-    share = 0.25 if with_critic or with_teacher else 0.5
-    policy = Policy(
-        cluster, cfg.policy, init_reference_model=cfg.loss.reference_policy_kl_penalty > 0, bundle_share=share
-    )
-    critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
-    extra_models = {"critic": critic.model} if critic is not None else None
-    teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
-    generation = make_generation(
-        cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
-    )
-    envs = create_environments(cfg.env)
-    checkpoints = CheckpointManager(cfg.checkpointing)
-    restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
-    step = int(restored.training_info["step"]) if restored is not None else 0
-    if restored is not None:
-        loader.load_state_dict(restored.loader_state)
-    refit = make_refit(cfg, policy, generation, stale=restored is not None)
-    collector = RolloutCollector(cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens)
-    async_cfg = cfg.grpo.async_grpo
-    rollouts: RolloutSource = SyncRollouts(collector, refit)
-    if async_cfg.enabled:
-        rollouts = AsyncRollouts(
-            collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps
+    cluster = RayVirtualCluster(cfg.cluster, also_needs=placed_beside_policy(cfg))
+    with shutdown_on_error(cluster):  # a failed start leaves no placement group or worker behind
+        check_run_directories(cfg, cluster.bundle_node_ids())
+        # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside
+        # generation's half.
+        with_critic = cfg.grpo.advantage_estimator == "gae"
+        with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
+        if with_teacher:
+            check_same_tokenizer(tokenizer, cfg.teacher.model)
+        share = 0.25 if with_critic or with_teacher else 0.5
+        policy = Policy(
+            cluster,
+            cfg.policy,
+            init_reference_model=cfg.loss.reference_policy_kl_penalty > 0,
+            bundle_share=share,
         )
-    if restored is not None:
-        rollouts.restore(restored.training_info)
-    logger = Logger(cfg.logger)
-    logger.log_hyperparams(
-        {"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation}
-    )
-    logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, step)
-    return GRPORun(
-        cfg,
-        Path(cfg.logger.log_dir),
-        tokenizer,
-        policy,
-        generation,
-        [cluster],
-        envs,
-        val_records[: cfg.grpo.max_val_samples],
-        logger,
-        checkpoints,
-        refit,
-        rollouts,
-        step,
-        critic=critic,
-        teacher=teacher,
-    )
+        critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
+        extra_models = {"critic": critic.model} if critic is not None else None
+        teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
+        generation = make_generation(
+            cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
+        )
+        envs = create_environments(cfg.env)
+        checkpoints = CheckpointManager(cfg.checkpointing)
+        restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
+        step = int(restored.training_info["step"]) if restored is not None else 0
+        if restored is not None:
+            loader.load_state_dict(restored.loader_state)
+        refit = make_refit(cfg, policy, generation, stale=restored is not None)
+        collector = RolloutCollector(
+            cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens
+        )
+        async_cfg = cfg.grpo.async_grpo
+        rollouts: RolloutSource = SyncRollouts(collector, refit)
+        if async_cfg.enabled:
+            rollouts = AsyncRollouts(
+                collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps
+            )
+        if restored is not None:
+            rollouts.restore(restored.training_info)
+        logger = Logger(cfg.logger)
+        logger.log_hyperparams(
+            {"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation}
+        )
+        logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, step)
+        return GRPORun(
+            cfg,
+            Path(cfg.logger.log_dir),
+            tokenizer,
+            policy,
+            generation,
+            [cluster],
+            envs,
+            val_records[: cfg.grpo.max_val_samples],
+            logger,
+            checkpoints,
+            refit,
+            rollouts,
+            step,
+            critic=critic,
+            teacher=teacher,
+        )
 
 
 # ----------------------------------------------------------------------------------------------- stages
@@ -639,14 +675,17 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
     return run.last_val
 
 
+def train_to_end(run: GRPORun) -> dict[str, float]:
+    """Train to the last step and export the policy to <log_dir>/hf_model; the last validation metrics."""
+    val = grpo_train(run)
+    run.policy.export_hf(str(run.log_dir / "hf_model"))
+    return val
+
+
 def train_and_export(cfg: GRPOConfig) -> int:
-    """Set up, train to the last step, export the policy to <log_dir>/hf_model."""
-    run = setup(cfg)
-    try:
-        val = grpo_train(run)
-        run.policy.export_hf(str(run.log_dir / "hf_model"))
-    finally:
-        run.shutdown()
+    """Set up, train to the last step and export, rebuilding the workers when some die
+    (`cluster.max_restarts`)."""
+    run, val = train_with_restarts(cfg, setup, train_to_end)
     print(
         f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run "
         f"directory {run.log_dir}"

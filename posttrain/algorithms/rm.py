@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
 from posttrain.algorithms.loss import BradleyTerryLoss
+from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig
@@ -108,10 +109,6 @@ def rm_train(run: RMRun, num_steps: int | None = None) -> dict[str, float]:
 
 
 def main(args: Any) -> int:
-    run = setup(load_run_config(RMConfig, args))
-    try:
-        val_metrics = rm_train(run)
-    finally:
-        run.shutdown()
+    run, val_metrics = train_with_restarts(load_run_config(RMConfig, args), setup, rm_train)
     print(pairs.pair_summary("rm", run.step, val_metrics, run.log_dir))
     return 0

@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError, config_to_dict, save_config
+from posttrain.distributed.shared_dir import check_shared_directories
 from posttrain.models.gguf import gguf_model_dir
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig, default_log_dir, step_timing
@@ -58,6 +61,25 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(run_cfg, log_dir / "config.yaml")
     return dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
+
+
+@contextmanager
+def shutdown_on_error(cluster: Any) -> Iterator[None]:
+    """Remove the cluster's placement group (and so every actor placed in it) when the block raises."""
+    try:
+        yield
+    except BaseException:
+        cluster.shutdown()
+        raise
+
+
+def check_run_directories(cfg: RunConfig, node_ids: list[str]) -> None:
+    """The log directory (and the checkpoint directory, when checkpointing) must be the same on every node
+    that runs workers: checkpoints written there are read back wherever a resumed run's workers land."""
+    directories = {"logger.log_dir": cfg.logger.log_dir}
+    if cfg.checkpointing.enabled:
+        directories["checkpointing.checkpoint_dir"] = cfg.checkpointing.checkpoint_dir
+    check_shared_directories(directories, node_ids)
 
 
 def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:

@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerBase
 from posttrain.algorithms import supervised
 from posttrain.algorithms.checks import check_parallelism
 from posttrain.algorithms.loss import KDLoss, KDLossConfig, NLLLoss
+from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, message_log_to_flat
@@ -201,11 +202,7 @@ def sft_train(run: SFTRun, num_steps: int | None = None) -> dict[str, float]:
 
 
 def main(args: Any) -> int:
-    run = setup(load_run_config(SFTConfig, args))
-    try:
-        val_metrics = sft_train(run)
-    finally:
-        run.shutdown()
+    run, val_metrics = train_with_restarts(load_run_config(SFTConfig, args), setup, sft_train)
     print(
         f"sft finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}; run "
         f"directory {run.log_dir}"

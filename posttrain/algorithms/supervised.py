@@ -16,7 +16,15 @@ from typing import Any, Generic, Protocol, TypeVar
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
-from posttrain.algorithms.run import RunConfig, checkpoint_if_due, log_step, prepare_run, restore_run
+from posttrain.algorithms.run import (
+    RunConfig,
+    check_run_directories,
+    checkpoint_if_due,
+    log_step,
+    prepare_run,
+    restore_run,
+    shutdown_on_error,
+)
 from posttrain.algorithms.teacher import check_same_tokenizer
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -126,37 +134,39 @@ def setup_run(
     epochs_steps = loop.max_num_epochs * len(loader)
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
     cluster = RayVirtualCluster(cfg.cluster)
-    # A reference is the weights the workers load now: the initial model, also when resuming below.
-    policy = Policy(cluster, cfg.policy, init_reference_model=init_reference_model)
-    teacher_policy = None
-    if teacher is not None:
-        check_same_tokenizer(tokenizer, teacher, "distillation.teacher")
-        teacher_policy = Policy(cluster, teacher, name_prefix="teacher")
-    val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
-    val_data = val_batches(cfg, policy, tokenizer, val_records)
-    run = SupervisedRun(
-        cfg,
-        name,
-        loop,
-        log_dir,
-        tokenizer,
-        policy,
-        cluster,
-        loader,
-        val_data,
-        Logger(cfg.logger),
-        CheckpointManager(cfg.checkpointing),
-        total_steps,
-        data_stats=data_stats,
-        teacher=teacher_policy,
-    )
-    restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
-    if restored is not None:
-        run.step = int(restored.training_info["step"])
-        loader.load_state_dict(restored.loader_state)
-    run.logger.log_hyperparams(hyperparams)
-    run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
-    return run
+    with shutdown_on_error(cluster):  # a failed start leaves no placement group or worker behind
+        check_run_directories(cfg, cluster.bundle_node_ids())
+        # A reference is the weights the workers load now: the initial model, also when resuming below.
+        policy = Policy(cluster, cfg.policy, init_reference_model=init_reference_model)
+        teacher_policy = None
+        if teacher is not None:
+            check_same_tokenizer(tokenizer, teacher, "distillation.teacher")
+            teacher_policy = Policy(cluster, teacher, name_prefix="teacher")
+        val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
+        val_data = val_batches(cfg, policy, tokenizer, val_records)
+        run = SupervisedRun(
+            cfg,
+            name,
+            loop,
+            log_dir,
+            tokenizer,
+            policy,
+            cluster,
+            loader,
+            val_data,
+            Logger(cfg.logger),
+            CheckpointManager(cfg.checkpointing),
+            total_steps,
+            data_stats=data_stats,
+            teacher=teacher_policy,
+        )
+        restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
+        if restored is not None:
+            run.step = int(restored.training_info["step"])
+            loader.load_state_dict(restored.loader_state)
+        run.logger.log_hyperparams(hyperparams)
+        run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
+        return run
 
 
 StepFn = Callable[[SupervisedRun, Timer], dict[str, float]]

@@ -13,6 +13,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,12 +22,14 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from posttrain.config import ConfigError
+from posttrain.distributed.placement import (
+    ClusterResourceError,
+    ResourceRequest,
+    UnplaceableError,
+    check_placeable,
+)
 
 logger = logging.getLogger(__name__)
-
-
-class ClusterResourceError(RuntimeError):
-    """The resources asked for could not be reserved in time."""
 
 
 class ClusterConnectionError(ConnectionError):
@@ -82,6 +85,13 @@ class ClusterConfig:
     master_port_range: list[int] = field(
         default_factory=lambda: [29500, 29999], metadata={"help": "ports for torch.distributed rendezvous"}
     )
+    max_restarts: int = field(
+        default=3,
+        metadata={
+            "help": "times a run rebuilds its workers (on the nodes left, or ones that join) and resumes "
+            "from its latest intact checkpoint after a worker or its node dies; 0: the run stops"
+        },
+    )
 
     def validate(self) -> None:
         if self.num_nodes < 1 or self.workers_per_node < 1:
@@ -99,6 +109,8 @@ class ClusterConfig:
         self._check_local_cpus()
         if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy: unknown strategy {self.placement_strategy!r}")
+        if self.max_restarts < 0:
+            raise ConfigError.at("max_restarts", f"must be >= 0, got {self.max_restarts}")
         if len(self.master_port_range) != 2 or self.master_port_range[0] > self.master_port_range[1]:
             raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
 
@@ -247,7 +259,15 @@ def check_reachable(address: str, timeout_s: float) -> None:
 class RayVirtualCluster:
     """One placement group of `num_nodes x workers_per_node` bundles {CPU, GPU}; fails fast when it cannot."""
 
-    def __init__(self, cfg: ClusterConfig):
+    def __init__(
+        self,
+        cfg: ClusterConfig,
+        also_needs: Sequence[ResourceRequest] = (),
+        key: str = "cluster.num_nodes x workers_per_node x num_cpus_per_worker",
+    ) -> None:
+        """`also_needs`: what the run places beside these bundles (environment actors, generation apart),
+        checked with them before anything is created; `key`: the config keys that size these bundles, named
+        in errors."""
         self.cfg = cfg
         self.num_cpus_per_worker = cpus_per_worker(cfg)
         self.owns_ray = init_ray(cfg)
@@ -256,6 +276,12 @@ class RayVirtualCluster:
             bundle["GPU"] = cfg.num_gpus_per_worker
         self.bundles = [dict(bundle) for _ in range(self.world_size)]
         strategy = cfg.placement_strategy or ("STRICT_PACK" if cfg.num_nodes == 1 else "PACK")
+        own = ResourceRequest(key, bundle, self.world_size, strategy == "STRICT_PACK")
+        try:
+            check_placeable([own, *also_needs])
+        except UnplaceableError:
+            self.shutdown()
+            raise
         self.placement_group = placement_group(self.bundles, strategy=strategy)
         if not self.placement_group.wait(timeout_seconds=cfg.resource_timeout_s):
             remove_placement_group(self.placement_group)
@@ -279,6 +305,11 @@ class RayVirtualCluster:
             f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs on {len(ray.nodes())} node(s), "
             f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs available"
         )
+
+    def bundle_node_ids(self) -> list[str]:
+        """The Ray node id of each bundle, in bundle order."""
+        table = ray.util.placement_group_table(self.placement_group)
+        return [table["bundles_to_node_id"][i] for i in range(self.world_size)]
 
     def bundle_node_ips(self) -> list[str]:
         """The node IP of each bundle, in bundle order."""

@@ -8,6 +8,7 @@ import math
 import os
 import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -21,13 +22,23 @@ from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group_utils import rank_env_vars
 
 LOG_TAIL_LINES = 20
+HEALTH_CHECK_S = 2.0  # while waiting for workers, check this often that their nodes are alive
+PING_TIMEOUT_S = 5.0  # a worker that does not answer a ping after a death is counted dead
 # A group whose ranks all run on this machine meets through this file (torch's FileStore) instead of a
 # TCP store, which would listen on every interface.
 RENDEZVOUS_FILE_ENV = "POSTTRAIN_RENDEZVOUS_FILE"
+# A group across machines meets at its rank 0's node address (MASTER_ADDR) and each rank's sockets use the
+# interface holding its own node's address, which Ray gives the group in this variable.
+NODE_IP_ENV = "POSTTRAIN_NODE_IP"
 
 
 class WorkerDiedError(RuntimeError):
-    """A worker process died; the message names it, its node and the tail of its log."""
+    """A worker process died; the message names it, its node and the tail of its log. `lost_nodes`: the
+    Ray node ids found dead, `dead_workers`: the workers' names."""
+
+    def __init__(self, message: str, lost_nodes: Sequence[str] = (), dead_workers: Sequence[str] = ()):
+        super().__init__(message)
+        self.lost_nodes, self.dead_workers = list(lost_nodes), list(dead_workers)
 
 
 def find_free_port(low: int, high: int) -> int:
@@ -61,19 +72,46 @@ def assigned_device() -> Any:
 
 
 def init_torch_distributed(backend: str | None = None) -> None:
-    """Join the group described by RANK/WORLD_SIZE and the rendezvous file or MASTER_ADDR/MASTER_PORT
-    (gloo on CPU, NCCL on GPU)."""
+    """Join the group described by RANK/WORLD_SIZE: at the rendezvous file of a one-machine group, at
+    MASTER_ADDR/MASTER_PORT (rank 0's node address, listened on by rank 0 alone) for a group across
+    machines, or as torch's env:// says outside a worker group (gloo on CPU, NCCL on GPU)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if assigned_device().type == "cuda" else "gloo")
-    dist.init_process_group(
-        backend,
-        init_method=rendezvous_init_method(),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get(NODE_IP_ENV) and not os.environ.get(RENDEZVOUS_FILE_ENV):  # a group across machines
+        from posttrain.distributed.rendezvous import bound_tcp_store
+
+        pin_socket_interface(os.environ[NODE_IP_ENV])
+        store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+        return
+    dist.init_process_group(backend, init_method=rendezvous_init_method(), rank=rank, world_size=world_size)
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this machine's network interface that holds `ip`, or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            return name
+    return None
+
+
+def pin_socket_interface(node_ip: str) -> None:
+    """Gloo's and NCCL's sockets on the interface holding the address Ray gives this node (not whichever
+    interface they would pick), unless the user chose one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    name = interface_of(node_ip)
+    if name is None:
+        raise RuntimeError(
+            f"no network interface of this machine holds its Ray node address {node_ip}: set "
+            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface the nodes reach each other on"
+        )
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        os.environ.setdefault(variable, name)
 
 
 def rendezvous_init_method() -> str:
@@ -99,11 +137,43 @@ def loopback_rendezvous_env() -> dict[str, str]:
     return {RENDEZVOUS_FILE_ENV: path, "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
 
+def dead_nodes(node_ids: set[str]) -> set[str]:
+    """Those of `node_ids` that Ray counts dead, or whose raylet no longer accepts connections: Ray's own
+    health checks take tens of seconds to declare a node dead, a refused connection takes milliseconds."""
+    dead = set()
+    for node in ray.nodes():
+        if node["NodeID"] not in node_ids:
+            continue
+        if not node["Alive"]:
+            dead.add(node["NodeID"])
+            continue
+        try:
+            socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=2).close()
+        except OSError:
+            dead.add(node["NodeID"])
+    return dead
+
+
+def wait_until_marked_dead(node_ids: set[str], timeout_s: float = 120.0) -> bool:
+    """Wait until Ray itself counts `node_ids` dead (so nothing is placed on them again); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+        if not alive & set(node_ids):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def _with_group_methods(worker_cls: type) -> type:
     """The worker class plus a method that reports where the actor runs (for error messages)."""
 
     def group_worker_info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+        return {
+            "pid": os.getpid(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
 
     return type(worker_cls.__name__, (worker_cls,), {"group_worker_info": group_worker_info})
 
@@ -150,10 +220,10 @@ class RayWorkerGroup:
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
         node_ips = cluster.bundle_node_ips()
         port = find_free_port(*cluster.cfg.master_port_range)
-        local = all(ip.startswith("127.") for ip in node_ips)
-        rendezvous = loopback_rendezvous_env() if local else {}
+        local = len(set(cluster.bundle_node_ids())) == 1  # one machine: the file rendezvous
         remote_cls = ray.remote(_with_group_methods(worker_cls))
         suffix = uuid.uuid4().hex[:6]
+        rendezvous = loopback_rendezvous_env() if local else {}
         self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
@@ -167,7 +237,7 @@ class RayWorkerGroup:
                 node_ips[0],
                 port,
                 threads,
-                {**rendezvous, **(env_vars or {})},
+                {**rendezvous, NODE_IP_ENV: node_ips[rank], **(env_vars or {})},
             )
             strategy = PlacementGroupSchedulingStrategy(
                 cluster.placement_group, placement_group_bundle_index=rank
@@ -182,29 +252,73 @@ class RayWorkerGroup:
             ).remote(**(init_kwargs or {}))
             self.workers.append(actor)
         self.info = self.get([w.group_worker_info.remote() for w in self.workers])
+        if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
+            places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
+            print(
+                f"{name_prefix}: {self.world_size} workers on {len(set(node_ips))} nodes: {places}",
+                flush=True,
+            )
 
     # -- calls ----------------------------------------------------------------------------------------
     def get(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:
-        """Wait for results; a dead worker raises WorkerDiedError (name, node, log tail), never hangs."""
+        """Wait for results; a dead worker, or one whose node has died (its peers may wait for it in a
+        collective, or fail in one), raises WorkerDiedError (names, nodes, log tails) within seconds, never
+        hangs."""
+        pending = list(refs)
         try:
+            while pending:
+                ready, pending = ray.wait(
+                    pending, num_returns=len(pending), timeout=HEALTH_CHECK_S, fetch_local=False
+                )
+                ray.get(ready)  # a failed call raises here
+                if pending and self._dead_nodes():
+                    raise ray.exceptions.NodeDiedError(f"node(s) {sorted(self._dead_nodes())} died")
             return ray.get(list(refs))
-        except ray.exceptions.RayActorError as error:
+        except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as error:
             raise self._died_error(error) from error
+        except ray.exceptions.RayTaskError as error:  # a collective that lost its peer fails like this
+            died = self._died_error(error)
+            if died.dead_workers:
+                raise died from error
+            raise
+
+    def _dead_nodes(self) -> set[str]:
+        """The ids of this group's nodes that are gone (see `dead_nodes`)."""
+        return dead_nodes({info["node_id"] for info in getattr(self, "info", [])})
+
+    def _dead_ranks(self, lost_nodes: set[str]) -> list[int]:
+        """Ranks that do not answer a ping (an error, not a busy worker) or live on a lost node."""
+        infos = getattr(self, "info", None)
+        pings = [worker.group_worker_info.remote() for worker in self.workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
+        dead = []
+        for rank, ping in enumerate(pings):
+            on_lost_node = bool(infos) and infos[rank]["node_id"] in lost_nodes
+            try:
+                if ping in ready:
+                    ray.get(ping)
+            except Exception:
+                on_lost_node = True
+            if on_lost_node:
+                dead.append(rank)
+        return dead
 
     def _died_error(self, error: Exception) -> WorkerDiedError:
-        dead = []
-        for rank, worker in enumerate(self.workers):
-            try:
-                ray.get(worker.group_worker_info.remote(), timeout=5)
-            except Exception:
-                dead.append(rank)
+        """Which workers died and where."""
         infos = getattr(self, "info", None)
+        lost = sorted(self._dead_nodes()) if infos else []
+        dead = self._dead_ranks(set(lost))
         parts = []
         for rank in dead or range(self.world_size):
             where = f"node {infos[rank]['node_ip']}, pid {infos[rank]['pid']}" if infos else "during start-up"
             tail = _log_tail(infos[rank]["pid"]) if infos else ""
             parts.append(f"worker rank {rank} ({self.names[rank]}, {where}) died\n{tail}")
-        return WorkerDiedError("\n".join(parts) + f"\ncause: {error}")
+        nodes_line = f"lost node(s): {', '.join(lost)}\n" if lost else ""
+        return WorkerDiedError(
+            nodes_line + "\n".join(parts) + f"\ncause: {error}",
+            lost_nodes=lost,
+            dead_workers=[self.names[rank] for rank in dead],
+        )
 
     def run_all_async(self, method: str, **kwargs: Any) -> list[ray.ObjectRef]:
         return [getattr(worker, method).remote(**kwargs) for worker in self.workers]

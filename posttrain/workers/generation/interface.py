@@ -199,5 +199,6 @@ def make_generation_cluster(cfg: Any) -> Any:
             workers_per_node=cfg.num_workers,
             num_cpus_per_worker=cfg.num_cpus_per_worker,
             num_gpus_per_worker=num_gpus,
-        )
+        ),
+        key="generation.num_workers x num_cpus_per_worker",
     )

@@ -212,8 +212,15 @@ class PolicyWorker:
 
     # -- reference model -------------------------------------------------------------------------------
 
+    def _reshard(self) -> None:
+        """FSDP2 leaves the root module's parameters unsharded after a forward without backward; the
+        reference swap reads and writes this rank's shards, so reshard first."""
+        if hasattr(self.model, "reshard"):
+            self.model.reshard()
+
     def _local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shards of every parameter, copied to CPU."""
+        self._reshard()
         return {
             name: (p.to_local() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
             for name, p in self.model.named_parameters()
@@ -221,6 +228,7 @@ class PolicyWorker:
 
     @torch.no_grad()
     def _load_local_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        self._reshard()
         for name, p in self.model.named_parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             local.copy_(weights[name].to(local.device))

@@ -15,7 +15,7 @@ import ray
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
-from posttrain.distributed.worker_group import RayWorkerGroup
+from posttrain.distributed.worker_group import RayWorkerGroup, WorkerDiedError
 from posttrain.utils.metrics import reduce_timing
 from posttrain.workers.policy.base import LossFn
 from posttrain.workers.policy.config import PolicyConfig, check_parallel_sizes, model_parallel_size
@@ -243,6 +243,10 @@ class Policy:
         return self.worker_group.run_all("describe")
 
     def shutdown(self) -> None:
-        """Leave the process groups and kill the workers."""
-        self.worker_group.run_all("shutdown")
-        self.worker_group.shutdown()
+        """Leave the process groups and kill the workers (those left, after a worker died)."""
+        try:
+            self.worker_group.run_all("shutdown")
+        except WorkerDiedError:
+            pass  # the group is lost anyway: its peers cannot leave a process group cleanly
+        finally:
+            self.worker_group.shutdown()

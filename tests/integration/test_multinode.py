@@ -1,0 +1,194 @@
+"""posttrain on a Ray cluster of several nodes (`ray.cluster_utils.Cluster`: a head and worker nodes, each
+its own raylet, all on this machine): one training worker per node gives the losses of the one-node run,
+and a node removed mid-run is survived in the same process: the workers are rebuilt on the nodes left and
+training resumes from the latest checkpoint with the losses of an uninterrupted run. A run that cannot be
+placed fails at once, naming the config key and the nodes' free resources. GRPO across hosts (generation
+apart, asynchronous, a host lost mid-run) is test_multihost_netns."""
+
+import os
+import time
+
+import pytest
+import ray
+from test_grpo import overrides as grpo_overrides
+from test_sft import tiny_overrides as sft_overrides
+
+from posttrain.algorithms import grpo, sft
+from posttrain.algorithms.recovery import train_with_restarts
+from posttrain.config import load_typed_config
+from posttrain.distributed.placement import UnplaceableError
+
+pytestmark = pytest.mark.slow
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A head and two worker nodes of 1 CPU each (so no node can hold two 1-CPU workers: every run below
+    spans nodes); the driver joins it. The tests' local Ray instance, if running, is stopped meanwhile."""
+    from conftest import start_test_ray, workers_python_path
+    from ray.cluster_utils import Cluster
+
+    was_running = ray.is_initialized()
+    if was_running:
+        ray.shutdown()
+    saved_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = workers_python_path()  # the raylets' workers inherit it
+    # Ray declares a node dead after missed health checks (~17 s at its defaults): quicker here.
+    health = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "_system_config": health})
+    for _ in range(2):
+        nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+        if saved_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved_path
+        if was_running:
+            start_test_ray()
+
+
+def remove_worker_node(nodes, worker_group) -> str:
+    """Remove (kill) the node of the group's last worker that is not on the head; returns its node id."""
+    head_id = nodes.head_node.node_id
+    by_id = {node.node_id: node for node in nodes.list_all_nodes()}
+    node_id = next(info["node_id"] for info in reversed(worker_group.info) if info["node_id"] != head_id)
+    nodes.remove_node(by_id[node_id], allow_graceful=False)
+    return node_id
+
+
+def last_values(log_dir, key: str) -> dict[int, list[float]]:
+    """Every value logged for `key` at each step (a step trained again after a recovery appears twice)."""
+    import json
+
+    values: dict[int, list[float]] = {}
+    for line in open(os.path.join(log_dir, "metrics.jsonl")):
+        record = json.loads(line)
+        if key in record:
+            values.setdefault(record["step"], []).append(record[key])
+    return values
+
+
+def test_sft_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_path, capsys):
+    """Reference: both workers on one node. Then one worker on each of two nodes, checkpoints every 2
+    steps; after step 3 the second worker's node is removed. The run notices, names the node, rebuilds
+    its workers on the nodes left, resumes from step 2 and trains to step 6: every logged loss, before and
+    after the loss of the node, equals the one-node run's."""
+    settings = {
+        "sft.max_num_steps": 6,
+        "sft.val_period": 1000,
+        "checkpointing.save_period": 2,
+        "checkpointing.keep_top_k": 10,
+        "sft.export_final_model": "false",
+    }
+    one_node = load_typed_config(
+        sft.SFTConfig,
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        sft_overrides(
+            tmp_path / "one",
+            **settings,
+            **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5},
+        ),
+    )
+    train_with_restarts(one_node, sft.setup, sft.sft_train)
+    reference = last_values(tmp_path / "one", "train/loss")
+
+    two_nodes = load_typed_config(
+        sft.SFTConfig,
+        os.path.join(REPO, "configs", "sft_tiny.yaml"),
+        sft_overrides(
+            tmp_path / "two",
+            **settings,
+            **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1, "cluster.max_restarts": 1},
+        ),
+    )
+    lost: dict[str, float | str] = {}
+
+    def train(run):
+        if not lost:  # the first attempt: 3 steps, then a worker's node goes away
+            assert len({info["node_id"] for info in run.policy.worker_group.info}) == 2
+            sft.sft_train(run, num_steps=3)
+            lost["node"] = remove_worker_node(cluster, run.policy.worker_group)
+            lost["at"] = time.monotonic()
+        else:
+            lost["recovered_after_s"] = time.monotonic() - lost["at"]
+        return sft.sft_train(run)
+
+    run, _ = train_with_restarts(two_nodes, sft.setup, train)
+    assert run.step == 6
+    losses = last_values(tmp_path / "two", "train/loss")
+    assert sorted(losses) == list(range(1, 7))
+    assert len(losses[3]) == 2  # step 3 trained before the loss, and again after resuming from step 2
+    for step, values in losses.items():
+        for value in values:
+            assert value == pytest.approx(reference[step][0], abs=1e-5), step
+    out = capsys.readouterr().out
+    assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
+    print(f"rebuilt and resumed {lost['recovered_after_s']:.1f} s after the node was removed")
+    assert lost["recovered_after_s"] < 60, lost
+
+
+def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(cluster, tmp_path):
+    """Environment actors of 2 CPUs fit on no node of 1 CPU: an error within seconds, before any worker
+    starts, instead of a run that waits forever for them."""
+    cfg = load_typed_config(
+        grpo.GRPOConfig,
+        os.path.join(REPO, "configs", "grpo_tiny.yaml"),
+        grpo_overrides(
+            tmp_path,
+            **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1, "+env.arithmetic.num_cpus": 2},
+        ),
+    )
+    start = time.monotonic()
+    with pytest.raises(UnplaceableError) as error:
+        grpo.setup(cfg)
+    assert time.monotonic() - start < 30
+    message = str(error.value)
+    assert message.startswith("env.arithmetic.num_workers x num_cpus asks for 1 x {CPU: 2}")
+    live = [node for node in ray.nodes() if node["Alive"]]
+    assert message.count("CPUs, 0 GPUs free") == len(live)  # every node, with what it has free
+
+
+def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path):
+    """DPO (a frozen reference on every worker) on a fresh tiny model: 2 workers on one node, then one on
+    each of two nodes; the losses of both steps agree."""
+    from posttrain.algorithms import dpo
+
+    def run_dpo(log_dir, **layout):
+        values = {
+            "logger.log_dir": log_dir,
+            "logger.tensorboard_enabled": "false",
+            "policy.model_name": "null",
+            "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
+            "intermediate_size: 64, seed: 3}",
+            "policy.train_global_batch_size": 16,
+            "policy.train_micro_batch_size": 8,
+            "data.num_train": 64,
+            "data.num_val": 16,
+            "dpo.val_max_samples": 16,
+            "dpo.max_num_steps": 2,
+            "dpo.val_period": 1000,
+            "dpo.export_final_model": "false",
+            "checkpointing.enabled": "false",
+            **layout,
+        }
+        cfg = load_typed_config(
+            dpo.DPOConfig,
+            os.path.join(REPO, "configs", "dpo_tiny.yaml"),
+            [f"{key}={value}" for key, value in values.items()],
+        )
+        train_with_restarts(cfg, dpo.setup, dpo.dpo_train)
+        return last_values(log_dir, "train/loss")
+
+    one = run_dpo(tmp_path / "one", **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5})
+    two = run_dpo(tmp_path / "two", **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1})
+    assert sorted(one) == sorted(two) == [1, 2]
+    for step in (1, 2):
+        assert two[step][0] == pytest.approx(one[step][0], abs=1e-5)
