@@ -3,12 +3,14 @@ network namespaces (a head of 2 CPUs and two workers of 1) joined by veth pairs 
 with addresses this test assigns (10.231.0.1-3, reachable only inside the namespaces), a Ray node started
 in each with token authentication, and `posttrain grpo` run on the head: asynchronous, the policy's two
 workers on two hosts (STRICT_SPREAD), its generation worker apart. Mid-run every process of one worker
-host is killed; the run notices, rebuilds on the hosts left and finishes with exit status 0. Skipped,
-saying why, where namespaces cannot be made (not root, no `ip`)."""
+host is killed; the run notices, rebuilds on the hosts left and finishes with exit status 0. Before that,
+a run whose log directory the worker hosts cannot see (each has its own disk mounted there) stops with an
+error naming the host. Skipped, saying why, where namespaces cannot be made (not root, no `ip`)."""
 
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -53,6 +55,7 @@ class Hosts:
         self.hub = f"{tag}hub"
         self.namespaces = [f"{tag}{name}" for name in NAMES]
         self.nodes: list[subprocess.Popen] = []
+        self.unshared_dir = temp_dir / "unshared"  # the worker hosts each see their own empty directory here
 
     def ip(self, index: int) -> str:
         return f"{SUBNET}.{index + 1}"
@@ -90,12 +93,16 @@ class Hosts:
         head += ["--include-dashboard=false", f"--temp-dir={self.temp_dir / NAMES[0]}", *common]
         self.nodes.append(subprocess.Popen(self.in_namespace(0, *head), env=self.env, start_new_session=True))
         self.wait_for_port(0, 6379)
+        self.unshared_dir.mkdir(parents=True, exist_ok=True)
         for index in range(1, len(NAMES)):
             worker = [ray, "start", f"--address={self.ip(0)}:6379", f"--node-ip-address={self.ip(index)}"]
-            worker += [f"--num-cpus={CPUS[index]}", f"--temp-dir={self.temp_dir / NAMES[index]}"]
+            worker += [f"--num-cpus={CPUS[index]}", f"--temp-dir={self.temp_dir / NAMES[index]}", *common]
+            # `ip netns exec` gives the host a mount namespace of its own: a tmpfs mounted there over
+            # unshared_dir hides the head's files in it from this host only, as an unshared disk would.
+            hide = f"mount -t tmpfs none {shlex.quote(str(self.unshared_dir))} && exec {shlex.join(worker)}"
             self.nodes.append(
                 subprocess.Popen(
-                    self.in_namespace(index, *worker, *common), env=self.env, start_new_session=True
+                    self.in_namespace(index, "sh", "-c", hide), env=self.env, start_new_session=True
                 )
             )
 
@@ -146,12 +153,13 @@ class Hosts:
             run("ip", "netns", "del", ns, check=False)
 
 
-@pytest.fixture
-def hosts(tmp_path):
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    """One set of hosts for the module's tests (the last one kills a host)."""
     reason = namespaces_unavailable()
     if reason:
         pytest.skip(reason)
-    token = tmp_path / "ray_token"
+    token = tmp_path_factory.mktemp("hosts") / "ray_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
     env = {
@@ -172,6 +180,27 @@ def hosts(tmp_path):
     finally:
         built.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_a_run_directory_a_host_cannot_see_is_an_error_naming_the_host(hosts):
+    """`posttrain sft` with its log directory where the worker hosts see a disk of their own stops before
+    training with SharedDirectoryError naming a worker host's address and the config key."""
+    cli = [sys.executable, "-m", "posttrain.cli", "sft", "--config", str(REPO / "configs" / "sft_tiny.yaml")]
+    cli += [
+        f"logger.log_dir={hosts.unshared_dir / 'sft'}",
+        f"cluster.address={hosts.ip(0)}:6379",
+        "cluster.num_nodes=2",
+        "cluster.num_cpus_per_worker=1",
+        "cluster.placement_strategy=STRICT_SPREAD",
+    ]
+    done = subprocess.run(
+        hosts.in_namespace(0, *cli), env=hosts.env, cwd=REPO, capture_output=True, text=True, timeout=180
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-4000:]
+    assert "SharedDirectoryError" in output and "cannot share logger.log_dir=" in output, output[-4000:]
+    assert re.search(rf"\(({re.escape(hosts.ip(1))}|{re.escape(hosts.ip(2))})\) cannot share", output)
+    assert not (hosts.unshared_dir / "sft" / "metrics.jsonl").exists()
 
 
 def test_async_grpo_across_hosts_survives_the_loss_of_one(hosts, tmp_path):
