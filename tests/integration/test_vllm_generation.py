@@ -26,6 +26,18 @@ def test_constructing_without_vllm_raises_an_error_naming_the_extra():
         VllmGeneration(None, GenerationConfig(backend="vllm"), "unused-model-dir")
 
 
+def vllm_config(**extra) -> GenerationConfig:
+    """The tests' vLLM engine: one actor of its own, a small share of memory."""
+    return GenerationConfig(
+        backend="vllm",
+        max_new_tokens=MAX_NEW_TOKENS,
+        colocated=False,
+        num_cpus_per_worker=1.0,
+        vllm_gpu_memory_utilization=0.1,
+        **extra,
+    )
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_model_dir(ModelFromConfig(**TINY), tmp_path_factory.mktemp("vllm_model"))
@@ -48,13 +60,7 @@ def prompts(tokenizer):
 
 @pytest.fixture(scope="module")
 def vllm_generation(ray_session, model_dir):
-    cfg = GenerationConfig(
-        backend="vllm",
-        max_new_tokens=MAX_NEW_TOKENS,
-        colocated=False,
-        num_cpus_per_worker=1.0,
-        vllm_gpu_memory_utilization=0.1,
-    )
+    cfg = vllm_config()
     generation = VllmGeneration(None, cfg, str(model_dir))
     yield generation
     generation.shutdown()
@@ -153,14 +159,7 @@ def test_vllm_refit_through_a_file_equals_the_refit_in_memory(
 ):
     """`vllm_refit: disk` (the engine in its own process, weights written as safetensors) decodes the new
     weights exactly as the in-memory refit of the module's engine does."""
-    cfg = GenerationConfig(
-        backend="vllm",
-        max_new_tokens=MAX_NEW_TOKENS,
-        colocated=False,
-        num_cpus_per_worker=1.0,
-        vllm_gpu_memory_utilization=0.1,
-        vllm_refit="disk",
-    )
+    cfg = vllm_config(vllm_refit="disk")
     new_model = load_model(build_model_dir(ModelFromConfig(**TINY, seed=2), tmp_path / "new")).eval()
     generation = VllmGeneration(None, cfg, str(model_dir))
     try:
@@ -203,14 +202,7 @@ def test_vllm_serves_the_adapter_with_its_own_lora_support(ray_session, model_di
     decoding equals peft's merged model, and a second refit replaces the first adapter."""
     from posttrain.models.lora import LoraConfig, adapter_weights, wrap_with_lora
 
-    cfg = GenerationConfig(
-        backend="vllm",
-        max_new_tokens=MAX_NEW_TOKENS,
-        colocated=False,
-        num_cpus_per_worker=1.0,
-        vllm_gpu_memory_utilization=0.1,
-        vllm_lora_max_rank=8,
-    )
+    cfg = vllm_config(vllm_lora_max_rank=8)
     generation = VllmGeneration(None, cfg, str(model_dir))
     try:
         lora_cfg = LoraConfig(enabled=True, rank=4, alpha=8.0)
