@@ -113,15 +113,17 @@ def test_parse_score_takes_the_last_score_in_range():
 
 def test_the_judge_scores_each_reply_and_counts_parse_failures(judge_server):
     """Rewards by hand: 122 is right (1), `= ?` ends in 63 (0), words and a score of 42 are parse failures
-    (0, counted), `122<eos>` is right. One request per reply, each the rubric with the reference."""
+    (0, counted), `122<eos>` is right. One request per reply (in any order), each the rubric with the reference."""
     env = JudgeEnvironment(url=judge_server.url, timeout_s=5.0)
     result = env.step(conversations(REPLIES), [{"ground_truth": "122", "idx": i} for i in range(5)])
     assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert result.num_errors == 2 and env.counts == {"scored": 3, "parse_failures": 2, "unavailable": 0}
     assert result.terminateds.all() and len(judge_server.requests) == 5
-    prompt = judge_server.requests[0][0]["messages"][0]["content"]
-    assert prompt == DEFAULT_RUBRIC.format(prompt="59+63=", reference="122", response="59 + 63 = 122")
-    assert judge_server.requests[0][0]["temperature"] == 0.0
+    # The replies are graded concurrently, so the requests arrive in any order.
+    prompts = sorted(body["messages"][0]["content"] for body, _ in judge_server.requests)
+    expected = sorted(DEFAULT_RUBRIC.format(prompt="59+63=", reference="122", response=r) for r in REPLIES)
+    assert prompts == expected
+    assert {body["temperature"] for body, _ in judge_server.requests} == {0.0}
 
 
 def test_a_busy_judge_is_retried_and_the_key_is_sent(monkeypatch):
