@@ -627,6 +627,8 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     with timer.time("training"):
         loss_fn = KDLoss() if supervised else ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
+    computed = metrics.get("num_computed_tokens", 0.0)  # positions the training forwards computed
+    metrics["padding_share"] = 1.0 - metrics.get("num_real_tokens", 0.0) / computed if computed else 0.0
     if run.critic is not None:
         with timer.time("critic_training"):
             metrics.update({f"critic/{k}": v for k, v in run.critic.train(train_data).items()})

@@ -14,6 +14,9 @@ Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (los
   extremes, which must be reduced with min / max (`posttrain.utils.metrics.reduce_metrics` does both).
   A loss function may name another reduction per metric in a `metric_reductions` attribute
   ({"name": "mean" | "max" | "min" | "sum"}); the training worker uses it over micro-batches and ranks.
+- `rows_independent = True` on a loss says a micro-batch's loss is a sum of its rows' own terms, so the
+  worker may put any rows together (`policy.length_bucketing`); DPO and Bradley-Terry read rows in pairs
+  and keep the order.
 """
 
 from __future__ import annotations
@@ -81,6 +84,8 @@ class NLLLoss:
 
     Metrics (sums): loss; num_valid_tokens, this micro-batch's count of trained tokens."""
 
+    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
+
     def __call__(
         self,
         logprobs: torch.Tensor,
@@ -120,6 +125,8 @@ class KDLoss:
     k ids (`candidate_ids_key` tells the worker which ids). Needs `teacher_topk_logprobs` [B, T, k].
     Metrics (sums): loss, kd_loss, nll_loss, teacher_topk_mass (the teacher's probability inside its top k,
     summed over tokens / global tokens), num_valid_tokens."""
+
+    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
 
     candidate_ids_key = "teacher_topk_ids"
 
@@ -276,6 +283,8 @@ class ClippedPGLoss:
     trained, before its update: prev_logprobs are this forward's logprobs with the gradient stopped,
     and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch).
     """
+
+    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
 
     metric_reductions = {"probs_ratio_min": "min", "probs_ratio_max": "max"}
 
@@ -454,6 +463,8 @@ class ValueLoss:
     is `values [B, T]` (a value model's), not logprobs; data hold `returns` and `prev_values` [B, T].
     Metrics (sums): loss; values_mean, returns_mean; value_clip_fraction (tokens where the clipped term is
     the larger, so the gradient is cut)."""
+
+    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
 
     def __init__(self, cfg: ValueLossConfig | None = None) -> None:
         self.cfg = cfg or ValueLossConfig()

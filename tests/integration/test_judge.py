@@ -113,7 +113,8 @@ def test_parse_score_takes_the_last_score_in_range():
 
 def test_the_judge_scores_each_reply_and_counts_parse_failures(judge_server):
     """Rewards by hand: 122 is right (1), `= ?` ends in 63 (0), words and a score of 42 are parse failures
-    (0, counted), `122<eos>` is right. One request per reply (in any order), each the rubric with the reference."""
+    (0, counted), `122<eos>` is right. One request per reply (in any order), each the rubric with the
+    reference."""
     env = JudgeEnvironment(url=judge_server.url, timeout_s=5.0)
     result = env.step(conversations(REPLIES), [{"ground_truth": "122", "idx": i} for i in range(5)])
     assert result.rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]

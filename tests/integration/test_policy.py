@@ -1,7 +1,7 @@
 """Training backend invariants on real Ray actors and FSDP2 over gloo: splits of a batch do not change
-the update (1 vs 2 workers, 2x4 vs 8x1 micro-batches, packed vs padded rows), logprobs follow the
-batch-key contract of distributed/batched_data_dict.py, and checkpoints / exports / reference weights
-reproduce logprobs."""
+the update (1 vs 2 workers, 2x4 vs 8x1 micro-batches, packed vs padded rows, rows in order vs by length),
+logprobs follow the batch-key contract of distributed/batched_data_dict.py, and checkpoints / exports /
+reference weights reproduce logprobs."""
 
 from __future__ import annotations
 
@@ -169,6 +169,7 @@ def runs(ray_session, model_dir):
         "two_workers_tensor_parallel": Run(model_dir, 2, tensor_parallel_size=2),
         "two_workers_dynamic": Run(model_dir, 2, dynamic_batching=dynamic),
         "one_worker_activation_checkpointing": Run(model_dir, 1, activation_checkpointing=True),
+        "one_worker_in_order": Run(model_dir, 1, length_bucketing=False),
     }
     for run in built.values():
         run.train(ray_session)
@@ -206,6 +207,19 @@ def test_microbatches_2x4_equal_8x1(runs):
     assert baseline.steps[0]["num_microbatches"] == [4.0]
     assert single.steps[0]["num_microbatches"] == [1.0]
     assert_same_training(single, baseline)
+
+
+def test_length_bucketing_computes_fewer_positions_and_trains_alike(runs):
+    """Rows of lengths [10, 8, 9, 5, 12, 6, 8, 10] (68 tokens) in micro-batches of 2: in order, each pair
+    padded to its longer row computes 20 + 18 + 24 + 20 = 82 positions a step; longest first, (12, 10),
+    (10, 9), (8, 8), (6, 5) compute 24 + 20 + 16 + 12 = 72. The update is the same."""
+    in_order, bucketed = runs["one_worker_in_order"], runs["one_worker_2x4"]
+    assert in_order.data["input_lengths"].tolist() == [10, 8, 9, 5, 12, 6, 8, 10]
+    assert in_order.steps[0]["num_computed_tokens"] == [82.0]
+    assert bucketed.steps[0]["num_computed_tokens"] == [72.0]
+    assert bucketed.steps[0]["num_real_tokens"] == in_order.steps[0]["num_real_tokens"] == [68.0]
+    torch.testing.assert_close(bucketed.initial_logprobs, in_order.initial_logprobs, atol=1e-5, rtol=0)
+    assert_same_training(bucketed, in_order)
 
 
 def test_packed_rows_equal_padded_rows_in_logprobs_and_gradients(runs):

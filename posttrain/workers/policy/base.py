@@ -26,6 +26,7 @@ from posttrain.utils.metrics import metric_reductions
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy.config import PolicyConfig
 from posttrain.workers.policy.microbatches import (
+    ForwardCost,
     MicroBatch,
     length_mask,
     pad_microbatches,
@@ -157,10 +158,12 @@ class PolicyWorker:
 
     # -- micro-batches ---------------------------------------------------------------------------------
 
-    def make_microbatches(self, data: dict[str, Any], batch_size: int) -> list[MicroBatch]:
-        """This rank's micro-batches of `data` (see microbatches.plan_microbatches), padded with repeats to
-        the largest count of any dp rank."""
-        microbatches = plan_microbatches(data, batch_size, self.cfg)
+    def make_microbatches(
+        self, data: dict[str, Any], batch_size: int, cost: ForwardCost | None = None
+    ) -> list[MicroBatch]:
+        """This rank's micro-batches of `data` (see microbatches.plan_microbatches; `cost`: rows may be
+        bucketed by length), padded with repeats to the largest count of any dp rank."""
+        microbatches = plan_microbatches(data, batch_size, self.cfg, cost)
         count = self._all_reduce_dp(torch.tensor([len(microbatches)]), "max")
         return pad_microbatches(microbatches, int(count.item()), self.rank)
 

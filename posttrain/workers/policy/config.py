@@ -202,6 +202,14 @@ class PolicyConfig:
             "logprobs and gradients at trained positions, fewer tokens (causal_lm, unpacked)."
         },
     )
+    length_bucketing: bool = field(
+        default=True,
+        metadata={
+            "help": "Fixed-size micro-batches take the rows longest first when that computes fewer padded "
+            "positions than keeping them in order (shared prompts counted), for losses whose rows are "
+            "independent (SFT, GRPO, PPO, distillation; not DPO or reward-model pairs) and for logprobs."
+        },
+    )
     activation_checkpointing: bool = field(
         default=False, metadata={"help": "Recompute decoder-layer activations in backward to save memory."}
     )

@@ -25,6 +25,7 @@ from posttrain.utils.metrics import metric_reductions, reduce_metrics
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
 from posttrain.workers.policy.config import PolicyConfig
 from posttrain.workers.policy.microbatches import (
+    ForwardCost,
     MicroBatch,
     PackedRow,
     length_mask,
@@ -32,7 +33,7 @@ from posttrain.workers.policy.microbatches import (
     unpack_row_logprobs,
 )
 from posttrain.workers.policy.optim import build_optimizer, build_scheduler, clip_gradients
-from posttrain.workers.policy.shared_prefix import shared_prefix_logprobs
+from posttrain.workers.policy.shared_prefix import attention_cost_ratio, shared_prefix_logprobs
 from posttrain.workers.policy.step_metrics import StepMetrics
 from posttrain.workers.policy.token_logprobs import (
     compute_token_logprobs,
@@ -226,7 +227,7 @@ class DTensorPolicyWorker(PolicyWorker):
         batch_size, seq_len = data["input_ids"].shape
         values = torch.zeros(batch_size, seq_len, k)
         ids = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
-        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size):
+        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, self.forward_cost()):
             input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
             logits, num_kept = self._causal_logits(microbatch.data, input_ids)  # every rank runs each
             top_values, top_ids = topk_next_token_logprobs(logits, k, self.cfg.logprob_temperature)
@@ -236,6 +237,19 @@ class DTensorPolicyWorker(PolicyWorker):
             values[microbatch.indices, end - num_kept : end] = top_values.cpu()
             ids[microbatch.indices, end - num_kept : end] = top_ids.cpu()
         return values, ids
+
+    def forward_cost(self, rows_independent: bool = True) -> ForwardCost | None:
+        """The cost model under which micro-batches may take rows longest first (`policy.length_bucketing`,
+        work whose rows are independent); None keeps the rows in order. Prompts count as shared where
+        `_forward` shares them."""
+        if not (self.cfg.length_bucketing and rows_independent):
+            return None
+        share = (
+            self.cfg.prefix_sharing
+            and self.cfg.model_kind == "causal_lm"
+            and not is_vision_language_model(self.model)
+        )
+        return ForwardCost(attention_cost_ratio(self.model.config), share)
 
     def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
         logits = self.model(
@@ -252,7 +266,7 @@ class DTensorPolicyWorker(PolicyWorker):
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row
         order."""
         self.model.eval()
-        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size):
+        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, self.forward_cost()):
             outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
             if microbatch.is_padding:
                 continue
@@ -280,7 +294,10 @@ class DTensorPolicyWorker(PolicyWorker):
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
         step, parts = StepMetrics(), []
-        for microbatch in self.make_microbatches(batch, micro_batch_size):
+        cost = self.forward_cost(getattr(loss_fn, "rows_independent", False))
+        for microbatch in self.make_microbatches(batch, micro_batch_size, cost):
+            step.num_computed_tokens += microbatch.computed_tokens
+            step.num_real_tokens += microbatch.real_tokens
             with torch.set_grad_enabled(not eval_mode):
                 candidates_key = getattr(loss_fn, "candidate_ids_key", None)  # a distillation loss's
                 candidates = microbatch.data[candidates_key] if candidates_key else None

@@ -320,10 +320,15 @@ class MegatronPolicyWorker(PolicyWorker):
         self._run_schedule(
             microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1]
         )
+        shape = self._microbatch_shape(micro_batch_size, batch["input_ids"].shape[1])
         step = StepMetrics(
             loss=sum(losses),
             num_microbatches=len(losses),
             loss_metrics=reduce_metrics(parts, metric_reductions(loss_fn)),
+            num_computed_tokens=sum(
+                shape[0] * shape[1] if shape else m.computed_tokens for m in microbatches
+            ),
+            num_real_tokens=sum(m.real_tokens for m in microbatches),
         )
         step = self._from_last_stage(step)
         if not eval_mode:

@@ -1,5 +1,12 @@
 """Micro-batch planning of a policy worker, as plain functions (no process group): which rows go into
-each forward/backward (fixed size, a token budget, or packed rows), each cut to its longest row."""
+each forward/backward (fixed size, a token budget, or packed rows), each cut to its longest row.
+
+Fixed-size micro-batches keep the rows in order, or, with a cost model (`ForwardCost`, given by the worker
+where the loss treats rows independently and `policy.length_bucketing` is on), take the rows longest first
+when that costs less: a batch of responses of uneven length then pads each micro-batch to rows of about its
+own length instead of to the longest of a random few. The cost counts padded positions, attention over
+them, and prompts shared by the rows of a GRPO group (`shared_prefix.py`), which keeping a group together
+can save; the cheaper plan wins."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ from posttrain.distributed.batched_data_dict import (
     pack_sequences,
 )
 from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.shared_prefix import rows_cost, shared_prefix_cost
 
 
 def length_mask(input_lengths: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -88,11 +96,59 @@ class MicroBatch:
     indices: list[int]  # rows of the local batch, in the order of `data`
     packed: PackedRow | None = None
     is_padding: bool = False  # a repeated micro-batch that only keeps ranks in step (its loss is scaled by 0)
+    computed_tokens: int = 0  # positions the forward computes (padding included)
+    real_tokens: int = 0  # of those, positions holding a token of some row
 
 
-def plan_microbatches(data: dict[str, Any], batch_size: int, cfg: PolicyConfig) -> list[MicroBatch]:
-    """Fixed-size (`batch_size` rows), token-budget (`policy.dynamic_batching`) or packed
-    (`policy.sequence_packing`) micro-batches of `data`, each cut to its longest row."""
+@dataclass
+class ForwardCost:
+    """The relative cost of a forward over some rows (shared_prefix.rows_cost: linear layers per position,
+    attention per pair): rows padded to the longest, or, where the worker shares prompts
+    (`share_prefixes`), tree rows when those are cheaper, as the forward itself decides."""
+
+    attention_ratio: float = 0.0
+    share_prefixes: bool = False
+
+    def of(self, data: dict[str, Any], indices: list[int], lengths: list[int]) -> tuple[float, int, int]:
+        """(cost, computed positions, real tokens) of one micro-batch of the rows `indices`."""
+        own = [lengths[i] for i in indices]
+        width = max(own)
+        if self.share_prefixes and "token_mask" in data:
+            index = torch.tensor(indices, dtype=torch.long)
+            shared = shared_prefix_cost(
+                data["input_ids"].index_select(0, index)[:, :width],
+                own,
+                data["token_mask"].index_select(0, index.to(data["token_mask"].device))[:, :width].cpu(),
+                self.attention_ratio,
+            )
+            if shared is not None:
+                return shared
+        return rows_cost(len(own), width, self.attention_ratio), len(own) * width, sum(own)
+
+
+def fixed_size_groups(
+    data: dict[str, Any], lengths: list[int], batch_size: int, cost: ForwardCost | None
+) -> list[list[int]]:
+    """`batch_size` rows at a time: in order, or longest first when `cost` says that is cheaper."""
+    count = len(lengths)
+    in_order = [list(range(i, min(i + batch_size, count))) for i in range(0, count, batch_size)]
+    if cost is None or count <= batch_size:
+        return in_order
+    longest_first = sorted(range(count), key=lambda i: (-lengths[i], i))
+    bucketed = [longest_first[i : i + batch_size] for i in range(0, count, batch_size)]
+
+    def total(groups: list[list[int]]) -> float:
+        return sum(cost.of(data, indices, lengths)[0] for indices in groups)
+
+    return bucketed if total(bucketed) < total(in_order) else in_order
+
+
+def plan_microbatches(
+    data: dict[str, Any], batch_size: int, cfg: PolicyConfig, cost: ForwardCost | None = None
+) -> list[MicroBatch]:
+    """Fixed-size (`batch_size` rows; bucketed by length when `cost` finds it cheaper), token-budget
+    (`policy.dynamic_batching`) or packed (`policy.sequence_packing`) micro-batches of `data`, each cut
+    to its longest row."""
     lengths = row_lengths(data).tolist()
     if cfg.sequence_packing.enabled:
         if cfg.model_kind != "causal_lm":
@@ -104,16 +160,17 @@ def plan_microbatches(data: dict[str, Any], batch_size: int, cfg: PolicyConfig) 
             lengths, budget.max_tokens_per_microbatch, budget.sequence_length_round
         )
     else:
-        groups = [
-            list(range(i, min(i + batch_size, len(lengths)))) for i in range(0, len(lengths), batch_size)
-        ]
+        groups = fixed_size_groups(data, lengths, batch_size, cost)
     microbatches = []
     for indices in groups:
         rows = select_rows(data, indices, seq_len=max(lengths[i] for i in indices))
-        packed = None
+        real = sum(lengths[i] for i in indices)
         if cfg.sequence_packing.enabled:
             packed = build_packed_row(rows["input_ids"], [lengths[i] for i in indices])
-        microbatches.append(MicroBatch(rows, indices, packed))
+            microbatches.append(MicroBatch(rows, indices, packed, computed_tokens=real, real_tokens=real))
+            continue
+        _, computed, real = (cost or ForwardCost()).of(data, indices, lengths)
+        microbatches.append(MicroBatch(rows, indices, computed_tokens=computed, real_tokens=real))
     return microbatches
 
 
@@ -122,7 +179,8 @@ def pad_microbatches(microbatches: list[MicroBatch], count: int, rank: int) -> l
     rank must run the same number of forwards (FSDP all-gathers, pipeline schedules)."""
     if not microbatches and count > 0:
         raise ValueError(f"rank {rank}: got no data while other ranks did; send at least one row per rank")
-    padding = [MicroBatch(microbatches[0].data, [], microbatches[0].packed, is_padding=True)] * (
-        count - len(microbatches)
-    )
+    first = microbatches[0]
+    padding = [
+        MicroBatch(first.data, [], first.packed, is_padding=True, computed_tokens=first.computed_tokens)
+    ] * (count - len(microbatches))
     return microbatches + padding

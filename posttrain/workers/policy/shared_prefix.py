@@ -78,6 +78,31 @@ def rows_cost(num_rows: int, width: int, attention_ratio: float) -> float:
     return num_rows * (width + attention_ratio * width * width)
 
 
+def tree_row_lengths(groups: list[list[int]], lengths: list[int], token_mask: torch.Tensor) -> list[int]:
+    """Length of each group's tree row: its prompt once, then every row's continuation."""
+    sizes = []
+    for rows in groups:
+        trained = token_mask[rows[0], : lengths[rows[0]]].nonzero()
+        prefix_length = int(trained[0]) - 1 if len(rows) > 1 else 0
+        sizes.append(prefix_length + sum(lengths[row] - prefix_length for row in rows))
+    return sizes
+
+
+def shared_prefix_cost(
+    input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float
+) -> tuple[float, int, int] | None:
+    """(rows_cost, positions computed, real tokens) of the batch [b, T] as tree rows, or None when
+    build_shared_prefix_rows would not use them (no shared prompt, or not cheaper than padded rows)."""
+    groups = prefix_groups(input_ids, lengths, token_mask)
+    if len(groups) == len(lengths):
+        return None
+    sizes = tree_row_lengths(groups, lengths, token_mask)
+    cost = rows_cost(len(sizes), max(sizes), attention_ratio)
+    if cost >= rows_cost(len(lengths), max(lengths), attention_ratio):
+        return None
+    return cost, len(sizes) * max(sizes), sum(sizes)
+
+
 def build_shared_prefix_rows(
     input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float = 0.0
 ) -> SharedPrefixRows | None:

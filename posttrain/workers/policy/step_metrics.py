@@ -23,14 +23,17 @@ class StepMetrics:
     lr: float = 0.0
     num_microbatches: int = 0
     loss_metrics: dict[str, float] = field(default_factory=dict)
+    num_computed_tokens: int = 0  # positions the forwards computed, padding and keep-in-step repeats included
+    num_real_tokens: int = 0  # of those, positions holding a token of a row (shared prompts counted once)
+
+
+COUNTS = ("loss", "num_microbatches", "num_computed_tokens", "num_real_tokens")  # summed over dp ranks
 
 
 def step_value(step: StepMetrics, name: str) -> float:
-    """A named number of a step: its loss, its micro-batch count or one of the loss function's metrics."""
-    if name == "loss":
-        return step.loss
-    if name == "num_microbatches":
-        return float(step.num_microbatches)
+    """A named number of a step: its loss, a count (COUNTS) or one of the loss function's metrics."""
+    if name in COUNTS:
+        return float(getattr(step, name))
     return step.loss_metrics[name]
 
 
@@ -39,10 +42,10 @@ def reduce_steps(
 ) -> dict[str, Any]:
     """Per-step lists reduced over dp ranks, each loss metric by its reduction (`reduction_of`: named by the
     loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
-    ranks); losses and micro-batch counts summed; grad norm and lr are global already. Every rank must
+    ranks); losses, micro-batch and token counts summed; grad norm and lr are global already. Every rank must
     have the same metric keys."""
-    keys = sorted({key for step in steps for key in step.loss_metrics} - {"loss", "num_microbatches"})
-    columns: dict[str, list[str]] = {"sum": ["loss", "num_microbatches"], "min": [], "max": [], "mean": []}
+    keys = sorted({key for step in steps for key in step.loss_metrics} - set(COUNTS))
+    columns: dict[str, list[str]] = {"sum": list(COUNTS), "min": [], "max": [], "mean": []}
     for key in keys:
         columns[reduction_of(key, reductions)].append(key)
     counts = torch.tensor([float(step.num_microbatches) for step in steps], dtype=torch.float64)  # [S]
