@@ -11,6 +11,12 @@ Workloads (`--model`):
   49k-token tokenizer and ChatML template; 8 prompts x 4 generations of up to 32 new tokens ("What is
   51 - 29? Reply with the number only."), the `math` environment's rewards (the reply's final answer),
   stop at `<|im_end|>`.
+- `smollm2_long`: SmolLM2-135M-Instruct on replies users train with: 8 prompts x 8 generations of up to
+  512 new tokens, questions asking for step-by-step working ending in `\boxed{}` (three-number arithmetic),
+  so replies are long and uneven. posttrain runs with only the keys the work needs (one optimizer step over
+  the 64 samples; micro-batches, logprob batches, micro-batch planning at its defaults); TRL at its
+  default micro-batch of 8 (per_device_train_batch_size 8, gradient accumulation 8: one optimizer step over
+  the 64 samples, all generated at once).
 - `0.5b`: a seeded Qwen2 of 477M parameters (hidden 896, 32 layers, 14 heads, 2 KV heads, MLP 4864, the
   byte tokenizer), 8 prompts x 8 generations of up to 128 new tokens: generation dominates (for GPUs).
 Every step: temperature 1 (no top-k / top-p), one AdamW step over all samples (weight decay 0.01, grad-
@@ -29,6 +35,15 @@ fraction of the step. `--modes sync,async` times posttrain's synchronous loop an
 (generation one step ahead on workers of its own, `grpo.async_grpo`, max_trajectory_age_steps 1, each
 side with half of the machine's cores) as two columns.
 
+For the SmolLM2 workloads the table adds the compute floor: the FLOPs of the step's work (training 6 x
+matmul parameters x tokens computed, forward-and-backward; generation 2 x parameters per token, prompt
+prefill included) at the machine's fp32 matmul rate, measured at the start (`measured_matmul_gflops`);
+the padding share of the positions the trainer computed (posttrain's `padding_share`); and the peak
+resident memory of the trainer and the generator processes (VmHWM of the Ray actors; TRL: its process).
+Mode `sync_in_order` is the synchronous step with `policy.length_bucketing: false` (rows in order); mode
+`vllm` the synchronous step with vLLM generating on a worker of its own (the two groups take turns, each
+with all cores; run it with the environment that has vLLM, `.venv-vllm/bin/python`, and `--skip-trl`).
+
 Run:  make bench    or    .venv/bin/python benchmarks/grpo_step.py [--model tiny|smollm2|0.5b]
       [--device cuda] [--runs 3] [--skip-trl] [--threads N]
 Writes benchmarks/results/grpo_step[_MODEL].json: medians over the timed steps of every run (warm-up steps
@@ -43,6 +58,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -76,6 +92,7 @@ class Workload:
     optimizer: dict = field(
         default_factory=lambda: {"lr": 1.0e-5, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1.0e-8}
     )
+    long: bool = False  # step-by-step replies; posttrain's default micro-batching, TRL's micro-batch of 8
 
 
 WORKLOADS = {
@@ -98,6 +115,7 @@ WORKLOADS = {
         ),
     ),
     "smollm2": Workload("smollm2", 8, 4, 32, "math"),
+    "smollm2_long": Workload("smollm2_long", 8, 8, 512, "math", long=True),
     "0.5b": Workload(
         "0.5b",
         8,
@@ -123,7 +141,19 @@ WORKLOADS = {
 def write_prompts(path: Path, workload: Workload, num_prompts: int) -> None:
     """rl rows, the same file for both frameworks, used in order: 2-digit additions (`07+85=` -> `092`)
     for the built models, questions in words for the chat model."""
-    if workload.name == "smollm2":
+    if workload.long:
+        rng = random.Random(0)
+        rows = []
+        for _ in range(num_prompts):
+            a, b, c = rng.randint(12, 99), rng.randint(3, 19), rng.randint(100, 999)
+            rows.append(
+                {
+                    "prompt": f"What is {a} * {b} + {c}? Work it out step by step, one step per line, "
+                    "then give the final answer as \\boxed{N}.",
+                    "answer": str(a * b + c),
+                }
+            )
+    elif workload.name == "smollm2":
         rng = random.Random(0)
         rows = []
         for _ in range(num_prompts):
@@ -154,6 +184,7 @@ def posttrain_config(
     mode: str = "sync",
 ) -> grpo.GRPOConfig:
     batch = workload.num_prompts * workload.num_generations
+    micro_batching = {} if workload.long else {"train_micro_batch_size": batch, "logprob_batch_size": batch}
     cluster: dict = {"workers_per_node": 1}  # posttrain's default bundle: the machine's cores
     if threads is not None:  # the policy and the colocated generation worker each compute with the bundle's
         cluster["num_cpus_per_worker"] = float(threads)
@@ -164,7 +195,7 @@ def posttrain_config(
             "num_prompts_per_step": workload.num_prompts,
             "num_generations_per_prompt": workload.num_generations,
             "max_num_steps": 1000,
-            "max_seq_len": 512,
+            "max_seq_len": 1024 if workload.long else 512,
             "val_period": 0,
             "val_at_start": False,
             "seed": 0,
@@ -173,8 +204,7 @@ def posttrain_config(
         "policy": {
             "model_name": str(model_dir),
             "train_global_batch_size": batch,
-            "train_micro_batch_size": batch,
-            "logprob_batch_size": batch,
+            **micro_batching,
             "max_grad_norm": 1.0,
             "optimizer": {"name": "AdamW", "kwargs": workload.optimizer},
         },
@@ -200,6 +230,15 @@ def posttrain_config(
     }
     if device == "cuda":  # the fastest sensible setting on a GPU, as TRL's bf16 default
         tree["policy"]["precision"] = tree["generation"]["precision"] = "bfloat16"
+    if mode == "sync_in_order":  # the synchronous step with rows kept in order in the micro-batches
+        tree["policy"]["length_bucketing"] = False
+    if mode == "vllm":  # vLLM generation on a worker of its own (run from the environment with vLLM)
+        tree["generation"].update(backend="vllm", colocated=False, num_workers=1)
+        if device == "cpu":  # the two groups take turns: each computes with all of the machine's cores
+            cores = threads or os.cpu_count() or 2
+            tree["cluster"]["num_cpus_per_worker"] = float(cores)
+            tree["generation"]["num_cpus_per_worker"] = float(cores)
+            tree["cluster"]["num_cpus"] = 2 * cores + 1  # logical CPUs: both groups + environments
     if mode == "async":  # generation on workers of its own, one step ahead of training
         tree["grpo"]["async_grpo"] = {"enabled": True, "max_trajectory_age_steps": 1}
         tree["loss"].update(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0)
@@ -250,16 +289,39 @@ def run_posttrain(
                 {
                     "step": step_time,
                     "stages": posttrain_stage_times(timer, step_time),
-                    "generation_busy": None if mode == "sync" else step_time - generation_wait,
+                    "generation_busy": None if mode != "async" else step_time - generation_wait,
                     "mean_response_length": mean_length,
                     "generated_tokens": mean_length * workload.num_prompts * workload.num_generations,
                     "reward_mean": metrics["reward_mean"],
+                    "padding_share": metrics["padding_share"],
+                    "trained_tokens": metrics["num_real_tokens"],
+                    "computed_tokens": metrics["num_computed_tokens"],
                 }
             )
         threads = run.policy.describe()[0]["num_threads"]
+        memory = {
+            "trainer": peak_rss_bytes("DTensorPolicyWorker"),
+            "generation": max(peak_rss_bytes("HFGenerationWorker"), peak_rss_bytes("VllmGenerationWorker")),
+        }
     finally:
         run.shutdown()
-    return steps[args.warmup :], {"torch_threads": threads}
+    return steps[args.warmup :], {"torch_threads": threads, "peak_rss_bytes": memory}
+
+
+def peak_rss_bytes(actor_class: str) -> int:
+    """The largest peak resident memory (VmHWM) of this machine's Ray actor processes of `actor_class`
+    (Ray titles them `ray::CLASS` or `ray::CLASS.method`); 0 when none is found."""
+    peak = 0
+    for status_file in Path("/proc").glob("[0-9]*/status"):
+        try:
+            title = (status_file.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            status = status_file.read_text()
+        except OSError:
+            continue
+        if title.split(".")[0].split(" ")[0] == f"ray::{actor_class}":
+            match = re.search(r"VmHWM:\s+(\d+) kB", status)
+            peak = max(peak, int(match.group(1)) * 1024 if match else 0)
+    return peak
 
 
 # ------------------------------------------------------------------------------------------------- TRL
@@ -284,6 +346,7 @@ def run_trl(
         "seed": 0,
         "torch_threads": args.threads,
         "numeric_answers": workload.env == "math",
+        "micro_batch_size": 8 if workload.long else None,  # TRL's default per-device batch
     }
     job_file, out_file = work_dir / "trl_job.json", work_dir / "trl_result.json"
     job_file.write_text(json.dumps(job))
@@ -293,6 +356,7 @@ def run_trl(
     return result["steps"][args.warmup :], {
         "versions": result["versions"],
         "torch_threads": result["torch_threads"],
+        "peak_rss_bytes": {"trainer": result["peak_rss_bytes"], "generation": result["peak_rss_bytes"]},
     }
 
 
@@ -325,12 +389,46 @@ def summarize(runs: list[list[dict]]) -> dict:
         "generated_tokens_per_s": median(
             s["generated_tokens"] / (s.get("generation_busy") or s["stages"]["generation"]) for s in steps
         ),
+        "padding_share_median": median(s.get("padding_share", float("nan")) for s in steps),
         "steps": steps,
     }
 
 
+def side_name(mode: str) -> str:
+    return "posttrain" if mode == "sync" else f"posttrain_{mode}"
+
+
+def matmul_gflops(threads: int | None) -> float:
+    """The best of 5 fp32 2048x2048 matmuls at torch's thread count (or `threads`), in GFLOP/s."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    best = float("inf")
+    for _ in range(6):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * 2048**3 / best / 1e9
+
+
+def compute_floor(model: torch.nn.Module, prompt_tokens: float, workload: Workload, side: dict) -> dict:
+    """FLOPs of the step's work and their seconds at the measured matmul rate: training is forward and
+    backward (6 FLOPs per parameter per token) of every sample's prompt and reply through the linear layers
+    (the output layer at reply tokens only: no loss reads a prompt's logits); generation is 2 FLOPs per
+    parameter per token: each distinct prompt's prefill and every generated token. Attention is left out
+    (under 5% of the linear layers' FLOPs at these lengths)."""
+    head = model.get_output_embeddings().weight.numel()
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    body = linear - head  # the output layer is an nn.Linear too (tied or not)
+    samples = workload.num_prompts * workload.num_generations
+    reply_tokens = side["mean_response_length"] * samples
+    train = 6 * (body * (prompt_tokens * samples + reply_tokens) + head * reply_tokens)
+    generation = 2 * (body * prompt_tokens * workload.num_prompts + (body + head) * reply_tokens)
+    return {"training_tflop": train / 1e12, "generation_tflop": generation / 1e12}
+
+
 def print_table(results: dict) -> None:
-    sides = [name for name in ("posttrain", "posttrain_async", "trl") if name in results]
+    sides = [name for name in results if name.startswith("posttrain") or name == "trl"]
     print(f"\n{'median seconds per step':<26}" + "".join(f"{side:>16}" for side in sides))
     for stage in STAGES:
         print(f"  {stage:<24}" + "".join(f"{results[s]['stage_time_median_s'][stage]:>16.3f}" for s in sides))
@@ -349,6 +447,22 @@ def print_table(results: dict) -> None:
         + "".join(f"{results[s]['mean_response_length']:>16.1f}" for s in sides)
     )
     print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>16}" for s in sides))
+    if all("peak_rss_bytes" in results[s] for s in sides):
+        for group in ("trainer", "generation"):
+            print(
+                f"{group + ' peak RSS (GiB)':<26}"
+                + "".join(f"{results[s]['peak_rss_bytes'][group] / 2**30:>16.2f}" for s in sides)
+            )
+    if "floor" in results:
+        floor = results["floor"]
+        print(
+            f"compute floor at {floor['measured_matmul_gflops']:.0f} GFLOP/s: training "
+            f"{floor['training_s']:.1f} s, generation {floor['generation_s']:.1f} s "
+            f"(of posttrain's work; {floor['training_tflop']:.2f} + {floor['generation_tflop']:.2f} TFLOP)"
+        )
+        for side in sides:
+            if side.startswith("posttrain"):
+                print(f"{side} step / compute floor = {results[f'ratio_{side}_over_floor']:.2f}")
     for side in sides:
         per_run = ", ".join(f"{t:.3f}" for t in results[side]["step_time_median_s_per_run"])
         print(f"{side} step, median of each run: {per_run}")
@@ -357,7 +471,7 @@ def print_table(results: dict) -> None:
         f"load average (1 min) at start / end: {load['load_average_start'][0]:.1f} / "
         f"{load['load_average_end'][0]:.1f}"
     )
-    for side in ("posttrain", "posttrain_async"):
+    for side in sides:
         if f"ratio_{side}_over_trl" in results:
             print(f"{side} step time / TRL step time = {results[f'ratio_{side}_over_trl']:.2f}")
 
@@ -396,6 +510,19 @@ def prepare_model(args: argparse.Namespace, workload: Workload, work_dir: Path) 
     return model_dir
 
 
+def mean_prompt_tokens(model_dir: Path, data_file: Path) -> float:
+    """Mean length of the prompts in tokens, chat template and generation prompt included."""
+    from posttrain.models.build import load_tokenizer
+
+    tokenizer = load_tokenizer(str(model_dir))
+    lengths = []
+    for line in data_file.read_text().splitlines():
+        messages = [{"role": "user", "content": json.loads(line)["prompt"]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        lengths.append(len(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return statistics.fmean(lengths)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(WORKLOADS), default="tiny", help="workload (see above)")
@@ -409,7 +536,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=5, help="timed steps (each side)")
     parser.add_argument("--runs", type=int, default=1, help="runs per side, alternating (medians over all)")
     parser.add_argument("--skip-trl", action="store_true", help="time posttrain only")
-    parser.add_argument("--modes", default="sync,async", help="posttrain modes to time: sync, async or both")
+    parser.add_argument(
+        "--modes",
+        default="sync,async",
+        help="posttrain modes to time: sync, async, sync_in_order, vllm (comma list)",
+    )
     parser.add_argument(
         "--trl-python",
         default=str(ROOT / ".venv-trl" / "bin" / "python"),
@@ -442,9 +573,9 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(str(model_dir))
         num_params = sum(p.numel() for p in model.parameters())
         config = model.config
-        del model
         data_file = work_dir / "prompts.jsonl"
         write_prompts(data_file, workload, workload.num_prompts * (args.warmup + args.steps))  # used in order
+        prompt_tokens = mean_prompt_tokens(model_dir, data_file)
         results: dict = {
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "machine": machine_description(args.device),
@@ -475,13 +606,13 @@ def main(argv: list[str] | None = None) -> int:
             f"warm-up + {args.steps} timed steps per side"
         )
         modes = [mode for mode in args.modes.split(",") if mode]
-        runs: dict[str, list] = {
-            side: [] for side in [f"posttrain{'' if m == 'sync' else '_async'}" for m in modes] + ["trl"]
-        }
+        runs: dict[str, list] = {side: [] for side in [side_name(m) for m in modes] + ["trl"]}
         info: dict[str, dict] = {}
+        if workload.name.startswith("smollm2"):  # the machine's matmul rate, before the runs load it
+            results["floor"] = {"measured_matmul_gflops": matmul_gflops(args.threads)}
         for _ in range(args.runs):  # alternate the sides, so that a change of machine load hits both
             for mode in modes:
-                side = "posttrain" if mode == "sync" else "posttrain_async"
+                side = side_name(mode)
                 steps, info[side] = run_posttrain(args, workload, model_dir, data_file, work_dir, mode)
                 runs[side].append(steps)
             if not args.skip_trl:
@@ -490,10 +621,22 @@ def main(argv: list[str] | None = None) -> int:
         for side, side_runs in runs.items():
             if side_runs:
                 results[side] = {**summarize(side_runs), **info[side]}
-        for side in ("posttrain", "posttrain_async"):
+        sides = [side_name(m) for m in modes]
+        for side in sides:
             if side in results and "trl" in results:
                 results[f"ratio_{side}_over_trl"] = (
                     results[side]["step_time_median_s"] / results["trl"]["step_time_median_s"]
+                )
+        if "floor" in results and sides[0] in results:
+            floor = results["floor"]
+            floor.update(compute_floor(model, prompt_tokens, workload, results[sides[0]]))
+            floor["mean_prompt_tokens"] = prompt_tokens
+            rate = floor["measured_matmul_gflops"] / 1e3  # TFLOP/s
+            floor["training_s"] = floor["training_tflop"] / rate
+            floor["generation_s"] = floor["generation_tflop"] / rate
+            for side in sides:
+                results[f"ratio_{side}_over_floor"] = results[side]["step_time_median_s"] / (
+                    floor["training_s"] + floor["generation_s"]
                 )
         results["machine"]["load_average_end"] = os.getloadavg()
     print_table(results)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import sys
 import time
 from importlib.metadata import version
@@ -92,6 +93,7 @@ def main(job_file: str, out_file: str) -> int:
     if job["torch_threads"] is not None:  # otherwise torch's own default, as TRL's users run it
         torch.set_num_threads(job["torch_threads"])
     batch = job["num_prompts"] * job["num_generations"]
+    micro_batch = job.get("micro_batch_size") or batch  # per_device_train_batch_size; accumulate the rest
     rows = [json.loads(line) for line in open(job["data_file"])]
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
@@ -103,8 +105,9 @@ def main(job_file: str, out_file: str) -> int:
         output_dir=job["output_dir"],
         use_cpu=job["device"] == "cpu",
         seed=job["seed"],
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
+        per_device_train_batch_size=micro_batch,
+        gradient_accumulation_steps=batch
+        // micro_batch,  # one optimizer step over the batch, generated at once
         num_generations=job["num_generations"],
         max_completion_length=job["max_completion_length"],
         temperature=job["temperature"],
@@ -153,6 +156,7 @@ def main(job_file: str, out_file: str) -> int:
             name: version(name) for name in ("trl", "transformers", "torch", "accelerate", "datasets")
         },
         "torch_threads": torch.get_num_threads(),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: kB
     }
     with open(out_file, "w") as f:
         json.dump(result, f, indent=2)

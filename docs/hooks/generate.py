@@ -77,7 +77,8 @@ def machine_text(data: dict) -> str:
 
 
 def grpo_step_section(name: str, data: dict) -> list[str]:
-    sides = [side for side in ("posttrain", "posttrain_async", "trl") if isinstance(data.get(side), dict)]
+    sides = [side for side, value in data.items()
+             if (side.startswith("posttrain") or side == "trl") and isinstance(value, dict)]
     stages = sorted({stage for side in sides for stage in data[side]["stage_time_median_s"]})
     lines = [f"### `{name}`", "", f"Measured {data['date']} on {machine_text(data)}; model "
              f"{data['model'].get('workload', '')} ({data['model'].get('num_parameters', 0) / 1e6:.1f}M parameters); "
@@ -88,6 +89,20 @@ def grpo_step_section(name: str, data: dict) -> list[str]:
     for stage in stages:
         lines.append(f"| {stage} (s) | " + " | ".join(f"{data[s]['stage_time_median_s'].get(stage, 0.0):.2f}" for s in sides) + " |")
     lines.append("| generated tokens/s | " + " | ".join(f"{data[s]['generated_tokens_per_s']:.0f}" for s in sides) + " |")
+    lines.append("| mean reply length (tokens) | " + " | ".join(f"{data[s]['mean_response_length']:.0f}" for s in sides) + " |")
+    if all("padding_share_median" in data[s] for s in sides if s != "trl"):
+        lines.append("| padding share of trained positions | " + " | ".join(
+            "—" if s == "trl" else f"{data[s]['padding_share_median']:.1%}" for s in sides) + " |")
+    for group in ("trainer", "generation"):
+        if all("peak_rss_bytes" in data[s] for s in sides):
+            lines.append(f"| {group} peak RSS (GiB) | " + " | ".join(
+                f"{data[s]['peak_rss_bytes'][group] / 2**30:.2f}" for s in sides) + " |")
+    floor = data.get("floor")
+    if floor and "training_s" in floor:
+        lines += ["", f"Compute floor of the work (FLOPs at the measured fp32 matmul rate, "
+                  f"{floor['measured_matmul_gflops']:.0f} GFLOP/s): training {floor['training_tflop']:.2f} TFLOP = "
+                  f"{floor['training_s']:.1f} s, generation {floor['generation_tflop']:.2f} TFLOP = "
+                  f"{floor['generation_s']:.1f} s."]
     ratios = [f"{key.replace('ratio_', '').replace('_over_', ' / ')}: {value:.2f}" for key, value in data.items()
               if key.startswith("ratio_") and value is not None]
     lines += ["", "Ratios of step times: " + "; ".join(ratios) + ".", ""]
