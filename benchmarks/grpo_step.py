@@ -390,6 +390,13 @@ def summarize(runs: list[list[dict]]) -> dict:
             s["generated_tokens"] / (s.get("generation_busy") or s["stages"]["generation"]) for s in steps
         ),
         "padding_share_median": median(s.get("padding_share", float("nan")) for s in steps),
+        # async: the share of the generator's busy time the trainer did not wait for (hidden behind training)
+        "generation_hidden_share_median": median(
+            max(0.0, 1.0 - (s["stages"]["generation"] + s["stages"]["rewards"]) / s["generation_busy"])
+            if s.get("generation_busy")
+            else 0.0
+            for s in steps
+        ),
         "steps": steps,
     }
 
@@ -447,6 +454,14 @@ def print_table(results: dict) -> None:
         + "".join(f"{results[s]['mean_response_length']:>16.1f}" for s in sides)
     )
     print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>16}" for s in sides))
+    print(
+        f"{'padding share (trained)':<26}"
+        + "".join(f"{results[s].get('padding_share_median', float('nan')):>16.3f}" for s in sides)
+    )
+    print(
+        f"{'generation hidden (async)':<26}"
+        + "".join(f"{results[s].get('generation_hidden_share_median', 0.0):>16.2f}" for s in sides)
+    )
     if all("peak_rss_bytes" in results[s] for s in sides):
         for group in ("trainer", "generation"):
             print(

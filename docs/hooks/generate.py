@@ -97,6 +97,9 @@ def grpo_step_section(name: str, data: dict) -> list[str]:
         if all("peak_rss_bytes" in data[s] for s in sides):
             lines.append(f"| {group} peak RSS (GiB) | " + " | ".join(
                 f"{data[s]['peak_rss_bytes'][group] / 2**30:.2f}" for s in sides) + " |")
+    if any(data[s].get("generation_hidden_share_median") for s in sides):
+        lines.append("| generation hidden behind training | " + " | ".join(
+            f"{data[s].get('generation_hidden_share_median', 0.0):.0%}" for s in sides) + " |")
     floor = data.get("floor")
     if floor and "training_s" in floor:
         lines += ["", f"Compute floor of the work (FLOPs at the measured fp32 matmul rate, "
