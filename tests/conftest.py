@@ -1,6 +1,8 @@
 """Shared fixtures: one real local Ray instance for the whole test session."""
 
 import os
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -50,13 +52,26 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
-def arithmetic_sft_model(ray_session, tmp_path_factory):
-    """A small model SFT'd on the built-in 2-digit addition until its validation loss falls below 0.4
-    (it takes off after ~250 steps, ~25 s): the starting point of the DPO, reward-model and RLHF tests.
-    Returns its Hugging Face directory."""
-    from pathlib import Path
+# The on-policy distillation tests' weak student: the teacher's own SFT run, exported at this step.
+WEAK_SFT_STEPS = 150
 
+
+@dataclass(frozen=True)
+class ArithmeticSFTModels:
+    """Hugging Face directories of one SFT run on the built-in 2-digit addition."""
+
+    final: Path
+    """Trained until its validation loss fell below 0.4."""
+    weak: Path
+    """The same run at step WEAK_SFT_STEPS, before it takes off (validation loss ~0.73)."""
+
+
+@pytest.fixture(scope="session")
+def arithmetic_sft_models(ray_session, tmp_path_factory) -> ArithmeticSFTModels:
+    """A small model SFT'd on the built-in 2-digit addition until its validation loss falls below 0.4
+    (it takes off after ~250 steps, ~25 s), and the same run's model at step WEAK_SFT_STEPS. The final
+    model is the starting point of the DPO, reward-model and RLHF tests and the distillation teacher; the
+    weak one is the on-policy distillation student."""
     from posttrain.algorithms import sft
     from posttrain.config import load_typed_config
 
@@ -79,15 +94,24 @@ def arithmetic_sft_model(ray_session, tmp_path_factory):
             "cluster.num_cpus_per_worker=0.5",
         ],
     )
+    models = ArithmeticSFTModels(final=log_dir / "hf_model", weak=log_dir / "weak_hf_model")
     run = sft.setup(cfg)
     try:
         val_loss = float("inf")
-        while val_loss >= 0.4 and run.step < run.total_steps:
+        while (val_loss >= 0.4 or run.step < WEAK_SFT_STEPS) and run.step < run.total_steps:
             val_loss = sft.sft_train(run, num_steps=25)["loss"]
+            if run.step == WEAK_SFT_STEPS:
+                run.policy.export_hf(str(models.weak))
         assert val_loss < 0.4, (
             f"the SFT start model did not take off in {run.step} steps (val loss {val_loss:.3f})"
         )
-        run.policy.export_hf(str(log_dir / "hf_model"))
+        run.policy.export_hf(str(models.final))
     finally:
         run.shutdown()
-    return log_dir / "hf_model"
+    return models
+
+
+@pytest.fixture(scope="session")
+def arithmetic_sft_model(arithmetic_sft_models) -> Path:
+    """The Hugging Face directory of the SFT model trained until its validation loss fell below 0.4."""
+    return arithmetic_sft_models.final

@@ -3,52 +3,30 @@ Ray workers, a learning run: a weak student distilled from the SFT model of the 
 teacher, on a worker group of its own) moves toward the teacher: its per-token reverse KL to the teacher
 falls by more than half and its strict held-out accuracy rises.
 
-Measured here: reverse KL 1.040 -> 0.284 and accuracy 0.060 -> 0.255 after 200 steps (the teacher:
-0.410), i.e. 56% of the accuracy gap; after 300 steps the KL is lower still (0.249) but greedy accuracy
-is 0.135. The reverse KL on the student's own samples falls steadily; greedy accuracy follows it only
-loosely, so the test asserts a rise of the accuracy, not a share of the gap."""
+Measured here (the teacher: 0.410): reverse KL 1.040 -> 0.200 and accuracy 0.060 -> 0.260 after 100
+steps, i.e. 57% of the accuracy gap. Validated every 25 steps, accuracy reads 0.02, 0.225, 0.14, 0.26,
+0.22, 0.245, 0.265, 0.255 up to step 200 (KL 0.284 there), and 0.135 at step 300 (KL 0.249). The reverse
+KL on the student's own samples falls steadily; greedy accuracy follows it only loosely, so the test
+asserts a rise of the accuracy, not a share of the gap."""
 
 from pathlib import Path
 
 import pytest
 from run_logs import metrics_by_step
 
-from posttrain.algorithms import grpo, sft
+from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
 
 pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-SFT_STEPS = 150  # the teacher's SFT runs until val loss < 0.4, ~250+ steps
 
 
 @pytest.fixture(scope="module")
-def weak_student(ray_session, tmp_path_factory):
-    """The teacher's model and SFT schedule (the `arithmetic_sft_model` fixture), stopped at SFT_STEPS."""
-    log_dir = tmp_path_factory.mktemp("weak_student")
-    overrides = {
-        "logger.log_dir": str(log_dir),
-        "logger.tensorboard_enabled": "false",
-        "checkpointing.enabled": "false",
-        "policy.model.from_config.hidden_size": 64,
-        "policy.model.from_config.num_layers": 2,
-        "policy.model.from_config.intermediate_size": 256,
-        "policy.optimizer.kwargs.lr": 3e-3,
-        "sft.max_num_steps": SFT_STEPS,
-        "sft.val_max_samples": 64,
-        "sft.export_final_model": "false",
-        "cluster.num_cpus_per_worker": 0.5,
-    }
-    cfg = load_typed_config(
-        sft.SFTConfig, str(CONFIGS / "sft_tiny.yaml"), [f"{k}={v}" for k, v in overrides.items()]
-    )
-    run = sft.setup(cfg)
-    try:
-        sft.sft_train(run)
-        run.policy.export_hf(str(log_dir / "hf_model"))
-    finally:
-        run.shutdown()
-    return log_dir / "hf_model"
+def weak_student(arithmetic_sft_models):
+    """The teacher's own SFT run (the `arithmetic_sft_models` fixture) exported at step 150, before it
+    takes off: the same architecture and data, a weaker model (held-out accuracy 0.06 vs 0.41)."""
+    return arithmetic_sft_models.weak
 
 
 def distill_run(log_dir, student, teacher, num_steps: int, **extra) -> dict[int, dict]:
@@ -102,9 +80,9 @@ def test_on_policy_distillation_lowers_the_reverse_kl_and_raises_accuracy(
     arithmetic_sft_model, weak_student, tmp_path
 ):
     """Graded strictly (the reply's final number equals the sum) on 200 held-out prompts, greedy: after
-    200 steps the student's mean per-token reverse KL to the teacher is below half its first value, and
+    100 steps the student's mean per-token reverse KL to the teacher is below half its first value, and
     its accuracy has risen by at least 0.1 toward the teacher's."""
-    num_steps = 200
+    num_steps = 100
     teacher = teacher_accuracy(tmp_path / "teacher", arithmetic_sft_model)
     steps = distill_run(tmp_path / "distill", weak_student, arithmetic_sft_model, num_steps)
     start, end = steps[0]["val/strict_accuracy"], steps[num_steps]["val/strict_accuracy"]

@@ -133,15 +133,17 @@ def test_bad_data_stops_the_command_naming_file_and_line(tmp_path):
 
 def test_sft_learns_the_arithmetic_task(ray_session, tmp_path):
     """The demo's model and schedule: loss falls well below its start and greedy accuracy on held-out
-    sums rises from 0 to a clearly non-trivial value within 300 steps."""
+    sums rises from 0 to a clearly non-trivial value within 250 steps (measured: loss 4.68 -> 0.22 over
+    the last 10 steps, accuracy 0 -> 0.515; it takes off between steps 175 and 225: 0.11, 0.205, 0.515)."""
+    num_steps = 250
     cfg = load_typed_config(
         sft.SFTConfig,
         CONFIG,
         [
             f"logger.log_dir={tmp_path}",
             "logger.tensorboard_enabled=false",
-            "sft.max_num_steps=300",
-            "sft.val_period=300",
+            f"sft.max_num_steps={num_steps}",
+            f"sft.val_period={num_steps}",
             "checkpointing.enabled=false",
             "sft.export_final_model=false",
             "data.num_val=200",
@@ -157,7 +159,7 @@ def test_sft_learns_the_arithmetic_task(ray_session, tmp_path):
         probe.shutdown()
         run.shutdown()
     curve = losses(tmp_path)
-    first, last = curve[1], sum(curve[s] for s in range(291, 301)) / 10
+    first, last = curve[1], sum(curve[s] for s in range(num_steps - 9, num_steps + 1)) / 10
     print(
         f"SFT loss {first:.3f} -> {last:.3f}; greedy accuracy {initial_accuracy:.3f} -> {final_accuracy:.3f}"
     )
