@@ -65,6 +65,13 @@ def remove_worker_node(nodes, worker_group) -> str:
     return node_id
 
 
+def restore_worker_nodes(nodes, count: int = 2) -> None:
+    """Add 1-CPU worker nodes until there are `count` (a test before may have removed one)."""
+    while len(nodes.worker_nodes) < count:
+        nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
+
+
 def last_values(log_dir, key: str) -> dict[int, list[float]]:
     """Every value logged for `key` at each step (a step trained again after a recovery appears twice)."""
     import json
@@ -202,6 +209,7 @@ def test_grpo_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp
     rebuilds on the two nodes left, resumes from step 2 and trains step 3. Every step's loss and mean
     reward (sampled, so the generated tokens agree too), before and after the loss, equals the one-node
     run's, and the trainer's logprobs of the generated tokens agree with generation's on every step."""
+    restore_worker_nodes(cluster)  # the SFT test removed one
     settings = {"grpo.max_num_steps": 3, "grpo.val_period": 0, "checkpointing.keep_top_k": 10}
     one_node = load_typed_config(
         grpo.GRPOConfig,
