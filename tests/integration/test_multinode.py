@@ -251,3 +251,5 @@ def test_grpo_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp
     assert reference["train/loss"][3][0] != 0.0  # a loss that could differ
     out = capsys.readouterr().out
     assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
+    # The nodes share this machine's address: the driver counts nodes, not addresses.
+    assert out.count("policy: 2 workers on 2 nodes: ") == 2, out[-4000:]
