@@ -14,6 +14,8 @@ managers over TCP on the machine's address, not between machines. Each refit fol
 generation worker. Prints a table, writes JSON.
 
 Run: .venv/bin/python benchmarks/refit_nodes.py [--refits 5] [--out benchmarks/reference/refit_nodes_cpu.json]
+     [--model DIR]  (a Hugging Face model directory instead of the tiny from-config model)
+     [--machine-note "shared with other jobs"]  (appended to the machine's description in the JSON)
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -89,14 +92,32 @@ def measure(model_dir: Path, cluster_cfg: ClusterConfig, colocated: bool, shared
         cluster.shutdown()
 
 
+def describe_model(model_dir: Path, name: str) -> str:
+    """`name (N.NM parameters, fp32)`, the count read from the directory's safetensors files."""
+    from safetensors import safe_open
+
+    count = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as tensors:
+            count += sum(math.prod(tensors.get_slice(key).get_shape()) for key in tensors.keys())
+    return f"{name} ({count / 1e6:.1f}M parameters, fp32)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--refits", type=int, default=5, help="refits per layout (median reported)")
     parser.add_argument("--out", default="results/refit_nodes.json", help="JSON output file")
+    parser.add_argument("--model", default=None, help="a Hugging Face model directory (default: a tiny one)")
+    parser.add_argument("--machine-note", default="", help="appended to the machine's description")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model_dir(ModelFromConfig(**TINY), Path(tmp) / "tiny")
+        if args.model:
+            model_dir = Path(args.model)
+            model = describe_model(model_dir, model_dir.name)
+        else:
+            model_dir = build_model_dir(ModelFromConfig(**TINY), Path(tmp) / "tiny")
+            model = "sft_tiny (1.1M parameters, fp32)"
         start_local_ray(4, log_to_driver=False)
         one_node = ClusterConfig(workers_per_node=2, num_cpus_per_worker=1)
         for shared in (True, False):
@@ -123,12 +144,13 @@ def main() -> None:
         )
         ray.shutdown()
         nodes.shutdown()
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, no GPU"
     result = {
         "date": datetime.date.today().isoformat(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU",
+        "machine": f"{machine}, {args.machine_note}" if args.machine_note else machine,
         "torch": torch.__version__,
         "ray": ray.__version__,
-        "model": "sft_tiny (1.1M parameters, fp32)",
+        "model": model,
         "refits_per_layout": args.refits,
         "rows": rows,
     }

@@ -220,7 +220,8 @@ class RayWorkerGroup:
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
         node_ips = cluster.bundle_node_ips()
         port = find_free_port(*cluster.cfg.master_port_range)
-        local = len(set(cluster.bundle_node_ids())) == 1  # one machine: the file rendezvous
+        num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
+        local = num_nodes == 1  # one machine: the file rendezvous
         remote_cls = ray.remote(_with_group_methods(worker_cls))
         suffix = uuid.uuid4().hex[:6]
         rendezvous = loopback_rendezvous_env() if local else {}
@@ -255,7 +256,7 @@ class RayWorkerGroup:
         if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
             places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
             print(
-                f"{name_prefix}: {self.world_size} workers on {len(set(node_ips))} nodes: {places}",
+                f"{name_prefix}: {self.world_size} workers on {num_nodes} nodes: {places}",
                 flush=True,
             )
 

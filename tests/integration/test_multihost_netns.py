@@ -5,7 +5,8 @@ in each with token authentication, and `posttrain grpo` run on the head: asynchr
 workers on two hosts (STRICT_SPREAD), its generation worker apart. Mid-run every process of one worker
 host is killed; the run notices, rebuilds on the hosts left and finishes with exit status 0. Before that,
 a run whose log directory the worker hosts cannot see (each has its own disk mounted there) stops with an
-error naming the host. Skipped, saying why, where namespaces cannot be made (not root, no `ip`)."""
+error naming the host, and `posttrain sft` with one worker on each of two hosts runs to the end with the
+losses of a one-node run. Skipped, saying why, where namespaces cannot be made (not root, no `ip`)."""
 
 import os
 import re
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import pytest
 from run_logs import metrics_by_step
+from test_sft import run_sft
+from test_sft import tiny_overrides as sft_overrides
 
 pytestmark = pytest.mark.slow
 
@@ -201,6 +204,34 @@ def test_a_run_directory_a_host_cannot_see_is_an_error_naming_the_host(hosts):
     assert "SharedDirectoryError" in output and "cannot share logger.log_dir=" in output, output[-4000:]
     assert re.search(rf"\(({re.escape(hosts.ip(1))}|{re.escape(hosts.ip(2))})\) cannot share", output)
     assert not (hosts.unshared_dir / "sft" / "metrics.jsonl").exists()
+
+
+def test_sft_across_hosts_runs_to_the_end_with_the_losses_of_one_node(hosts, ray_session, tmp_path):
+    """`posttrain sft` on the head with one worker on each of two hosts (STRICT_SPREAD, 1 CPU each)
+    finishes with exit status 0, exports its model, and logs at every step the loss of the same run with
+    both workers on one node (the tests' local Ray instance)."""
+    settings = {"sft.max_num_steps": 4, "sft.val_period": 1000}
+    one_node = run_sft(tmp_path / "one", **settings, **{"cluster.workers_per_node": 2})
+    across = {
+        "cluster.address": f"{hosts.ip(0)}:6379",
+        "cluster.num_nodes": 2,
+        "cluster.num_cpus_per_worker": 1,
+        "cluster.placement_strategy": "STRICT_SPREAD",
+    }
+    cli = [sys.executable, "-m", "posttrain.cli", "sft", "--config", str(REPO / "configs" / "sft_tiny.yaml")]
+    cli += sft_overrides(tmp_path / "two", **settings, **across)
+    done = subprocess.run(
+        hosts.in_namespace(0, *cli), env=hosts.env, cwd=REPO, capture_output=True, text=True, timeout=240
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-8000:]
+    placed = [line for line in output.splitlines() if line.startswith("policy: ")][-1]
+    assert len(set(re.findall(r"rank \d+ on ([\d.]+)", placed))) == 2, placed
+    assert (tmp_path / "two" / "hf_model" / "config.json").exists()
+    two = metrics_by_step(tmp_path / "two")
+    assert sorted(one_node) == [1, 2, 3, 4]
+    for step, loss in one_node.items():
+        assert two[step]["train/loss"] == pytest.approx(loss, abs=1e-5), step
 
 
 def test_async_grpo_across_hosts_survives_the_loss_of_one(hosts, tmp_path):

@@ -1,9 +1,10 @@
 """posttrain on a Ray cluster of several nodes (`ray.cluster_utils.Cluster`: a head and worker nodes, each
-its own raylet, all on this machine): one training worker per node gives the losses of the one-node run,
-and a node removed mid-run is survived in the same process: the workers are rebuilt on the nodes left and
-training resumes from the latest checkpoint with the losses of an uninterrupted run. A run that cannot be
-placed fails at once, naming the config key and the nodes' free resources. GRPO across hosts (generation
-apart, asynchronous, a host lost mid-run) is test_multihost_netns."""
+its own raylet, all on this machine): one training worker per node gives the losses of the one-node run
+(SFT, synchronous GRPO, DPO), and a node removed mid-run (SFT, GRPO) is survived in the same process: the
+workers are rebuilt on the nodes left and training resumes from the latest checkpoint with the losses of
+an uninterrupted run. A run that cannot be placed fails at once, naming the config key and the nodes' free
+resources. GRPO across hosts (generation apart, asynchronous, a host lost mid-run) is
+test_multihost_netns."""
 
 import os
 import time
@@ -62,6 +63,13 @@ def remove_worker_node(nodes, worker_group) -> str:
     node_id = next(info["node_id"] for info in reversed(worker_group.info) if info["node_id"] != head_id)
     nodes.remove_node(by_id[node_id], allow_graceful=False)
     return node_id
+
+
+def restore_worker_nodes(nodes, count: int = 2) -> None:
+    """Add 1-CPU worker nodes until there are `count` (a test before may have removed one)."""
+    while len(nodes.worker_nodes) < count:
+        nodes.add_node(num_cpus=1)
+    nodes.wait_for_nodes()
 
 
 def last_values(log_dir, key: str) -> dict[int, list[float]]:
@@ -192,3 +200,56 @@ def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path)
     assert sorted(one) == sorted(two) == [1, 2]
     for step in (1, 2):
         assert two[step][0] == pytest.approx(one[step][0], abs=1e-5)
+
+
+def test_grpo_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp_path, capsys):
+    """Synchronous GRPO, generation colocated on the policy's workers. Reference: both workers on one
+    node, 3 steps. Then one worker on each of two nodes (0.9 CPU each, so the environment's 0.1 CPU still
+    fits once a node is gone), checkpoints every 2 steps; after step 2 a worker's node is removed, the run
+    rebuilds on the two nodes left, resumes from step 2 and trains step 3. Every step's loss and mean
+    reward (sampled, so the generated tokens agree too), before and after the loss, equals the one-node
+    run's, and the trainer's logprobs of the generated tokens agree with generation's on every step."""
+    restore_worker_nodes(cluster)  # the SFT test removed one
+    settings = {"grpo.max_num_steps": 3, "grpo.val_period": 0, "checkpointing.keep_top_k": 10}
+    one_node = load_typed_config(
+        grpo.GRPOConfig,
+        os.path.join(REPO, "configs", "grpo_tiny.yaml"),
+        grpo_overrides(tmp_path / "one", **settings, **{"cluster.workers_per_node": 2}),
+    )
+    train_with_restarts(one_node, grpo.setup, grpo.grpo_train)
+    reference = {key: last_values(tmp_path / "one", key) for key in ("train/loss", "train/reward_mean")}
+
+    two_nodes = load_typed_config(
+        grpo.GRPOConfig,
+        os.path.join(REPO, "configs", "grpo_tiny.yaml"),
+        grpo_overrides(
+            tmp_path / "two",
+            **settings,
+            **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 0.9, "cluster.max_restarts": 1},
+        ),
+    )
+    lost: dict[str, str] = {}
+
+    def train(run):
+        if not lost:  # the first attempt: 2 steps, then a worker's node goes away
+            assert len({info["node_id"] for info in run.policy.worker_group.info}) == 2
+            grpo.grpo_train(run, num_steps=2)
+            lost["node"] = remove_worker_node(cluster, run.policy.worker_group)
+        else:
+            assert len({info["node_id"] for info in run.policy.worker_group.info}) == 2
+        return grpo.grpo_train(run)
+
+    run, _ = train_with_restarts(two_nodes, grpo.setup, train)
+    assert run.step == 3
+    for key, expected in reference.items():
+        values = last_values(tmp_path / "two", key)
+        assert {step: len(v) for step, v in values.items()} == {1: 1, 2: 1, 3: 1}
+        for step, (value,) in values.items():
+            assert value == pytest.approx(expected[step][0], abs=1e-6), (key, step)
+    for step, errors in last_values(tmp_path / "two", "train/token_mult_prob_error").items():
+        assert all(1.0 <= error <= 1.01 for error in errors), (step, errors)
+    assert reference["train/loss"][3][0] != 0.0  # a loss that could differ
+    out = capsys.readouterr().out
+    assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
+    # The nodes share this machine's address: the driver counts nodes, not addresses.
+    assert out.count("policy: 2 workers on 2 nodes: ") == 2, out[-4000:]
