@@ -1,6 +1,7 @@
 """Ray actor pools that run environments: one pool per task, its samples split across the actors in
-order; an environment that raises (or whose actor dies) scores its samples 0 and counts them as errors,
-and a dead actor is replaced."""
+order; an environment that raises scores its samples 0 and counts them as errors. A dead actor (its
+process killed, its node lost) is replaced and its samples are scored again on the new actor, so a lost
+node costs no rewards; samples whose scoring kills the new actor too score 0 and count as errors."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ class _EnvironmentActor:
 
 class EnvironmentPool:
     """`num_workers` Ray actors of one environment; `step` splits the samples across them in order.
-    An actor that dies mid-step (its process killed) scores its samples 0, counts them as errors and is
-    replaced by a new actor; `num_restarts` counts the replacements."""
+    An actor that dies mid-step (its process killed, its node gone) is replaced by a new actor, which
+    scores its samples again; if that one dies too, the samples score 0 and count as errors (and it is
+    replaced again). `num_restarts` counts the replacements."""
 
     def __init__(self, task_name: str, cfg: EnvironmentConfig):
         import ray
@@ -73,21 +75,33 @@ class EnvironmentPool:
         refs = [actor.step.remote(logs, meta) for actor, (logs, meta) in zip(self.actors, chunks)]
         parts = []
         for index, (ref, (logs, meta)) in enumerate(zip(refs, chunks)):
-            try:
-                parts.append(ray.get(ref))
-            except ray.exceptions.RayTaskError as error:
-                logger.warning("environment %r raised on %d samples: %s", self.task_name, len(logs), error)
-                parts.append(failed_return(meta))
-            except ray.exceptions.RayActorError as error:  # the actor's process died (ActorDiedError, ...)
-                logger.warning(
-                    "environment %r actor %d died on %d samples; restarting it: %s",
-                    self.task_name,
-                    index,
-                    len(logs),
-                    error,
-                )
-                parts.append(failed_return(meta))
-                self._restart(index)
+            for attempt in (1, 2):  # the second on a new actor, after the first actor died
+                try:
+                    parts.append(ray.get(ref))
+                    break
+                except ray.exceptions.RayTaskError as error:
+                    logger.warning(
+                        "environment %r raised on %d samples: %s", self.task_name, len(logs), error
+                    )
+                    parts.append(failed_return(meta))
+                    break
+                except (
+                    ray.exceptions.RayActorError
+                ) as error:  # the actor's process died (ActorDiedError, ...)
+                    again = "scoring them again on a new actor" if attempt == 1 else "scoring them 0"
+                    logger.warning(
+                        "environment %r actor %d died on %d samples; %s: %s",
+                        self.task_name,
+                        index,
+                        len(logs),
+                        again,
+                        error,
+                    )
+                    self._restart(index)
+                    if attempt == 2:
+                        parts.append(failed_return(meta))
+                    else:
+                        ref = self.actors[index].step.remote(logs, meta)
         return merge_returns(parts)
 
     def global_post_process_and_metrics(self, batch):

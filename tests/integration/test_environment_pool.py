@@ -1,5 +1,5 @@
 """Environment pools on real Ray actors: order-preserving split across workers, failures scored 0,
-dead actors restarted."""
+dead actors restarted, their samples scored again."""
 
 import pytest
 
@@ -37,9 +37,10 @@ def test_environment_that_raises_is_scored_zero_and_counted(ray_session, tmp_pat
     pool.shutdown()
 
 
-def test_dead_environment_actor_scores_zero_is_counted_and_restarted(ray_session, tmp_path):
-    """The actor's process is killed mid-step (as model code that reached its parent would): its samples
-    score 0 and count as errors, the run goes on, and the next step runs on a fresh actor."""
+def test_samples_that_kill_their_actor_twice_score_zero_and_are_counted(ray_session, tmp_path):
+    """The actor's process is killed mid-step by a sample (as model code that reached its parent would):
+    its samples are scored again on a fresh actor, which dies too; they score 0 and count as errors, the
+    run goes on (two replacements), and the next step runs on a fresh actor."""
     path = tmp_path / "fragile_env.py"
     path.write_text(
         "import os, signal, torch\n"
@@ -59,9 +60,38 @@ def test_dead_environment_actor_scores_zero_is_counted_and_restarted(ray_session
     try:
         died = pool.step([conversation(r) for r in ["a", "b", "die", "c"]], [{}] * 4)
         assert died.rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
-        assert died.num_errors == 2 and pool.num_restarts == 1
+        assert died.num_errors == 2 and pool.num_restarts == 2
         after = pool.step([conversation(r) for r in ["d", "e", "f", "g"]], [{}] * 4)
         assert after.rewards.tolist() == [1.0, 1.0, 1.0, 1.0] and after.num_errors == 0
+    finally:
+        pool.shutdown()
+
+
+def test_an_actor_lost_once_costs_no_rewards(ray_session, tmp_path):
+    """The actor dies the first time it scores (as when its node is lost; a marker file makes it happen
+    once): a new actor scores the same samples, every reward stands and no error is counted."""
+    marker = tmp_path / "died_once"
+    path = tmp_path / "lost_once_env.py"
+    path.write_text(
+        "import os, pathlib, signal, torch\n"
+        "from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn\n"
+        "class LostOnceEnv(EnvironmentInterface):\n"
+        "    def step(self, message_logs, metadata):\n"
+        f"        marker = pathlib.Path({str(marker)!r})\n"
+        "        if not marker.exists():\n"
+        "            marker.touch()\n"
+        "            os.kill(os.getpid(), signal.SIGKILL)\n"
+        "        n = len(message_logs)\n"
+        "        rewards = torch.tensor([float(log[-1]['content'] == 'right') for log in message_logs])\n"
+        "        observations = [{'role': 'environment', 'content': ''}] * n\n"
+        "        return EnvironmentReturn(observations, metadata, [None] * n,\n"
+        "                                 rewards, torch.ones(n, dtype=torch.bool), ['ok'] * n)\n"
+    )
+    pool = EnvironmentPool("lost", EnvironmentConfig(cls=f"{path}:LostOnceEnv", num_workers=1, num_cpus=0.1))
+    try:
+        result = pool.step([conversation(r) for r in ["right", "wrong", "right"]], [{}] * 3)
+        assert result.rewards.tolist() == [1.0, 0.0, 1.0]
+        assert result.num_errors == 0 and pool.num_restarts == 1 and marker.exists()
     finally:
         pool.shutdown()
 
