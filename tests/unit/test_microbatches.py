@@ -26,7 +26,7 @@ def rows(lengths: list[int], prompts: list[list[int]] | None = None) -> BatchedD
 
 
 def plan(data: BatchedDataDict, cost: ForwardCost | None) -> tuple[list[list[int]], int, int]:
-    microbatches = plan_microbatches(data, 2, CFG, cost)
+    microbatches = plan_microbatches(data, 2, CFG, cost, reorder=cost is not None)
     return (
         [m.indices for m in microbatches],
         sum(m.computed_tokens for m in microbatches),
@@ -56,3 +56,5 @@ def test_a_group_sharing_its_prompt_stays_together_when_that_is_cheaper():
     data = rows([10, 12, 11, 9], [prompt_a, prompt_a, prompt_b, prompt_b])
     assert plan(data, ForwardCost(share_prefixes=True)) == ([[0, 1], [2, 3]], 28, 28)
     assert plan(data, ForwardCost(share_prefixes=False)) == ([[1, 2], [0, 3]], 44, 42)
+    in_order = plan_microbatches(data, 2, CFG, ForwardCost(share_prefixes=True), reorder=False)
+    assert [(m.computed_tokens, m.real_tokens) for m in in_order] == [(15, 15), (13, 13)]

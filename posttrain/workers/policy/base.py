@@ -159,11 +159,12 @@ class PolicyWorker:
     # -- micro-batches ---------------------------------------------------------------------------------
 
     def make_microbatches(
-        self, data: dict[str, Any], batch_size: int, cost: ForwardCost | None = None
+        self, data: dict[str, Any], batch_size: int, cost: ForwardCost | None = None, reorder: bool = False
     ) -> list[MicroBatch]:
-        """This rank's micro-batches of `data` (see microbatches.plan_microbatches; `cost`: rows may be
-        bucketed by length), padded with repeats to the largest count of any dp rank."""
-        microbatches = plan_microbatches(data, batch_size, self.cfg, cost)
+        """This rank's micro-batches of `data` (see microbatches.plan_microbatches; `cost`: the forward's
+        cost model; `reorder`: rows may be bucketed by length), padded with repeats to the largest count of
+        any dp rank."""
+        microbatches = plan_microbatches(data, batch_size, self.cfg, cost, reorder)
         count = self._all_reduce_dp(torch.tensor([len(microbatches)]), "max")
         return pad_microbatches(microbatches, int(count.item()), self.rank)
 

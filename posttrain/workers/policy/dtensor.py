@@ -227,7 +227,7 @@ class DTensorPolicyWorker(PolicyWorker):
         batch_size, seq_len = data["input_ids"].shape
         values = torch.zeros(batch_size, seq_len, k)
         ids = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
-        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, self.forward_cost()):
+        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan()):
             input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
             logits, num_kept = self._causal_logits(microbatch.data, input_ids)  # every rank runs each
             top_values, top_ids = topk_next_token_logprobs(logits, k, self.cfg.logprob_temperature)
@@ -238,18 +238,17 @@ class DTensorPolicyWorker(PolicyWorker):
             ids[microbatch.indices, end - num_kept : end] = top_ids.cpu()
         return values, ids
 
-    def forward_cost(self, rows_independent: bool = True) -> ForwardCost | None:
-        """The cost model under which micro-batches may take rows longest first (`policy.length_bucketing`,
-        work whose rows are independent); None keeps the rows in order. Prompts count as shared where
-        `_forward` shares them."""
-        if not (self.cfg.length_bucketing and rows_independent):
-            return None
+    def forward_plan(self, rows_independent: bool = True) -> tuple[ForwardCost, bool]:
+        """This worker's forward cost model (prompts count as shared where `_forward` shares them), and
+        whether micro-batches may take rows longest first (`policy.length_bucketing`, for work whose rows
+        are independent)."""
         share = (
             self.cfg.prefix_sharing
             and self.cfg.model_kind == "causal_lm"
             and not is_vision_language_model(self.model)
         )
-        return ForwardCost(attention_cost_ratio(self.model.config), share)
+        cost = ForwardCost(attention_cost_ratio(self.model.config), share)
+        return cost, self.cfg.length_bucketing and rows_independent
 
     def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
         logits = self.model(
@@ -266,7 +265,7 @@ class DTensorPolicyWorker(PolicyWorker):
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row
         order."""
         self.model.eval()
-        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, self.forward_cost()):
+        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan()):
             outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
             if microbatch.is_padding:
                 continue
@@ -294,8 +293,8 @@ class DTensorPolicyWorker(PolicyWorker):
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
         step, parts = StepMetrics(), []
-        cost = self.forward_cost(getattr(loss_fn, "rows_independent", False))
-        for microbatch in self.make_microbatches(batch, micro_batch_size, cost):
+        plan = self.forward_plan(getattr(loss_fn, "rows_independent", False))
+        for microbatch in self.make_microbatches(batch, micro_batch_size, *plan):
             step.num_computed_tokens += microbatch.computed_tokens
             step.num_real_tokens += microbatch.real_tokens
             with torch.set_grad_enabled(not eval_mode):

@@ -1,12 +1,13 @@
 """Micro-batch planning of a policy worker, as plain functions (no process group): which rows go into
 each forward/backward (fixed size, a token budget, or packed rows), each cut to its longest row.
 
-Fixed-size micro-batches keep the rows in order, or, with a cost model (`ForwardCost`, given by the worker
-where the loss treats rows independently and `policy.length_bucketing` is on), take the rows longest first
-when that costs less: a batch of responses of uneven length then pads each micro-batch to rows of about its
-own length instead of to the longest of a random few. The cost counts padded positions, attention over
-them, and prompts shared by the rows of a GRPO group (`shared_prefix.py`), which keeping a group together
-can save; the cheaper plan wins."""
+Fixed-size micro-batches keep the rows in order, or, where the worker allows it (the loss treats rows
+independently and `policy.length_bucketing` is on), take the rows longest first when its cost model
+(`ForwardCost`) says that costs less: a batch of responses of uneven length then pads each micro-batch to
+rows of about its own length instead of to the longest of a random few. The cost counts padded positions,
+attention over them, and prompts shared by the rows of a GRPO group (`shared_prefix.py`: a group's rows
+in one micro-batch become one tree row without padding), which keeping a group together can save; the
+cheaper plan wins. The same model counts the positions each micro-batch computes (`padding_share`)."""
 
 from __future__ import annotations
 
@@ -127,12 +128,13 @@ class ForwardCost:
 
 
 def fixed_size_groups(
-    data: dict[str, Any], lengths: list[int], batch_size: int, cost: ForwardCost | None
+    data: dict[str, Any], lengths: list[int], batch_size: int, cost: ForwardCost, reorder: bool
 ) -> list[list[int]]:
-    """`batch_size` rows at a time: in order, or longest first when `cost` says that is cheaper."""
+    """`batch_size` rows at a time: in order, or (with `reorder`) longest first when `cost` says that is
+    cheaper."""
     count = len(lengths)
     in_order = [list(range(i, min(i + batch_size, count))) for i in range(0, count, batch_size)]
-    if cost is None or count <= batch_size:
+    if not reorder or count <= batch_size:
         return in_order
     longest_first = sorted(range(count), key=lambda i: (-lengths[i], i))
     bucketed = [longest_first[i : i + batch_size] for i in range(0, count, batch_size)]
@@ -144,11 +146,16 @@ def fixed_size_groups(
 
 
 def plan_microbatches(
-    data: dict[str, Any], batch_size: int, cfg: PolicyConfig, cost: ForwardCost | None = None
+    data: dict[str, Any],
+    batch_size: int,
+    cfg: PolicyConfig,
+    cost: ForwardCost | None = None,
+    reorder: bool = False,
 ) -> list[MicroBatch]:
-    """Fixed-size (`batch_size` rows; bucketed by length when `cost` finds it cheaper), token-budget
-    (`policy.dynamic_batching`) or packed (`policy.sequence_packing`) micro-batches of `data`, each cut
-    to its longest row."""
+    """Fixed-size (`batch_size` rows; with `reorder`, bucketed by length when `cost` finds it cheaper),
+    token-budget (`policy.dynamic_batching`) or packed (`policy.sequence_packing`) micro-batches of
+    `data`, each cut to its longest row; `cost` (the worker's forward) also counts each one's positions."""
+    cost = cost or ForwardCost()
     lengths = row_lengths(data).tolist()
     if cfg.sequence_packing.enabled:
         if cfg.model_kind != "causal_lm":
@@ -160,7 +167,7 @@ def plan_microbatches(
             lengths, budget.max_tokens_per_microbatch, budget.sequence_length_round
         )
     else:
-        groups = fixed_size_groups(data, lengths, batch_size, cost)
+        groups = fixed_size_groups(data, lengths, batch_size, cost, reorder)
     microbatches = []
     for indices in groups:
         rows = select_rows(data, indices, seq_len=max(lengths[i] for i in indices))
@@ -169,7 +176,7 @@ def plan_microbatches(
             packed = build_packed_row(rows["input_ids"], [lengths[i] for i in indices])
             microbatches.append(MicroBatch(rows, indices, packed, computed_tokens=real, real_tokens=real))
             continue
-        _, computed, real = (cost or ForwardCost()).of(data, indices, lengths)
+        _, computed, real = cost.of(data, indices, lengths)
         microbatches.append(MicroBatch(rows, indices, computed_tokens=computed, real_tokens=real))
     return microbatches
 
