@@ -72,7 +72,8 @@ def machine_text(data: dict) -> str:
     machine = data.get("machine")
     if isinstance(machine, dict):
         cores = machine.get("cpu_count")
-        return f"{machine.get('device', '')} {machine.get('processor') or ''} {cores} cores, torch {machine.get('torch')}".strip()
+        note = f" ({machine['note']})" if machine.get("note") else ""
+        return f"{machine.get('device', '')} {machine.get('processor') or ''} {cores} cores, torch {machine.get('torch')}{note}".strip()
     return f"{machine or data.get('device', '')}, {data.get('cpu_count', '?')} cores, torch {data.get('torch', '?')}"
 
 
@@ -109,6 +110,8 @@ def grpo_step_section(name: str, data: dict) -> list[str]:
     ratios = [f"{key.replace('ratio_', '').replace('_over_', ' / ')}: {value:.2f}" for key, value in data.items()
               if key.startswith("ratio_") and value is not None]
     lines += ["", "Ratios of step times: " + "; ".join(ratios) + ".", ""]
+    if data.get("notes"):
+        lines += [f"- {note}" for note in data["notes"]] + [""]
     return lines
 
 
