@@ -77,6 +77,11 @@ def machine_text(data: dict) -> str:
     return f"{machine or data.get('device', '')}, {data.get('cpu_count', '?')} cores, torch {data.get('torch', '?')}"
 
 
+def percent_or_dash(value: float | None) -> str:
+    """A share as a percentage; "—" for a figure not measured (None or NaN)."""
+    return "—" if value is None or value != value else f"{value:.1%}"
+
+
 def grpo_step_section(name: str, data: dict) -> list[str]:
     sides = [side for side, value in data.items()
              if (side.startswith("posttrain") or side == "trl") and isinstance(value, dict)]
@@ -93,7 +98,7 @@ def grpo_step_section(name: str, data: dict) -> list[str]:
     lines.append("| mean reply length (tokens) | " + " | ".join(f"{data[s]['mean_response_length']:.0f}" for s in sides) + " |")
     if all("padding_share_median" in data[s] for s in sides if s != "trl"):
         lines.append("| padding share of trained positions | " + " | ".join(
-            "—" if s == "trl" else f"{data[s]['padding_share_median']:.1%}" for s in sides) + " |")
+            percent_or_dash(data[s].get("padding_share_median")) for s in sides) + " |")
     for group in ("trainer", "generation"):
         if all("peak_rss_bytes" in data[s] for s in sides):
             lines.append(f"| {group} peak RSS (GiB) | " + " | ".join(
