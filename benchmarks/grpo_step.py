@@ -436,37 +436,33 @@ def compute_floor(model: torch.nn.Module, prompt_tokens: float, workload: Worklo
 
 def print_table(results: dict) -> None:
     sides = [name for name in results if name.startswith("posttrain") or name == "trl"]
-    print(f"\n{'median seconds per step':<26}" + "".join(f"{side:>16}" for side in sides))
-    for stage in STAGES:
-        print(f"  {stage:<24}" + "".join(f"{results[s]['stage_time_median_s'][stage]:>16.3f}" for s in sides))
-    print(f"{'step':<26}" + "".join(f"{results[s]['step_time_median_s']:>16.3f}" for s in sides))
-    for group in ("trainer", "generation"):
+
+    def row(label: str, values: list, spec: str) -> None:
         print(
-            f"{group + ' idle (share)':<26}"
-            + "".join(f"{results[s]['idle_fraction_median'][group]:>16.2f}" for s in sides)
+            f"{label:<26}"
+            + "".join(f"{'—' if value is None else format(value, spec):>16}" for value in values)
         )
-    print(
-        f"{'generated tokens / s':<26}"
-        + "".join(f"{results[s]['generated_tokens_per_s']:>16.0f}" for s in sides)
+
+    row("\nmedian seconds per step", sides, "")
+    for stage in STAGES:
+        row(f"  {stage}", [results[s]["stage_time_median_s"][stage] for s in sides], ".3f")
+    row("step", [results[s]["step_time_median_s"] for s in sides], ".3f")
+    for group in ("trainer", "generation"):
+        row(f"{group} idle (share)", [results[s]["idle_fraction_median"][group] for s in sides], ".2f")
+    row("generated tokens / s", [results[s]["generated_tokens_per_s"] for s in sides], ".0f")
+    row("mean response length", [results[s]["mean_response_length"] for s in sides], ".1f")
+    row("torch threads", [results[s]["torch_threads"] for s in sides], "")
+    row(
+        "padding share (trained)",
+        [results[s].get("padding_share_median", float("nan")) for s in sides],
+        ".3f",
     )
-    print(
-        f"{'mean response length':<26}"
-        + "".join(f"{results[s]['mean_response_length']:>16.1f}" for s in sides)
-    )
-    print(f"{'torch threads':<26}" + "".join(f"{results[s]['torch_threads']:>16}" for s in sides))
-    print(
-        f"{'padding share (trained)':<26}"
-        + "".join(f"{results[s].get('padding_share_median', float('nan')):>16.3f}" for s in sides)
-    )
-    print(
-        f"{'generation hidden (async)':<26}"
-        + "".join(f"{results[s].get('generation_hidden_share_median', 0.0):>16.2f}" for s in sides)
-    )
+    hidden = [results[s].get("generation_hidden_share_median", 0.0) for s in sides]
+    row("generation hidden (async)", hidden, ".2f")
     if all("peak_rss_bytes" in results[s] for s in sides):
         for group in ("trainer", "generation"):
-            print(
-                f"{group + ' peak RSS (GiB)':<26}"
-                + "".join(f"{results[s]['peak_rss_bytes'][group] / 2**30:>16.2f}" for s in sides)
+            row(
+                f"{group} peak RSS (GiB)", [results[s]["peak_rss_bytes"][group] / 2**30 for s in sides], ".2f"
             )
     if "floor" in results:
         floor = results["floor"]

@@ -66,43 +66,42 @@ class EnvironmentPool:
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         """Score one turn; a chunk whose environment raised scores 0, terminates, and is counted."""
-        import ray
 
         chunk = -(-len(message_logs) // len(self.actors)) if message_logs else 1
         chunks = [
             (message_logs[i : i + chunk], metadata[i : i + chunk]) for i in range(0, len(message_logs), chunk)
         ]
         refs = [actor.step.remote(logs, meta) for actor, (logs, meta) in zip(self.actors, chunks)]
-        parts = []
-        for index, (ref, (logs, meta)) in enumerate(zip(refs, chunks)):
-            for attempt in (1, 2):  # the second on a new actor, after the first actor died
-                try:
-                    parts.append(ray.get(ref))
-                    break
-                except ray.exceptions.RayTaskError as error:
-                    logger.warning(
-                        "environment %r raised on %d samples: %s", self.task_name, len(logs), error
-                    )
-                    parts.append(failed_return(meta))
-                    break
-                except (
-                    ray.exceptions.RayActorError
-                ) as error:  # the actor's process died (ActorDiedError, ...)
-                    again = "scoring them again on a new actor" if attempt == 1 else "scoring them 0"
-                    logger.warning(
-                        "environment %r actor %d died on %d samples; %s: %s",
-                        self.task_name,
-                        index,
-                        len(logs),
-                        again,
-                        error,
-                    )
-                    self._restart(index)
-                    if attempt == 2:
-                        parts.append(failed_return(meta))
-                    else:
-                        ref = self.actors[index].step.remote(logs, meta)
+        parts = [
+            self._collect(index, ref, logs, meta)
+            for index, (ref, (logs, meta)) in enumerate(zip(refs, chunks))
+        ]
         return merge_returns(parts)
+
+    def _collect(self, index: int, ref: Any, logs: list, meta: list[dict[str, Any]]) -> EnvironmentReturn:
+        """Actor `index`'s answer for its chunk: a raised error scores 0; a dead actor is replaced and the
+        chunk is scored again on the new one, and scores 0 if that one dies too (replaced again)."""
+        import ray
+
+        for attempt in (1, 2):
+            try:
+                return ray.get(ref)
+            except ray.exceptions.RayTaskError as error:
+                logger.warning("environment %r raised on %d samples: %s", self.task_name, len(logs), error)
+                return failed_return(meta)
+            except ray.exceptions.RayActorError as error:  # the process died (ActorDiedError, ...)
+                then = "scoring them again on a new actor" if attempt == 1 else "scoring them 0"
+                logger.warning(
+                    "environment %r actor %d died on %d samples; %s: %s",
+                    self.task_name,
+                    index,
+                    len(logs),
+                    then,
+                    error,
+                )
+                self._restart(index)
+                ref = self.actors[index].step.remote(logs, meta) if attempt == 1 else None
+        return failed_return(meta)
 
     def global_post_process_and_metrics(self, batch):
         import ray
