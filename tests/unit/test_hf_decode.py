@@ -1,5 +1,5 @@
 """The HF decoding loop's shortcuts change no sample: a group's shared prompt is prefilled once, and
-finished samples leave the batch once half of it has finished, yet every sample gets the tokens and
+finished samples leave the batch once an eighth of it has finished, yet every sample gets the tokens and
 logprobs it gets decoded alone."""
 
 from collections import Counter
@@ -53,7 +53,7 @@ def test_groups_and_early_stops_decode_like_single_samples(model_and_tokenizer):
         GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[]),
     )
     # The tokens most samples draw in their first half: with them as stop tokens, at least half of the
-    # batch finishes early (so the finished rows leave the batch) while others run to the end.
+    # batch finishes early (so the finished rows leave the batch, several times) while others run to the end.
     early = Counter(token for ids in probe.generated_ids for token in set(ids[: MAX_NEW_TOKENS // 2]))
     stops = [token for token, _ in early.most_common(2)]
     cfg = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=stops)

@@ -39,9 +39,14 @@ class ReservedLayer(DynamicLayer):
         return self.keys, self.values
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        length = self.keys.shape[2]
-        self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.device))
-        self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.device))
+        """Keep rows `beam_idx` (in that order): new buffers of the same capacity, of which only the filled
+        positions are copied."""
+        length, rows = self.keys.shape[2], beam_idx.to(self.device)
+        for name in ("key_buffer", "value_buffer"):
+            old = getattr(self, name)
+            new = old.new_empty(len(rows), *old.shape[1:])
+            new[:, :, :length] = old[:, :, :length].index_select(0, rows)
+            setattr(self, name, new)
         self._set_length(length)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
