@@ -432,7 +432,10 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         extra_models = {"critic": critic.model} if critic is not None else None
         teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
         generation = make_generation(
-            cluster if cfg.generation.colocated else None, cfg.generation, cfg.policy.model_name
+            cluster if cfg.generation.colocated else None,
+            cfg.generation,
+            cfg.policy.model_name,
+            max_worker_restarts=cfg.cluster.max_restarts,
         )
         envs = create_environments(cfg.env)
         checkpoints = CheckpointManager(cfg.checkpointing)
@@ -452,6 +455,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
             )
         if restored is not None:
             rollouts.restore(restored.training_info)
+        generation.set_weights_source(rollouts.generation_weights)  # for a worker lost mid-generate
         logger = Logger(cfg.logger)
         logger.log_hyperparams(
             {"grpo": cfg.grpo, "loss": cfg.loss, "policy": cfg.policy, "generation": cfg.generation}

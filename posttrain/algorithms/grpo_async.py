@@ -95,6 +95,11 @@ class AsyncRollouts:
     def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
         return self.producer.paused_at(step)
 
+    def generation_weights(self) -> Any:
+        """The published weights of the version the generation workers hold (the one the batch in progress
+        is generated with), not the trainer's newer ones."""
+        return self.producer.generating_weights()
+
     def loader_state(self) -> dict[str, Any]:
         return self.consumed_loader_state
 

@@ -32,6 +32,10 @@ class RolloutSource(Protocol):
     def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
         """Entered around validation: the generation workers are the loop's, with the weights of `step`."""
 
+    def generation_weights(self) -> Any:
+        """All the weights the generation workers hold now (an ObjectRef), for a worker that replaces a
+        lost one mid-generate; called on the thread that generates."""
+
     def loader_state(self) -> dict[str, Any]:
         """The data-loader position a checkpoint saves: just after the last batch trained on."""
 
@@ -138,6 +142,11 @@ class SyncRollouts:
 
     def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
         return self.refit.generation_phase(timer)
+
+    def generation_weights(self) -> Any:
+        """The policy's current weights: the generation phase refitted the workers to them, and the policy
+        does not train while they generate."""
+        return self.refit.publish_all()
 
     def loader_state(self) -> dict[str, Any]:
         return self.collector.loader.state_dict()

@@ -89,7 +89,9 @@ class ClusterConfig:
         default=3,
         metadata={
             "help": "times a run rebuilds its workers (on the nodes left, or ones that join) and resumes "
-            "from its latest intact checkpoint after a worker or its node dies; 0: the run stops"
+            "from its latest intact checkpoint after a worker or its node dies; 0: the run stops. Also "
+            "the times Hugging Face generation workers apart from the policy that die mid-generate are "
+            "replaced, regenerating only their samples"
         },
     )
 

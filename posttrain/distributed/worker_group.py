@@ -18,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
+from posttrain.distributed.placement import ClusterResourceError
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group_utils import rank_env_vars
 
@@ -222,16 +223,18 @@ class RayWorkerGroup:
         port = find_free_port(*cluster.cfg.master_port_range)
         num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
         local = num_nodes == 1  # one machine: the file rendezvous
-        remote_cls = ray.remote(_with_group_methods(worker_cls))
-        suffix = uuid.uuid4().hex[:6]
+        self.remote_cls = ray.remote(_with_group_methods(worker_cls))
+        self.init_kwargs = init_kwargs or {}
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
         rendezvous = loopback_rendezvous_env() if local else {}
-        self.names = [f"{name_prefix}-{rank}-{suffix}" for rank in range(self.world_size)]
+        self.names = [f"{name_prefix}-{rank}-{self.name_suffix}" for rank in range(self.world_size)]
+        self.num_replaced = 0  # workers started in place of dead ones (see replace_workers)
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
         threads = max(1, int(cluster.num_cpus_per_worker))
-        self.workers = []
-        for rank in range(self.world_size):
-            env = rank_env_vars(
+        self.env_vars = [
+            rank_env_vars(
                 rank,
                 self.world_size,
                 cluster.cfg.workers_per_node,
@@ -240,18 +243,9 @@ class RayWorkerGroup:
                 threads,
                 {**rendezvous, NODE_IP_ENV: node_ips[rank], **(env_vars or {})},
             )
-            strategy = PlacementGroupSchedulingStrategy(
-                cluster.placement_group, placement_group_bundle_index=rank
-            )
-            actor = remote_cls.options(
-                num_cpus=num_cpus,
-                num_gpus=num_gpus,
-                scheduling_strategy=strategy,
-                name=self.names[rank],
-                runtime_env={"env_vars": env},
-                max_restarts=0,
-            ).remote(**(init_kwargs or {}))
-            self.workers.append(actor)
+            for rank in range(self.world_size)
+        ]
+        self.workers = [self._start_actor(rank) for rank in range(self.world_size)]
         self.info = self.get([w.group_worker_info.remote() for w in self.workers])
         if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
             places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
@@ -259,6 +253,45 @@ class RayWorkerGroup:
                 f"{name_prefix}: {self.world_size} workers on {num_nodes} nodes: {places}",
                 flush=True,
             )
+
+    def _start_actor(self, rank: int) -> Any:
+        """An actor of the worker class for `rank`, in bundle `rank` of the cluster's placement group."""
+        strategy = PlacementGroupSchedulingStrategy(
+            self.cluster.placement_group, placement_group_bundle_index=rank
+        )
+        return self.remote_cls.options(
+            num_cpus=self.num_cpus,
+            num_gpus=self.num_gpus,
+            scheduling_strategy=strategy,
+            name=self.names[rank],
+            runtime_env={"env_vars": self.env_vars[rank]},
+            max_restarts=0,
+        ).remote(**self.init_kwargs)
+
+    def replace_workers(self, ranks: Sequence[int], timeout_s: float) -> None:
+        """Start a new actor for each of `ranks`, whose actors died, with the same arguments and environment,
+        in the rank's bundle: Ray moves the bundles of a node it counts dead to a node with room. For
+        workers that form no process group (generation): a new rank would not join the others'
+        collectives. Raises ClusterResourceError when the new actors have not all started within
+        `timeout_s` (no room for a bundle), RayActorError when a constructor fails."""
+        actors = {}
+        for rank in ranks:
+            ray.kill(self.workers[rank], no_restart=True)  # dead already, or stuck on a lost node
+            self.num_replaced += 1
+            self.names[rank] = f"{self.name_prefix}-{rank}-{self.name_suffix}-r{self.num_replaced}"
+            actors[rank] = self._start_actor(rank)
+        pings = [actor.group_worker_info.remote() for actor in actors.values()]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+        if len(ready) < len(pings):
+            for actor in actors.values():
+                ray.kill(actor, no_restart=True)
+            raise ClusterResourceError(
+                f"{self.name_prefix}: replacements for ranks {list(ranks)} did not all start within "
+                f"{timeout_s:g}s: no room for their bundles"
+            )
+        for rank, info in zip(actors, ray.get(pings)):
+            self.info[rank] = info
+            self.workers[rank] = actors[rank]
 
     # -- calls ----------------------------------------------------------------------------------------
     def get(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:

@@ -76,6 +76,12 @@ class AsyncRolloutProducer:
             generator_wait_s, self._wait_s = self._wait_s, 0.0
         return result, generator_wait_s
 
+    def generating_weights(self) -> Any:
+        """The published weights of `generation_version`, the version the generation workers hold (kept
+        while a batch is generated with it, or validation holds it)."""
+        with self._condition:
+            return self._weights[self.generation_version]
+
     @contextmanager
     def paused_at(self, version: int) -> Iterator[None]:
         """Pause between batches and hold the generation workers at `version`'s weights (validation)."""

@@ -122,7 +122,8 @@ class Refit:
 
     def publish_all(self) -> Any:
         """All of the policy's weights (changed or not) in the object store, for a consumer that may load any
-        version after any other (asynchronous generation); counted as sent once."""
+        version after any other (asynchronous generation) or holds none yet (a generation worker that
+        replaces a lost one); counted as sent once."""
         weights = self.policy.get_weights(only_changed=False, dtype=self.precision)
         self.bytes_sent += self.policy.last_weights_bytes()
         return weights

@@ -105,14 +105,28 @@ def test_resume_equals_uninterrupted(ray_session, tmp_path):
     assert uninterrupted[3]["train/loss"] != 0.0
 
 
-def test_colocated_and_separate_generation_give_the_same_result(ray_session, tmp_path):
+# Two steps (validation at step 2) with generation on 2 workers of its own.
+SEPARATE = {
+    "grpo.max_num_steps": 2,
+    "checkpointing.enabled": "false",
+    "generation.colocated": "false",
+    "generation.num_workers": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def separate_generation_run(ray_session, tmp_path_factory) -> dict[int, dict]:
+    """The metrics by step of a run with SEPARATE's settings."""
+    return run_grpo(tmp_path_factory.mktemp("separate"), **SEPARATE)
+
+
+def test_colocated_and_separate_generation_give_the_same_result(
+    ray_session, tmp_path, separate_generation_run
+):
     colocated = run_grpo(
         tmp_path / "colocated", **{"grpo.max_num_steps": 2, "checkpointing.enabled": "false"}
     )
-    separate = run_grpo(
-        tmp_path / "separate",
-        **{"grpo.max_num_steps": 2, "checkpointing.enabled": "false", "generation.colocated": "false"},
-    )
+    separate = separate_generation_run
     for step in (1, 2):
         assert separate[step]["train/loss"] == pytest.approx(colocated[step]["train/loss"], abs=1e-6)
         assert separate[step]["train/reward_mean"] == pytest.approx(
@@ -266,3 +280,34 @@ def test_dynamic_sampling_generates_more_rounds_and_fills_a_short_step(ray_sessi
     assert signal["train/rollout/dynamic_sampling/samples_with_signal"] == 16.0
     assert signal["train/rollout/dynamic_sampling/filled_without_signal"] == 0.0
     assert signal["train/advantage_abs_mean"] > 0.0
+
+
+def test_a_generation_worker_lost_mid_generate_costs_only_its_prompts(
+    ray_session, tmp_path, monkeypatch, capsys, separate_generation_run
+):
+    """SEPARATE's run again, but rank 1 of the generation workers (samples 8-15) dies in its generate
+    call of step 2, after the first refit. The handle starts a replacement with the policy's current
+    weights and generates those samples again: the run finishes without a whole-run restart, and both
+    steps' losses, mean rewards and the validation after step 2 equal those of the run without the loss."""
+    from lost_generation_worker import dies_once_worker
+
+    from posttrain.algorithms.recovery import train_with_restarts
+    from posttrain.workers.generation import HFGeneration
+
+    died = tmp_path / "died"
+    monkeypatch.setattr(HFGeneration, "worker_cls", dies_once_worker(died, on_call=2))
+    cfg = load_typed_config(
+        grpo.GRPOConfig, CONFIG, overrides(tmp_path / "lost", **SEPARATE, **{"cluster.max_restarts": 1})
+    )
+    run, _ = train_with_restarts(cfg, grpo.setup, grpo.grpo_train)
+    assert died.exists() and run.step == 2 and run.generation.num_worker_restarts == 1
+    out = capsys.readouterr().out
+    assert "generation: lost worker(s) hf_generation-1-" in out and "(generation restart 1 of 1)" in out
+    assert "generating samples again: [8, 16) on rank 1" in out
+    assert "from the latest checkpoint" not in out  # no whole-run restart
+    lost, reference = metrics_by_step(tmp_path / "lost"), separate_generation_run
+    for step in (1, 2):
+        for key in ("train/loss", "train/reward_mean"):
+            assert lost[step][key] == pytest.approx(reference[step][key], abs=1e-6), (key, step)
+    assert lost[2]["val/accuracy"] == reference[2]["val/accuracy"]
+    assert reference[2]["train/loss"] != 0.0

@@ -1,7 +1,7 @@
 """Asynchronous GRPO on real Ray workers: with age bound 0 it equals the synchronous loop (1 or 2
-generation workers); with bound 1 or 2 every trained batch is exactly as old as the schedule says and
-never older than the bound; a resumed run keeps its trajectory accounting, and equals an uninterrupted
-one with bound 0."""
+generation workers, one of them lost mid-batch); with bound 1 or 2 every trained batch is exactly as old
+as the schedule says and never older than the bound; a resumed run keeps its trajectory accounting, and
+equals an uninterrupted one with bound 0."""
 
 import pytest
 from test_grpo import run_grpo
@@ -13,12 +13,21 @@ NO_CHECKPOINTS = {"checkpointing.enabled": "false"}
 
 
 def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation_workers(
-    ray_session, tmp_path
+    ray_session, tmp_path, monkeypatch, capsys
 ):
-    """Two global batches per step (prev_logprobs recomputed in both modes), validation at step 2."""
+    """Two global batches per step (prev_logprobs recomputed in both modes), validation at step 2. With 2
+    generation workers, rank 1 dies while the producer thread generates step 2's batch (with the weights
+    of step 1): the handle replaces it with the weights of the producer's version and generates its
+    samples again, and the run still equals the synchronous one."""
+    from lost_generation_worker import dies_once_worker
+
+    from posttrain.workers.generation import HFGeneration
+
     steps = {"grpo.max_num_steps": 3, **NO_CHECKPOINTS}
     sync = run_grpo(tmp_path / "sync", **steps)
     for num_workers in (1, 2):
+        if num_workers == 2:
+            monkeypatch.setattr(HFGeneration, "worker_cls", dies_once_worker(tmp_path / "died", on_call=2))
         run = run_grpo(
             tmp_path / f"async{num_workers}",
             **steps,
@@ -32,6 +41,12 @@ def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation
             assert run[step]["train/async/trained_trajectories_total"] == 16.0 * step
         assert run[2]["val/accuracy"] == pytest.approx(sync[2]["val/accuracy"])
     assert sync[3]["train/loss"] != 0.0
+    assert (tmp_path / "died").exists()
+    out = capsys.readouterr().out
+    assert (
+        "generation: lost worker(s) hf_generation-1-" in out
+        and "generating samples again: [8, 16) on rank 1" in out
+    )
 
 
 @pytest.mark.parametrize("max_age", [1, 2])

@@ -246,3 +246,37 @@ def test_top_k_none_samples_every_token_of_a_flat_distribution(refit_worker, mod
         rtol=0,
     )
     assert len(set(outputs["output_ids"][generated].tolist())) > 50
+
+
+def test_a_worker_lost_mid_generate_is_replaced_with_the_current_weights(
+    ray_session, model_dir, prompts, tmp_path, monkeypatch
+):
+    """Two workers apart from the policy take new weights; rank 1 dies in its second generate call. The
+    handle starts a replacement, loads it from the weights source and decodes rank 1's shard again: the
+    batch equals the first call's, sample for sample. The second loss finds no restart left and raises."""
+    from lost_generation_worker import dies_once_worker
+
+    from posttrain.distributed import WorkerDiedError
+
+    monkeypatch.setattr(HFGeneration, "worker_cls", dies_once_worker(tmp_path / "died", on_call=2))
+    generation = HFGeneration(None, sampling_config(num_workers=2), str(model_dir), max_worker_restarts=1)
+    try:
+        new_model = load_model(str(model_dir))
+        with torch.no_grad():
+            for parameter in new_model.parameters():
+                parameter.mul_(1.5)
+        weights = ray_session.put(new_model.state_dict())
+        generation.update_weights(weights)
+        generation.set_weights_source(lambda: weights)
+        first = generation.generate(prompts, seed=11)
+        lost_name = generation.worker_group.names[1]
+        again = generation.generate(prompts, seed=11)  # rank 1 dies, is replaced, decodes its shard again
+        assert (tmp_path / "died").exists() and generation.num_worker_restarts == 1
+        assert generation.worker_group.names[1] != lost_name
+        for key in ("output_ids", "logprobs", "generation_lengths"):
+            assert torch.equal(again[key], first[key]), key
+        (tmp_path / "died").unlink()  # the replacement dies in its second call too: no restart left
+        with pytest.raises(WorkerDiedError):
+            generation.generate(prompts, seed=11)
+    finally:
+        generation.shutdown()

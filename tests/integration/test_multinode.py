@@ -253,3 +253,58 @@ def test_grpo_across_nodes_equals_one_node_and_survives_a_lost_node(cluster, tmp
     assert f"lost node(s): {lost['node']}" in out and "restart 1 of 1" in out
     # The nodes share this machine's address: the driver counts nodes, not addresses.
     assert out.count("policy: 2 workers on 2 nodes: ") == 2, out[-4000:]
+
+
+def test_generation_workers_whose_node_is_lost_are_replaced_on_another_node(cluster, tmp_path, capsys):
+    """Two generation workers apart from the policy, on one worker node (the head's CPU is taken), hold
+    new weights. Their node is removed; the next generate notices, names the node, starts both
+    replacements in their bundles, which Ray has moved to the other worker node, loads them from the
+    weights source and generates the batch again: the same samples as before the loss."""
+    import torch
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from test_hf_generation import make_prompt_batch
+
+    from posttrain.distributed.worker_group import wait_until_marked_dead
+    from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
+    from posttrain.workers.generation import GenerationConfig, HFGeneration
+
+    restore_worker_nodes(cluster)
+    head = NodeAffinitySchedulingStrategy(cluster.head_node.node_id, soft=False)
+    blocker = ray.remote(num_cpus=1)(Blocker).options(scheduling_strategy=head).remote()
+    ray.get(blocker.ready.remote())
+    model_dir = str(build_model_dir(ModelFromConfig(hidden_size=32, num_layers=2), tmp_path / "model"))
+    prompts = make_prompt_batch(load_tokenizer(model_dir), ["hello", "ab", "2+2=", "xyz"])
+    cfg = GenerationConfig(max_new_tokens=8, colocated=False, num_workers=2, num_cpus_per_worker=0.5)
+    generation = HFGeneration(None, cfg, model_dir, max_worker_restarts=1)
+    try:
+        new_model = load_model(model_dir)
+        with torch.no_grad():
+            for parameter in new_model.parameters():
+                parameter.mul_(1.5)
+        weights = ray.put(new_model.state_dict())
+        generation.update_weights(weights)
+        generation.set_weights_source(lambda: weights)
+        first = generation.generate(prompts, seed=5)
+        lost_node = remove_worker_node(cluster, generation.worker_group)
+        assert wait_until_marked_dead({lost_node})  # its workers may answer a call in flight till then
+        again = generation.generate(prompts, seed=5)
+        nodes = {info["node_id"] for info in generation.worker_group.info}
+        assert lost_node not in nodes and cluster.head_node.node_id not in nodes
+        assert generation.num_worker_restarts == 1
+        for key in ("output_ids", "logprobs", "generation_lengths"):
+            assert torch.equal(again[key], first[key]), key
+        out = capsys.readouterr().out
+        assert (
+            f"lost node(s): {lost_node}" in out
+            and "generating samples again: [0, 2) on rank 0, [2, 4) on rank 1" in out
+        )
+    finally:
+        generation.shutdown()
+        ray.kill(blocker)
+
+
+class Blocker:
+    """Holds a CPU of the node it is placed on."""
+
+    def ready(self) -> bool:
+        return True

@@ -77,7 +77,7 @@ def test_replicated_and_free_axes(cluster):
     group.shutdown()
 
 
-def test_a_dead_worker_raises_naming_it_within_seconds(cluster):
+def test_a_dead_worker_raises_naming_it_within_seconds_and_a_replacement_takes_its_rank(cluster):
     group = RayWorkerGroup(cluster, EchoWorker, name_prefix="crashy")
     start = time.monotonic()
     with pytest.raises(WorkerDiedError) as error:
@@ -85,6 +85,11 @@ def test_a_dead_worker_raises_naming_it_within_seconds(cluster):
     assert time.monotonic() - start < 15
     message = str(error.value)
     assert "worker rank 1 (crashy-1-" in message and "node " in message
+    assert error.value.dead_workers == [group.names[1]]
+    before = group.run_on([0], "environment")[0]
+    group.replace_workers([1], timeout_s=30)  # in bundle 1, with rank 1's environment
+    assert group.names[1].startswith("crashy-1-") and group.names[1] not in error.value.dead_workers
+    assert group.run_all("environment") == [before, {**before, "RANK": "1", "LOCAL_RANK": "1"}]
     group.shutdown()
 
 

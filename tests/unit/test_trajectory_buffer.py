@@ -90,13 +90,14 @@ def test_step_k_is_generated_by_version_k_minus_1_minus_the_bound(max_age, expec
 
 
 def run_producer(max_age, num_steps, validate_at=()):
-    """Drive a producer with plain functions: 'generation' records the version it holds, 'training'
+    """Drive a producer with plain functions: 'generation' records the version it holds and the weights
+    the producer names as held (`generating_weights`, here the version number itself), 'training'
     publishes version + 1. Returns (index, generating version, trained-at version) per step."""
     held = {"version": 0}
     produced = []
 
     def produce(index):
-        produced.append((index, held["version"]))
+        produced.append((index, held["version"], producer.generating_weights()))
         time.sleep(0.01)
         return {"message_log": [[]] * 2}, {"reward": float(index)}
 
@@ -121,7 +122,7 @@ def run_producer(max_age, num_steps, validate_at=()):
         producer.publish(version + 1, version + 1)
         if version + 1 in validate_at:
             with producer.paused_at(version + 1):
-                assert held["version"] == version + 1
+                assert held["version"] == producer.generating_weights() == version + 1
     producer.stop()
     return produced, trained
 
@@ -134,8 +135,10 @@ def test_every_batch_is_generated_by_the_scheduled_version_and_never_older_than_
         assert version == generating_version(index, 0, max_age)
         assert 0 <= trained_at - version <= max_age
         assert loader_state == {"position": index}  # the loader position right after that batch's prompts
-    # the generation workers really held that version while producing (validation moved them in between)
-    assert produced == [(index, generating_version(index, 0, max_age)) for index in range(1, 7)]
+    # the generation workers really held that version while producing (validation moved them in between),
+    # and the weights a replacement worker would load are that version's, not the trainer's newer ones
+    expected = [generating_version(index, 0, max_age) for index in range(1, 7)]
+    assert produced == [(index, version, version) for index, version in zip(range(1, 7), expected)]
 
 
 def test_a_failing_produce_reaches_the_trainer():

@@ -19,9 +19,14 @@ def resolve_backend(cfg: GenerationConfig, on_gpus: bool) -> str:
 
 
 def make_generation(
-    cluster, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
+    cluster,
+    cfg: GenerationConfig,
+    model_name: str,
+    tokenizer_name: str | None = None,
+    max_worker_restarts: int = 0,
 ) -> GenerationInterface:
-    """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own)."""
+    """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own, where the Hugging Face
+    backend replaces a worker lost mid-generate up to `max_worker_restarts` times)."""
     import ray
 
     from posttrain.models.vlm import is_vision_language_dir
@@ -36,7 +41,7 @@ def make_generation(
     if vision_language and backend == "vllm":
         raise ValueError(VLLM_VISION_UNSUPPORTED.format(model=model_name))
     backends = {"hf": HFGeneration, "vllm": VllmGeneration}
-    return backends[backend](cluster, cfg, model_name, tokenizer_name)
+    return backends[backend](cluster, cfg, model_name, tokenizer_name, max_worker_restarts)
 
 
 VLLM_VISION_UNSUPPORTED = (

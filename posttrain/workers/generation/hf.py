@@ -12,3 +12,4 @@ class HFGeneration(RayGeneration):
 
     worker_cls = HFGenerationWorker
     backend_name = "hf"
+    replaces_lost_workers = True

@@ -1,15 +1,22 @@
 """The contract every generation backend fulfils (batch keys, `GenerationInterface`), and `RayGeneration`:
-the data-parallel driver over Ray actors that the Hugging Face and vLLM backends share."""
+the data-parallel driver over Ray actors that the Hugging Face and vLLM backends share, which replaces a
+generation worker lost mid-generate and generates the lost shard again."""
 
 from __future__ import annotations
 
 import abc
+import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from posttrain.distributed.worker_group import WorkerDiedError
+
+logger = logging.getLogger(__name__)
 
 # Input keys of `generate`:
 #   input_ids      [B, T]  prompt token ids, right-padded
@@ -64,6 +71,11 @@ class GenerationInterface(abc.ABC):
     def shutdown(self) -> None:
         """Stop the workers and release what this backend created."""
 
+    @abc.abstractmethod
+    def set_weights_source(self, source: Callable[[], Any]) -> None:
+        """`source()` returns all the weights the workers hold at that moment (as `update_weights` takes
+        them), for a worker that replaces a lost one; a backend that replaces no workers ignores it."""
+
 
 def sample_seed(seed: int, sample_index: int) -> int:
     """A 63-bit seed for one sample, mixed from the call's seed and the sample's index in the batch."""
@@ -80,6 +92,12 @@ def split_contiguous(num_samples: int, num_shards: int) -> list[tuple[int, int]]
         bounds.append((start, end))
         start = end
     return bounds
+
+
+def lost_ranks(dead_workers: Sequence[str], names: Sequence[str]) -> list[int]:
+    """The ranks of the workers named in `dead_workers` (a WorkerDiedError's), in rank order."""
+    dead = set(dead_workers)
+    return [rank for rank, name in enumerate(names) if name in dead]
 
 
 def slice_batch(data: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
@@ -112,12 +130,27 @@ class RayGeneration(GenerationInterface):
     worker class takes
     `(cfg, model_name, tokenizer_name)` and has generate(data, greedy, seed, sample_offset),
     update_weights(weights), prepare_for_generation() and finish_generation().
+
+    On a cluster of its own, and when the class sets `replaces_lost_workers`, a worker that dies during
+    `generate` (its process, or its node) is replaced, up to `max_worker_restarts` times: the new actor
+    starts in the lost one's bundle, loads the weights the others hold (from `set_weights_source`'s
+    source) and generates the lost shard again. Samples are seeded by (seed, global sample index), so the
+    shard comes out as the lost worker would have made it. Colocated workers live in the policy's
+    bundles: their loss stays the whole run's (`algorithms/recovery.py`).
     """
 
     worker_cls: type = object
     backend_name: str = "generation"
+    replaces_lost_workers: bool = False  # the backend's shards are reproducible on a new worker
 
-    def __init__(self, cluster: Any, cfg: Any, model_name: str, tokenizer_name: str | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Any,
+        cfg: Any,
+        model_name: str,
+        tokenizer_name: str | None = None,
+        max_worker_restarts: int = 0,
+    ) -> None:
         from posttrain.distributed import RayWorkerGroup
         from posttrain.models.build import load_tokenizer
 
@@ -127,6 +160,11 @@ class RayGeneration(GenerationInterface):
         self.cluster = make_generation_cluster(cfg) if cluster is None else cluster
         self.pad_id = int(load_tokenizer(tokenizer_name or model_name).pad_token_id)
         self.num_calls = 0
+        replaces = self.owned_cluster and self.replaces_lost_workers
+        self.max_worker_restarts = max_worker_restarts if replaces else 0
+        self.num_worker_restarts = 0  # losses survived by replacing workers
+        self.weights_source: Callable[[], Any] | None = None
+        self.refitted = False  # the workers hold weights other than the model directory's
         # Colocated: None lets the group take half of each policy bundle; separate: the whole bundle.
         whole_bundle = self.owned_cluster
         self.worker_group = RayWorkerGroup(
@@ -143,8 +181,9 @@ class RayGeneration(GenerationInterface):
         )
 
     def generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Any:
-        """Split the batch into contiguous shards, decode them in parallel, gather them in order."""
-        from posttrain.distributed import BatchedDataDict
+        """Split the batch into contiguous shards, decode them in parallel, gather them in order; a shard
+        whose worker died is decoded again on its replacement (see the class)."""
+        from posttrain.distributed import BatchedDataDict, WorkerDiedError
 
         if seed is None:
             seed = self.cfg.seed + self.num_calls
@@ -152,15 +191,70 @@ class RayGeneration(GenerationInterface):
         num_samples = int(data["input_ids"].shape[0])
         if num_samples == 0:
             raise ValueError("generate: the batch has no samples (input_ids has 0 rows)")
-        workers = self.worker_group.workers
-        refs = [
-            workers[rank].generate.remote(
+        shards = split_contiguous(num_samples, len(self.worker_group.workers))
+
+        def decode(rank: int) -> Any:
+            start, end = shards[rank]
+            worker = self.worker_group.workers[rank]
+            return worker.generate.remote(
                 slice_batch(data, start, end), greedy=greedy, seed=seed, sample_offset=start
             )
-            for rank, (start, end) in enumerate(split_contiguous(num_samples, len(workers)))
-            if end > start
-        ]
-        return BatchedDataDict(concat_padded(self.worker_group.get(refs), self.pad_id))
+
+        ranks = [rank for rank, (start, end) in enumerate(shards) if end > start]
+        refs = {rank: decode(rank) for rank in ranks}
+        while True:
+            try:
+                outputs = self.worker_group.get([refs[rank] for rank in ranks])
+                return BatchedDataDict(concat_padded(outputs, self.pad_id))
+            except WorkerDiedError as error:
+                redo = [rank for rank in self.replace_lost_workers(error) if rank in refs]
+                where = ", ".join(f"[{shards[rank][0]}, {shards[rank][1]}) on rank {rank}" for rank in redo)
+                where = where or "none (the lost workers had no samples)"
+                print(f"generation: generating samples again: {where}", flush=True)
+                refs.update({rank: decode(rank) for rank in redo})
+
+    def replace_lost_workers(self, error: WorkerDiedError) -> list[int]:
+        """Start a new actor for each worker that `error` names, holding the weights the others hold;
+        returns their ranks. Raises `error` itself when this handle replaces no workers, its restarts are
+        spent, it names no worker, the weights cannot be had again (refitted without a weights source) or a
+        replacement does not start."""
+        import ray
+
+        from posttrain.distributed import ClusterResourceError, WorkerDiedError
+        from posttrain.distributed.worker_group import wait_until_marked_dead
+
+        ranks = lost_ranks(error.dead_workers, self.worker_group.names)
+        restarts_left = self.num_worker_restarts < self.max_worker_restarts
+        weights_known = self.weights_source is not None or not self.refitted
+        if not ranks or not restarts_left or not weights_known:
+            raise error
+        self.num_worker_restarts += 1
+        lost = ", ".join(
+            f"{self.worker_group.names[rank]} (rank {rank}, node {self.worker_group.info[rank]['node_ip']})"
+            for rank in ranks
+        )
+        nodes = f"; lost node(s): {', '.join(error.lost_nodes)}" if error.lost_nodes else ""
+        message = (
+            f"generation: lost worker(s) {lost}{nodes}; replacing them and generating their samples again "
+            f"(generation restart {self.num_worker_restarts} of {self.max_worker_restarts})"
+        )
+        logger.warning(message)
+        print(message, flush=True)
+        if error.lost_nodes:  # Ray moves the lost node's bundles once it counts the node dead
+            wait_until_marked_dead(set(error.lost_nodes))
+        try:
+            self.worker_group.replace_workers(ranks, self.cluster.cfg.resource_timeout_s)
+            if self.weights_source is not None:  # else: the model directory's weights, as the others
+                weights = self.weights_source()
+                weights_ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+                self.worker_group.run_on(ranks, "update_weights", weights=weights_ref)
+        except (ClusterResourceError, ray.exceptions.RayError, WorkerDiedError) as failure:
+            logger.warning("generation: the replacement failed (%s); giving up on the lost workers", failure)
+            raise error  # noqa: B904 - the loss, as without a replacement (the failure is its context)
+        return ranks
+
+    def set_weights_source(self, source: Callable[[], Any]) -> None:
+        self.weights_source = source
 
     def update_weights(self, weights: Any) -> float:
         """Send new weights (once, through the object store) to every worker; return wall seconds."""
@@ -169,6 +263,7 @@ class RayGeneration(GenerationInterface):
         start = time.perf_counter()
         weights_ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self.worker_group.get(self.worker_group.run_all_async("update_weights", weights=weights_ref))
+        self.refitted = True
         return time.perf_counter() - start
 
     def prepare_for_generation(self) -> None:

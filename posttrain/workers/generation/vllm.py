@@ -17,7 +17,12 @@ class VllmGeneration(RayGeneration):
     backend_name = "vllm"
 
     def __init__(
-        self, cluster: Any, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None
+        self,
+        cluster: Any,
+        cfg: GenerationConfig,
+        model_name: str,
+        tokenizer_name: str | None = None,
+        max_worker_restarts: int = 0,
     ) -> None:
         require_vllm()
-        super().__init__(cluster, cfg, model_name, tokenizer_name)
+        super().__init__(cluster, cfg, model_name, tokenizer_name, max_worker_restarts)
