@@ -248,6 +248,20 @@ def test_top_k_none_samples_every_token_of_a_flat_distribution(refit_worker, mod
     assert len(set(outputs["output_ids"][generated].tolist())) > 50
 
 
+def refit_with_scaled_weights(generation, model_dir) -> None:
+    """Refit `generation` with the model's weights x 1.5 (through the object store) and make them its
+    weights source, what a worker that replaces a lost one loads."""
+    import ray
+
+    new_model = load_model(str(model_dir))
+    with torch.no_grad():
+        for parameter in new_model.parameters():
+            parameter.mul_(1.5)
+    weights = ray.put(new_model.state_dict())
+    generation.update_weights(weights)
+    generation.set_weights_source(lambda: weights)
+
+
 def test_a_worker_lost_mid_generate_is_replaced_with_the_current_weights(
     ray_session, model_dir, prompts, tmp_path, monkeypatch
 ):
@@ -261,13 +275,7 @@ def test_a_worker_lost_mid_generate_is_replaced_with_the_current_weights(
     monkeypatch.setattr(HFGeneration, "worker_cls", dies_once_worker(tmp_path / "died", on_call=2))
     generation = HFGeneration(None, sampling_config(num_workers=2), str(model_dir), max_worker_restarts=1)
     try:
-        new_model = load_model(str(model_dir))
-        with torch.no_grad():
-            for parameter in new_model.parameters():
-                parameter.mul_(1.5)
-        weights = ray_session.put(new_model.state_dict())
-        generation.update_weights(weights)
-        generation.set_weights_source(lambda: weights)
+        refit_with_scaled_weights(generation, model_dir)
         first = generation.generate(prompts, seed=11)
         lost_name = generation.worker_group.names[1]
         again = generation.generate(prompts, seed=11)  # rank 1 dies, is replaced, decodes its shard again

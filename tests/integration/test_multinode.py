@@ -262,10 +262,10 @@ def test_generation_workers_whose_node_is_lost_are_replaced_on_another_node(clus
     weights source and generates the batch again: the same samples as before the loss."""
     import torch
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-    from test_hf_generation import make_prompt_batch
+    from test_hf_generation import make_prompt_batch, refit_with_scaled_weights
 
     from posttrain.distributed.worker_group import wait_until_marked_dead
-    from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
+    from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
     from posttrain.workers.generation import GenerationConfig, HFGeneration
 
     restore_worker_nodes(cluster)
@@ -277,13 +277,7 @@ def test_generation_workers_whose_node_is_lost_are_replaced_on_another_node(clus
     cfg = GenerationConfig(max_new_tokens=8, colocated=False, num_workers=2, num_cpus_per_worker=0.5)
     generation = HFGeneration(None, cfg, model_dir, max_worker_restarts=1)
     try:
-        new_model = load_model(model_dir)
-        with torch.no_grad():
-            for parameter in new_model.parameters():
-                parameter.mul_(1.5)
-        weights = ray.put(new_model.state_dict())
-        generation.update_weights(weights)
-        generation.set_weights_source(lambda: weights)
+        refit_with_scaled_weights(generation, model_dir)
         first = generation.generate(prompts, seed=5)
         lost_node = remove_worker_node(cluster, generation.worker_group)
         assert wait_until_marked_dead({lost_node})  # its workers may answer a call in flight till then
