@@ -11,9 +11,12 @@ from posttrain.workers.policy.shared_prefix import (
     attention_cost_ratio,
     build_shared_prefix_rows,
     prefix_groups,
+    rows_cost,
     shared_prefix_logprobs,
+    tree_rows_cost,
 )
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
+from posttrain.workers.policy.tree_attention import ATTENTION_NAME, use_tree_attention, uses_tree_attention
 
 CPU = torch.device("cpu")
 
@@ -69,13 +72,33 @@ def test_no_shared_prompt_means_plain_rows():
     assert build_shared_prefix_rows(input_ids, lengths, token_mask) is None
 
 
-def test_long_continuations_after_a_short_prompt_stay_in_plain_rows():
-    """A 3-token prompt and 8 continuations of 40: plain 8 rows x 43 tokens; one tree row of the 2 shared
-    tokens + 8 x 41 = 330. Linear cost alone favours the tree row (330 < 344); with attention at 1e-3 per
-    pair per token of linear cost, 330 x 1.33 = 438.9 > 8 x 43 x 1.043 = 358.8: the rows stay plain."""
+def test_a_layout_lists_what_each_continuation_sees():
+    """The example above: prompt [5, 6] at row positions 0-1, continuations of 3 and 2 tokens at positions
+    2-4 and 5-6. Each continuation attends over the prompt and itself; the prompt's outputs come from the
+    first continuation's attention (outputs 0-1), its continuation's from 2-4, the second's from 7-8."""
+    input_ids, lengths, token_mask = batch([([5, 6, 7], [1, 2]), ([5, 6, 7], [3])], width=5)
+    layout = build_shared_prefix_rows(input_ids, lengths, token_mask).layout
+    assert [positions.tolist() for positions in layout.sequences] == [[0, 1, 2, 3, 4], [0, 1, 5, 6]]
+    assert layout.source_index.tolist() == [0, 1, 2, 3, 4, 7, 8]
+
+
+def test_tree_rows_cost_counts_the_pairs_tree_attention_computes():
+    """A 3-token prompt and 8 continuations of 40: plain, 8 rows x 43 tokens cost 8 x (43 + 1e-3 x 43^2)
+    = 358.792; one tree row of the 2 shared tokens + 8 x 41 = 330 positions, with attention over each
+    sequence (8 x 43^2): 330 + 1e-3 x 14792 = 344.792."""
+    assert tree_rows_cost([330], [43] * 8, 1e-3) == pytest.approx(344.792)
+    assert rows_cost(8, 43, 1e-3) == pytest.approx(358.792)
     input_ids, lengths, token_mask = batch([([5, 6, 8], [7] * 40)] * 8, width=43)
-    assert build_shared_prefix_rows(input_ids, lengths, token_mask, attention_ratio=0.0) is not None
-    assert build_shared_prefix_rows(input_ids, lengths, token_mask, attention_ratio=1e-3) is None
+    assert build_shared_prefix_rows(input_ids, lengths, token_mask, attention_ratio=1e-3) is not None
+
+
+def test_a_short_group_padded_to_a_long_groups_row_stays_in_plain_rows():
+    """Group A: 4 continuations of 40 after [5, 6] (tree row 2 + 4 x 41 = 166); group B: 2 of 2 tokens
+    (row 6). Two tree rows padded to 166 = 332 positions against 6 plain rows of 43 = 258: plain."""
+    rows = [([5, 6, 8], [7] * 40)] * 4 + [([9, 6, 8], [7])] * 2
+    input_ids, lengths, token_mask = batch(rows, width=43)
+    assert tree_rows_cost([166, 6], [43] * 4 + [4] * 2, 0.0) == 332
+    assert build_shared_prefix_rows(input_ids, lengths, token_mask, attention_ratio=0.0) is None
 
 
 def test_attention_cost_ratio_of_a_llama_layer():
@@ -89,8 +112,8 @@ def test_attention_cost_ratio_of_a_llama_layer():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    model_dir = build_model_dir(
+def tiny_model_dir(tmp_path_factory):
+    return build_model_dir(
         ModelFromConfig(
             hidden_size=64,
             num_layers=2,
@@ -102,7 +125,17 @@ def tiny_model(tmp_path_factory):
         ),
         tmp_path_factory.mktemp("model"),
     )
-    return load_model(model_dir)
+
+
+@pytest.fixture(scope="module", params=["tree_attention", "dense_mask"])
+def tiny_model(tiny_model_dir, request):
+    """The model with shared_prefix_attention (what the policy worker runs), or with HF's SDPA, which
+    ignores the layout and applies the rows' dense tree mask."""
+    model = load_model(tiny_model_dir)
+    if request.param == "tree_attention":
+        assert use_tree_attention(model) and uses_tree_attention(model)
+    assert uses_tree_attention(model) == (request.param == "tree_attention")
+    return model
 
 
 def random_groups(vocab: int, seed: int) -> tuple[torch.Tensor, list[int], torch.Tensor]:
@@ -146,3 +179,29 @@ def test_temperature_scales_the_logits_as_in_plain_rows(tiny_model):
         shared = shared_prefix_logprobs(tiny_model, input_ids, lengths, token_mask, 0.7, CPU)
     trained = token_mask.bool()
     assert torch.allclose(shared[trained], plain[trained], atol=1e-5, rtol=0)
+
+
+def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layout(tiny_model_dir):
+    """Layer outputs at every real position of the tree rows: shared_prefix_attention with the layout
+    equals SDPA with the dense mask; without a layout the switched model is HF's SDPA model."""
+    tree, dense = load_model(tiny_model_dir), load_model(tiny_model_dir)
+    use_tree_attention(tree)
+    assert tree.config._attn_implementation == ATTENTION_NAME
+    input_ids, lengths, token_mask = random_groups(tree.config.vocab_size, seed=3)
+    rows = build_shared_prefix_rows(input_ids, lengths, token_mask)
+    inputs = {
+        "input_ids": rows.input_ids,
+        "position_ids": rows.position_ids,
+        "attention_mask": rows.attention_mask,
+    }
+    with torch.no_grad():
+        out_tree = tree(**inputs, shared_prefix_layout=rows.layout).logits
+        out_dense = dense(**inputs).logits
+        plain_tree = tree(input_ids=input_ids).logits
+        plain_dense = dense(input_ids=input_ids).logits
+    real = torch.zeros(rows.input_ids.shape, dtype=torch.bool)
+    for p in rows.placements:
+        real[p.tree_row, : p.prefix_length] = True
+        real[p.tree_row, p.start : p.start + p.length - p.prefix_length] = True
+    assert torch.allclose(out_tree[real], out_dense[real], atol=1e-5, rtol=0)
+    assert torch.equal(plain_tree, plain_dense)

@@ -198,8 +198,9 @@ class PolicyConfig:
         default=True,
         metadata={
             "help": "Rows that share a prompt (a GRPO group, a DPO pair) compute it once: one row holds "
-            "the prompt and every continuation, kept apart by a tree-shaped causal mask. Same "
-            "logprobs and gradients at trained positions, fewer tokens (causal_lm, unpacked)."
+            "the prompt and every continuation, each continuation attending over the prompt and itself "
+            "(tree attention). Same logprobs and gradients at trained positions, fewer tokens and no "
+            "padding between continuations (causal_lm, unpacked)."
         },
     )
     length_bucketing: bool = field(

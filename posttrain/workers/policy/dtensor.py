@@ -41,6 +41,7 @@ from posttrain.workers.policy.token_logprobs import (
     next_token_logprobs_at,
     topk_next_token_logprobs,
 )
+from posttrain.workers.policy.tree_attention import use_tree_attention
 from posttrain.workers.refit import cast_floating
 
 
@@ -136,6 +137,9 @@ class DTensorPolicyWorker(PolicyWorker):
             )
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        text_lm = self.cfg.model_kind == "causal_lm" and not is_vision_language_model(model)
+        if self.cfg.prefix_sharing and text_lm:
+            use_tree_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
             model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
         if self.cfg.tensor_parallel_size > 1:

@@ -2,11 +2,12 @@
 chosen and rejected answers of a DPO pair) compute that prompt once.
 
 A group of n sequences with a common prompt of L tokens becomes one row: the prompt, then each sequence's
-continuation in turn. Position ids restart at L for every continuation, and a tree-shaped causal mask lets a
-continuation see the prompt and its own earlier tokens only, so every continuation token gets the hidden
-states (and logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed once
-instead of n times: with GRPO's 4-16 samples per prompt and prompts longer than the answers, the forward
-and backward shrink by a third to a half.
+continuation in turn. Position ids restart at L for every continuation, and attention lets a continuation
+see the prompt and its own earlier tokens only (`tree_attention.py`, which computes just those pairs; the
+rows also carry the equivalent dense tree mask), so every continuation token gets the hidden states (and
+logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed once instead of n
+times, and the continuations need no padding in the linear layers: with GRPO's 4-16 samples per prompt the
+forward and backward shrink by the prompt's repeats and the padding to the longest row.
 
 Only positions a loss reads are exact: a row's tokens after its prompt (from its first trained position
 on). The prompt is the tokens before the position that precedes the first trained token, so the
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
+from posttrain.workers.policy.tree_attention import SharedPrefixLayout, build_layout
 
 
 @dataclass
@@ -41,6 +43,7 @@ class SharedPrefixRows:
     position_ids: torch.Tensor  # [R, N]
     attention_mask: torch.Tensor  # [R, 1, N, N] bool, True = may attend
     placements: list[Placement]
+    layout: SharedPrefixLayout  # the same visibility, for shared_prefix_attention
 
     @property
     def first_kept_position(self) -> int:
@@ -88,6 +91,13 @@ def tree_row_lengths(groups: list[list[int]], lengths: list[int], token_mask: to
     return sizes
 
 
+def tree_rows_cost(sizes: list[int], lengths: list[int], attention_ratio: float) -> float:
+    """Relative cost (as rows_cost) of tree rows of `sizes` holding sequences of `lengths` under
+    shared_prefix_attention: the linear layers over the rows padded to the longest, attention over each
+    sequence's prompt and continuation (length^2 pairs, as a plain row without padding)."""
+    return len(sizes) * max(sizes) + attention_ratio * sum(length * length for length in lengths)
+
+
 def shared_prefix_cost(
     input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float
 ) -> tuple[float, int, int] | None:
@@ -97,7 +107,7 @@ def shared_prefix_cost(
     if len(groups) == len(lengths):
         return None
     sizes = tree_row_lengths(groups, lengths, token_mask)
-    cost = rows_cost(len(sizes), max(sizes), attention_ratio)
+    cost = tree_rows_cost(sizes, lengths, attention_ratio)
     if cost >= rows_cost(len(lengths), max(lengths), attention_ratio):
         return None
     return cost, len(sizes) * max(sizes), sum(sizes)
@@ -106,16 +116,16 @@ def shared_prefix_cost(
 def build_shared_prefix_rows(
     input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float = 0.0
 ) -> SharedPrefixRows | None:
-    """The batch [b, T] as one row per prompt group, or None when that would not be cheaper: no two rows
-    share a prompt, or the continuations are long next to the prompt, so that attention over the long
-    tree rows costs more than the prompts it saves (`attention_ratio`: see attention_cost_ratio)."""
-    groups = prefix_groups(input_ids, lengths, token_mask)
-    if len(groups) == len(lengths):
+    """The batch [b, T] as one row per prompt group, or None when that would not be cheaper (see
+    shared_prefix_cost; `attention_ratio`: see attention_cost_ratio)."""
+    if shared_prefix_cost(input_ids, lengths, token_mask, attention_ratio) is None:
         return None
-    pieces, positions, segments, placements = [], [], [], []
+    groups = prefix_groups(input_ids, lengths, token_mask)
+    pieces, positions, segments, placements, prompts = [], [], [], [], []
     for tree_row, rows in enumerate(groups):
         trained = token_mask[rows[0], : lengths[rows[0]]].nonzero()
         prefix_length = int(trained[0]) - 1 if len(rows) > 1 else 0  # a group has a prompt of >= 2 tokens
+        prompts.append(prefix_length)
         ids = [input_ids[rows[0], :prefix_length]]
         pos = [torch.arange(prefix_length)]
         seg = [torch.zeros(prefix_length, dtype=torch.long)]  # segment 0: the shared prompt
@@ -132,8 +142,6 @@ def build_shared_prefix_rows(
         segments.append(torch.cat(seg))
     width = max(len(piece) for piece in pieces)  # N
     num_rows = len(pieces)  # R
-    if rows_cost(num_rows, width, attention_ratio) >= rows_cost(len(lengths), max(lengths), attention_ratio):
-        return None
     row_ids = input_ids.new_zeros(num_rows, width)
     row_positions = torch.zeros(num_rows, width, dtype=torch.long)
     row_segments = torch.full((num_rows, width), -1, dtype=torch.long)  # -1: padding
@@ -148,8 +156,13 @@ def build_shared_prefix_rows(
     causal = torch.ones(width, width, dtype=torch.bool).tril()  # [N, N]
     padding_self = torch.eye(width, dtype=torch.bool) & (query < 0)  # a pad token sees itself: no empty rows
     mask = (visible & causal) | padding_self  # [R, N, N]
+    continuations = [(p.tree_row, p.start, p.length - p.prefix_length) for p in placements]
     return SharedPrefixRows(
-        row_ids, row_positions.to(input_ids.device), mask.unsqueeze(1).to(input_ids.device), placements
+        row_ids,
+        row_positions.to(input_ids.device),
+        mask.unsqueeze(1).to(input_ids.device),
+        placements,
+        build_layout(num_rows, width, prompts, continuations),
     )
 
 
@@ -188,6 +201,7 @@ def shared_prefix_logprobs(
         position_ids=rows.position_ids.to(device),
         attention_mask=rows.attention_mask.to(device),
         logits_to_keep=num_kept,
+        shared_prefix_layout=rows.layout,  # read by shared_prefix_attention (tree_attention.py)
     ).logits  # [R, K, V]
     row_logprobs = compute_token_logprobs(
         logits, rows.input_ids[:, -num_kept:].to(device), temperature

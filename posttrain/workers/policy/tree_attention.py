@@ -1,0 +1,140 @@
+"""Attention over shared-prefix rows that computes only what each token sees.
+
+A shared-prefix row (`shared_prefix.py`) holds a prompt and then several continuations; each continuation
+sees the prompt and its own earlier tokens. A dense tree mask over the whole row makes attention cost
+(prompt + all continuations)^2 per row, and attention kernels compute every masked block: four
+continuations of 512 tokens after a 70-token prompt are 2118^2 = 4.5M pairs where the tokens see 1.2M.
+
+This attention runs, in every layer, one causal attention per continuation over the positions it sees:
+its row's prompt, then itself (gathered from the row by index, so the linear layers still compute each
+prompt once and no continuation is padded). A continuation's outputs come from its own attention; a
+prompt's from the attention of its row's first continuation (its prompt queries are the same in every
+continuation's). Causal attention without a mask lets the kernels skip the blocks above the diagonal.
+Cost: the sum over continuations of (prompt + continuation)^2 / 2 pairs, what plain rows without padding
+would compute. Gradients flow through the gathers (index_select's backward adds them back), so the
+backward computes only these pairs too.
+
+It is a Hugging Face attention function (`AttentionInterface`), registered as `ATTENTION_NAME`; a forward
+that passes `shared_prefix_layout=` uses it, and any other forward goes to HF's SDPA function unchanged.
+`use_tree_attention(model)` switches a model to it (models whose attention follows HF's functional
+interface; the others ignore the layout and apply the rows' dense tree mask)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ATTENTION_NAME = "posttrain_shared_prefix"
+
+
+@dataclass
+class SharedPrefixLayout:
+    """Which positions of shared-prefix rows [R, N] each continuation attends over (flat index: row * N +
+    position), and where each position's output lies in the concatenated outputs."""
+
+    sequences: list[torch.Tensor]  # per continuation: its row's prompt positions, then its own
+    source_index: torch.Tensor  # [R * N] each position's output in cat(outputs of every sequence)
+
+
+def build_layout(
+    num_rows: int, width: int, prompts: list[int], continuations: list[tuple[int, int, int]]
+) -> SharedPrefixLayout:
+    """The layout of rows [num_rows, width] whose row r starts with a prompt of prompts[r] tokens, with
+    continuations (row, start, length) at row positions [start, start + length)."""
+    sequences = []
+    source_index = torch.zeros(num_rows * width, dtype=torch.long)  # row padding: any output (unread)
+    offset = 0  # of the current sequence in the concatenated outputs
+    prompt_done = [False] * num_rows
+    for row, start, length in continuations:
+        prompt = prompts[row]
+        sequences.append(torch.cat([torch.arange(prompt), torch.arange(start, start + length)]) + row * width)
+        if not prompt_done[row]:  # the row's prompt outputs: from its first continuation's attention
+            source_index[row * width : row * width + prompt] = offset + torch.arange(prompt)
+            prompt_done[row] = True
+        source_index[row * width + start : row * width + start + length] = (
+            offset + prompt + torch.arange(length)
+        )
+        offset += prompt + length
+    return SharedPrefixLayout(sequences, source_index)
+
+
+def _attend(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None
+) -> torch.Tensor:
+    """Causal SDPA of [1, H, n, d] queries over [1, H_kv, n, d] keys and values (grouped heads)."""
+    return torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=True,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+def shared_prefix_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    shared_prefix_layout: SharedPrefixLayout | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF attention function: [R, H, N, d] queries, [R, H_kv, N, d] keys and values -> [R, N, H, d]
+    (module docstring). Without a layout: HF's SDPA attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    layout = shared_prefix_layout
+    if layout is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    rows, heads, width, head_dim = query.shape
+    # Position-major [R * N, heads, d]: a gather then picks whole positions.
+    flat_query, flat_key, flat_value = (
+        states.transpose(1, 2).reshape(rows * width, -1, head_dim) for states in (query, key, value)
+    )
+    outputs = []
+    for positions in layout.sequences:
+        index = positions.to(query.device)
+        picked = [
+            flat.index_select(0, index).transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+            for flat in (flat_query, flat_key, flat_value)
+        ]
+        outputs.append(_attend(*picked, dropout, scaling)[0].transpose(0, 1))  # [n, heads, d]
+    gathered = torch.cat(outputs).index_select(0, layout.source_index.to(query.device))  # [R * N, H, d]
+    return gathered.view(rows, width, heads, head_dim), None
+
+
+def register() -> None:
+    """Make `ATTENTION_NAME` known to transformers (attention and SDPA's mask function); idempotent."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def use_tree_attention(model: torch.nn.Module) -> bool:
+    """Switch a Hugging Face model that runs SDPA attention to `shared_prefix_attention` (the same
+    attention without a layout); False, unchanged, where the model cannot take it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+        return True
+    can_set = getattr(model, "_can_set_attn_implementation", None)
+    if config is None or config._attn_implementation != "sdpa" or can_set is None or not can_set():
+        return False
+    register()
+    model.set_attn_implementation(ATTENTION_NAME)
+    return config._attn_implementation == ATTENTION_NAME
+
+
+def uses_tree_attention(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is `shared_prefix_attention`."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
