@@ -130,7 +130,10 @@ def use_tree_attention(model: torch.nn.Module) -> bool:
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if config is None or config._attn_implementation != "sdpa" or can_set is None or not can_set():
         return False
-    register()
+    try:
+        register()
+    except ImportError:  # transformers before its attention-mask interface
+        return False
     model.set_attn_implementation(ATTENTION_NAME)
     return config._attn_implementation == ATTENTION_NAME
 
