@@ -87,11 +87,13 @@ def shared_prefix_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """HF attention function: [R, H, N, d] queries, [R, H_kv, N, d] keys and values -> [R, N, H, d]
-    (module docstring). Without a layout: HF's SDPA attention."""
+    (module docstring). Without a layout, or in a layer with a sliding window or a soft-cap: HF's SDPA
+    attention with the mask it is given (for shared-prefix rows, their dense tree mask)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     layout = shared_prefix_layout
-    if layout is None:
+    # A sliding window or a logit soft-cap is not modelled here: such layers keep the dense tree mask.
+    if layout is None or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
