@@ -163,6 +163,54 @@ def refit_nodes_section(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def async_curves_section(name: str, data: dict) -> list[str]:
+    """Two learning curves (`benchmarks/async_curves.py`): strict validation accuracy by step and wall time."""
+    modes = data["modes"]
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}.* `{data['config']}`, {data['steps']} steps "
+             "from the same SFT model, the same seed and samples; greedy validation on the held-out questions, a "
+             "reply counting when its last number equals the answer (`benchmarks/async_curves.py`).", ""]
+    plot = plot_async_curves(name, modes)
+    lines += [f"![strict accuracy by wall time and step]({plot})", ""]
+    lines += ["| | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    steps = [point["step"] for point in next(iter(modes.values()))["validation"]]
+    for index, step in enumerate(steps):
+        lines.append(f"| strict accuracy, step {step} (wall s) | " + " | ".join(
+            f"{m['validation'][index]['strict_accuracy']:.1%} ({m['validation'][index]['wall_s']:.0f})"
+            for m in modes.values()) + " |")
+    lines.append("| steps' own time (s) | " + " | ".join(f"{m['steps_time_s']:.0f}" for m in modes.values()) + " |")
+    lines.append("| run wall time (s) | " + " | ".join(f"{m['wall_s']:.0f}" for m in modes.values()) + " |")
+    lines.append("| mean generated tokens, first / last step | " + " | ".join(
+        f"{m['mean_generated_tokens'][0]:.0f} / {m['mean_generated_tokens'][-1]:.0f}" for m in modes.values()) + " |")
+    if data.get("sft"):
+        lines += ["", f"The SFT start: {data['sft']}."]
+    if data.get("notes"):
+        lines += [""] + [f"- {note}" for note in data["notes"]]
+    return lines + [""]
+
+
+def plot_async_curves(name: str, modes: dict[str, dict]) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_wall, by_step) = plt.subplots(1, 2, figsize=(9, 3.2), sharey=True)
+    for mode, run in modes.items():
+        points = run["validation"]
+        by_wall.plot([p["wall_s"] / 60 for p in points], [p["strict_accuracy"] for p in points], marker="o", label=mode)
+        by_step.plot([p["step"] for p in points], [p["strict_accuracy"] for p in points], marker="o", label=mode)
+    by_wall.set_xlabel("wall time (min)")
+    by_step.set_xlabel("step")
+    by_wall.set_ylabel("strict validation accuracy")
+    for axis in (by_wall, by_step):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(OUT / f"{name}.png", dpi=110)
+    plt.close(figure)
+    return f"{name}.png"
+
+
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
     """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
     import matplotlib
@@ -209,6 +257,8 @@ def write_benchmarks() -> None:
             lines += vllm_refit_section(name, data)
         elif name.startswith("refit_nodes"):
             lines += refit_nodes_section(name, data)
+        elif name.startswith("async_curves"):
+            lines += async_curves_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
 
 

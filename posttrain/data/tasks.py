@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from posttrain.data.math_steps import math_steps_rows
 from posttrain.data.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
 from posttrain.data.visual_tasks import red_squares_rows
 
@@ -12,6 +13,7 @@ BUILTIN_TASKS = (
     "arithmetic_preference",
     "sliding_puzzle",
     "math_words",
+    "math_steps",
     "multiplication",
     "red_squares",
 )
@@ -141,6 +143,8 @@ def builtin_rows(
         return red_squares_rows(num_train, num_val, seed)
     if name == "multiplication":
         return multiplication_rows(num_digits, num_train, num_val, seed)
+    if name == "math_steps":
+        return math_steps_rows(num_train, num_val, seed)
     if name == "math_words":
         train, val = word_problems(num_digits, num_train, num_val, seed)
         return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]

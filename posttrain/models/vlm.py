@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tokenizers import AddedToken
 
+from posttrain.models.cache_api import returned_cache
 from posttrain.models.tokenizer import TOKENIZERS
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
@@ -289,7 +290,7 @@ def vision_prefill(
         logits_to_keep=1,
         **images,
     )
-    return out.past_key_values, out.logits[:, -1, :], offsets.to(left_ids.device)
+    return returned_cache(out), out.logits[:, -1, :], offsets.to(left_ids.device)
 
 
 def processor_for(model_name: str | Path, tokenizer_name: str | Path | None = None) -> VisionProcessor | None:

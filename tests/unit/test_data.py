@@ -195,3 +195,30 @@ def test_builtin_math_words_asks_in_words_with_right_answers_and_disjoint_splits
         assert row["answer"] == row["response"] == str(a + b if op == "plus" else a - b)
         assert int(row["answer"]) >= 0 and row["task_name"] == "math"
     assert 0.3 < sum("minus" in r["prompt"] for r in val) / len(val) < 0.7
+
+
+def test_builtin_math_steps_asks_for_worked_solutions_of_three_lengths():
+    from posttrain.data.math_steps import worked_solution
+    from posttrain.data.tasks import builtin_rows
+    from posttrain.environments.answers import final_answer
+
+    assert worked_solution(47, 13, 512, 0) == "47 * 13 = 611\n611 + 512 = 1123\n\\boxed{1123}"
+    assert worked_solution(47, 13, 512, 1) == (
+        "Step 1: 47 * 13 = 10 * 47 + 3 * 47 = 470 + 141 = 611\nStep 2: 611 + 512 = 1123\n"
+        "The final answer is \\boxed{1123}."
+    )
+    assert worked_solution(82, 3, 195, 2).splitlines()[1:4] == ["80 * 3 = 240", "2 * 3 = 6", "240 + 6 = 246"]
+    assert worked_solution(82, 3, 195, 2).splitlines()[6:8] == ["246 + 100 = 346", "346 + 95 = 441"]
+
+    train, val = builtin_rows("math_steps", 3000, 200, seed=5)
+    assert builtin_rows("math_steps", 3000, 200, seed=5) == (train, val)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+    assert len({r["prompt"] for r in train}) == 3000
+    styles = {0: 0, 1: 0, 2: 0}
+    for row in train + val:
+        expression = row["prompt"].removeprefix("What is ").split("?")[0]  # a * b + c
+        a, b, c = (int(x) for x in expression.replace("*", "+").split("+"))
+        assert 12 <= a <= 99 and 3 <= b <= 19 and 100 <= c <= 999 and row["task_name"] == "math"
+        assert row["answer"] == str(a * b + c) == final_answer(row["response"])
+        styles[[worked_solution(a, b, c, s) for s in range(3)].index(row["response"])] += 1
+    assert all(count > 800 for count in styles.values()), styles

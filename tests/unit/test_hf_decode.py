@@ -99,3 +99,28 @@ def test_reserved_cache_layer_holds_what_concatenation_holds():
     reserved.crop(-4)
     torch.testing.assert_close(reserved.keys, plain.keys, rtol=0, atol=0)
     torch.testing.assert_close(reserved.values, plain.values, rtol=0, atol=0)
+
+
+def test_the_cache_goes_by_the_name_the_forward_takes(model_and_tokenizer):
+    """The decode loop hands the KV cache over under the forward's own keyword (`cache` in transformers 5,
+    `past_key_values` before) and reads it back from the output, with no deprecation warning."""
+    import inspect
+    import warnings
+
+    from posttrain.models.cache_api import cache_argument
+
+    model, tokenizer = model_and_tokenizer
+
+    class OlderForward(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    expected = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    assert list(cache_argument(model, "c")) == [expected]
+    assert cache_argument(OlderForward(), "c") == {"past_key_values": "c"}
+    cfg = GenerationConfig(max_new_tokens=4, stop_token_ids=[-1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = decode(model, tokenizer, ["12+34="] * 2, [0, 1], cfg)
+    assert [len(tokens) for tokens in state.generated_ids] == [4, 4]
+    assert not [w for w in caught if "past_key_values" in str(w.message)]

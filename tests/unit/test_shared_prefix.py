@@ -16,7 +16,12 @@ from posttrain.workers.policy.shared_prefix import (
     tree_rows_cost,
 )
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
-from posttrain.workers.policy.tree_attention import ATTENTION_NAME, use_tree_attention, uses_tree_attention
+from posttrain.workers.policy.tree_attention import (
+    ATTENTION_NAME,
+    layout_replaces_mask,
+    use_tree_attention,
+    uses_tree_attention,
+)
 
 CPU = torch.device("cpu")
 
@@ -182,21 +187,28 @@ def test_temperature_scales_the_logits_as_in_plain_rows(tiny_model):
 
 
 def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layout(tiny_model_dir):
-    """Layer outputs at every real position of the tree rows: shared_prefix_attention with the layout
-    equals SDPA with the dense mask; without a layout the switched model is HF's SDPA model."""
+    """Layer outputs at every real position of the tree rows: shared_prefix_attention with the layout (and
+    no tree mask) equals SDPA with the dense mask; without a layout the switched model is HF's SDPA model."""
     tree, dense = load_model(tiny_model_dir), load_model(tiny_model_dir)
     use_tree_attention(tree)
     assert tree.config._attn_implementation == ATTENTION_NAME
+    assert layout_replaces_mask(tree) and not layout_replaces_mask(dense)
     input_ids, lengths, token_mask = random_groups(tree.config.vocab_size, seed=3)
     rows = build_shared_prefix_rows(input_ids, lengths, token_mask)
-    inputs = {
-        "input_ids": rows.input_ids,
-        "position_ids": rows.position_ids,
-        "attention_mask": rows.attention_mask,
-    }
+    unmasked = build_shared_prefix_rows(input_ids, lengths, token_mask, dense_mask=False)
+    assert torch.equal(unmasked.attention_mask, torch.ones(rows.input_ids.shape, dtype=torch.long))
+    assert torch.equal(unmasked.input_ids, rows.input_ids)
+    assert [torch.equal(a, b) for a, b in zip(unmasked.layout.sequences, rows.layout.sequences)] == [True] * 8
     with torch.no_grad():
-        out_tree = tree(**inputs, shared_prefix_layout=rows.layout).logits
-        out_dense = dense(**inputs).logits
+        out_tree = tree(
+            input_ids=unmasked.input_ids,
+            position_ids=unmasked.position_ids,
+            attention_mask=unmasked.attention_mask,
+            shared_prefix_layout=unmasked.layout,
+        ).logits
+        out_dense = dense(
+            input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=rows.attention_mask
+        ).logits
         plain_tree = tree(input_ids=input_ids).logits
         plain_dense = dense(input_ids=input_ids).logits
     real = torch.zeros(rows.input_ids.shape, dtype=torch.bool)
@@ -205,3 +217,13 @@ def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layo
         real[p.tree_row, p.start : p.start + p.length - p.prefix_length] = True
     assert torch.allclose(out_tree[real], out_dense[real], atol=1e-5, rtol=0)
     assert torch.equal(plain_tree, plain_dense)
+
+
+def test_a_sliding_window_or_soft_cap_keeps_the_dense_tree_mask(tiny_model_dir):
+    model = load_model(tiny_model_dir)
+    use_tree_attention(model)
+    assert layout_replaces_mask(model)
+    model.config.sliding_window = 16
+    assert not layout_replaces_mask(model)
+    model.config.sliding_window, model.config.attn_logit_softcapping = None, 50.0
+    assert not layout_replaces_mask(model)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from posttrain.models.cache_api import cache_argument, returned_cache
 from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill, vision_token_ids
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.interface import sample_seed
@@ -172,8 +173,9 @@ def prefill(model: torch.nn.Module, left_ids: torch.Tensor, attention_mask: torc
         use_cache=True,
         logits_to_keep=1,
     )
-    out.past_key_values.reorder_cache(inverse.to(distinct.device))  # one cache row per sample, in order
-    return out.past_key_values, out.logits[inverse, -1, :]
+    cache = returned_cache(out)
+    cache.reorder_cache(inverse.to(distinct.device))  # one cache row per sample, in order
+    return cache, out.logits[inverse, -1, :]
 
 
 @torch.inference_mode()
@@ -238,10 +240,10 @@ def decode_batch(
             input_ids=tokens[:, None],
             attention_mask=attention_mask,
             position_ids=next_positions,
-            past_key_values=cache,
             use_cache=True,
+            **cache_argument(model, cache),
         )
-        cache, logits = out.past_key_values, out.logits[:, -1, :]
+        cache, logits = returned_cache(out), out.logits[:, -1, :]
         next_positions = next_positions + 1
     return state
 

@@ -3,11 +3,12 @@ chosen and rejected answers of a DPO pair) compute that prompt once.
 
 A group of n sequences with a common prompt of L tokens becomes one row: the prompt, then each sequence's
 continuation in turn. Position ids restart at L for every continuation, and attention lets a continuation
-see the prompt and its own earlier tokens only (`tree_attention.py`, which computes just those pairs; the
-rows also carry the equivalent dense tree mask), so every continuation token gets the hidden states (and
-logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed once instead of n
-times, and the continuations need no padding in the linear layers: with GRPO's 4-16 samples per prompt the
-forward and backward shrink by the prompt's repeats and the padding to the longest row.
+see the prompt and its own earlier tokens only (`tree_attention.py`, which computes just those pairs; for a
+model without it the rows carry the equivalent dense tree mask), so every continuation token gets the
+hidden states (and logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed
+once instead of n times, and the continuations need no padding in the linear layers: with GRPO's 4-16
+samples per prompt the forward and backward shrink by the prompt's repeats and the padding to the longest
+row.
 
 Only positions a loss reads are exact: a row's tokens after its prompt (from its first trained position
 on). The prompt is the tokens before the position that precedes the first trained token, so the
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
-from posttrain.workers.policy.tree_attention import SharedPrefixLayout, build_layout
+from posttrain.workers.policy.tree_attention import SharedPrefixLayout, build_layout, layout_replaces_mask
 
 
 @dataclass
@@ -41,7 +42,7 @@ class SharedPrefixRows:
 
     input_ids: torch.Tensor  # [R, N]
     position_ids: torch.Tensor  # [R, N]
-    attention_mask: torch.Tensor  # [R, 1, N, N] bool, True = may attend
+    attention_mask: torch.Tensor  # [R, 1, N, N] bool tree mask (True = may attend), or [R, N] ones
     placements: list[Placement]
     layout: SharedPrefixLayout  # the same visibility, for shared_prefix_attention
 
@@ -98,11 +99,11 @@ def tree_rows_cost(sizes: list[int], lengths: list[int], attention_ratio: float)
     return len(sizes) * max(sizes) + attention_ratio * sum(length * length for length in lengths)
 
 
-def shared_prefix_cost(
+def tree_plan(
     input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float
-) -> tuple[float, int, int] | None:
-    """(rows_cost, positions computed, real tokens) of the batch [b, T] as tree rows, or None when
-    build_shared_prefix_rows would not use them (no shared prompt, or not cheaper than padded rows)."""
+) -> tuple[list[list[int]], list[int], float] | None:
+    """(prompt groups, their tree rows' lengths, rows_cost) of the batch [b, T] as tree rows, or None when
+    tree rows are not worth it (no shared prompt, or not cheaper than padded rows)."""
     groups = prefix_groups(input_ids, lengths, token_mask)
     if len(groups) == len(lengths):
         return None
@@ -110,17 +111,48 @@ def shared_prefix_cost(
     cost = tree_rows_cost(sizes, lengths, attention_ratio)
     if cost >= rows_cost(len(lengths), max(lengths), attention_ratio):
         return None
+    return groups, sizes, cost
+
+
+def shared_prefix_cost(
+    input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float
+) -> tuple[float, int, int] | None:
+    """(rows_cost, positions computed, real tokens) of the batch [b, T] as tree rows, or None when
+    build_shared_prefix_rows would not use them (see tree_plan)."""
+    plan = tree_plan(input_ids, lengths, token_mask, attention_ratio)
+    if plan is None:
+        return None
+    _, sizes, cost = plan
     return cost, len(sizes) * max(sizes), sum(sizes)
 
 
+def tree_mask(row_segments: torch.Tensor) -> torch.Tensor:
+    """The dense tree mask [R, N, N] (True = may attend) of rows whose positions are labelled by segment
+    (0: the prompt, k: the k-th continuation, -1: padding): the prompt and the query's own continuation,
+    causally; a padding position sees itself (no empty rows)."""
+    width = row_segments.shape[1]
+    query, key = row_segments.unsqueeze(2), row_segments.unsqueeze(1)  # [R, N, 1], [R, 1, N]
+    visible = ((key == 0) | (key == query)) & (query >= 0)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [N, N]
+    padding_self = torch.eye(width, dtype=torch.bool) & (query < 0)
+    return (visible & causal) | padding_self
+
+
 def build_shared_prefix_rows(
-    input_ids: torch.Tensor, lengths: list[int], token_mask: torch.Tensor, attention_ratio: float = 0.0
+    input_ids: torch.Tensor,
+    lengths: list[int],
+    token_mask: torch.Tensor,
+    attention_ratio: float = 0.0,
+    dense_mask: bool = True,
 ) -> SharedPrefixRows | None:
     """The batch [b, T] as one row per prompt group, or None when that would not be cheaper (see
-    shared_prefix_cost; `attention_ratio`: see attention_cost_ratio)."""
-    if shared_prefix_cost(input_ids, lengths, token_mask, attention_ratio) is None:
+    tree_plan; `attention_ratio`: see attention_cost_ratio). With `dense_mask` false the rows carry no tree
+    mask, only a [R, N] mask of ones (which HF models turn into no mask at all): for a model whose attention
+    reads the layout instead (tree_attention.layout_replaces_mask)."""
+    plan = tree_plan(input_ids, lengths, token_mask, attention_ratio)
+    if plan is None:
         return None
-    groups = prefix_groups(input_ids, lengths, token_mask)
+    groups = plan[0]
     pieces, positions, segments, placements, prompts = [], [], [], [], []
     for tree_row, rows in enumerate(groups):
         trained = token_mask[rows[0], : lengths[rows[0]]].nonzero()
@@ -151,16 +183,15 @@ def build_shared_prefix_rows(
             pos,
             seg,
         )
-    query, key = row_segments.unsqueeze(2), row_segments.unsqueeze(1)  # [R, N, 1], [R, 1, N]
-    visible = ((key == 0) | (key == query)) & (query >= 0)  # the prompt and the query's own continuation
-    causal = torch.ones(width, width, dtype=torch.bool).tril()  # [N, N]
-    padding_self = torch.eye(width, dtype=torch.bool) & (query < 0)  # a pad token sees itself: no empty rows
-    mask = (visible & causal) | padding_self  # [R, N, N]
+    if dense_mask:
+        mask = tree_mask(row_segments).unsqueeze(1)  # [R, 1, N, N]
+    else:  # a 2D mask of ones: no padding to mask, so HF builds no mask (and detects no packed rows)
+        mask = torch.ones(num_rows, width, dtype=torch.long)
     continuations = [(p.tree_row, p.start, p.length - p.prefix_length) for p in placements]
     return SharedPrefixRows(
         row_ids,
         row_positions.to(input_ids.device),
-        mask.unsqueeze(1).to(input_ids.device),
+        mask.to(input_ids.device),
         placements,
         build_layout(num_rows, width, prompts, continuations),
     )
@@ -191,7 +222,13 @@ def shared_prefix_logprobs(
 ) -> torch.Tensor | None:
     """Logprobs [b, T] of a causal LM at every trained position, each shared prompt computed once (zeros up
     to each row's prompt end, as no loss reads them); None when no two rows share a prompt."""
-    rows = build_shared_prefix_rows(input_ids, lengths, token_mask, attention_cost_ratio(model.config))
+    rows = build_shared_prefix_rows(
+        input_ids,
+        lengths,
+        token_mask,
+        attention_cost_ratio(model.config),
+        dense_mask=not layout_replaces_mask(model),
+    )
     if rows is None:
         return None
     width = rows.input_ids.shape[1]  # N

@@ -143,3 +143,13 @@ def use_tree_attention(model: torch.nn.Module) -> bool:
 def uses_tree_attention(model: torch.nn.Module) -> bool:
     """Whether the model's attention is `shared_prefix_attention`."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
+
+
+def layout_replaces_mask(model: torch.nn.Module) -> bool:
+    """Whether every layer of the model attends by the layout alone: tree attention, and no sliding window
+    or logit soft-cap in its config (layers with one fall back to the dense tree mask)."""
+    config = getattr(model, "config", None)
+    return uses_tree_attention(model) and all(
+        getattr(config, name, None) in (None, False)
+        for name in ("sliding_window", "attn_logit_softcapping", "use_sliding_window")
+    )
