@@ -48,7 +48,8 @@ def half_cores() -> list[str]:
 
 def run_stamped(command: list[str], metrics_file: Path, console: Path) -> tuple[list[dict], float]:
     """Run `command`, stamping each new line of `metrics_file` with the seconds since the start
-    (`wall_s`); returns (records, the command's wall time). A failing command raises with its log's end."""
+    (`wall_s`); returns (records, the command's wall time); prints each validation as it comes. A failing
+    command raises with its log's end."""
     records: list[dict] = []
     start = time.monotonic()
     with open(console, "w") as out:
@@ -57,13 +58,21 @@ def run_stamped(command: list[str], metrics_file: Path, console: Path) -> tuple[
         while True:
             done = process.poll() is not None
             if metrics_file.exists():
-                with open(metrics_file) as f:
+                with open(metrics_file, "rb") as f:
                     f.seek(offset)
                     chunk = f.read()
-                complete = chunk[: chunk.rfind("\n") + 1]
-                offset += len(complete.encode())
+                complete = chunk[: chunk.rfind(b"\n") + 1]
+                offset += len(complete)
                 now = round(time.monotonic() - start, 1)
-                records += [{**json.loads(line), "wall_s": now} for line in complete.splitlines() if line]
+                new = [{**json.loads(line), "wall_s": now} for line in complete.decode().splitlines() if line]
+                for record in new:  # progress: each validation as it is logged
+                    if "val/strict_accuracy" in record:
+                        print(
+                            f"  step {record['step']}: strict accuracy {record['val/strict_accuracy']:.3f} "
+                            f"at {now:.0f} s",
+                            flush=True,
+                        )
+                records += new
             if done:
                 break
             time.sleep(0.5)
