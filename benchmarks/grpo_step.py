@@ -71,6 +71,7 @@ import torch
 
 from posttrain.algorithms import grpo
 from posttrain.config import validate_config
+from posttrain.data.math_steps import question_text
 from posttrain.data.tasks import builtin_rows
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
 from posttrain.utils.timer import Timer
@@ -148,8 +149,7 @@ def write_prompts(path: Path, workload: Workload, num_prompts: int) -> None:
             a, b, c = rng.randint(12, 99), rng.randint(3, 19), rng.randint(100, 999)
             rows.append(
                 {
-                    "prompt": f"What is {a} * {b} + {c}? Work it out step by step, one step per line, "
-                    "then give the final answer as \\boxed{N}.",
+                    "prompt": question_text(a, b, c),
                     "answer": str(a * b + c),
                 }
             )

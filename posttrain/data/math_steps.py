@@ -3,7 +3,7 @@
 `What is 47 * 13 + 512? Work it out step by step, one step per line, then give the final answer as
 \\boxed{N}.` -> `1123`, with a and c drawn from [12, 99] and [100, 999], b from [3, 19]. The `response`
 (what SFT trains on) is a worked solution in one of three styles, drawn per question, so that solutions
-are uneven in length (~20 to ~110 tokens for SmolLM2's tokenizer):
+are uneven in length (31 to 141 tokens, 79 on average, in SmolLM2's tokenizer):
 - terse: the product and the sum, one line each (`47 * 13 = 611`, `611 + 512 = 1123`, `\\boxed{1123}`);
 - split: the product split over the tens and ones of the two-digit factor (`b` when it has two digits,
   else `a`), then the sum;
