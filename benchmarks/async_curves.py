@@ -4,9 +4,11 @@ Runs `posttrain grpo --config configs/grpo_smollm2_steps.yaml` twice from the sa
 seed and the same number of samples (steps x prompts x generations): synchronously (generation and
 training take turns on all cores) and asynchronously (`grpo.async_grpo`, generation one step ahead on a
 worker of its own; trainer and generator each get half of the machine's cores; max_trajectory_age_steps
-1, the loss's importance-sampling correction for the older sampler). Each run validates greedily on the
-held-out questions every `grpo.val_period` steps; a reply counts when its last number equals the answer
-(`val/strict_accuracy`, the reward cannot raise it).
+1, the loss's importance-sampling correction for the older sampler); mode `async_lent` is the
+asynchronous run with `grpo.async_grpo.lend_idle_cores` (the trainer's micro-batches borrow the
+generator's threads once its batch is made; validation borrows the trainer's). Each run validates
+greedily on the held-out questions every `grpo.val_period` steps; a reply counts when its last number
+equals the answer (`val/strict_accuracy`, the reward cannot raise it).
 
 Wall time: the script reads each run's `metrics.jsonl` while the run goes and stamps every record with
 the seconds since the run's command started, so each validation point has the wall time at which it was
@@ -16,7 +18,8 @@ own times (`train/step_time`, validation excluded).
 Needs the SFT model first (`posttrain sft --config configs/sft_smollm2_steps.yaml`) and the machine
 alone (the two runs are timed).
 
-Run:  .venv/bin/python benchmarks/async_curves.py [--steps 20] [--out benchmarks/results/async_curves.json]
+Run:  .venv/bin/python benchmarks/async_curves.py [--steps 20] [--modes sync,async,async_lent]
+      [--out benchmarks/results/async_curves.json]
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ ASYNC_OVERRIDES = [  # generation on a worker of its own, each side with half of
     "generation.colocated=false",
     "generation.num_workers=1",
 ]
+
+
+BORROWED = "timing/policy_worker/borrowed_threads"  # training time run with the generator's threads
 
 
 def half_cores() -> list[str]:
@@ -113,6 +119,7 @@ def summarize(records: list[dict], wall: float, log_dir: Path) -> dict:
         "step_time_s": [round(r["train/step_time"], 2) for r in train],
         "steps_time_s": round(sum(r["train/step_time"] for r in train), 1),
         "wall_s": round(wall, 1),
+        "borrowed_threads_s": round(sum(r.get(BORROWED, 0.0) for r in records), 1),
         "samples": samples,
     }
 
@@ -121,7 +128,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--modes", default="sync,async,async_lent")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "async_curves.json"))
     parser.add_argument("--log-root", default=str(ROOT / "results" / "async_curves"))
     args = parser.parse_args()
@@ -142,8 +149,10 @@ def main() -> int:
             f"logger.log_dir={log_dir}",
             "checkpointing.enabled=false",
         ]
-        if mode == "async":
+        if mode in ("async", "async_lent"):
             overrides += ASYNC_OVERRIDES + half_cores()
+        if mode == "async_lent":
+            overrides.append("grpo.async_grpo.lend_idle_cores=true")
         command = [posttrain, "grpo", "--config", args.config, *overrides]
         log_dir.mkdir(parents=True, exist_ok=True)
         print(f"{mode}: {' '.join(command)}", flush=True)

@@ -33,7 +33,8 @@ Idle time of a worker group: the part of the step it does not compute (trainer: 
 logprobs; generation: step - generation, or in async mode the generator's wait for new weights), as the
 fraction of the step. `--modes sync,async` times posttrain's synchronous loop and its asynchronous one
 (generation one step ahead on workers of its own, `grpo.async_grpo`, max_trajectory_age_steps 1, each
-side with half of the machine's cores) as two columns.
+side with half of the machine's cores) as two columns; mode `async_lent` is the asynchronous one with
+`grpo.async_grpo.lend_idle_cores` (the side that waits lends its threads to the other).
 
 For the SmolLM2 workloads the table adds the compute floor: the FLOPs of the step's work (training 6 x
 matmul parameters x tokens computed, forward-and-backward; generation 2 x parameters per token, prompt
@@ -77,6 +78,7 @@ from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
 from posttrain.utils.timer import Timer
 
 ROOT = Path(__file__).resolve().parents[1]
+ASYNC_MODES = ("async", "async_lent")
 STAGES = ("generation", "rewards", "advantages", "logprobs", "training", "refit", "other")
 
 
@@ -239,8 +241,12 @@ def posttrain_config(
             tree["cluster"]["num_cpus_per_worker"] = float(cores)
             tree["generation"]["num_cpus_per_worker"] = float(cores)
             tree["cluster"]["num_cpus"] = 2 * cores + 1  # logical CPUs: both groups + environments
-    if mode == "async":  # generation on workers of its own, one step ahead of training
-        tree["grpo"]["async_grpo"] = {"enabled": True, "max_trajectory_age_steps": 1}
+    if mode in ASYNC_MODES:  # generation on workers of its own, one step ahead of training
+        tree["grpo"]["async_grpo"] = {
+            "enabled": True,
+            "max_trajectory_age_steps": 1,
+            "lend_idle_cores": mode == "async_lent",  # the side that waits lends its threads
+        }
         tree["loss"].update(use_importance_sampling_correction=True, truncated_importance_sampling_ratio=2.0)
         tree["generation"].update(colocated=False, num_workers=1)
         if device == "cpu":  # the trainer and the generator each get half of the machine's cores
@@ -289,7 +295,7 @@ def run_posttrain(
                 {
                     "step": step_time,
                     "stages": posttrain_stage_times(timer, step_time),
-                    "generation_busy": None if mode != "async" else step_time - generation_wait,
+                    "generation_busy": step_time - generation_wait if mode in ASYNC_MODES else None,
                     "mean_response_length": mean_length,
                     "generated_tokens": mean_length * workload.num_prompts * workload.num_generations,
                     "reward_mean": metrics["reward_mean"],
@@ -550,7 +556,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--modes",
         default="sync,async",
-        help="posttrain modes to time: sync, async, sync_in_order, vllm (comma list)",
+        help="posttrain modes to time: sync, async, async_lent, sync_in_order, vllm (comma list)",
     )
     parser.add_argument(
         "--trl-python",

@@ -68,6 +68,7 @@ from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_toke
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.core_lease import lend_cores
 from posttrain.distributed.placement import ResourceRequest
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
@@ -283,6 +284,12 @@ class GRPOConfig:
                 "asynchronous GRPO generates while the policy trains, so the generation workers need bundles "
                 "of their own: set generation.colocated=false (and generation.num_workers)",
             )
+        if async_cfg.enabled and async_cfg.lend_idle_cores and self.generation.backend == "vllm":
+            raise ConfigError.at(
+                "grpo.async_grpo.lend_idle_cores",
+                "lends threads to the hf generation backend only (vLLM sets its own): set "
+                "generation.backend=hf or lend_idle_cores=false",
+            )
         if (
             async_cfg.enabled
             and async_cfg.max_trajectory_age_steps > 0
@@ -450,8 +457,11 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         async_cfg = cfg.grpo.async_grpo
         rollouts: RolloutSource = SyncRollouts(collector, refit)
         if async_cfg.enabled:
+            lease = None
+            if async_cfg.lend_idle_cores:
+                lease = lend_cores(policy.worker_group, generation.worker_group, generation.backend_name)
             rollouts = AsyncRollouts(
-                collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps
+                collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps, lease
             )
         if restored is not None:
             rollouts.restore(restored.training_info)
@@ -648,6 +658,11 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     return metrics
 
 
+def validation_due(cfg: GRPOLoopConfig, step: int, last_step: int) -> bool:
+    """Validate after step `step`: every `val_period` steps and after the last."""
+    return bool(cfg.val_period) and (step % cfg.val_period == 0 or step == last_step)
+
+
 def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
     """Train to `grpo.max_num_steps` (or `num_steps` more); returns the last validation metrics."""
     cfg = run.cfg.grpo
@@ -658,11 +673,14 @@ def grpo_train(run: GRPORun, num_steps: int | None = None) -> dict[str, float]:
     with StepProgress("grpo", last_step, start=run.step) as progress:
         while run.step < last_step:
             start = time.perf_counter()
+            validation_next = validation_due(cfg, run.step + 1, last_step)
+            if validation_next:
+                run.rollouts.hold_for_validation()
             metrics = grpo_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
             log_step(run.logger, run.policy, metrics, timer, run.step)
-            if cfg.val_period and (run.step % cfg.val_period == 0 or run.step == last_step):
+            if validation_next:
                 validate(run, run.step, timer)
             checkpoint(run, force=run.step == last_step)
             progress.advance(

@@ -4,6 +4,7 @@ workers while the policy trains, instead of generating it itself (`grpo_rollouts
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,16 @@ class AsyncGRPOConfig:
         },
     )
 
+    lend_idle_cores: bool = field(
+        default=False,
+        metadata={
+            "help": "trainer and generator on one machine: the side that waits lends its CPU threads to the "
+            "other (the trainer's micro-batches take the generator's threads once its batch is done; "
+            "validation takes the trainer's); faster, but thread counts then follow timing, so runs are "
+            "not bitwise reproducible. hf generation backend only"
+        },
+    )
+
     def validate(self) -> None:
         if self.max_trajectory_age_steps < 0:
             raise ConfigError.at(
@@ -47,7 +58,15 @@ class AsyncRollouts:
     the loader position after the last batch trained on; on resume the batches that were in flight are
     generated again from there (same prompts and seeds), with the restored weights."""
 
-    def __init__(self, collector: Any, refit: Refit, max_age: int, step: int, last_step: int) -> None:
+    def __init__(
+        self,
+        collector: Any,
+        refit: Refit,
+        max_age: int,
+        step: int,
+        last_step: int,
+        lease: Callable[[str | None], Any] | None = None,
+    ) -> None:
         self.refit = refit
         loader = collector.loader
         self.consumed_loader_state = loader.state_dict()
@@ -61,7 +80,9 @@ class AsyncRollouts:
             last_index=last_step,
             start_version=step,
             generation_version=None if refit.stale else step,
+            lease=lease,
         )
+        self.hold = False  # pause the producer with the next weights (a validation follows)
         self.publish_weights(step)
 
     def next_batch(self, step: int, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
@@ -87,10 +108,17 @@ class AsyncRollouts:
     def after_update(self, step: int) -> None:
         self.publish_weights(step + 1)
 
+    def hold_for_validation(self) -> None:
+        """Publish the next weights with the producer paused, so that the validation after the update
+        need not wait for a batch begun in between (generated with one side's cores while the other
+        waits)."""
+        self.hold = True
+
     def publish_weights(self, version: int) -> None:
         """All of the policy's weights (any version may follow any other in the generation workers), in
         the generation dtype, as the synchronous refit sends them; fetched by every generation worker."""
-        self.producer.publish(version, self.refit.publish_all())
+        self.producer.publish(version, self.refit.publish_all(), pause=self.hold)
+        self.hold = False
 
     def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
         return self.producer.paused_at(step)

@@ -29,6 +29,10 @@ class RolloutSource(Protocol):
     def after_update(self, step: int) -> None:
         """The policy has trained on the batch of step `step + 1`: its new weights are for generation."""
 
+    def hold_for_validation(self) -> None:
+        """A validation follows the next update: generate nothing new in between (the next
+        `validation_phase` releases the hold)."""
+
     def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
         """Entered around validation: the generation workers are the loop's, with the weights of `step`."""
 
@@ -139,6 +143,9 @@ class SyncRollouts:
 
     def after_update(self, step: int) -> None:
         self.refit.mark_stale()  # the next generation phase refits
+
+    def hold_for_validation(self) -> None:
+        """Nothing to hold: generation runs only when the loop asks for a batch."""
 
     def validation_phase(self, step: int, timer: Timer) -> AbstractContextManager[None]:
         return self.refit.generation_phase(timer)

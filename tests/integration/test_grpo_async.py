@@ -99,3 +99,27 @@ def test_async_resume_with_age_0_equals_uninterrupted(ray_session, tmp_path):
         assert resumed[step]["train/reward_mean"] == pytest.approx(
             uninterrupted[step]["train/reward_mean"], abs=1e-6
         )
+
+
+def test_lending_cores_with_age_0_gives_every_training_micro_batch_the_generators_threads(
+    ray_session, tmp_path
+):
+    """Age 0: the generator waits for each step's weights while the trainer trains, so with
+    lend_idle_cores every micro-batch of the trainer (logprobs and training) runs with the generator's
+    threads added (timed as borrowed_threads), and the run still equals the synchronous one."""
+    steps = {"grpo.max_num_steps": 2, **NO_CHECKPOINTS}
+    sync = run_grpo(tmp_path / "sync", **steps)
+    run = run_grpo(
+        tmp_path / "lent",
+        **steps,
+        **ASYNC,
+        **{"grpo.async_grpo.max_trajectory_age_steps": 0, "grpo.async_grpo.lend_idle_cores": "true"},
+    )
+    for step in (1, 2):
+        assert run[step]["train/loss"] == pytest.approx(sync[step]["train/loss"], abs=1e-6)
+        assert run[step]["train/reward_mean"] == pytest.approx(sync[step]["train/reward_mean"], abs=1e-6)
+        borrowed = run[step]["timing/policy_worker/borrowed_threads"]
+        worker = run[step]["timing/policy_worker/train"] + run[step]["timing/policy_worker/logprobs"]
+        assert 0.5 * worker < borrowed <= worker  # the micro-batches, not the planning between them
+        assert "timing/policy_worker/borrowed_threads" not in sync[step]
+    assert run[2]["val/accuracy"] == pytest.approx(sync[2]["val/accuracy"])

@@ -25,6 +25,22 @@ def test_async_with_colocated_generation_is_refused_naming_the_key():
     assert "generation.colocated=false" in str(error.value) and "command line" in str(error.value)
 
 
+def test_lending_cores_to_the_vllm_backend_is_refused_naming_the_key():
+    base = [
+        "grpo.async_grpo.enabled=true",
+        "generation.colocated=false",
+        "grpo.async_grpo.lend_idle_cores=true",
+    ]
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, base + ["generation.backend=vllm"])
+    assert error.value.key == "grpo.async_grpo.lend_idle_cores" and "generation.backend=hf" in str(
+        error.value
+    )
+    assert load_typed_config(
+        GRPOConfig, CONFIG, base + ["generation.backend=hf"]
+    ).grpo.async_grpo.lend_idle_cores
+
+
 def test_stale_trajectories_need_the_importance_sampling_correction():
     base = [
         "grpo.async_grpo.enabled=true",

@@ -160,3 +160,74 @@ def test_a_failing_produce_reaches_the_trainer():
         producer.take(0)
     assert "generation worker died" in str(error.value.__cause__)
     producer.stop()
+
+
+def test_the_core_lease_names_the_side_that_waits():
+    """Bound 1, 3 steps. Nobody holds the lease while a batch is generated; once the generator has made
+    step 2's batch and waits for version 1, the trainer holds it; publishing version 1 takes it back
+    before `publish` returns (the trainer's next step starts with its own threads); validation gives it
+    to the generator; after the last batch the trainer keeps it."""
+    holders = []
+    seen_while_producing = []
+
+    def produce(index):
+        seen_while_producing.append(holders[-1] if holders else None)
+        return {"message_log": [[]] * 2}, {}
+
+    producer = AsyncRolloutProducer(
+        produce,
+        lambda weights: None,
+        dict,
+        max_age=1,
+        first_index=1,
+        last_index=3,
+        start_version=0,
+        generation_version=0,
+        lease=holders.append,
+    )
+    producer.publish(0, 0)
+    assert holders == []  # step 1's turn has come: nobody, as at the start
+    assert producer.take(0)[0].batch.index == 1
+    deadline = time.monotonic() + 30
+    while holders[-1:] != ["trainer"] and time.monotonic() < deadline:  # step 2's batch made with version 0
+        time.sleep(0.01)
+    assert holders == ["trainer"]
+    producer.publish(1, 1)
+    assert holders == ["trainer", None]
+    assert producer.take(1)[0].batch.index == 2
+    with producer.paused_at(1):
+        assert holders[-1] == "generator"
+    assert producer.take(2)[0].batch.index == 3
+    deadline = time.monotonic() + 30
+    while holders[-1] != "trainer" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert holders[-1] == "trainer"  # no batch is left to generate
+    producer.stop()
+    assert seen_while_producing == [None, None, None]
+
+
+def test_weights_published_with_a_pause_start_no_batch_until_the_validation_ends():
+    """Bound 1: step 3's batch waits for version 1. Published with `pause`, version 1 starts nothing;
+    `paused_at` holds the workers at version 1 at once (no batch to wait for) and, on leaving, lets the
+    producer generate step 3's batch with it."""
+    produced = []
+    producer = AsyncRolloutProducer(
+        lambda index: (produced.append(index), ({"message_log": [[]] * 2}, {}))[1],
+        lambda weights: None,
+        dict,
+        max_age=1,
+        first_index=1,
+        last_index=3,
+        start_version=0,
+        generation_version=0,
+    )
+    producer.publish(0, 0)
+    producer.take(0)
+    assert producer.take(1)[0].batch.index == 2  # step 2's batch (version 0) is made while step 1 trains
+    producer.publish(1, 1, pause=True)
+    time.sleep(0.2)
+    assert produced == [1, 2]  # paused: step 3's batch has not started
+    with producer.paused_at(1):
+        assert produced == [1, 2] and producer.generation_version == 1
+    assert producer.take(2)[0].batch.index == 3 and produced == [1, 2, 3]
+    producer.stop()

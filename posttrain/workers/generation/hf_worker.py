@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from posttrain.distributed.core_lease import LeasedThreads
 from posttrain.distributed.shared_weights import SharedWeights, map_shared_weights
 from posttrain.models.lora import AdapterWeights, apply_adapter
 from posttrain.workers.generation.config import GenerationConfig
@@ -44,12 +45,16 @@ class HFGenerationWorker:
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
+        self.leased_threads: LeasedThreads | None = None  # threads borrowed from a waiting trainer
         self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
 
     def generate(
         self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Decode a shard; `sample_offset` is the global index of its first sample (seeds per sample)."""
+        """Decode a shard; `sample_offset` is the global index of its first sample (seeds per sample).
+        With a core lease, the threads are set from it first (see distributed/core_lease.py)."""
+        if self.leased_threads is not None:
+            self.leased_threads.adjust()
         input_ids, input_lengths = data["input_ids"], data["input_lengths"].long().cpu()
         num_samples = input_ids.shape[0]
         self.check_context_fits(int(input_lengths.max()))
@@ -71,6 +76,10 @@ class HFGenerationWorker:
             images,
         )
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
+
+    def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
+        """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
+        self.leased_threads = LeasedThreads(lease, side, lent)
 
     def check_context_fits(self, longest_prompt: int) -> None:
         """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""

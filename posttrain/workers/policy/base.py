@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.distributed.batched_data_dict import BatchedDataDict
+from posttrain.distributed.core_lease import LeasedThreads
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsWriter
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models import lora
@@ -103,6 +105,7 @@ class PolicyWorker:
         self.versions = WeightVersions()  # optimizer steps and loads so far, and what refit last carried
         self.sent_bytes = 0  # what the last get_weights / share_weights sent or wrote (rank 0)
         self.shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file
+        self.leased_threads: LeasedThreads | None = None  # threads borrowed from an idle generator
         if init_reference_model:
             self.init_reference_model()
 
@@ -167,6 +170,25 @@ class PolicyWorker:
         microbatches = plan_microbatches(data, batch_size, self.cfg, cost, reorder)
         count = self._all_reduce_dp(torch.tensor([len(microbatches)]), "max")
         return pad_microbatches(microbatches, int(count.item()), self.rank)
+
+    def leased(self, microbatches: list[MicroBatch]) -> Iterator[MicroBatch]:
+        """`microbatches` one by one, setting this rank's threads from the core lease before each (see
+        distributed/core_lease.py; unchanged without a lease). The time spent on micro-batches run with
+        borrowed threads is timed as `borrowed_threads`."""
+        lease = self.leased_threads
+        for microbatch in microbatches:
+            if lease is None or lease.adjust() == lease.own:
+                yield microbatch
+                continue
+            self.timer.start("borrowed_threads")
+            try:
+                yield microbatch
+            finally:
+                self.timer.stop("borrowed_threads")
+
+    def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
+        """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
+        self.leased_threads = LeasedThreads(lease, side, lent)
 
     # -- logprobs and scores ---------------------------------------------------------------------------
 

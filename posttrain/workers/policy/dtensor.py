@@ -231,7 +231,9 @@ class DTensorPolicyWorker(PolicyWorker):
         batch_size, seq_len = data["input_ids"].shape
         values = torch.zeros(batch_size, seq_len, k)
         ids = torch.zeros(batch_size, seq_len, k, dtype=torch.long)
-        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan()):
+        for microbatch in self.leased(
+            self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan())
+        ):
             input_ids = microbatch.data["input_ids"].to(self.device)  # [b, T_mb]
             logits, num_kept = self._causal_logits(microbatch.data, input_ids)  # every rank runs each
             top_values, top_ids = topk_next_token_logprobs(logits, k, self.cfg.logprob_temperature)
@@ -269,7 +271,9 @@ class DTensorPolicyWorker(PolicyWorker):
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch, in the original row
         order."""
         self.model.eval()
-        for microbatch in self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan()):
+        for microbatch in self.leased(
+            self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan())
+        ):
             outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
             if microbatch.is_padding:
                 continue
@@ -298,7 +302,7 @@ class DTensorPolicyWorker(PolicyWorker):
         valid_seqs, valid_toks = self._global_counts(batch)
         step, parts = StepMetrics(), []
         plan = self.forward_plan(getattr(loss_fn, "rows_independent", False))
-        for microbatch in self.make_microbatches(batch, micro_batch_size, *plan):
+        for microbatch in self.leased(self.make_microbatches(batch, micro_batch_size, *plan)):
             step.num_computed_tokens += microbatch.computed_tokens
             step.num_real_tokens += microbatch.real_tokens
             with torch.set_grad_enabled(not eval_mode):

@@ -254,7 +254,7 @@ class MegatronPolicyWorker(PolicyWorker):
         with torch.set_grad_enabled(not forward_only):
             forward_backward(
                 forward_step_func=partial(self._forward_step, loss_func=loss_func, shape=shape),
-                data_iterator=iter(microbatches),
+                data_iterator=self.leased(microbatches),
                 model=[self.model],
                 num_microbatches=len(microbatches),
                 seq_length=shape[1] if shape else seq_len,
