@@ -179,6 +179,9 @@ def async_curves_section(name: str, data: dict) -> list[str]:
             for m in modes.values()) + " |")
     lines.append("| steps' own time (s) | " + " | ".join(f"{m['steps_time_s']:.0f}" for m in modes.values()) + " |")
     lines.append("| run wall time (s) | " + " | ".join(f"{m['wall_s']:.0f}" for m in modes.values()) + " |")
+    if any(m.get("borrowed_threads_s") for m in modes.values()):
+        lines.append("| training with lent threads (s) | " + " | ".join(
+            f"{m.get('borrowed_threads_s', 0.0):.0f}" for m in modes.values()) + " |")
     lines.append("| mean generated tokens, first / last step | " + " | ".join(
         f"{m['mean_generated_tokens'][0]:.0f} / {m['mean_generated_tokens'][-1]:.0f}" for m in modes.values()) + " |")
     if data.get("sft"):

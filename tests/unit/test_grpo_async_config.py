@@ -72,7 +72,8 @@ def test_the_demo_switch_builds_a_valid_async_config(tmp_path):
 
 def test_the_step_by_step_recipe_runs_async_as_its_header_says():
     """configs/grpo_smollm2_steps.yaml's asynchronous command line (its header) validates: generation on a
-    worker of its own, trainer and generator with one core each, stale samples corrected."""
+    worker of its own, trainer and generator with one core each lent to the side that works, stale samples
+    corrected."""
     path = Path(CONFIG).parent / "grpo_smollm2_steps.yaml"
     header = [
         line.lstrip("# ").rstrip(" \\") for line in path.read_text().splitlines() if line.startswith("#")
@@ -80,8 +81,10 @@ def test_the_step_by_step_recipe_runs_async_as_its_header_says():
     start = next(i for i, line in enumerate(header) if "grpo.async_grpo.enabled=true" in line)
     words = " ".join(header[start : start + 3]).split()
     overrides = [word for word in words if "=" in word]
-    assert len(overrides) == 5, overrides
+    assert len(overrides) == 6, overrides
     cfg = load_typed_config(GRPOConfig, str(path), overrides)
-    assert cfg.grpo.async_grpo.enabled and not cfg.generation.colocated
+    assert (
+        cfg.grpo.async_grpo.enabled and cfg.grpo.async_grpo.lend_idle_cores and not cfg.generation.colocated
+    )
     assert cfg.cluster.num_cpus_per_worker == cfg.generation.num_cpus_per_worker == 1.0
     assert cfg.loss.use_importance_sampling_correction and cfg.data.dataset == "math_steps"
