@@ -1,7 +1,7 @@
-"""Asynchronous against synchronous GRPO on the step-by-step task: two learning curves, graded strictly.
+"""Asynchronous against synchronous GRPO on the step-by-step task: learning curves, graded strictly.
 
-Runs `posttrain grpo --config configs/grpo_smollm2_steps.yaml` twice from the same SFT model, the same
-seed and the same number of samples (steps x prompts x generations): synchronously (generation and
+Runs `posttrain grpo --config configs/grpo_smollm2_steps.yaml` once per mode from the same SFT model,
+the same seed and the same number of samples (steps x prompts x generations): synchronously (generation and
 training take turns on all cores) and asynchronously (`grpo.async_grpo`, generation one step ahead on a
 worker of its own; trainer and generator each get half of the machine's cores; max_trajectory_age_steps
 1, the loss's importance-sampling correction for the older sampler); mode `async_lent` is the
@@ -16,7 +16,7 @@ logged (start-up and the validations themselves included, the same for both). It
 own times (`train/step_time`, validation excluded).
 
 Needs the SFT model first (`posttrain sft --config configs/sft_smollm2_steps.yaml`) and the machine
-alone (the two runs are timed).
+alone (the runs are timed).
 
 Run:  .venv/bin/python benchmarks/async_curves.py [--steps 20] [--modes sync,async,async_lent]
       [--out benchmarks/results/async_curves.json]

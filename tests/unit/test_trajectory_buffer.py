@@ -1,6 +1,6 @@
 """The trajectory buffer of asynchronous GRPO and its producer's schedule, without Ray: FIFO order,
 the capacity bound, dropping (and counting) batches older than the staleness bound, closing, and the
-versions that generate each step's batch."""
+versions that generate each step's batch; the side the producer names for the core lease."""
 
 import threading
 import time
@@ -169,9 +169,12 @@ def test_the_core_lease_names_the_side_that_waits():
     to the generator; after the last batch the trainer keeps it."""
     holders = []
     seen_while_producing = []
+    step_3_may_finish = threading.Event()  # holds step 3's batch until the test has looked
 
     def produce(index):
         seen_while_producing.append(holders[-1] if holders else None)
+        if index == 3:
+            step_3_may_finish.wait(30)
         return {"message_log": [[]] * 2}, {}
 
     producer = AsyncRolloutProducer(
@@ -194,6 +197,7 @@ def test_the_core_lease_names_the_side_that_waits():
     assert holders == ["trainer"]
     producer.publish(1, 1)
     assert holders == ["trainer", None]
+    step_3_may_finish.set()
     assert producer.take(1)[0].batch.index == 2
     with producer.paused_at(1):
         assert holders[-1] == "generator"
