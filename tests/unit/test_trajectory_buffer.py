@@ -141,20 +141,26 @@ def test_every_batch_is_generated_by_the_scheduled_version_and_never_older_than_
     assert produced == [(index, version, version) for index, version in zip(range(1, 7), expected)]
 
 
-def test_a_failing_produce_reaches_the_trainer():
-    def produce(index):
-        raise RuntimeError("generation worker died")
-
-    producer = AsyncRolloutProducer(
+def bound_1_producer(produce, lease=None):
+    """A producer of steps 1..3 with age bound 1, starting at version 0, whose refit does nothing."""
+    return AsyncRolloutProducer(
         produce,
-        lambda w: None,
+        lambda weights: None,
         dict,
         max_age=1,
         first_index=1,
         last_index=3,
         start_version=0,
         generation_version=0,
+        lease=lease,
     )
+
+
+def test_a_failing_produce_reaches_the_trainer():
+    def produce(index):
+        raise RuntimeError("generation worker died")
+
+    producer = bound_1_producer(produce)
     producer.publish(0, 0)
     with pytest.raises(BufferClosed) as error:
         producer.take(0)
@@ -177,17 +183,7 @@ def test_the_core_lease_names_the_side_that_waits():
             step_3_may_finish.wait(30)
         return {"message_log": [[]] * 2}, {}
 
-    producer = AsyncRolloutProducer(
-        produce,
-        lambda weights: None,
-        dict,
-        max_age=1,
-        first_index=1,
-        last_index=3,
-        start_version=0,
-        generation_version=0,
-        lease=holders.append,
-    )
+    producer = bound_1_producer(produce, lease=holders.append)
     producer.publish(0, 0)
     assert holders == []  # step 1's turn has come: nobody, as at the start
     assert producer.take(0)[0].batch.index == 1
@@ -215,16 +211,7 @@ def test_weights_published_with_a_pause_start_no_batch_until_the_validation_ends
     `paused_at` holds the workers at version 1 at once (no batch to wait for) and, on leaving, lets the
     producer generate step 3's batch with it."""
     produced = []
-    producer = AsyncRolloutProducer(
-        lambda index: (produced.append(index), ({"message_log": [[]] * 2}, {}))[1],
-        lambda weights: None,
-        dict,
-        max_age=1,
-        first_index=1,
-        last_index=3,
-        start_version=0,
-        generation_version=0,
-    )
+    producer = bound_1_producer(lambda index: (produced.append(index), ({"message_log": [[]] * 2}, {}))[1])
     producer.publish(0, 0)
     producer.take(0)
     assert producer.take(1)[0].batch.index == 2  # step 2's batch (version 0) is made while step 1 trains
