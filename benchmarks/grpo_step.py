@@ -38,7 +38,11 @@ side with half of the machine's cores) as two columns; mode `async_lent` is the 
 
 For the SmolLM2 workloads the table adds the compute floor: the FLOPs of the step's work (training 6 x
 matmul parameters x tokens computed, forward-and-backward; generation 2 x parameters per token, prompt
-prefill included) at the machine's fp32 matmul rate, measured at the start (`measured_matmul_gflops`);
+prefill included) at the machine's fp32 matmul rate, measured at the start (`measured_matmul_gflops`),
+for each side's own mean reply length (`floor_s`): each framework draws its own samples, and on the long
+workload the replies' mean length, so the work of a step, moves by as much as a third with the sampling seed
+alone. `ratio_SIDE_over_trl` compares median steps; `ratio_SIDE_over_trl_equal_work` compares each side's
+mean step over its own floor (seconds per unit of the same work);
 the padding share of the positions the trainer computed (posttrain's `padding_share`); and the peak
 resident memory of the trainer and the generator processes (VmHWM of the Ray actors; TRL: its process).
 Mode `sync_in_order` is the synchronous step with `policy.length_bucketing: false` (rows in order); mode
@@ -391,6 +395,7 @@ def summarize(runs: list[list[dict]]) -> dict:
         "idle_fraction_median": {
             group: median(idle_fractions(s)[group] for s in steps) for group in ("trainer", "generation")
         },
+        "step_time_mean_s": statistics.fmean(s["step"] for s in steps),
         "mean_response_length": statistics.fmean(s["mean_response_length"] for s in steps),
         "generated_tokens_per_s": median(
             s["generated_tokens"] / (s.get("generation_busy") or s["stages"]["generation"]) for s in steps
@@ -424,7 +429,9 @@ def matmul_gflops(threads: int | None) -> float:
     return 2 * 2048**3 / best / 1e9
 
 
-def compute_floor(model: torch.nn.Module, prompt_tokens: float, workload: Workload, side: dict) -> dict:
+def compute_floor(
+    model: torch.nn.Module, prompt_tokens: float, workload: Workload, mean_response_length: float
+) -> dict:
     """FLOPs of the step's work and their seconds at the measured matmul rate: training is forward and
     backward (6 FLOPs per parameter per token) of every sample's prompt and reply through the linear layers
     (the output layer at reply tokens only: no loss reads a prompt's logits); generation is 2 FLOPs per
@@ -434,10 +441,33 @@ def compute_floor(model: torch.nn.Module, prompt_tokens: float, workload: Worklo
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     body = linear - head  # the output layer is an nn.Linear too (tied or not)
     samples = workload.num_prompts * workload.num_generations
-    reply_tokens = side["mean_response_length"] * samples
+    reply_tokens = mean_response_length * samples
     train = 6 * (body * (prompt_tokens * samples + reply_tokens) + head * reply_tokens)
     generation = 2 * (body * prompt_tokens * workload.num_prompts + (body + head) * reply_tokens)
     return {"training_tflop": train / 1e12, "generation_tflop": generation / 1e12}
+
+
+def add_floors(
+    results: dict, model: torch.nn.Module, prompt_tokens: float, workload: Workload, sides: list[str]
+) -> None:
+    """The compute floor of each side's own work (`floor_s`) and each step over it; `results["floor"]`
+    keeps the split for the first posttrain side. With TRL: the ratio at equal work, each side's mean step
+    over its own floor."""
+    rate = results["floor"]["measured_matmul_gflops"] / 1e3  # TFLOP/s
+    for side in sides + (["trl"] if "trl" in results else []):
+        floor = compute_floor(model, prompt_tokens, workload, results[side]["mean_response_length"])
+        results[side]["floor_s"] = (floor["training_tflop"] + floor["generation_tflop"]) / rate
+        results[f"ratio_{side}_over_floor"] = results[side]["step_time_median_s"] / results[side]["floor_s"]
+        if side == sides[0]:
+            results["floor"].update(floor, mean_prompt_tokens=prompt_tokens)
+            results["floor"]["training_s"] = floor["training_tflop"] / rate
+            results["floor"]["generation_s"] = floor["generation_tflop"] / rate
+    if "trl" in results:
+        trl = results["trl"]["step_time_mean_s"] / results["trl"]["floor_s"]
+        for side in sides:
+            results[f"ratio_{side}_over_trl_equal_work"] = (
+                results[side]["step_time_mean_s"] / results[side]["floor_s"] / trl
+            )
 
 
 def print_table(results: dict) -> None:
@@ -478,8 +508,10 @@ def print_table(results: dict) -> None:
             f"(of posttrain's work; {floor['training_tflop']:.2f} + {floor['generation_tflop']:.2f} TFLOP)"
         )
         for side in sides:
-            if side.startswith("posttrain"):
-                print(f"{side} step / compute floor = {results[f'ratio_{side}_over_floor']:.2f}")
+            print(
+                f"{side} step / compute floor of its own work ({results[side]['floor_s']:.1f} s) = "
+                f"{results[f'ratio_{side}_over_floor']:.2f}"
+            )
     for side in sides:
         per_run = ", ".join(f"{t:.3f}" for t in results[side]["step_time_median_s_per_run"])
         print(f"{side} step, median of each run: {per_run}")
@@ -491,6 +523,11 @@ def print_table(results: dict) -> None:
     for side in sides:
         if f"ratio_{side}_over_trl" in results:
             print(f"{side} step time / TRL step time = {results[f'ratio_{side}_over_trl']:.2f}")
+        if f"ratio_{side}_over_trl_equal_work" in results:
+            print(
+                f"{side} / TRL at equal work (mean step over own floor) = "
+                f"{results[f'ratio_{side}_over_trl_equal_work']:.2f}"
+            )
 
 
 def cpu_model() -> str:
@@ -645,16 +682,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[side]["step_time_median_s"] / results["trl"]["step_time_median_s"]
                 )
         if "floor" in results and sides[0] in results:
-            floor = results["floor"]
-            floor.update(compute_floor(model, prompt_tokens, workload, results[sides[0]]))
-            floor["mean_prompt_tokens"] = prompt_tokens
-            rate = floor["measured_matmul_gflops"] / 1e3  # TFLOP/s
-            floor["training_s"] = floor["training_tflop"] / rate
-            floor["generation_s"] = floor["generation_tflop"] / rate
-            for side in sides:
-                results[f"ratio_{side}_over_floor"] = results[side]["step_time_median_s"] / (
-                    floor["training_s"] + floor["generation_s"]
-                )
+            add_floors(results, model, prompt_tokens, workload, sides)
         results["machine"]["load_average_end"] = os.getloadavg()
     print_table(results)
     out = Path(args.out)

@@ -103,6 +103,9 @@ def grpo_step_section(name: str, data: dict) -> list[str]:
         if all("peak_rss_bytes" in data[s] for s in sides):
             lines.append(f"| {group} peak RSS (GiB) | " + " | ".join(
                 f"{data[s]['peak_rss_bytes'][group] / 2**30:.2f}" for s in sides) + " |")
+    if all("floor_s" in data[s] for s in sides):
+        lines.append("| compute floor of its own work (s) | " + " | ".join(
+            f"{data[s]['floor_s']:.1f}" for s in sides) + " |")
     if any(data[s].get("generation_hidden_share_median") for s in sides):
         lines.append("| generation hidden behind training | " + " | ".join(
             f"{data[s].get('generation_hidden_share_median', 0.0):.0%}" for s in sides) + " |")
@@ -112,7 +115,8 @@ def grpo_step_section(name: str, data: dict) -> list[str]:
                   f"{floor['measured_matmul_gflops']:.0f} GFLOP/s): training {floor['training_tflop']:.2f} TFLOP = "
                   f"{floor['training_s']:.1f} s, generation {floor['generation_tflop']:.2f} TFLOP = "
                   f"{floor['generation_s']:.1f} s."]
-    ratios = [f"{key.replace('ratio_', '').replace('_over_', ' / ')}: {value:.2f}" for key, value in data.items()
+    ratios = [f"{key.replace('ratio_', '').replace('_over_', ' / ').replace('_equal_work', ' at equal work')}: "
+              f"{value:.2f}" for key, value in data.items()
               if key.startswith("ratio_") and value is not None]
     lines += ["", "Ratios of step times: " + "; ".join(ratios) + ".", ""]
     if data.get("notes"):
