@@ -23,6 +23,7 @@ from typing import Any
 import ray
 
 from posttrain.algorithms import grpo, sft
+from posttrain.algorithms.grpo_async import AsyncGRPOConfig
 from posttrain.algorithms.loss import ClippedPGLossConfig
 from posttrain.algorithms.supervised import LoopConfig
 from posttrain.config import validate_config
@@ -127,7 +128,7 @@ def grpo_config(cfg: DemoConfig, out: Path, model_dir: Path) -> grpo.GRPOConfig:
         seed=cfg.seed,
     )
     # Async: generation on a worker of its own; stale data weighted by the truncated IS ratio.
-    async_grpo = grpo.AsyncGRPOConfig(
+    async_grpo = AsyncGRPOConfig(
         enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age
     )
     return grpo.GRPOConfig(

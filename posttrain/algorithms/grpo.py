@@ -45,16 +45,17 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from posttrain.algorithms import advantages as adv
-from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths, check_parallelism
-from posttrain.algorithms.critic import Critic, CriticConfig
-from posttrain.algorithms.grpo_async import AsyncGRPOConfig, AsyncRollouts
+from posttrain.algorithms.checks import check_batch_fits
+from posttrain.algorithms.critic import Critic
+from posttrain.algorithms.grpo_async import AsyncRollouts
+from posttrain.algorithms.grpo_config import GRPOConfig, GRPOLoopConfig
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
-from posttrain.algorithms.loss import ClippedPGLoss, ClippedPGLossConfig, KDLoss
+from posttrain.algorithms.loss import ClippedPGLoss, KDLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.run import (
     check_run_directories,
@@ -64,245 +65,29 @@ from posttrain.algorithms.run import (
     restore_run,
     shutdown_on_error,
 )
-from posttrain.algorithms.teacher import Teacher, TeacherConfig, check_same_tokenizer
-from posttrain.config import ConfigError, load_run_config
-from posttrain.data import DataConfig, StatefulDataLoader, load_datasets, message_log_to_flat
+from posttrain.algorithms.teacher import Teacher, check_same_tokenizer
+from posttrain.config import load_run_config
+from posttrain.data import StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.core_lease import lend_cores
 from posttrain.distributed.placement import ResourceRequest
 from posttrain.distributed.shared_weights import shared_memory_supported
-from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
-from posttrain.environments import EnvironmentConfig, EnvironmentPool, create_environments, tool_prompts
-from posttrain.environments.tool_env import ToolEnvironmentConfig
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
+from posttrain.environments import EnvironmentPool, create_environments, tool_prompts
 from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
-from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
-from posttrain.utils.logger import Logger, LoggerConfig
+from posttrain.utils.checkpoint import CheckpointManager
+from posttrain.utils.logger import Logger
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
-from posttrain.workers.generation import GenerationConfig, GenerationInterface, make_generation
-from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.generation import GenerationInterface, make_generation
+from posttrain.workers.policy import Policy
 from posttrain.workers.refit import Refit, uses_shared_memory
 
 log = logging.getLogger(__name__)
-
-AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae", "on_policy_distillation"
-]
-
-
-@dataclass
-class DynamicSamplingConfig:
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more to fill the step."""
-
-    enabled: bool = field(default=False, metadata={"help": "drop zero-signal groups"})
-    max_num_gen_batches: int = field(default=4, metadata={"help": "most generation rounds per step"})
-
-
-@dataclass
-class OverlongShapingConfig:
-    """DAPO soft overlong punishment added to the reward of long responses."""
-
-    enabled: bool = field(default=False, metadata={"help": "penalise responses near max_new_tokens"})
-    buffer_length: int = field(
-        default=16, metadata={"help": "tokens before the limit where the penalty ramps up"}
-    )
-    penalty_factor: float = field(default=1.0, metadata={"help": "penalty at the limit"})
-
-
-@dataclass
-class RewardScalingConfig:
-    """Affine reward shaping: reward * scale + shift."""
-
-    enabled: bool = field(default=False, metadata={"help": "apply scale and shift"})
-    scale: float = field(default=1.0, metadata={"help": "multiplier"})
-    shift: float = field(default=0.0, metadata={"help": "offset"})
-
-
-@dataclass
-class GRPOLoopConfig:
-    """The GRPO loop's own knobs."""
-
-    num_prompts_per_step: int = field(default=32, metadata={"help": "prompts per step"})
-    num_generations_per_prompt: int = field(default=8, metadata={"help": "samples per prompt (the group)"})
-    max_num_steps: int = field(default=100, metadata={"help": "training steps"})
-    max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
-    max_seq_len: int = field(
-        default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
-    )
-    advantage_estimator: AdvantageEstimator = field(
-        default="grpo",
-        metadata={
-            "help": "grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: "
-            "R - group mean, no std (needs loss.constant_length_normalizer); reinforce_pp: rewards "
-            "whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group mean, then "
-            "whitened over the batch's tokens; gae: PPO, per-token GAE from the value model of the critic "
-            "section; on_policy_distillation: log pi_teacher - log pi_student per token (teacher section)"
-        },
-    )
-    normalize_rewards: bool = field(
-        default=True, metadata={"help": "divide advantages by the group std (advantage_estimator grpo)"}
-    )
-    use_leave_one_out_baseline: bool = field(
-        default=False, metadata={"help": "RLOO baseline instead of the mean (advantage_estimator grpo)"}
-    )
-    overlong_filtering: bool = field(default=False, metadata={"help": "DAPO: no loss on truncated samples"})
-    dynamic_sampling: DynamicSamplingConfig = field(
-        default_factory=DynamicSamplingConfig, metadata={"help": "DAPO"}
-    )
-    overlong_shaping: OverlongShapingConfig = field(
-        default_factory=OverlongShapingConfig, metadata={"help": "DAPO"}
-    )
-    reward_scaling: RewardScalingConfig = field(
-        default_factory=RewardScalingConfig, metadata={"help": "shaping"}
-    )
-    val_period: int = field(default=10, metadata={"help": "validate every this many steps (0: never)"})
-    val_at_start: bool = field(default=True, metadata={"help": "validate before the first step"})
-    max_val_samples: int = field(default=256, metadata={"help": "validation prompts used"})
-    val_num_generations: int = field(default=1, metadata={"help": "samples per validation prompt"})
-    val_greedy: bool = field(
-        default=True, metadata={"help": "greedy validation (needs val_num_generations 1)"}
-    )
-    val_pass_k: int = field(default=1, metadata={"help": "k of the reported validation pass@k"})
-    val_grader: str | None = field(
-        default="final_number",
-        metadata={
-            "help": "strict grade of validation replies beside the reward ('final_number': the reply's "
-            "last number equals a numeric ground truth; file.py:function or module:function; "
-            "null: none)"
-        },
-    )
-    val_max_reward_gap: float = field(
-        default=0.1, metadata={"help": "warn when val reward exceeds the strict grade by more than this"}
-    )
-    early_stop_val_accuracy: float | None = field(
-        default=None, metadata={"help": "stop when val accuracy >= this"}
-    )
-    seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
-    async_grpo: AsyncGRPOConfig = field(
-        default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"}
-    )
-
-    def validate(self) -> None:
-        check_loop_lengths(self)
-        if self.use_leave_one_out_baseline and self.advantage_estimator != "grpo":
-            raise ConfigError.at(
-                "use_leave_one_out_baseline",
-                f"is an option of advantage_estimator 'grpo', not {self.advantage_estimator!r}",
-            )
-        if self.val_greedy and self.val_num_generations > 1:
-            raise ValueError("val_greedy with val_num_generations > 1 gives identical samples; pick one")
-        if self.val_pass_k > self.val_num_generations:
-            raise ValueError(f"val_pass_k={self.val_pass_k} needs val_num_generations >= it")
-
-
-@dataclass
-class GRPOConfig:
-    """`posttrain grpo` configuration."""
-
-    grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
-    loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
-    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
-    critic: CriticConfig = field(
-        default_factory=CriticConfig, metadata={"help": "PPO's value model (grpo.advantage_estimator gae)"}
-    )
-    teacher: TeacherConfig = field(
-        default_factory=TeacherConfig,
-        metadata={"help": "the frozen teacher (grpo.advantage_estimator on_policy_distillation)"},
-    )
-    generation: GenerationConfig = field(
-        default_factory=GenerationConfig, metadata={"help": "rollout sampling"}
-    )
-    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "prompts (rl format)"})
-    env: dict[str, EnvironmentConfig] = field(
-        default_factory=lambda: {"arithmetic": EnvironmentConfig()},
-        metadata={"help": "task name -> environment"},
-    )
-    cluster: ClusterConfig = field(
-        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
-    )
-    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
-    checkpointing: CheckpointingConfig = field(
-        default_factory=CheckpointingConfig,
-        metadata={"help": "checkpoints (ranked by val_accuracy by default)"},
-    )
-
-    def validate(self) -> None:
-        check_parallelism(self.policy, self.cluster)
-        if self.grpo.advantage_estimator == "dr_grpo" and self.loss.constant_length_normalizer is None:
-            raise ConfigError.at(
-                "loss.constant_length_normalizer",
-                "grpo.advantage_estimator 'dr_grpo' divides the loss by a constant length: set it, e.g. to "
-                f"generation.max_new_tokens ({self.generation.max_new_tokens})",
-            )
-        batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
-        if batch % self.policy.train_global_batch_size:
-            raise ValueError(
-                f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
-                f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
-            )
-        self.validate_async()
-        check_tool_environments(self.env, self.grpo.max_rollout_turns)
-        if (
-            self.grpo.advantage_estimator == "on_policy_distillation"
-            and self.teacher.model.model_name is None
-        ):
-            raise ConfigError.at(
-                "teacher.model.model_name",
-                "on-policy distillation needs a teacher: a model directory or hub name",
-            )
-        if self.teacher.top_k and (
-            self.policy.backend != "dtensor" or self.teacher.model.backend != "dtensor"
-        ):
-            raise ConfigError.at(
-                "teacher.top_k",
-                "distillation on the teacher's top-k runs on the dtensor backend (policy and teacher)",
-            )
-        if self.grpo.advantage_estimator == "gae":
-            check_parallelism(self.critic.model, self.cluster)
-            if batch % self.critic.model.train_global_batch_size:
-                raise ConfigError.at(
-                    "critic.model.train_global_batch_size",
-                    f"{self.critic.model.train_global_batch_size} must divide the {batch} samples of a step",
-                )
-        max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
-        if lora.enabled and max_rank is not None and lora.rank > max_rank:
-            raise ConfigError.at(
-                "generation.vllm_lora_max_rank",
-                f"{max_rank} is below policy.lora.rank={lora.rank}: vLLM could not load the adapter",
-            )
-
-    def validate_async(self) -> None:
-        """Async GRPO generates on workers of its own and, with stale data, needs the IS correction."""
-        async_cfg = self.grpo.async_grpo
-        if async_cfg.enabled and self.generation.colocated:
-            raise ConfigError.at(
-                "grpo.async_grpo.enabled",
-                "asynchronous GRPO generates while the policy trains, so the generation workers need bundles "
-                "of their own: set generation.colocated=false (and generation.num_workers)",
-            )
-        if async_cfg.enabled and async_cfg.lend_idle_cores and self.generation.backend == "vllm":
-            raise ConfigError.at(
-                "grpo.async_grpo.lend_idle_cores",
-                "lends threads to the hf generation backend only (vLLM sets its own): set "
-                "generation.backend=hf or lend_idle_cores=false",
-            )
-        if (
-            async_cfg.enabled
-            and async_cfg.max_trajectory_age_steps > 0
-            and not self.loss.use_importance_sampling_correction
-        ):
-            raise ConfigError.at(
-                "loss.use_importance_sampling_correction",
-                f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) "
-                "old: "
-                "set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the loss "
-                "weights "
-                "them by pi_prev / pi_generation, or set grpo.async_grpo.max_trajectory_age_steps=0",
-            )
 
 
 @dataclass
@@ -367,22 +152,6 @@ def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface,
         colocated_offload=cfg.generation.colocated_offload,
         stale=stale,
     )
-
-
-def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_turns: int) -> None:
-    """The keyword arguments of every `tools` environment, checked when the config loads; a tool episode
-    needs a second turn to answer after its call."""
-    for task, env_cfg in env_cfgs.items():
-        if env_cfg.cls == "tools" and max_rollout_turns < 2:
-            raise ConfigError.at(
-                "grpo.max_rollout_turns",
-                f"env.{task} is a tools environment: set >= 2 (a call, then the answer)",
-            )
-        if env_cfg.cls == "tools":
-            try:
-                ToolEnvironmentConfig.from_kwargs(env_cfg.kwargs)
-            except (KeyError, TypeError, ValueError) as error:
-                raise ConfigError.at(f"env.{task}.kwargs", str(error).strip("'\"")) from None
 
 
 def placed_beside_policy(cfg: GRPOConfig) -> list[ResourceRequest]:

@@ -22,7 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
-from posttrain.algorithms.loss import BradleyTerryLoss
+from posttrain.algorithms.preference_loss import BradleyTerryLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
 from posttrain.config import ConfigError, load_run_config

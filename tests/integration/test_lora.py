@@ -10,7 +10,8 @@ from peft import PeftModel
 from test_policy import make_train_data as policy_train_data
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss
+from posttrain.algorithms.loss import NLLLoss
+from posttrain.algorithms.preference_loss import BradleyTerryLoss
 from posttrain.cli import main as posttrain_main
 from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict

@@ -19,7 +19,8 @@ from test_policy import make_train_data, policy_config  # noqa: E402
 from test_sft import run_sft  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from posttrain.algorithms.loss import BradleyTerryLoss, ClippedPGLoss, NLLLoss  # noqa: E402
+from posttrain.algorithms.loss import ClippedPGLoss, NLLLoss  # noqa: E402
+from posttrain.algorithms.preference_loss import BradleyTerryLoss  # noqa: E402
 from posttrain.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster  # noqa: E402
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402

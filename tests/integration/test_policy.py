@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
-from posttrain.algorithms.loss import BradleyTerryLoss, NLLLoss, ValueLoss, ValueLossConfig
+from posttrain.algorithms.loss import NLLLoss, ValueLoss, ValueLossConfig
+from posttrain.algorithms.preference_loss import BradleyTerryLoss
 from posttrain.config import validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster

@@ -16,6 +16,7 @@ LAYERS = {
     "posttrain.distributed": 1,
     "posttrain.data": 1,
     "posttrain.algorithms.loss": 1,
+    "posttrain.algorithms.preference_loss": 1,
     "posttrain.algorithms.advantages": 1,
     "posttrain.models": 2,  # weights: build, tokenizer, LoRA, vision-language, GGUF
     "posttrain.environments": 2,

@@ -7,17 +7,15 @@ import pytest
 import torch
 
 from posttrain.algorithms.loss import (
-    BradleyTerryLoss,
     ClippedPGLoss,
     ClippedPGLossConfig,
-    DPOLoss,
-    DPOLossConfig,
     KDLoss,
     KDLossConfig,
     NLLLoss,
     ValueLoss,
     ValueLossConfig,
 )
+from posttrain.algorithms.preference_loss import BradleyTerryLoss, DPOLoss, DPOLossConfig
 from posttrain.config import ConfigError
 from posttrain.utils.metrics import sum_metrics
 

@@ -6,7 +6,7 @@ short, and fills the rest with groups without signal."""
 import pytest
 import torch
 
-from posttrain.algorithms.grpo import DynamicSamplingConfig, GRPOLoopConfig
+from posttrain.algorithms.grpo_config import DynamicSamplingConfig, GRPOLoopConfig
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, SyncRollouts
 from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
 from posttrain.environments.interface import EnvironmentReturn
