@@ -2,7 +2,8 @@
 
 Runs in its own environment (`make install-trl` makes `.venv-trl`); it only uses TRL, which is not a
 dependency of posttrain. Usage: `.venv-trl/bin/python benchmarks/trl_grpo.py JOB.json OUT.json`, where
-the job (written by grpo_step.py) names the model directory, the prompts file and the settings.
+the job (written by grpo_step.py or time_to_accuracy.py) names the model directory, the prompts file and
+the settings; with `save_steps`, the model is saved every that many steps (`output_dir/checkpoint-N`).
 
 Per step: wall time from the trainer's step-begin to step-end callbacks, and TRL's own profiling
 timings (`ProfilingContext`, normally sent to W&B / MLflow / Trackio, recorded here instead):
@@ -129,7 +130,9 @@ def main(job_file: str, out_file: str) -> int:
         max_grad_norm=job["max_grad_norm"],
         max_steps=job["warmup"] + job["steps"],
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if job.get("save_steps") else "no",  # time_to_accuracy.py grades them
+        save_steps=job.get("save_steps") or 500,
+        save_only_model=True,
         report_to="none",
         disable_tqdm=True,
         fp16=False,

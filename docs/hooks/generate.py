@@ -218,6 +218,49 @@ def plot_async_curves(name: str, modes: dict[str, dict]) -> str:
     return f"{name}.png"
 
 
+def time_to_accuracy_section(name: str, data: dict) -> list[str]:
+    """Strict held-out accuracy against training time per arm and seed (`benchmarks/time_to_accuracy.py`)."""
+    arms = data["arms"]
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}.* From `{data['sft_model']}` (strict accuracy "
+             f"{data['start']['strict_accuracy']:.1%}), greedy on {data['held_out_questions']} held-out questions, a "
+             "reply counting when its last number equals the answer; time is each arm's own training time "
+             "(`benchmarks/time_to_accuracy.py`).", ""]
+    plot = plot_time_to_accuracy(name, data)
+    lines += [f"![strict accuracy by training time]({plot})", ""]
+    lines += ["| arm | seed | strict accuracy (training s) |", "|---|---|---|"]
+    for arm, seeds in arms.items():
+        for seed, run in seeds.items():
+            points = ", ".join(f"{p['strict_accuracy']:.1%} ({p['train_s']:.0f})" for p in run["points"])
+            lines.append(f"| {arm} | {seed} | {points} |")
+    if data.get("notes"):
+        lines += [""] + [f"- {note}" for note in data["notes"]]
+    return lines + [""]
+
+
+def plot_time_to_accuracy(name: str, data: dict) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.4))
+    start = data["start"]["strict_accuracy"]
+    for index, (arm, seeds) in enumerate(data["arms"].items()):
+        for seed_index, run in enumerate(seeds.values()):
+            points = [{"train_s": 0.0, "strict_accuracy": start}] + run["points"]
+            axis.plot([p["train_s"] / 60 for p in points], [p["strict_accuracy"] for p in points], marker="o",
+                      color=f"C{index}", alpha=0.9 if seed_index == 0 else 0.55,
+                      label=arm if seed_index == 0 else None)
+    axis.set_xlabel("training time (min)")
+    axis.set_ylabel("strict held-out accuracy")
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(OUT / f"{name}.png", dpi=110)
+    plt.close(figure)
+    return f"{name}.png"
+
+
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
     """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
     import matplotlib
@@ -266,6 +309,8 @@ def write_benchmarks() -> None:
             lines += refit_nodes_section(name, data)
         elif name.startswith("async_curves"):
             lines += async_curves_section(name, data)
+        elif name.startswith("time_to_accuracy"):
+            lines += time_to_accuracy_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
 
 

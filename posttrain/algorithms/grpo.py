@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from posttrain.algorithms import advantages as adv
+from posttrain.algorithms import health
 from posttrain.algorithms.checks import check_batch_fits
 from posttrain.algorithms.critic import Critic
 from posttrain.algorithms.grpo_async import AsyncRollouts
@@ -111,6 +112,7 @@ class GRPORun:
     last_val: dict[str, float] = field(default_factory=dict)
     critic: Critic | None = None  # PPO's value model (grpo.advantage_estimator gae)
     teacher: Teacher | None = None  # on-policy distillation's teacher
+    health_monitor: health.HealthMonitor | None = None  # learning-health warnings (grpo.health)
 
     def extra_models(self) -> dict[str, Policy]:
         """Models checkpointed beside the policy."""
@@ -203,7 +205,9 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")
     prompts = cfg.grpo.num_prompts_per_step
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
-    loader = StatefulDataLoader(train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    loader = StatefulDataLoader(
+        train_records, prompts, shuffle=cfg.data.shuffle, seed=cfg.data.training_order_seed
+    )
     cluster = RayVirtualCluster(cfg.cluster, also_needs=placed_beside_policy(cfg))
     with shutdown_on_error(cluster):  # a failed start leaves no placement group or worker behind
         check_run_directories(cfg, cluster.bundle_node_ids())
@@ -217,7 +221,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         policy = Policy(
             cluster,
             cfg.policy,
-            init_reference_model=cfg.loss.reference_policy_kl_penalty > 0,
+            init_reference_model=keeps_reference(cfg),
             bundle_share=share,
         )
         critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
@@ -264,6 +268,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
             step,
             critic=critic,
             teacher=teacher,
+            health_monitor=health.HealthMonitor(cfg.grpo.health) if cfg.grpo.health.enabled else None,
         )
 
 
@@ -411,7 +416,8 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     if not (single_update or supervised):
         with timer.time("logprobs"):
             train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
-    if run.cfg.loss.reference_policy_kl_penalty > 0:
+    kl_measured = reference_due(run.cfg, run.step + 1)
+    if kl_measured:
         with timer.time("reference_logprobs"):
             reference = run.policy.get_reference_policy_logprobs(train_data)
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
@@ -432,7 +438,30 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     metrics["advantage_abs_mean"] = float(
         (train_data["advantages"].abs() * token_mask).sum() / token_mask.sum().clamp(min=1.0)
     )
+    if run.health_monitor is not None:
+        signals = health.step_signals(
+            rollouts["rewards"], cfg.num_generations_per_prompt, metrics, rollout_metrics, kl_measured
+        )
+        health.report(run.health_monitor, run.step + 1, signals)
+        metrics.update({f"health/{k}": v for k, v in signals.items()})
     return metrics
+
+
+def keeps_reference(cfg: GRPOConfig) -> bool:
+    """The policy keeps a frozen copy of its starting weights: for the KL penalty, or to log the KL to
+    them (`grpo.health.kl_to_start_period`)."""
+    return cfg.loss.reference_policy_kl_penalty > 0 or (
+        cfg.grpo.health.enabled and cfg.grpo.health.kl_to_start_period > 0
+    )
+
+
+def reference_due(cfg: GRPOConfig, step: int) -> bool:
+    """Step `step` computes the starting weights' logprobs: on every step for the KL penalty, every
+    `grpo.health.kl_to_start_period` steps (and the first) for the health signal alone."""
+    if cfg.loss.reference_policy_kl_penalty > 0:
+        return True
+    period = cfg.grpo.health.kl_to_start_period if cfg.grpo.health.enabled else 0
+    return period > 0 and (step == 1 or step % period == 0)
 
 
 def validation_due(cfg: GRPOLoopConfig, step: int, last_step: int) -> bool:

@@ -9,6 +9,7 @@ from typing import Literal
 from posttrain.algorithms.checks import check_loop_lengths, check_parallelism
 from posttrain.algorithms.critic import CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig
+from posttrain.algorithms.health import HealthConfig
 from posttrain.algorithms.loss import ClippedPGLossConfig
 from posttrain.algorithms.teacher import TeacherConfig
 from posttrain.config import ConfigError
@@ -116,6 +117,9 @@ class GRPOLoopConfig:
     seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
     async_grpo: AsyncGRPOConfig = field(
         default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"}
+    )
+    health: HealthConfig = field(
+        default_factory=HealthConfig, metadata={"help": "learning-health signals and their warnings"}
     )
 
     def validate(self) -> None:

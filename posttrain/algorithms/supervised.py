@@ -130,7 +130,9 @@ def setup_run(
     check_batch_fits(
         len(train_records), records_per_step, "policy.train_global_batch_size", batch_size, cfg.data.dataset
     )
-    loader = StatefulDataLoader(train_records, records_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    loader = StatefulDataLoader(
+        train_records, records_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.training_order_seed
+    )
     epochs_steps = loop.max_num_epochs * len(loader)
     total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
     cluster = RayVirtualCluster(cfg.cluster)

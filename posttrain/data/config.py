@@ -73,6 +73,10 @@ class DataConfig:
     )
     shuffle: bool = field(default=True, metadata={"help": "shuffle training data each epoch"})
     seed: int = field(default=42, metadata={"help": "seed of shuffling, splits and built-in tasks"})
+    shuffle_seed: int | None = field(
+        default=None,
+        metadata={"help": "seed of the training order alone (null: data.seed); the split stays as it is"},
+    )
     train_on: Literal["assistant", "last_assistant"] = field(
         default="assistant", metadata={"help": "tokens trained on: all assistant turns or only the last"}
     )
@@ -89,6 +93,11 @@ class DataConfig:
     puzzle_scramble_moves: int = field(
         default=2, metadata={"help": "built-in sliding_puzzle: random moves from solved"}
     )
+
+    @property
+    def training_order_seed(self) -> int:
+        """The seed of the training data's shuffle: `shuffle_seed`, else `seed`."""
+        return self.seed if self.shuffle_seed is None else self.shuffle_seed
 
     def validate(self) -> None:
         self._check_source("dataset", self.dataset)

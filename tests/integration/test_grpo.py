@@ -77,9 +77,21 @@ def run_grpo(log_dir, **extra) -> dict[int, dict]:
 def test_a_short_run_logs_every_stage_and_keeps_logprobs_consistent(ray_session, tmp_path):
     """The 16 samples of a step are one global batch here: the trained forward gives pi_prev, so there is
     no separate logprobs stage (the other tests train two global batches per step and have one)."""
-    steps = run_grpo(tmp_path, **{"grpo.max_num_steps": 3, "policy.train_global_batch_size": 16})
+    steps = run_grpo(
+        tmp_path,
+        **{
+            "grpo.max_num_steps": 3,
+            "policy.train_global_batch_size": 16,
+            "grpo.health.kl_to_start_period": 2,
+        },
+    )
+    assert steps[1]["train/health/kl_to_start"] == 0.0  # trained forward of step 1: the start itself
+    assert steps[2]["train/health/kl_to_start"] > 0.0 and "train/health/kl_to_start" not in steps[3]
     for step in (1, 2, 3):
         metrics = steps[step]
+        assert 0.0 <= metrics["train/health/zero_signal_share"] <= 1.0
+        assert metrics["train/health/entropy"] == metrics["train/approx_entropy"] > 0
+        assert metrics["train/health/mean_reply_length"] == metrics["train/rollout/mean_generated_length"]
         for stage in ("generation", "rewards", "advantages", "training"):
             assert metrics[f"timing/{stage}"] > 0
         assert "timing/logprobs" not in metrics
@@ -90,6 +102,18 @@ def test_a_short_run_logs_every_stage_and_keeps_logprobs_consistent(ray_session,
     assert "val/accuracy" in steps[2] and (tmp_path / "val_samples" / "step_2.jsonl").exists()
     assert (tmp_path / "checkpoints" / "step_2" / "training_info.json").exists()
     assert any(steps[s]["train/reward_mean"] > 0 for s in (1, 2, 3))  # the reward has signal
+
+
+def test_a_run_whose_rewards_are_all_zero_warns_of_a_stall_at_step_3(ray_session, tmp_path, caplog):
+    """An untrained model never writes the exact sum: every group's rewards are all 0, no gradient."""
+    with caplog.at_level("WARNING", logger="posttrain.algorithms.health"):
+        steps = run_grpo(
+            tmp_path,
+            **{"grpo.max_num_steps": 3, "grpo.val_period": 0, "env.arithmetic.cls": "exact_match"},
+        )
+    assert [steps[s]["train/health/zero_signal_share"] for s in (1, 2, 3)] == [1.0, 1.0, 1.0]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "posttrain.algorithms.health"]
+    assert len(warnings) == 1 and warnings[0].startswith("step 3: learning has stalled"), warnings
 
 
 def test_resume_equals_uninterrupted(ray_session, tmp_path):

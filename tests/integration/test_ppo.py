@@ -86,13 +86,15 @@ def learning_run(log_dir, sft_model, estimator: str, num_steps: int, **extra) ->
     return metrics_by_step(log_dir)
 
 
-def test_ppo_reaches_grpo_accuracy_at_equal_samples(arithmetic_sft_model, tmp_path):
+def test_ppo_reaches_grpo_accuracy_at_equal_samples(arithmetic_sft_model, tmp_path, caplog):
     """From the SFT model of the DPO/RM tests, 20 steps x 128 samples each of GRPO and of PPO (same seeds,
     same policy loss and learning rate); graded strictly (the reply's final number equals the sum) on 200
     held-out prompts, greedy. PPO must end within 0.05 of GRPO's accuracy, and GRPO must have learned
     (+0.05 over the start), so that the comparison is between two runs that moved."""
     num_steps = 20
-    grpo_steps = learning_run(tmp_path / "grpo", arithmetic_sft_model, "grpo", num_steps)
+    with caplog.at_level("WARNING", logger="posttrain.algorithms.health"):
+        grpo_steps = learning_run(tmp_path / "grpo", arithmetic_sft_model, "grpo", num_steps)
+    assert [r.getMessage() for r in caplog.records if r.name == "posttrain.algorithms.health"] == []
     ppo_steps = learning_run(tmp_path / "ppo", arithmetic_sft_model, "gae", num_steps)
     start = grpo_steps[0]["val/strict_accuracy"]
     grpo_accuracy = grpo_steps[num_steps]["val/strict_accuracy"]

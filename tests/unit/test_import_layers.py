@@ -18,6 +18,7 @@ LAYERS = {
     "posttrain.algorithms.loss": 1,
     "posttrain.algorithms.preference_loss": 1,
     "posttrain.algorithms.advantages": 1,
+    "posttrain.algorithms.health": 1,
     "posttrain.models": 2,  # weights: build, tokenizer, LoRA, vision-language, GGUF
     "posttrain.environments": 2,
     "posttrain.workers": 3,  # Ray actors and their driver-side handles: policy, generation, refit
