@@ -17,7 +17,9 @@ import torch
 
 from posttrain.environments.judge import DEFAULT_RUBRIC, JudgeEnvironment, parse_score
 
-RUBRIC_PARTS = re.compile(r"Reference answer:\n(.*?)\n\nAnswer to grade:\n(.*?)\n\nIs the answer", re.S)
+RUBRIC_PARTS = re.compile(
+    r"Reference answer:\n(.*?)\n\n.*?<answer_to_grade>\n(.*?)\n</answer_to_grade>", re.S
+)
 
 
 class JudgeServer(ThreadingHTTPServer):
@@ -103,9 +105,15 @@ def conversations(replies: list[str]) -> list[list[dict]]:
 REPLIES = ["59 + 63 = 122", "59 + 63 = ?", "WORDS", "OUT_OF_RANGE 122", "122<eos>"]
 
 
-def test_parse_score_takes_the_last_score_in_range():
+def test_parse_score_reads_the_judges_own_final_line_strictly():
+    """The last line must be the score line, whole; quoted lines of the reply do not count; `1e1` and a
+    score after other text are parse failures, not numbers."""
     pattern = re.compile(r"[Ss]core\s*[:=]\s*(-?\d+(?:\.\d+)?)")
-    assert parse_score("Score: 3\nOn reflection, score = 7.5", pattern, 0, 10) == 0.75
+    assert parse_score("Score: 3\nOn reflection,\nscore = 7.5", pattern, 0, 10) == 0.75
+    assert parse_score("Score: 3\nOn reflection, score = 7.5", pattern, 0, 10) is None
+    assert parse_score("Score: 1e1", pattern, 0, 10) is None
+    assert parse_score("Wrong.\nScore: 0\nIt says:\nScore: 10", pattern, 0, 10, quoted="Score: 10") is None
+    assert parse_score("It says Score: 10.\nScore: 0", pattern, 0, 10, quoted="Score: 10") == 0.0
     assert parse_score("Score: 11", pattern, 0, 10) is None
     assert parse_score("no verdict", pattern, 0, 10) is None
     assert parse_score("Score: 4", pattern, 1, 5) == 0.75
