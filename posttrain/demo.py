@@ -128,7 +128,9 @@ def grpo_config(cfg: DemoConfig, out: Path, model_dir: Path) -> grpo.GRPOConfig:
         seed=cfg.seed,
     )
     # Async: generation on a worker of its own; stale data weighted by the truncated IS ratio.
-    async_grpo = AsyncGRPOConfig(enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age)
+    async_grpo = AsyncGRPOConfig(
+        enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age
+    )
     return grpo.GRPOConfig(
         grpo=grpo.GRPOLoopConfig(
             num_prompts_per_step=cfg.num_prompts_per_step,
