@@ -98,27 +98,29 @@ def _post_once(
             conn.connect()
         except OSError as error:
             raise _NotSent(f"cannot connect: {error}") from error
-        return _exchange(conn, parts.path or "/", data, headers, deadline, max_response_bytes)
+        return _exchange(conn, conn.sock, parts.path or "/", data, headers, deadline, max_response_bytes)
     finally:
         conn.close()
 
 
 def _exchange(
     conn: http.client.HTTPConnection,
+    sock: socket.socket,
     path: str,
     data: bytes,
     headers: dict[str, str],
     deadline: float,
     max_response_bytes: int,
 ) -> HTTPReply:
-    """Send the request on an open connection and read the whole answer before the deadline."""
+    """Send the request on an open connection (`sock`, its socket, which the watchdog shuts at the deadline:
+    http.client lets go of `conn.sock` once the answer is underway) and read the whole answer."""
     expired = threading.Event()
 
     def cut() -> None:
         expired.set()
         try:
-            conn.sock.shutdown(socket.SHUT_RDWR)
-        except (OSError, AttributeError):
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
             pass
 
     watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), cut)
@@ -131,8 +133,12 @@ def _exchange(
         if declared is not None and declared.isdigit() and int(declared) > max_response_bytes:
             raise HTTPCallError(f"the answer is {declared} bytes, over the cap of {max_response_bytes}")
         body = response.read(max_response_bytes + 1)
+        if expired.is_set():
+            raise HTTPCallError("no complete answer before the deadline")
         if len(body) > max_response_bytes:
             raise HTTPCallError(f"the answer is over the cap of {max_response_bytes} bytes")
+        if declared is not None and declared.isdigit() and len(body) < int(declared):
+            raise HTTPCallError(f"the answer ended after {len(body)} of its {declared} bytes")
         return HTTPReply(response.status, body)
     except (OSError, http.client.HTTPException) as error:
         if expired.is_set():

@@ -104,6 +104,10 @@ class EnvironmentServer(HTTPServer):
             self.shutdown_request(request)
             self.slots.release()
 
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A connection that failed (a client that hung up, a timeout): one log line, no traceback."""
+        log.info("serve-env: connection from %s failed: %r", client_address, sys.exc_info()[1])
+
     def server_close(self) -> None:
         super().server_close()
         self.workers.shutdown(wait=False, cancel_futures=True)
@@ -222,7 +226,12 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise BadRequest(f"body of {length} bytes exceeds {self.server.limits.max_body_bytes}", 413)
         try:
-            return json.loads(self.rfile.read(int(length)))
+            data = self.rfile.read(int(length))
+        except TimeoutError:
+            self.close_connection = True
+            raise BadRequest(f"the body did not arrive within {self.timeout} s", 408) from None
+        try:
+            return json.loads(data)
         except RecursionError:
             raise BadRequest("the body's JSON is nested too deeply") from None
         except ValueError as error:
