@@ -79,7 +79,9 @@ def test_a_bad_reward_or_a_raising_sample_costs_that_sample_alone():
 def test_non_finite_rewards_and_advantages_are_refused_naming_the_rewards_not_the_learning_rate():
     """The group [inf, 1, 0, 0] gave advantages [nan, -inf, -inf, -inf]; now it is an error naming
     sample 0 and the environments."""
-    with pytest.raises(NonFiniteRewardError, match=r"samples \[0\].*environments.*not from the learning rate"):
+    with pytest.raises(
+        NonFiniteRewardError, match=r"samples \[0\].*environments.*not from the learning rate"
+    ):
         group_relative_advantages(torch.tensor([math.inf, 1.0, 0.0, 0.0]), 4)
     data = {
         "advantages": torch.tensor([[math.nan, 1.0]]),
