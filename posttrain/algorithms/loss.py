@@ -27,7 +27,7 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from posttrain.algorithms.advantages import kl_estimate
+from posttrain.algorithms.advantages import check_finite, kl_estimate
 from posttrain.config import ConfigError
 
 Count = torch.Tensor | float | int
@@ -292,6 +292,7 @@ class ClippedPGLoss:
         logprobs = logprobs.float()  # [B, T]
         mask = _valid_token_mask(data, logprobs, "ClippedPGLoss")  # [B, T]
         advantages = _require(data, "advantages", "ClippedPGLoss").to(logprobs.device).float()  # [B, T]
+        check_finite(advantages, "advantages")
         prev_logprobs = self._prev_logprobs(logprobs, data)  # [B, T]
         ratio = self._ratio(logprobs, prev_logprobs, mask)  # [B, T]
         clipped_ratio = ratio.clamp(1.0 - self.cfg.ratio_clip_min, 1.0 + self.cfg.ratio_clip_max)

@@ -53,13 +53,14 @@ def _call_from_object(value: Any, arguments_key: str) -> ToolCall:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise ValueError(f'the "{arguments_key}" of {name!r} are not a JSON object') from None
     if not isinstance(arguments, dict):
         raise ValueError(f'the "{arguments_key}" of {name!r} must be a JSON object')
     return ToolCall(name, arguments)
 
 
+TOO_DEEP = "the call is nested too deeply to decode"
 HERMES_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
 
@@ -78,6 +79,8 @@ def parse_hermes(text: str) -> ParsedReply:
             reply.calls.append(_call_from_object(json.loads(match.group(1)), "arguments"))
         except json.JSONDecodeError as error:
             reply.errors.append(f"the call is not valid JSON ({error.msg} at character {error.pos})")
+        except RecursionError:
+            reply.errors.append(TOO_DEEP)
         except ValueError as error:
             reply.errors.append(str(error))
     reply.content = "".join(outside + [text[position:]]).strip()
@@ -107,6 +110,9 @@ def parse_llama3_json(text: str) -> ParsedReply:
             value, position = decoder.raw_decode(body, position)
         except json.JSONDecodeError as error:
             reply.errors.append(f"the call is not valid JSON ({error.msg} at character {error.pos})")
+            break
+        except RecursionError:
+            reply.errors.append(TOO_DEEP)
             break
         try:
             reply.calls.append(_call_from_object(value, "parameters"))

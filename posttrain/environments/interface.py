@@ -32,6 +32,10 @@ class EnvironmentReturn:
 class EnvironmentInterface(abc.ABC):
     """An environment scores (and may answer) the last assistant message of each conversation."""
 
+    # The rewards this environment may give, inclusive: a reward outside (or NaN/inf) scores 0 and counts
+    # as an environment error (`reward_check.checked_return`). Environments declare tighter ranges.
+    reward_range: tuple[float, float] = (-1e6, 1e6)
+
     @classmethod
     def tool_prompt(cls, kwargs: dict[str, Any]) -> ToolPrompt | None:
         """The tools this environment (built with `kwargs`) declares in its tasks' prompts (default: none)."""

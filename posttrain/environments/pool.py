@@ -1,17 +1,18 @@
 """Ray actor pools that run environments: one pool per task, its samples split across the actors in
-order; an environment that raises scores its samples 0 and counts them as errors. A dead actor (its
-process killed, its node lost) is replaced and its samples are scored again on the new actor, so a lost
-node costs no rewards; samples whose scoring kills the new actor too score 0 and count as errors."""
+order. Each actor checks its environment's rewards (`reward_check.step_isolated`): a NaN, infinite or
+out-of-range reward, and a sample whose scoring raises, score 0 and count as errors, that sample alone.
+A dead actor (its process killed, its node lost) is replaced and its samples are scored again on the new
+actor, so a lost node costs no rewards; samples whose scoring kills the new actor too score 0 and count
+as errors."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
-import torch
-
 from posttrain.environments.interface import EnvironmentReturn
 from posttrain.environments.registry import EnvironmentConfig, resolve_environment_class
+from posttrain.environments.reward_check import failed_return, merge_returns, step_isolated
 
 logger = logging.getLogger(__name__)
 
@@ -19,14 +20,15 @@ logger = logging.getLogger(__name__)
 class _EnvironmentActor:
     """Hosts one environment instance inside a Ray actor."""
 
-    def __init__(self, spec: str, kwargs: dict[str, Any]):
+    def __init__(self, spec: str, kwargs: dict[str, Any], task_name: str = ""):
         self.environment = resolve_environment_class(spec)(**kwargs)
+        self.source = f"environment {spec!r}" + (f" of task {task_name!r}" if task_name else "")
 
     def ready(self) -> bool:
         return True
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
-        return self.environment.step(message_logs, metadata)
+        return step_isolated(self.environment, message_logs, metadata, self.source)
 
     def global_post_process_and_metrics(self, batch):
         return self.environment.global_post_process_and_metrics(batch)
@@ -55,7 +57,7 @@ class EnvironmentPool:
 
     def _start_actor(self, index: int):
         name = f"env-{self.task_name}-{index}-{self.num_restarts}-{id(self):x}"
-        return self._actor_cls.options(name=name).remote(self.cfg.cls, self.cfg.kwargs)
+        return self._actor_cls.options(name=name).remote(self.cfg.cls, self.cfg.kwargs, self.task_name)
 
     def _restart(self, index: int) -> None:
         import ray
@@ -113,36 +115,6 @@ class EnvironmentPool:
 
         for actor in self.actors:
             ray.kill(actor)
-
-
-def failed_return(metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-    """The answer for samples whose environment raised: reward 0, terminated, each counted as an error."""
-    batch_size = len(metadata)
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-        metadata=metadata,
-        next_stop_strings=[None] * batch_size,
-        rewards=torch.zeros(batch_size),
-        terminateds=torch.ones(batch_size, dtype=torch.bool),
-        answers=[None] * batch_size,
-        num_errors=batch_size,
-    )
-
-
-def merge_returns(parts: list[EnvironmentReturn]) -> EnvironmentReturn:
-    """Concatenate per-actor returns in order."""
-    return EnvironmentReturn(
-        observations=[o for p in parts for o in p.observations],
-        metadata=[m for p in parts for m in p.metadata],
-        next_stop_strings=[s for p in parts for s in p.next_stop_strings],
-        rewards=torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0),
-        terminateds=torch.cat([p.terminateds for p in parts]) if parts else torch.zeros(0, dtype=torch.bool),
-        answers=[a for p in parts for a in p.answers],
-        num_errors=sum(p.num_errors for p in parts),
-        counts={
-            k: sum(p.counts.get(k, 0.0) for p in parts) for k in sorted({k for p in parts for k in p.counts})
-        },
-    )
 
 
 def create_environments(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, EnvironmentPool]:

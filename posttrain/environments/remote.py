@@ -2,8 +2,9 @@
 service (`environments/server.py`, or your own implementation of the protocol), so that the environment
 can live on another machine, in another language or in its own container.
 
-The protocol: JSON over HTTP POST, batched, one episode per sample; the server keeps each episode's
-state.
+The protocol: JSON over HTTP POST (`Content-Type: application/json`), batched, one episode per sample;
+the server keeps each episode's state. Every request carries `X-Posttrain-Client: <id>` (episodes belong
+to the client id that started them) and, when the server has a token, `Authorization: Bearer <token>`.
 
 - `POST /reset` `{"episodes": [{"metadata": {...}}]}` -> `{"episode_ids": ["e1", ...]}`: start episodes
   from the task's metadata (the dataset row's `extra_env_info`).
@@ -15,125 +16,255 @@ state.
   terminates).
 - `GET /health` -> `{"ok": true}`.
 
-Failure accounting, per call: a connection refused is retried (`retries` times, `backoff_s` apart);
-a timeout (`timeout_s`) is not, since the server may have acted on the request. When a call still fails,
-or the server answers with an error, each of its episodes ends with reward 0 and an error observation,
-is counted in `num_errors`, and the run goes on.
+Each call has a total deadline (`timeout_s`, connect to last byte) and an answer-size cap
+(`max_response_bytes`). Only a connection that could not be opened is retried (`retries` times,
+`backoff_s` apart): once the request is sent, the server may have acted on it, so a lost connection or a
+passed deadline is not. A call that still fails ends each of its episodes with reward 0 and an error
+observation, counted in `num_errors`. Each result is checked on its own: a reward that is not a finite
+number in [`min_reward`, `max_reward`], a `terminated` that is not a JSON boolean, or any field of the
+wrong type costs that episode alone (reward 0, counted), never its neighbours.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+import os
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
-import requests
 import torch
 
+from posttrain.environments.http_call import HTTPCallError, post_json
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.reward_check import check_reward, failed_return, parse_flag, sample_name
 
 log = logging.getLogger(__name__)
 
 EPISODE_KEY = "remote_episode_id"
+CLIENT_KEY = "remote_client_id"
+CLIENT_HEADER = "X-Posttrain-Client"
 
 
 class EnvironmentServiceError(RuntimeError):
     """The environment service could not be reached or answered with an error."""
 
 
-class RemoteEnvironment(EnvironmentInterface):
-    """An environment served over HTTP at `url` (see the module docstring for the protocol)."""
+@dataclass
+class _Outcome:
+    """One episode's checked result."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5) -> None:
+    observation: Message
+    next_stop_strings: list[str] | None
+    reward: float
+    terminated: bool
+    answer: str | None
+    error: str | None = None
+
+
+class RemoteEnvironment(EnvironmentInterface):
+    """An environment served over HTTP at `url` (see the module docstring for the protocol). The token,
+    if the server wants one, is read from the environment variable named by `token_env`."""
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 30.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        token_env: str | None = None,
+        max_response_bytes: int = 16 * 2**20,
+        min_reward: float = -1e6,
+        max_reward: float = 1e6,
+    ) -> None:
+        if not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            raise ValueError(f"remote environment: url must start with http:// or https://, got {url!r}")
+        if not timeout_s > 0 or max_response_bytes < 1 or not max_reward >= min_reward:
+            raise ValueError(
+                "remote environment: timeout_s and max_response_bytes must be > 0 and max_reward >= "
+                f"min_reward (got {timeout_s}, {max_response_bytes}, [{min_reward}, {max_reward}])"
+            )
         self.url = url.rstrip("/")
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.session = requests.Session()
+        self.max_response_bytes, self.reward_range = max_response_bytes, (min_reward, max_reward)
+        self.client_id = uuid.uuid4().hex
+        self.token = read_token(token_env)
+        self.source = f"remote environment {self.url}"
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        for attempt in range(self.retries + 1):
-            try:
-                reply = self.session.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
-                break
-            except requests.ConnectionError as error:
-                if attempt == self.retries:
-                    raise EnvironmentServiceError(f"{self.url}{path}: {error}") from error
-                time.sleep(self.backoff_s)
-            except requests.Timeout as error:
-                raise EnvironmentServiceError(
-                    f"{self.url}{path}: no answer within {self.timeout_s} s"
-                ) from error
-        if reply.status_code != 200:
-            raise EnvironmentServiceError(f"{self.url}{path}: HTTP {reply.status_code}: {reply.text[:200]}")
+    def _post(self, path: str, body: dict[str, Any], client_id: str) -> dict[str, Any]:
+        """The JSON object the server answers; EnvironmentServiceError for anything else."""
+        headers = {CLIENT_HEADER: client_id}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         try:
-            return reply.json()
+            reply = post_json(
+                f"{self.url}{path}",
+                body,
+                deadline_s=self.timeout_s,
+                max_response_bytes=self.max_response_bytes,
+                headers=headers,
+                retries=self.retries,
+                backoff_s=self.backoff_s,
+            )
+        except HTTPCallError as error:
+            raise EnvironmentServiceError(f"{error} (deadline {self.timeout_s} s)") from error
+        if reply.status != 200:
+            raise EnvironmentServiceError(f"{self.url}{path}: HTTP {reply.status}: {reply.body[:200]!r}")
+        try:
+            answer = reply.json()
         except ValueError as error:
-            raise EnvironmentServiceError(f"{self.url}{path}: not JSON: {reply.text[:200]!r}") from error
+            raise EnvironmentServiceError(f"{self.url}{path}: not JSON: {error}") from error
+        if not isinstance(answer, dict):
+            raise EnvironmentServiceError(f"{self.url}{path}: the answer is not a JSON object")
+        return answer
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         try:
             episode_ids = self._episode_ids(metadata)
-            episodes = [
-                {
-                    "episode_id": episode_id,
-                    "message_log": [{"role": m["role"], "content": m["content"]} for m in log_],
-                }
-                for episode_id, log_ in zip(episode_ids, message_logs)
-            ]
-            results = self._post("/step", {"episodes": episodes})["results"]
-            if len(results) != len(episodes):
-                raise EnvironmentServiceError(
-                    f"{self.url}/step: {len(results)} results for {len(episodes)} episodes"
-                )
-        except (EnvironmentServiceError, KeyError, TypeError) as error:
-            log.warning(
-                "environment service %s failed; %d episode(s) end with reward 0: %s",
-                self.url,
-                len(metadata),
-                error,
-            )
-            return failed_episodes(metadata, str(error))
-        new_metadata = [{**meta, EPISODE_KEY: episode_id} for meta, episode_id in zip(metadata, episode_ids)]
-        ended = [
-            episode_id for episode_id, r in zip(episode_ids, results) if r["terminated"] or r.get("error")
+        except EnvironmentServiceError as error:
+            log.warning("%s: reset failed; %d episode(s) score 0: %s", self.source, len(metadata), error)
+            return failed_return(metadata, f"environment service error: {error}")
+        new_metadata = [
+            {**meta, EPISODE_KEY: episode_id, CLIENT_KEY: meta.get(CLIENT_KEY, self.client_id)}
+            for meta, episode_id in zip(metadata, episode_ids)
         ]
-        if ended:
-            self._close(ended)
+        outcomes: list[_Outcome | None] = [None] * len(metadata)
+        for client_id, indices in _by_client(new_metadata).items():
+            for index, outcome in zip(
+                indices, self._step_group(message_logs, new_metadata, indices, client_id)
+            ):
+                outcomes[index] = outcome
+        ended = [
+            (meta[CLIENT_KEY], meta[EPISODE_KEY])
+            for meta, outcome in zip(new_metadata, outcomes)
+            if outcome.terminated and outcome.error is None
+        ]
+        self._close(ended)
         return EnvironmentReturn(
-            observations=[r["observation"] for r in results],
+            observations=[o.observation for o in outcomes],
             metadata=new_metadata,
-            next_stop_strings=[r.get("next_stop_strings") for r in results],
-            rewards=torch.tensor([0.0 if r.get("error") else float(r["reward"]) for r in results]),
-            terminateds=torch.tensor([bool(r["terminated"] or r.get("error")) for r in results]),
-            answers=[r.get("answer") for r in results],
-            num_errors=sum(1 for r in results if r.get("error")),
+            next_stop_strings=[o.next_stop_strings for o in outcomes],
+            rewards=torch.tensor([o.reward for o in outcomes], dtype=torch.float32),
+            terminateds=torch.tensor([o.terminated for o in outcomes], dtype=torch.bool),
+            answers=[o.answer for o in outcomes],
+            num_errors=sum(o.error is not None for o in outcomes),
         )
+
+    def _step_group(
+        self,
+        message_logs: list[list[Message]],
+        metadata: list[dict[str, Any]],
+        indices: list[int],
+        client: str,
+    ) -> list[_Outcome]:
+        """The checked outcome of each episode in `indices` (all started by `client`), one POST /step."""
+        episodes = [
+            {
+                "episode_id": metadata[i][EPISODE_KEY],
+                "message_log": [{"role": m["role"], "content": m["content"]} for m in message_logs[i]],
+            }
+            for i in indices
+        ]
+        try:
+            results = self._post("/step", {"episodes": episodes}, client).get("results")
+            if not isinstance(results, list) or len(results) != len(episodes):
+                count = len(results) if isinstance(results, list) else type(results).__name__
+                raise EnvironmentServiceError(
+                    f"{self.url}/step: {count} results for {len(episodes)} episodes"
+                )
+        except EnvironmentServiceError as error:
+            log.warning("%s failed; %d episode(s) score 0: %s", self.source, len(indices), error)
+            return [failed_outcome(f"environment service error: {error}") for _ in indices]
+        return [
+            self._check_result(result, sample_name(metadata[i], i)) for i, result in zip(indices, results)
+        ]
+
+    def _check_result(self, result: Any, sample: str) -> _Outcome:
+        """One episode's result, every field checked; a wrong one fails this episode alone (logged)."""
+        try:
+            return parse_result(result, self.source, sample, self.reward_range)
+        except ValueError as error:
+            log.warning("%s; the episode scores 0", error)
+            return failed_outcome(f"environment service error: {error}")
 
     def _episode_ids(self, metadata: list[dict[str, Any]]) -> list[str]:
         """Each sample's episode id, starting (reset) the episodes that have none yet."""
         new = [i for i, meta in enumerate(metadata) if EPISODE_KEY not in meta]
         ids = [meta.get(EPISODE_KEY) for meta in metadata]
         if new:
-            reply = self._post("/reset", {"episodes": [{"metadata": metadata[i]} for i in new]})
-            for i, episode_id in zip(new, reply["episode_ids"]):
+            reply = self._post(
+                "/reset", {"episodes": [{"metadata": metadata[i]} for i in new]}, self.client_id
+            )
+            new_ids = reply.get("episode_ids")
+            if not (isinstance(new_ids, list) and len(new_ids) == len(new)):
+                raise EnvironmentServiceError(
+                    f"{self.url}/reset: not {len(new)} episode ids: {new_ids!r:.200}"
+                )
+            if not all(isinstance(episode_id, str) for episode_id in new_ids):
+                raise EnvironmentServiceError(f"{self.url}/reset: episode ids must be strings")
+            for i, episode_id in zip(new, new_ids):
                 ids[i] = episode_id
         return ids
 
-    def _close(self, episode_ids: list[str]) -> None:
-        try:
-            self._post("/close", {"episode_ids": episode_ids})
-        except EnvironmentServiceError as error:  # the episodes are over either way
-            log.info("environment service %s: close failed: %s", self.url, error)
+    def _close(self, ended: list[tuple[str, str]]) -> None:
+        """Forget the ended episodes on the server, one POST per client id; a failure is only logged."""
+        by_client: dict[str, list[str]] = {}
+        for client_id, episode_id in ended:
+            by_client.setdefault(client_id, []).append(episode_id)
+        for client_id, episode_ids in by_client.items():
+            try:
+                self._post("/close", {"episode_ids": episode_ids}, client_id)
+            except EnvironmentServiceError as error:  # the episodes are over either way
+                log.info("%s: close failed: %s", self.source, error)
 
 
-def failed_episodes(metadata: list[dict[str, Any]], reason: str) -> EnvironmentReturn:
-    """Every episode of a failed call: reward 0, ended, an error observation, counted as an error."""
-    count = len(metadata)
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": f"environment service error: {reason}"}] * count,
-        metadata=[dict(meta) for meta in metadata],
-        next_stop_strings=[None] * count,
-        rewards=torch.zeros(count),
-        terminateds=torch.ones(count, dtype=torch.bool),
-        answers=[None] * count,
-        num_errors=count,
+def read_token(token_env: str | None) -> str | None:
+    """The token from the environment variable `token_env` (None: no token); a named variable that is unset
+    or empty is an error naming it."""
+    if token_env is None:
+        return None
+    token = os.environ.get(token_env)
+    if not token:
+        raise ValueError(f"remote environment: token_env names {token_env!r}, which is not set")
+    return token
+
+
+def _by_client(metadata: list[dict[str, Any]]) -> dict[str, list[int]]:
+    """Sample indices grouped by the client id that started their episodes."""
+    groups: dict[str, list[int]] = {}
+    for index, meta in enumerate(metadata):
+        groups.setdefault(meta[CLIENT_KEY], []).append(index)
+    return groups
+
+
+def parse_result(result: Any, source: str, sample: str, reward_range: tuple[float, float]) -> _Outcome:
+    """One `/step` result with every field checked; a server-reported error is an outcome with `error`;
+    anything malformed is a ValueError naming source, sample and field."""
+    if not isinstance(result, dict):
+        raise ValueError(f"{source}, {sample}: a result must be a JSON object, got {type(result).__name__}")
+    error = result.get("error")
+    if error is not None:
+        return failed_outcome(f"environment service error: {str(error)[:500]}")
+    observation = result.get("observation")
+    if not (
+        isinstance(observation, dict)
+        and isinstance(observation.get("role"), str)
+        and isinstance(observation.get("content"), str)
+    ):
+        raise ValueError(f"{source}, {sample}: observation must be {{role: str, content: str}}")
+    stops = result.get("next_stop_strings")
+    if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
+        raise ValueError(f"{source}, {sample}: next_stop_strings must be a list of strings or null")
+    answer = result.get("answer")
+    if answer is not None and not isinstance(answer, str):
+        raise ValueError(f"{source}, {sample}: answer must be a string or null")
+    reward = check_reward(result.get("reward"), source, sample, reward_range)
+    terminated = parse_flag(result.get("terminated"), "terminated", source, sample)
+    return _Outcome(
+        {"role": observation["role"], "content": observation["content"]}, stops, reward, terminated, answer
     )
+
+
+def failed_outcome(reason: str) -> _Outcome:
+    """An episode that ends with reward 0 and an error observation, counted as an error."""
+    return _Outcome({"role": "environment", "content": reason}, None, 0.0, True, None, reason)

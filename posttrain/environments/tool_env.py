@@ -105,6 +105,7 @@ class _Turn:
     terminated: bool = False
     answer: str | None = None
     counts: dict[str, float] = field(default_factory=dict)
+    failed: bool = False  # handling this sample raised; it scores 0 and counts as an error
 
 
 COUNTERS = ("tool_calls", "tool_errors", "ended_by_turns", "ended_by_tokens", "ended_by_tool_time")
@@ -129,7 +130,7 @@ class ToolEnvironment(EnvironmentInterface):
         return ToolPrompt(tuple(schemas), cfg.format, cfg.system_prompt)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        turns = [self._step_one(log, dict(meta)) for log, meta in zip(message_logs, metadata)]
+        turns = [self._step_isolated(log, dict(meta)) for log, meta in zip(message_logs, metadata)]
         counts = {name: float(sum(t.counts.get(name, 0) for t in turns)) for name in COUNTERS}
         return EnvironmentReturn(
             observations=[t.observation for t in turns],
@@ -140,8 +141,18 @@ class ToolEnvironment(EnvironmentInterface):
             rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
             terminateds=torch.tensor([t.terminated for t in turns], dtype=torch.bool),
             answers=[t.answer for t in turns],
+            num_errors=sum(t.failed for t in turns),
             counts=counts,
         )
+
+    def _step_isolated(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
+        """`_step_one`, except that a sample whose handling raises (e.g. a call nested too deeply for a
+        tool's argument check) ends with reward 0 and counts as an error, without touching the others."""
+        try:
+            return self._step_one(log, meta)
+        except Exception as error:
+            content = f"environment error: {type(error).__name__}"
+            return _Turn({"role": "environment", "content": content}, meta, 0.0, True, failed=True)
 
     def _step_one(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
         reply = self.call_format.parse(log[-1]["content"] if log and log[-1]["role"] == "assistant" else "")

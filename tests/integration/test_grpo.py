@@ -259,7 +259,7 @@ def test_the_same_rollout_through_the_environment_service_on_loopback(ray_sessio
         )
         assert rollouts["total_reward"].tolist() == [1.0, 1.0] and rollouts["num_turns"].tolist() == [2, 2]
         assert "Invalid move 'jump'" in rollouts["message_log"][0][2]["content"]
-        assert server.episodes == {}
+        assert len(server.episodes) == 0
         for env in envs.values():
             env.shutdown()
     finally:
