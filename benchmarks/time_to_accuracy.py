@@ -125,7 +125,7 @@ def run_sft(args, seed: int, log_dir: Path) -> dict:
         f"policy.model_name={args.sft_model}",
         f"sft.max_num_steps={args.sft_steps}",
         "sft.max_num_epochs=100",
-        "sft.val_period=0",
+        f"sft.val_period={args.sft_steps}",  # a validation loss at the end only
         "sft.export_final_model=false",
         f"checkpointing.save_period={args.sft_save_period}",
         "checkpointing.keep_top_k=null",

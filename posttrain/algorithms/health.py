@@ -13,13 +13,16 @@ Per step, from the batch the policy trained on and the loss's metrics:
 
 `HealthMonitor` warns, once per episode of a condition (again only after it cleared), naming the step and
 the signal, when: most groups give no gradient for several steps in a row (stalled); the entropy has
-fallen below a fraction of its first step's value (collapsed); or the replies run away (their mean
-length grew past a multiple of the first step's and most of them hit the budget).
+fallen below a fraction of its first step's value (collapsed); the replies run away (their mean
+length grew past a multiple of the first step's and most of them hit the budget); or the training reward
+fell (its mean over the last `reward_window` steps is below a fraction of its mean over the first
+`reward_window`: the policy is getting worse, typically a learning rate too high for the batch).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +52,13 @@ class HealthConfig:
     runaway_truncation_rate: float = field(
         default=0.5, metadata={"help": "... and at least this share of replies is cut at the budget"}
     )
+    reward_window: int = field(
+        default=5, metadata={"help": "steps averaged to compare the training reward now with at the start"}
+    )
+    reward_drop_ratio: float = field(
+        default=0.4,
+        metadata={"help": "warn when the recent mean reward falls below this fraction of the first one"},
+    )
     kl_to_start_period: int = field(
         default=0,
         metadata={
@@ -58,11 +68,18 @@ class HealthConfig:
     )
 
     def validate(self) -> None:
-        for name in ("stall_zero_signal_share", "entropy_collapse_ratio", "runaway_truncation_rate"):
+        for name in (
+            "stall_zero_signal_share",
+            "entropy_collapse_ratio",
+            "runaway_truncation_rate",
+            "reward_drop_ratio",
+        ):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.stall_steps < 1:
-            raise ValueError(f"stall_steps={self.stall_steps} must be >= 1")
+        if self.stall_steps < 1 or self.reward_window < 1:
+            raise ValueError(
+                f"stall_steps={self.stall_steps} and reward_window={self.reward_window} must be >= 1"
+            )
         if self.length_growth_ratio < 1.0:
             raise ValueError(f"length_growth_ratio={self.length_growth_ratio} must be >= 1")
         if self.kl_to_start_period < 0:
@@ -87,6 +104,7 @@ def step_signals(
     rollout metrics of the step's first generation round, and whether the loss saw reference logprobs
     (then its `kl` is the KL to the starting weights)."""
     signals = {
+        "reward_mean": float(rewards.float().mean()),
         "zero_signal_share": zero_signal_share(rewards, num_generations),
         "entropy": train_metrics.get("approx_entropy", float("nan")),
         "clip_fraction": train_metrics.get("clip_fraction", float("nan")),
@@ -108,6 +126,8 @@ class HealthMonitor:
         self.stall_run = 0
         self.stall_start = 0
         self.active: set[str] = set()
+        self.first_rewards: list[float] = []
+        self.recent_rewards: deque[float] = deque(maxlen=cfg.reward_window)
 
     def observe(self, step: int, signals: dict[str, float]) -> list[str]:
         """The warnings newly raised at `step` by `signals` (a `step_signals` dict)."""
@@ -118,6 +138,7 @@ class HealthMonitor:
             "stalled": self._stalled(step, signals),
             "entropy_collapsed": self._entropy_collapsed(signals),
             "length_runaway": self._length_runaway(signals),
+            "reward_fell": self._reward_fell(signals),
         }
         warnings = []
         for name, message in conditions.items():
@@ -167,6 +188,22 @@ class HealthMonitor:
             f"{self.cfg.length_growth_ratio:g} x step 1's {first:.1f} and {signals['truncation_rate']:.0%} "
             "are cut at generation.max_new_tokens (check the samples for repetition; grpo.overlong_shaping "
             "or grpo.overlong_filtering penalise cut replies)"
+        )
+
+    def _reward_fell(self, signals: dict[str, float]) -> str | None:
+        window = self.cfg.reward_window
+        if len(self.first_rewards) < window:
+            self.first_rewards.append(signals["reward_mean"])
+        self.recent_rewards.append(signals["reward_mean"])
+        if len(self.first_rewards) < window or len(self.recent_rewards) < window:
+            return None
+        first, recent = sum(self.first_rewards) / window, sum(self.recent_rewards) / window
+        if not recent < self.cfg.reward_drop_ratio * first:
+            return None
+        return (
+            f"the training reward fell: its mean over the last {window} steps, {recent:.3f}, is below "
+            f"{self.cfg.reward_drop_ratio:g} x its mean over the first {window}, {first:.3f}; the policy is "
+            "getting worse (lower the learning rate, or raise grpo.num_prompts_per_step)"
         )
 
 

@@ -6,8 +6,9 @@ import torch
 from posttrain.algorithms.health import HealthConfig, HealthMonitor, step_signals, zero_signal_share
 
 
-def signals(zero_share=0.2, entropy=0.5, length=10.0, truncation=0.0):
+def signals(zero_share=0.2, entropy=0.5, length=10.0, truncation=0.0, reward=0.5):
     return {
+        "reward_mean": reward,
         "zero_signal_share": zero_share,
         "entropy": entropy,
         "clip_fraction": 0.0,
@@ -28,6 +29,7 @@ def test_step_signals_take_the_loss_and_rollout_metrics_and_kl_only_when_measure
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     measured = step_signals(rewards, 2, train, rollout, kl_measured=True)
     assert measured == {
+        "reward_mean": 0.75,
         "zero_signal_share": 0.5,
         "entropy": 0.7,
         "clip_fraction": 0.05,
@@ -67,6 +69,19 @@ def test_a_runaway_length_warns_only_when_replies_also_hit_the_budget():
     assert warning.startswith("step 3: the replies run away") and "25.0" in warning
 
 
+def test_a_falling_reward_warns_when_its_recent_mean_drops_below_the_ratio_of_the_first():
+    """Window 3: first mean (0.6 + 0.7 + 0.5) / 3 = 0.6; the warning needs a recent mean below 0.3."""
+    monitor = HealthMonitor(HealthConfig(reward_window=3, reward_drop_ratio=0.5))
+    rewards = [0.6, 0.7, 0.5, 0.4, 0.3, 0.25, 0.3, 0.2]  # recent means: 0.533, 0.4, 0.317, 0.283 (step 7)
+    raised = {i + 1: monitor.observe(i + 1, signals(reward=r)) for i, r in enumerate(rewards)}
+    assert all(raised[s] == [] for s in range(1, 7))
+    (warning,) = raised[7]
+    assert (
+        warning.startswith("step 7: the training reward fell") and "0.283" in warning and "0.600" in warning
+    )
+    assert raised[8] == []
+
+
 def test_a_healthy_run_raises_no_warning():
     monitor = HealthMonitor(HealthConfig())
     steps = [signals(zero_share=0.4 - 0.02 * i, entropy=0.5 - 0.01 * i, length=10 + i) for i in range(20)]
@@ -74,7 +89,14 @@ def test_a_healthy_run_raises_no_warning():
 
 
 @pytest.mark.parametrize(
-    "key, value", [("stall_zero_signal_share", 1.5), ("stall_steps", 0), ("length_growth_ratio", 0.5)]
+    "key, value",
+    [
+        ("stall_zero_signal_share", 1.5),
+        ("stall_steps", 0),
+        ("length_growth_ratio", 0.5),
+        ("reward_drop_ratio", 2.0),
+        ("reward_window", 0),
+    ],
 )
 def test_thresholds_out_of_range_are_config_errors(key, value):
     with pytest.raises(ValueError, match=key):
