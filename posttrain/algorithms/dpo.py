@@ -41,6 +41,11 @@ from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy.config import policy_with_lr
+
+# DPO moves a pretrained policy a little away from its reference: TRL's DPOConfig default. The tiny
+# recipe (configs/dpo_tiny.yaml) sets its own, larger rate.
+DPO_LR = 1e-6
 
 
 @dataclass
@@ -49,7 +54,10 @@ class DPOConfig:
 
     dpo: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the DPO loop"})
     loss: DPOLossConfig = field(default_factory=DPOLossConfig, metadata={"help": "DPO loss (beta, SFT term)"})
-    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    policy: PolicyConfig = field(
+        default_factory=lambda: policy_with_lr(DPO_LR),
+        metadata={"help": "the trained model (AdamW lr 1e-6 by default)"},
+    )
     data: DataConfig = field(
         default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
         metadata={"help": "preference pairs (prompt, chosen, rejected)"},

@@ -15,6 +15,7 @@ from posttrain.config import ConfigError
 from posttrain.data import DataConfig
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.environments import EnvironmentConfig
+from posttrain.environments.registry import match_task_to_environments
 from posttrain.environments.tool_env import ToolEnvironmentConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
@@ -177,6 +178,7 @@ class GRPOConfig:
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
             )
         self.validate_async()
+        match_task_to_environments(self.data, self.env)
         check_tool_environments(self.env, self.grpo.max_rollout_turns)
         if (
             self.grpo.advantage_estimator == "on_policy_distillation"

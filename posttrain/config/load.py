@@ -199,9 +199,10 @@ def load_run_config(schema_cls: type[T], args: Any) -> T:
 def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
     """`load_config` then `validate_config`: the typed config of a YAML file plus command-line overrides.
 
-    The schema's scalar defaults sit under the file, so `a.b=v` may set any key the schema knows even when
-    the file does not mention it (open mappings and lists are not filled in: a file's `optimizer.kwargs`
-    or `env` replaces the default one instead of merging into it).
+    The schema's defaults sit under the file, so `a.b=v` may set any key the schema knows even when the
+    file does not mention it, and a file's `optimizer.kwargs: {lr: ...}` keeps the other default keyword
+    arguments, as the override `policy.optimizer.kwargs.lr=...` does (mappings holding sections, such as
+    `env`, and lists are not filled in: a file's `env` replaces the default one).
     """
     loaded = load_config(path, overrides, defaults=lambda tree: schema_defaults(schema_cls, tree))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)

@@ -57,7 +57,10 @@ class DataConfig:
         default="tools",
         metadata={"help": "column of the tool names a row may call (default: all its task's)"},
     )
-    task_name: str = field(default="math", metadata={"help": "task of rows without a task column (rl)"})
+    task_name: str | None = field(
+        default=None,
+        metadata={"help": "task of rows without a task column (rl; null: the one task of `env`, if one)"},
+    )
     system_prompt: str | None = field(
         default=None, metadata={"help": "system message; '@path' reads it from a file"}
     )

@@ -129,6 +129,7 @@ def row_to_record(
         if answer is None and record["task_name"] != "sliding_puzzle":
             _require(row, cfg.answer_key, fmt)
         record["extra_env_info"] = {
+            **other_columns(row, cfg),
             "ground_truth": None if answer is None else str(answer),
             **(row.get("metadata") or {}),
         }
@@ -150,6 +151,13 @@ def row_to_record(
         if k in record
     )
     return record
+
+
+def other_columns(row: dict, cfg: DataConfig) -> dict[str, Any]:
+    """The columns of an rl row that an environment may use besides its ground truth (a reward function
+    receives them as keyword arguments): all but the prompt, images, task, tools, answer and metadata."""
+    used = {cfg.prompt_key, cfg.image_key, cfg.task_key, cfg.tools_key, cfg.answer_key, "metadata"}
+    return {key: value for key, value in row.items() if key not in used}
 
 
 def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> DatumSpec | None:
@@ -270,3 +278,24 @@ def load_datasets(
         "dropped_overlong": float(counter.dropped),
     }
     return train, val, stats
+
+
+def load_all_records(
+    cfg: DataConfig, tokenizer: Any, processor: Any = None, tool_prompts: dict[str, ToolPrompt] | None = None
+) -> list[DatumSpec]:
+    """Every record of the data an evaluation scores whole: `data.val_dataset` when set, else every row of
+    `data.dataset` (a Hugging Face dataset: split `data.val_split`, else `data.split`); a built-in task's
+    validation rows (its training rows are for training). `data.num_val` keeps the first that many."""
+    counter = SkipCounter()
+    if cfg.dataset in BUILTIN_TASKS:
+        _, rows = _read_rows(cfg, counter)
+    else:
+        source, key = (
+            (cfg.val_dataset, "data.val_dataset") if cfg.val_dataset else (cfg.dataset, "data.dataset")
+        )
+        if is_file_source(source):
+            rows = read_file(source, cfg.skip_invalid, counter, key=key)
+        else:
+            rows = read_hf_dataset(source, cfg.val_split or cfg.split)
+        rows = rows[: cfg.num_val] if cfg.num_val is not None else rows
+    return rows_to_records(rows or [], cfg, tokenizer, counter, processor, tool_prompts)
