@@ -29,6 +29,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
+from posttrain.algorithms.checks import missing_run_files
 from posttrain.algorithms.preference_loss import DPOLoss, DPOLossConfig
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
@@ -74,6 +75,10 @@ class DPOConfig:
         if self.policy.model_kind != "causal_lm":
             raise ConfigError("policy.model_kind", f"DPO trains a causal LM, got {self.policy.model_kind!r}")
         pairs.check_pair_batching(self.policy, self.cluster)
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
 DPORun = SupervisedRun[DPOConfig]  # val_data: interleaved pairs with their reference logprobs

@@ -22,6 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
+from posttrain.algorithms.checks import missing_run_files
 from posttrain.algorithms.preference_loss import BradleyTerryLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
@@ -69,6 +70,10 @@ class RMConfig:
                 f"reward-model training needs 'reward_model', got {self.policy.model_kind!r}",
             )
         pairs.check_pair_batching(self.policy, self.cluster)
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
 RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs

@@ -26,7 +26,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import supervised
-from posttrain.algorithms.checks import check_parallelism
+from posttrain.algorithms.checks import check_parallelism, missing_run_files
 from posttrain.algorithms.loss import KDLoss, KDLossConfig, NLLLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
@@ -107,6 +107,10 @@ class SFTConfig:
                     "distillation trains on the dtensor backend without sequence packing "
                     "(policy.sequence_packing.enabled: false)",
                 )
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
 SFTRun = SupervisedRun[SFTConfig]

@@ -185,14 +185,23 @@ def _resolve_leaf(cfg: DictConfig, key: str, sources: Mapping[str, str] | None) 
 def load_run_config(schema_cls: type[T], args: Any) -> T:
     """The validated config of `posttrain <command> --config FILE overrides...`; `--help-config` prints
     every key of the schema and exits; `--check-config` validates the config (schema and cross-section
-    checks, nothing started) and exits."""
+    checks) and the files it names (the schema's `missing_files()`: data, model, reward and grader files),
+    starts nothing, prints one line per problem and exits. A run stops at the first missing file."""
     if getattr(args, "help_config", False):
         print(format_config_help(schema_cls))
         sys.exit(0)
     cfg = load_typed_config(schema_cls, args.config, args.overrides)
+    missing_files = getattr(cfg, "missing_files", None)  # like validate(): a schema may check its files
+    problems = missing_files() if missing_files is not None else []
     if getattr(args, "check_config", False):
+        for problem in problems:
+            print(f"{args.config}: {problem}", file=sys.stderr)
+        if problems:
+            sys.exit(2)
         print(f"{args.config}: a valid {schema_cls.__name__}")
         sys.exit(0)
+    if problems:
+        raise problems[0]
     return cfg
 
 

@@ -108,6 +108,18 @@ class DataConfig:
         ):
             raise ValueError(f"prompt_template must contain {{prompt}}, got {self.prompt_template!r}")
 
+    def missing_files(self) -> list[ConfigError]:
+        """One error per data file named here that does not exist (checked before a run starts, and by
+        `--check-config`); a relative path says where it was looked for."""
+        from pathlib import Path
+
+        problems = []
+        for key, name in (("data.dataset", self.dataset), ("data.val_dataset", self.val_dataset)):
+            if name is not None and is_file_source(name) and not Path(name).is_file():
+                where = "" if Path(name).is_absolute() else f" (looked for {Path(name).resolve()})"
+                problems.append(ConfigError(key, f"data file {name} does not exist{where}"))
+        return problems
+
     @staticmethod
     def _check_source(key: str, name: str) -> None:
         """A built-in task, a data file, or an `org/name` hub dataset; anything else is a typo, caught here

@@ -191,3 +191,18 @@ def check_record_tasks(
             f"rows of {data_cfg.dataset} name task(s) {missing} (column {data_cfg.task_key!r}) but env "
             f"configures {sorted(env_cfgs)}: add " + ", ".join(f"env.{task}" for task in missing),
         )
+
+
+def environment_file_problems(env_cfgs: dict[str, EnvironmentConfig]) -> list[ConfigError]:
+    """One error per task whose reward function or environment class cannot be loaded (a missing file, a
+    missing attribute, an unknown name), naming `env.<task>.reward` or `env.<task>.cls`."""
+    problems = []
+    for task, cfg in env_cfgs.items():
+        key, spec = (
+            (f"env.{task}.reward", cfg.reward) if cfg.reward is not None else (f"env.{task}.cls", cfg.cls)
+        )
+        try:
+            resolve_reward(spec) if cfg.reward is not None else resolve_environment_class(spec)
+        except (ImportError, OSError, AttributeError, KeyError, TypeError, SyntaxError) as error:
+            problems.append(ConfigError(key, error.args[0] if isinstance(error, KeyError) else str(error)))
+    return problems

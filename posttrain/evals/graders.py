@@ -14,6 +14,7 @@ import logging
 import re
 from typing import Any, Callable
 
+from posttrain.config import ConfigError
 from posttrain.environments.answers import parse_number, strip_end_markers
 from posttrain.environments.registry import import_attribute
 
@@ -65,6 +66,15 @@ def resolve_grader(spec: str | None) -> Grader | None:
     if not callable(grader):
         raise TypeError(f"grader {spec!r} is not a function")
     return grader
+
+
+def grader_problems(key: str, spec: str | None) -> list[ConfigError]:
+    """An error naming `key` when the grader `spec` cannot be loaded (a missing file or function)."""
+    try:
+        resolve_grader(spec)
+    except (ImportError, OSError, AttributeError, KeyError, TypeError, SyntaxError) as error:
+        return [ConfigError(key, error.args[0] if isinstance(error, KeyError) else str(error))]
+    return []
 
 
 def strict_grades(samples: list[dict[str, Any]], grader: Grader) -> dict[str, float]:

@@ -26,8 +26,12 @@ from posttrain.config import ConfigError, load_run_config, save_config
 from posttrain.data import DataConfig, load_all_records, load_datasets
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, create_environments, tool_prompts
-from posttrain.environments.registry import check_record_tasks, match_task_to_environments
-from posttrain.evals.graders import resolve_grader, summarize_strict_grades
+from posttrain.environments.registry import (
+    check_record_tasks,
+    environment_file_problems,
+    match_task_to_environments,
+)
+from posttrain.evals.graders import grader_problems, resolve_grader, summarize_strict_grades
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
@@ -149,6 +153,18 @@ class EvalConfig:
 
     def validate(self) -> None:
         match_task_to_environments(self.data, self.env)
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files, model directory, reward and environment files and grader file, one error
+        each (run before anything starts)."""
+        problems = self.data.missing_files()
+        try:
+            check_model_source(self.model)
+        except ConfigError as error:
+            problems.append(error)
+        return (
+            problems + environment_file_problems(self.env) + grader_problems("eval.grader", self.eval.grader)
+        )
 
 
 # ------------------------------------------------------------------------------------------------- model
