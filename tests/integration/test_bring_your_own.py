@@ -92,15 +92,13 @@ def grpo_overrides(log_dir, **extra):
         "policy.logprob_batch_size": 64,
         "policy.optimizer.kwargs.lr": 0.01,
         "generation.max_new_tokens": 6,
-        "~env.arithmetic": None,
-        "+env.digits.reward": f"{REWARDS}:digit_share",
-        "data.task_name": "digits",
+        "+env.arithmetic.reward": f"{REWARDS}:digit_share",
         "data.num_train": 128,
         "data.num_val": 8,
         "cluster.num_cpus_per_worker": 0.5,
     }
     values.update(extra)
-    return [k if v is None else f"{k}={v}" for k, v in values.items()]
+    return [f"{k}={v}" for k, v in values.items()]
 
 
 def test_grpo_on_a_reward_function_in_a_user_file_learns(ray_session, tmp_path):
