@@ -176,7 +176,8 @@ class GRPOConfig:
         if batch % self.policy.train_global_batch_size:
             raise ValueError(
                 f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
-                f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
+                f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt): "
+                f"one of {[d for d in range(1, batch + 1) if batch % d == 0][-4:]}, or change those two"
             )
         self.validate_async()
         match_task_to_environments(self.data, self.env)
