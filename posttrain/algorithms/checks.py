@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError
+from posttrain.data import DataConfig
 from posttrain.data.sources import looks_like_hub_name
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.workers.policy.config import PolicyConfig, check_parallel_sizes
@@ -51,7 +52,8 @@ def check_batch_fits(num_records: int, batch_size: int, key: str, value: int, da
 def check_model_exists(key: str, name: str) -> None:
     """`name` must be an existing path or a plausible hub name (`org/model`, or one word); a
     `<run dir>/hf_model` path names the command of configs/ that writes it."""
-    if Path(name).exists() or (looks_like_hub_name(name) and not name.startswith((".", "/"))):
+    local = name.startswith((".", "/")) or Path(Path(name).parts[0]).is_dir()  # under a local folder
+    if Path(name).exists() or (looks_like_hub_name(name) and not local):
         return
     message = f"{name} does not exist (nor is it a Hugging Face hub name)"
     command = command_writing(Path(name))
@@ -68,3 +70,21 @@ def command_writing(model_dir: Path, configs_dir: Path = Path("configs")) -> str
         if f"log_dir: {model_dir.parent.as_posix()}\n" in text:
             return f"posttrain {config.stem.split('_')[0]} --config {config.as_posix()}"
     return None
+
+
+def missing_run_files(policy_cfg: PolicyConfig, data_cfg: DataConfig) -> list[ConfigError]:
+    """One error per missing input of a training run: its data files and, unless built from a config,
+    its model and tokenizer directories."""
+    problems = data_cfg.missing_files()
+    if policy_cfg.model is not None and policy_cfg.model.from_config is not None:
+        return problems
+    for key, name in (
+        ("policy.model_name", policy_cfg.model_name),
+        ("policy.tokenizer_name", policy_cfg.tokenizer_name),
+    ):
+        try:
+            if name:
+                check_model_exists(key, name)
+        except ConfigError as error:
+            problems.append(error)
+    return problems

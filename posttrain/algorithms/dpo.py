@@ -29,6 +29,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
+from posttrain.algorithms.checks import missing_run_files
 from posttrain.algorithms.preference_loss import DPOLoss, DPOLossConfig
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
@@ -41,6 +42,11 @@ from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy.config import policy_with_lr
+
+# DPO moves a pretrained policy a little away from its reference: TRL's DPOConfig default. The tiny
+# recipe (configs/dpo_tiny.yaml) sets its own, larger rate.
+DPO_LR = 1e-6
 
 
 @dataclass
@@ -49,7 +55,10 @@ class DPOConfig:
 
     dpo: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the DPO loop"})
     loss: DPOLossConfig = field(default_factory=DPOLossConfig, metadata={"help": "DPO loss (beta, SFT term)"})
-    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    policy: PolicyConfig = field(
+        default_factory=lambda: policy_with_lr(DPO_LR),
+        metadata={"help": "the trained model (AdamW lr 1e-6 by default)"},
+    )
     data: DataConfig = field(
         default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
         metadata={"help": "preference pairs (prompt, chosen, rejected)"},
@@ -66,6 +75,10 @@ class DPOConfig:
         if self.policy.model_kind != "causal_lm":
             raise ConfigError("policy.model_kind", f"DPO trains a causal LM, got {self.policy.model_kind!r}")
         pairs.check_pair_batching(self.policy, self.cluster)
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
 DPORun = SupervisedRun[DPOConfig]  # val_data: interleaved pairs with their reference logprobs

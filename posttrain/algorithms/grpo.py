@@ -75,6 +75,7 @@ from posttrain.distributed.placement import ResourceRequest
 from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.environments import EnvironmentPool, create_environments, tool_prompts
+from posttrain.environments.registry import check_record_tasks
 from posttrain.evals.graders import resolve_grader, reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
@@ -200,9 +201,7 @@ def setup(cfg: GRPOConfig) -> GRPORun:
     train_records, val_records, data_stats = load_datasets(
         cfg.data, tokenizer, processor, tool_prompts(cfg.env)
     )
-    missing = sorted({r["task_name"] for r in train_records + val_records} - set(cfg.env))
-    if missing:
-        raise ValueError(f"env: no environment for task(s) {missing}; configured: {sorted(cfg.env)}")
+    check_record_tasks(train_records + val_records, cfg.env, cfg.data)
     prompts = cfg.grpo.num_prompts_per_step
     check_batch_fits(len(train_records), prompts, "grpo.num_prompts_per_step", prompts, cfg.data.dataset)
     loader = StatefulDataLoader(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.algorithms.checks import check_loop_lengths, check_parallelism
+from posttrain.algorithms.checks import check_loop_lengths, check_parallelism, missing_run_files
 from posttrain.algorithms.critic import CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig
 from posttrain.algorithms.health import HealthConfig
@@ -16,7 +16,9 @@ from posttrain.config import ConfigError
 from posttrain.data import DataConfig
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.environments import EnvironmentConfig
+from posttrain.environments.registry import environment_file_problems, match_task_to_environments
 from posttrain.environments.tool_env import ToolEnvironmentConfig
+from posttrain.evals.graders import grader_problems
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
 from posttrain.workers.generation import GenerationConfig
@@ -178,9 +180,11 @@ class GRPOConfig:
         if batch % self.policy.train_global_batch_size:
             raise ValueError(
                 f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
-                f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt)"
+                f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt): "
+                f"one of {[d for d in range(1, batch + 1) if batch % d == 0][-4:]}, or change those two"
             )
         self.validate_async()
+        match_task_to_environments(self.data, self.env)
         check_tool_environments(self.env, self.grpo.max_rollout_turns)
         if (
             self.grpo.advantage_estimator == "on_policy_distillation"
@@ -239,6 +243,15 @@ class GRPOConfig:
                 "weights "
                 "them by pi_prev / pi_generation, or set grpo.async_grpo.max_trajectory_age_steps=0",
             )
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files, model directories, reward and environment files and grader files, one
+        error each (run before anything starts)."""
+        return (
+            missing_run_files(self.policy, self.data)
+            + environment_file_problems(self.env)
+            + grader_problems("grpo.val_grader", self.grpo.val_grader)
+        )
 
 
 def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_turns: int) -> None:

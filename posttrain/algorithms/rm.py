@@ -22,6 +22,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import pairs, supervised
+from posttrain.algorithms.checks import missing_run_files
 from posttrain.algorithms.preference_loss import BradleyTerryLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
@@ -34,6 +35,11 @@ from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy.config import policy_with_lr
+
+# A reward model is a full fine-tune of a pretrained network with a new scalar head: a rate of SFT's order.
+# The tiny recipe (configs/rm_tiny.yaml) sets its own, larger rate.
+RM_LR = 1e-5
 
 
 @dataclass
@@ -42,8 +48,8 @@ class RMConfig:
 
     rm: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the reward-model loop"})
     policy: PolicyConfig = field(
-        default_factory=lambda: PolicyConfig(model_kind="reward_model"),
-        metadata={"help": "the trained reward model (model_kind: reward_model)"},
+        default_factory=lambda: policy_with_lr(RM_LR, model_kind="reward_model"),
+        metadata={"help": "the trained reward model (model_kind: reward_model; AdamW lr 1e-5 by default)"},
     )
     data: DataConfig = field(
         default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
@@ -64,6 +70,10 @@ class RMConfig:
                 f"reward-model training needs 'reward_model', got {self.policy.model_kind!r}",
             )
         pairs.check_pair_batching(self.policy, self.cluster)
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
 RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs

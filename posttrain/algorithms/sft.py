@@ -26,7 +26,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms import supervised
-from posttrain.algorithms.checks import check_parallelism
+from posttrain.algorithms.checks import check_parallelism, missing_run_files
 from posttrain.algorithms.loss import KDLoss, KDLossConfig, NLLLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
@@ -39,6 +39,11 @@ from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy.config import policy_with_lr
+
+# A full fine-tune of a pretrained model: TRL's SFTConfig default. The tiny recipes (configs/*_tiny.yaml,
+# the demo) set their own, larger rates for a randomly initialised model of ~0.1M parameters.
+SFT_LR = 2e-5
 
 
 @dataclass
@@ -75,7 +80,10 @@ class SFTConfig:
     """`posttrain sft` configuration."""
 
     sft: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the SFT loop"})
-    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    policy: PolicyConfig = field(
+        default_factory=lambda: policy_with_lr(SFT_LR),
+        metadata={"help": "the trained model (AdamW lr 2e-5 by default)"},
+    )
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "training and validation data"})
     cluster: ClusterConfig = field(
         default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
@@ -99,6 +107,10 @@ class SFTConfig:
                     "distillation trains on the dtensor backend without sequence packing "
                     "(policy.sequence_packing.enabled: false)",
                 )
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
 SFTRun = SupervisedRun[SFTConfig]

@@ -43,9 +43,14 @@ from posttrain.workers.policy import Policy, PolicyConfig
 class LoopConfig:
     """The loop knobs of a supervised algorithm (the `sft`, `dpo` and `rm` sections)."""
 
-    max_num_epochs: int = field(default=1, metadata={"help": "passes over the training set"})
+    max_num_epochs: int = field(
+        default=1, metadata={"help": "passes over the training set (when max_num_steps is null)"}
+    )
     max_num_steps: int | None = field(
-        default=None, metadata={"help": "optimizer steps (None: epochs decide)"}
+        default=None,
+        metadata={
+            "help": "optimizer steps; wins over max_num_epochs, the data loops as needed (null: epochs)"
+        },
     )
     val_period: int = field(
         default=25, metadata={"help": "validation every this many steps (and at the end)"}
@@ -133,8 +138,7 @@ def setup_run(
     loader = StatefulDataLoader(
         train_records, records_per_step, shuffle=cfg.data.shuffle, seed=cfg.data.training_order_seed
     )
-    epochs_steps = loop.max_num_epochs * len(loader)
-    total_steps = min(epochs_steps, loop.max_num_steps or epochs_steps)
+    total_steps = loop.max_num_steps or loop.max_num_epochs * len(loader)  # steps win; the data loops
     cluster = RayVirtualCluster(cfg.cluster)
     with shutdown_on_error(cluster):  # a failed start leaves no placement group or worker behind
         check_run_directories(cfg, cluster.bundle_node_ids())

@@ -185,23 +185,33 @@ def _resolve_leaf(cfg: DictConfig, key: str, sources: Mapping[str, str] | None) 
 def load_run_config(schema_cls: type[T], args: Any) -> T:
     """The validated config of `posttrain <command> --config FILE overrides...`; `--help-config` prints
     every key of the schema and exits; `--check-config` validates the config (schema and cross-section
-    checks, nothing started) and exits."""
+    checks) and the files it names (the schema's `missing_files()`: data, model, reward and grader files),
+    starts nothing, prints one line per problem and exits. A run stops at the first missing file."""
     if getattr(args, "help_config", False):
         print(format_config_help(schema_cls))
         sys.exit(0)
     cfg = load_typed_config(schema_cls, args.config, args.overrides)
+    missing_files = getattr(cfg, "missing_files", None)  # like validate(): a schema may check its files
+    problems = missing_files() if missing_files is not None else []
     if getattr(args, "check_config", False):
+        for problem in problems:
+            print(f"{args.config}: {problem}", file=sys.stderr)
+        if problems:
+            sys.exit(2)
         print(f"{args.config}: a valid {schema_cls.__name__}")
         sys.exit(0)
+    if problems:
+        raise problems[0]
     return cfg
 
 
 def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence[str] = ()) -> T:
     """`load_config` then `validate_config`: the typed config of a YAML file plus command-line overrides.
 
-    The schema's scalar defaults sit under the file, so `a.b=v` may set any key the schema knows even when
-    the file does not mention it (open mappings and lists are not filled in: a file's `optimizer.kwargs`
-    or `env` replaces the default one instead of merging into it).
+    The schema's defaults sit under the file, so `a.b=v` may set any key the schema knows even when the
+    file does not mention it, and a file's `optimizer.kwargs: {lr: ...}` keeps the other default keyword
+    arguments, as the override `policy.optimizer.kwargs.lr=...` does (mappings holding sections, such as
+    `env`, and lists are not filled in: a file's `env` replaces the default one).
     """
     loaded = load_config(path, overrides, defaults=lambda tree: schema_defaults(schema_cls, tree))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)

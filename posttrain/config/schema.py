@@ -46,21 +46,31 @@ def validate_config(
 def schema_defaults(
     schema_cls: type, present: Mapping[str, Any] | None = None, instance: Any = None
 ) -> dict[str, Any]:
-    """The scalar defaults of a dataclass schema as a nested dict (nested dataclasses recursed, with the
-    values of the section's own default instance, e.g. a `default_factory` that sets a field). An
-    optional section (`X | None`, default None) gets X's defaults where the tree `present` has it."""
+    """The defaults of a dataclass schema as a nested dict (nested dataclasses recursed, with the values
+    of the section's own default instance, e.g. a `default_factory` that sets a field). An optional section
+    (`X | None`, default None) gets X's defaults where the tree `present` has it. A mapping of plain values
+    (`optimizer.kwargs`) is a default too, so a file that sets one of its keys keeps the others, unless the
+    file changes a scalar beside it (`optimizer.name`: SGD takes other keyword arguments than AdamW's)."""
     tree: dict[str, Any] = {}
     present = present if isinstance(present, Mapping) else {}
     hints = typing.get_type_hints(schema_cls)
+    values = {}
     for item in dataclasses.fields(schema_cls):
         if instance is not None:
-            value = getattr(instance, item.name)
+            values[item.name] = getattr(instance, item.name)
         elif item.default is not dataclasses.MISSING:
-            value = item.default
+            values[item.name] = item.default
         elif item.default_factory is not dataclasses.MISSING:
-            value = item.default_factory()
-        else:
+            values[item.name] = item.default_factory()
+    scalars_kept = all(
+        present[name] == value
+        for name, value in values.items()
+        if name in present and isinstance(value, (bool, int, float, str))
+    )
+    for item in dataclasses.fields(schema_cls):
+        if item.name not in values:
             continue  # mandatory: the file or the command line must give it
+        value = values[item.name]
         optional_section = dataclass_in(hints[item.name])
         if dataclasses.is_dataclass(value):
             tree[item.name] = schema_defaults(type(value), present.get(item.name), value)
@@ -68,7 +78,18 @@ def schema_defaults(
             tree[item.name] = schema_defaults(optional_section, present[item.name])
         elif value is None or isinstance(value, (bool, int, float, str)):
             tree[item.name] = value
+        elif isinstance(value, Mapping) and value and scalars_kept and _is_plain(value):
+            tree[item.name] = config_to_dict(value)
     return tree
+
+
+def _is_plain(value: Any) -> bool:
+    """Scalars, and lists and mappings of them (no dataclass inside)."""
+    if isinstance(value, Mapping):
+        return all(_is_plain(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_is_plain(item) for item in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def _schema_keys(schema_cls: type, prefix: str = "") -> list[str]:

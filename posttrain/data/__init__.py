@@ -9,7 +9,7 @@ the assistant generation prompt), `length`, `extra_env_info` (`ground_truth` and
 from posttrain.data.config import DataConfig
 from posttrain.data.loader import StatefulDataLoader
 from posttrain.data.message_log import message_log_to_flat, tokenize_message_log
-from posttrain.data.records import DatumSpec, load_datasets, rows_to_records
+from posttrain.data.records import DatumSpec, load_all_records, load_datasets, rows_to_records
 from posttrain.data.sources import DataError
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "DataError",
     "DatumSpec",
     "StatefulDataLoader",
+    "load_all_records",
     "load_datasets",
     "message_log_to_flat",
     "rows_to_records",

@@ -57,7 +57,10 @@ class DataConfig:
         default="tools",
         metadata={"help": "column of the tool names a row may call (default: all its task's)"},
     )
-    task_name: str = field(default="math", metadata={"help": "task of rows without a task column (rl)"})
+    task_name: str | None = field(
+        default=None,
+        metadata={"help": "task of rows without a task column (rl; null: the one task of `env`, if one)"},
+    )
     system_prompt: str | None = field(
         default=None, metadata={"help": "system message; '@path' reads it from a file"}
     )
@@ -113,6 +116,18 @@ class DataConfig:
             and "{prompt}" not in self.prompt_template
         ):
             raise ValueError(f"prompt_template must contain {{prompt}}, got {self.prompt_template!r}")
+
+    def missing_files(self) -> list[ConfigError]:
+        """One error per data file named here that does not exist (checked before a run starts, and by
+        `--check-config`); a relative path says where it was looked for."""
+        from pathlib import Path
+
+        problems = []
+        for key, name in (("data.dataset", self.dataset), ("data.val_dataset", self.val_dataset)):
+            if name is not None and is_file_source(name) and not Path(name).is_file():
+                where = "" if Path(name).is_absolute() else f" (looked for {Path(name).resolve()})"
+                problems.append(ConfigError(key, f"data file {name} does not exist{where}"))
+        return problems
 
     @staticmethod
     def _check_source(key: str, name: str) -> None:

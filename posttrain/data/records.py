@@ -36,8 +36,10 @@ def detect_format(row: dict, cfg: DataConfig) -> str:
 
 
 def _require(row: dict, key: str, fmt: str) -> Any:
+    """`row[key]`; a missing value is a ValueError naming the field, the format (`fmt`, which says when it
+    was guessed) and the keys the row has."""
     if key not in row or row[key] is None or (isinstance(row[key], float) and row[key] != row[key]):
-        raise KeyError(f"missing field {key!r} (format {fmt}; row keys: {sorted(row)})")
+        raise ValueError(f"missing field {key!r} (format {fmt}; row keys: {sorted(row)})")
     return row[key]
 
 
@@ -93,6 +95,7 @@ def row_to_record(
     `processor` (a vision-language model's) turns the rows' images into patches; `base_dir` is where
     relative image paths are looked up first. `tool_prompts` (by task) declare tools in rl prompts."""
     fmt = detect_format(row, cfg)
+    shown = fmt if cfg.format != "auto" else f"{fmt}, guessed from the row's keys: set data.format if wrong"
     tokenize = functools.partial(tokenize_message_log, processor=processor, base_dir=base_dir)
     record: DatumSpec = {
         "idx": idx,
@@ -100,7 +103,7 @@ def row_to_record(
         "extra_env_info": {},
     }
     if fmt == "messages":
-        messages = _require(row, cfg.messages_key, fmt)
+        messages = _require(row, cfg.messages_key, shown)
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
@@ -109,12 +112,12 @@ def row_to_record(
             raise ValueError(f"{cfg.messages_key!r} has no assistant turn: nothing to train on")
         record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "prompt_response":
-        messages = _prompt_messages(row, cfg, fmt) + [
-            {"role": "assistant", "content": str(_require(row, cfg.response_key, fmt))}
+        messages = _prompt_messages(row, cfg, shown) + [
+            {"role": "assistant", "content": str(_require(row, cfg.response_key, shown))}
         ]
         record["message_log"] = tokenize(_clip_contents(messages, cfg, tokenizer), tokenizer)
     elif fmt == "rl":
-        prompt = _clip_contents(_prompt_messages(row, cfg, fmt), cfg, tokenizer)
+        prompt = _clip_contents(_prompt_messages(row, cfg, shown), cfg, tokenizer)
         tool_prompt = (tool_prompts or {}).get(record["task_name"])
         if tool_prompt is None and row.get(cfg.tools_key) is not None:
             raise ValueError(f"{cfg.tools_key!r} is set but task {record['task_name']!r} has no tools")
@@ -127,17 +130,18 @@ def row_to_record(
         record["message_log"] = tokenize(prompt, tokenizer, add_generation_prompt=True, **template_kwargs)
         answer = row.get(cfg.answer_key)
         if answer is None and record["task_name"] != "sliding_puzzle":
-            _require(row, cfg.answer_key, fmt)
+            _require(row, cfg.answer_key, shown)
         record["extra_env_info"] = {
+            **other_columns(row, cfg),
             "ground_truth": None if answer is None else str(answer),
             **(row.get("metadata") or {}),
         }
         if tool_prompt is not None and row.get(cfg.tools_key) is not None:
             record["extra_env_info"]["tools"] = [t["function"]["name"] for t in tool_prompt.tools]
     elif fmt == "preference":
-        prompt = _prompt_messages(row, cfg, fmt)
+        prompt = _prompt_messages(row, cfg, shown)
         for side, key in (("chosen", cfg.chosen_key), ("rejected", cfg.rejected_key)):
-            response = [{"role": "assistant", "content": str(_require(row, key, fmt))}]
+            response = [{"role": "assistant", "content": str(_require(row, key, shown))}]
             record[f"{side}_message_log"] = tokenize(
                 _clip_contents(prompt + response, cfg, tokenizer), tokenizer
             )
@@ -150,6 +154,13 @@ def row_to_record(
         if k in record
     )
     return record
+
+
+def other_columns(row: dict, cfg: DataConfig) -> dict[str, Any]:
+    """The columns of an rl row that an environment may use besides its ground truth (a reward function
+    receives them as keyword arguments): all but the prompt, images, task, tools, answer and metadata."""
+    used = {cfg.prompt_key, cfg.image_key, cfg.task_key, cfg.tools_key, cfg.answer_key, "metadata"}
+    return {key: value for key, value in row.items() if key not in used}
 
 
 def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> DatumSpec | None:
@@ -270,3 +281,24 @@ def load_datasets(
         "dropped_overlong": float(counter.dropped),
     }
     return train, val, stats
+
+
+def load_all_records(
+    cfg: DataConfig, tokenizer: Any, processor: Any = None, tool_prompts: dict[str, ToolPrompt] | None = None
+) -> list[DatumSpec]:
+    """Every record of the data an evaluation scores whole: `data.val_dataset` when set, else every row of
+    `data.dataset` (a Hugging Face dataset: split `data.val_split`, else `data.split`); a built-in task's
+    validation rows (its training rows are for training). `data.num_val` keeps the first that many."""
+    counter = SkipCounter()
+    if cfg.dataset in BUILTIN_TASKS:
+        _, rows = _read_rows(cfg, counter)
+    else:
+        source, key = (
+            (cfg.val_dataset, "data.val_dataset") if cfg.val_dataset else (cfg.dataset, "data.dataset")
+        )
+        if is_file_source(source):
+            rows = read_file(source, cfg.skip_invalid, counter, key=key)
+        else:
+            rows = read_hf_dataset(source, cfg.val_split or cfg.split)
+        rows = rows[: cfg.num_val] if cfg.num_val is not None else rows
+    return rows_to_records(rows or [], cfg, tokenizer, counter, processor, tool_prompts)

@@ -158,7 +158,8 @@ def _plain(record: dict) -> dict:
 def read_file(path: str, skip_invalid: bool, counter: SkipCounter, key: str = "data.dataset") -> list[Row]:
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"{key}: data file {file} does not exist")
+        where = "" if file.is_absolute() else f" (looked for {file.resolve()})"
+        raise FileNotFoundError(f"{key}: data file {file} does not exist{where}")
     if file.suffix == ".jsonl":
         rows = read_jsonl(file, skip_invalid, counter)
     elif file.suffix == ".csv":

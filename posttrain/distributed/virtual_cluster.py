@@ -191,9 +191,33 @@ def start_local_ray(
     }  # GPUs: Ray detects them
     if include_dashboard:
         kwargs["dashboard_host"] = dashboard_host
-    with _loopback_only(), _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)):
+    with (
+        _loopback_only(),
+        _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)),
+        _token_notice_off(),
+    ):
         ray.init(**kwargs)
     _restrict_token_file()
+
+
+class _DropTokenNotice(logging.Filter):
+    """Drops Ray's "Token authentication is enabled" notice: posttrain turns it on itself (and says so
+    in docs/security.md), so the notice is not news to the user."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
+
+@contextlib.contextmanager
+def _token_notice_off():
+    """Ray's token-authentication notice silenced while posttrain starts its own local instance."""
+    token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice_filter = _DropTokenNotice()
+    token_logger.addFilter(notice_filter)
+    try:
+        yield
+    finally:
+        token_logger.removeFilter(notice_filter)
 
 
 @contextlib.contextmanager

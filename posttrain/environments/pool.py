@@ -11,18 +11,19 @@ import logging
 from typing import Any
 
 from posttrain.environments.interface import EnvironmentReturn
-from posttrain.environments.registry import EnvironmentConfig, resolve_environment_class
+from posttrain.environments.registry import EnvironmentConfig, resolve_environment
 from posttrain.environments.reward_check import failed_return, merge_returns, step_isolated
 
 logger = logging.getLogger(__name__)
 
 
 class _EnvironmentActor:
-    """Hosts one environment instance inside a Ray actor."""
+    """Hosts one environment instance inside a Ray actor; the class (and a reward function among the
+    keyword arguments) arrive resolved from the driver."""
 
-    def __init__(self, spec: str, kwargs: dict[str, Any], task_name: str = ""):
-        self.environment = resolve_environment_class(spec)(**kwargs)
-        self.source = f"environment {spec!r}" + (f" of task {task_name!r}" if task_name else "")
+    def __init__(self, cls: type, kwargs: dict[str, Any], source: str = ""):
+        self.environment = cls(**kwargs)
+        self.source = source or f"environment {cls.__name__!r}"  # names the culprit of a bad reward
 
     def ready(self) -> bool:
         return True
@@ -43,7 +44,8 @@ class EnvironmentPool:
     def __init__(self, task_name: str, cfg: EnvironmentConfig):
         import ray
 
-        resolve_environment_class(cfg.cls)  # fail on the driver, before any actor starts
+        # resolved on the driver: fails before any actor starts, and what the driver registered travels
+        self.environment_cls, self.kwargs = resolve_environment(cfg)
         self.task_name, self.cfg, self.num_restarts = task_name, cfg, 0
         self._actor_cls = ray.remote(num_cpus=cfg.num_cpus)(_EnvironmentActor)
         self.actors = [self._start_actor(i) for i in range(cfg.num_workers)]
@@ -52,12 +54,13 @@ class EnvironmentPool:
         except ray.exceptions.RayActorError as error:
             self.shutdown()
             raise RuntimeError(
-                f"env.{task_name}: environment {cfg.cls!r} failed to start: {error}"
+                f"env.{task_name}: environment {cfg.environment!r} failed to start: {error}"
             ) from error
 
     def _start_actor(self, index: int):
         name = f"env-{self.task_name}-{index}-{self.num_restarts}-{id(self):x}"
-        return self._actor_cls.options(name=name).remote(self.cfg.cls, self.cfg.kwargs, self.task_name)
+        source = f"environment {self.cfg.environment!r} of task {self.task_name!r}"
+        return self._actor_cls.options(name=name).remote(self.environment_cls, self.kwargs, source)
 
     def _restart(self, index: int) -> None:
         import ray

@@ -3,22 +3,29 @@ in `posttrain.environments.pool`).
 
 In YAML, `env.<task_name>.cls` is a registered name (`math`, `exact_match`, `sliding_puzzle`, `code`,
 `reward_model`, `remote`, `judge`, `tools`), or a user's class as `path/to/file.py:ClassName` or
-`package.module:ClassName`.
+`package.module:ClassName`; or `env.<task_name>.reward` names a plain reward function
+(`posttrain.environments.reward_function`). The driver resolves both and hands the class or function
+itself to the environment actors (pickled by value where the actors could not import it), so what a
+script registers reaches actors in other processes.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.config import ConfigError
+from posttrain.data.config import DataConfig
 from posttrain.data.tool_calls import ToolPrompt
 from posttrain.environments.code_sandbox import CodeToolEnvironment
 from posttrain.environments.exact_match import ExactMatchEnvironment
 from posttrain.environments.interface import EnvironmentInterface
 from posttrain.environments.math_env import MathEnvironment
+from posttrain.environments.reward_function import RewardFunctionEnvironment, resolve_reward
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
 
 _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
@@ -30,6 +37,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "remote": "posttrain.environments.remote:RemoteEnvironment",
     "judge": "posttrain.environments.judge:JudgeEnvironment",
     "tools": "posttrain.environments.tool_env:ToolEnvironment",
+    "reward_function": RewardFunctionEnvironment,
 }
 
 
@@ -38,18 +46,60 @@ class EnvironmentConfig:
     """One task's environment."""
 
     cls: str = field(
-        default="exact_match", metadata={"help": "registered name, or file.py:Class / module:Class"}
+        default="exact_match",
+        metadata={"help": "registered name, or file.py:Class / module:Class (reward_function with reward)"},
     )
     kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "keyword arguments of the class"})
     num_workers: int = field(default=1, metadata={"help": "Ray actors sharing this environment's samples"})
     num_cpus: float = field(default=0.1, metadata={"help": "logical CPUs reserved per environment actor"})
+    reward: str | None = field(
+        default=None,
+        metadata={
+            "help": "a reward function fn(reply, **columns) -> float as file.py:fn, module:fn or a "
+            "register_reward name (replaces cls)"
+        },
+    )
+    reward_batched: bool = field(
+        default=False, metadata={"help": "call reward once per batch: fn(replies, **columns) -> list"}
+    )
+
+    def validate(self) -> None:
+        if self.reward is not None and self.cls not in ("exact_match", "reward_function"):
+            raise ValueError(
+                f"reward and cls={self.cls!r} are both set: a reward function is its own environment; "
+                "remove one of them"
+            )
+        if self.reward is None and self.cls == "reward_function":
+            raise ValueError("cls reward_function needs reward: path/to/rewards.py:fn")
+        if self.reward_batched and self.reward is None:
+            raise ValueError("reward_batched is an option of reward: set reward too")
+
+    @property
+    def environment(self) -> str:
+        """The environment's registered name or import spec (`reward_function` when `reward` is set)."""
+        return "reward_function" if self.reward is not None else self.cls
 
 
 def register_environment(name: str, cls: type[EnvironmentInterface]) -> None:
-    """Make `cls` available as `env.<task>.cls: <name>` in configs."""
+    """Make `cls` available as `env.<task>.cls: <name>` in configs; the class itself travels to the
+    environment actors, so it needs no import path there."""
     if not (isinstance(cls, type) and issubclass(cls, EnvironmentInterface)):
         raise TypeError(f"register_environment({name!r}): {cls!r} is not an EnvironmentInterface subclass")
     _REGISTRY[name] = cls
+    pickle_by_value(cls)
+
+
+def pickle_by_value(obj: Any) -> None:
+    """Send `obj` (a user's class or function) to Ray actors by value: its module (a script, a file
+    next to it, a test module) may not be importable in an actor's process. posttrain's own modules and
+    `__main__` (always by value) are left alone."""
+    module_name = getattr(obj, "__module__", None) or ""
+    module = sys.modules.get(module_name)
+    if module is None or module_name == "__main__" or module_name.split(".")[0] == "posttrain":
+        return
+    from ray import cloudpickle  # the copy Ray serializes actor arguments with
+
+    cloudpickle.register_pickle_by_value(module)
 
 
 def import_attribute(spec: str, kind: str = "environment") -> Any:
@@ -84,15 +134,75 @@ def resolve_environment_class(spec: str) -> type[EnvironmentInterface]:
     return cls
 
 
+def resolve_environment(cfg: EnvironmentConfig) -> tuple[type[EnvironmentInterface], dict[str, Any]]:
+    """The class and keyword arguments of one task's environment, resolved on the driver: a reward
+    function is looked up here and passed as an object, so actors need no registry of their own."""
+    cls = resolve_environment_class(cfg.environment)
+    if cfg.reward is None:
+        return cls, dict(cfg.kwargs)
+    return cls, {"reward": resolve_reward(cfg.reward), "batched": cfg.reward_batched, **cfg.kwargs}
+
+
 def tool_prompts(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, ToolPrompt]:
     """The tools each task's environment declares in its prompts (tasks without tools are left out); a
     bad tool configuration is an error naming `env.<task>.kwargs`."""
     prompts = {}
     for task, cfg in env_cfgs.items():
         try:
-            prompt = resolve_environment_class(cfg.cls).tool_prompt(cfg.kwargs)
+            prompt = resolve_environment_class(cfg.environment).tool_prompt(cfg.kwargs)
         except Exception as error:
             raise ValueError(f"env.{task}.kwargs: {error}") from error
         if prompt is not None:
             prompts[task] = prompt
     return prompts
+
+
+def match_task_to_environments(data_cfg: DataConfig, env_cfgs: dict[str, EnvironmentConfig]) -> None:
+    """Rows without a task column go to `data.task_name`; unset, it becomes the one task of `env` (so the
+    defaults agree). A `data.task_name` without an environment is a config error naming both keys."""
+    if data_cfg.task_name is None:
+        if len(env_cfgs) == 1:
+            data_cfg.task_name = next(iter(env_cfgs))
+        return
+    if data_cfg.task_name not in env_cfgs:
+        task = data_cfg.task_name
+        raise ConfigError(
+            "data.task_name",
+            f"{task!r} has no environment: env configures {sorted(env_cfgs)}; set data.task_name to one of "
+            f"them, or add env.{task} (e.g. env.{task}.reward=path/to/rewards.py:fn)",
+        )
+
+
+def check_record_tasks(
+    records: list[dict], env_cfgs: dict[str, EnvironmentConfig], data_cfg: DataConfig
+) -> None:
+    """Every record's task must have an environment; the error names the data and the keys to change."""
+    tasks = {record["task_name"] for record in records}
+    if None in tasks:
+        raise ConfigError(
+            "data.task_name",
+            f"rows of {data_cfg.dataset} have no {data_cfg.task_key!r} column and env configures several "
+            f"tasks {sorted(env_cfgs)}: set data.task_name to the one these rows belong to",
+        )
+    missing = sorted(tasks - set(env_cfgs))
+    if missing:
+        raise ConfigError(
+            "env",
+            f"rows of {data_cfg.dataset} name task(s) {missing} (column {data_cfg.task_key!r}) but env "
+            f"configures {sorted(env_cfgs)}: add " + ", ".join(f"env.{task}" for task in missing),
+        )
+
+
+def environment_file_problems(env_cfgs: dict[str, EnvironmentConfig]) -> list[ConfigError]:
+    """One error per task whose reward function or environment class cannot be loaded (a missing file, a
+    missing attribute, an unknown name), naming `env.<task>.reward` or `env.<task>.cls`."""
+    problems = []
+    for task, cfg in env_cfgs.items():
+        key, spec = (
+            (f"env.{task}.reward", cfg.reward) if cfg.reward is not None else (f"env.{task}.cls", cfg.cls)
+        )
+        try:
+            resolve_reward(spec) if cfg.reward is not None else resolve_environment_class(spec)
+        except (ImportError, OSError, AttributeError, KeyError, TypeError, SyntaxError) as error:
+            problems.append(ConfigError(key, error.args[0] if isinstance(error, KeyError) else str(error)))
+    return problems

@@ -4,7 +4,8 @@ policy has learned to game shows up as a gap between the two.
 A grader is a plain function `grader(sample) -> 1.0 | 0.0 | None` of one validation sample (the dict
 `run_validation` makes: `prompt`, `response`, `reward`, `answer`, `ground_truth`, ...); None means "cannot
 grade this sample" (it is left out of the strict accuracy). `resolve_grader` takes a built-in name or a
-user's function as `path/to/file.py:function` or `package.module:function`.
+user's function as `path/to/file.py:function` or `package.module:function`, or a name given to
+`register_grader` from Python.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import re
 from typing import Any, Callable
 
+from posttrain.config import ConfigError
 from posttrain.environments.answers import parse_number, strip_end_markers
 from posttrain.environments.registry import import_attribute
 
@@ -35,20 +37,44 @@ def final_number(sample: dict[str, Any]) -> float | None:
 
 
 BUILTIN_GRADERS: dict[str, Grader] = {"final_number": final_number}
+_REGISTERED: dict[str, Grader] = {}
+
+
+def register_grader(function: Grader, name: str | None = None) -> str:
+    """Make `function` available as `grpo.val_grader` / `eval.grader: <name>` (default: its `__name__`);
+    returns the name. Graders run on the driver, so no actor needs to import it."""
+    if not callable(function):
+        raise TypeError(f"register_grader: {function!r} is not a function")
+    name = name or function.__name__
+    _REGISTERED[name] = function
+    return name
 
 
 def resolve_grader(spec: str | None) -> Grader | None:
     """The grader for a built-in name or an import spec (None: no strict grading)."""
     if spec is None:
         return None
-    if spec in BUILTIN_GRADERS:
-        return BUILTIN_GRADERS[spec]
+    if spec in BUILTIN_GRADERS or spec in _REGISTERED:
+        return BUILTIN_GRADERS.get(spec) or _REGISTERED[spec]
     if ":" not in spec:
-        raise KeyError(f"unknown grader {spec!r}; built-in: {sorted(BUILTIN_GRADERS)} (or file.py:function)")
-    grader = import_attribute(spec)
+        raise KeyError(
+            f"unknown grader {spec!r}; built-in: {sorted(BUILTIN_GRADERS)}, "
+            f"registered: {sorted(_REGISTERED)} "
+            "(or file.py:function)"
+        )
+    grader = import_attribute(spec, kind="grader")
     if not callable(grader):
         raise TypeError(f"grader {spec!r} is not a function")
     return grader
+
+
+def grader_problems(key: str, spec: str | None) -> list[ConfigError]:
+    """An error naming `key` when the grader `spec` cannot be loaded (a missing file or function)."""
+    try:
+        resolve_grader(spec)
+    except (ImportError, OSError, AttributeError, KeyError, TypeError, SyntaxError) as error:
+        return [ConfigError(key, error.args[0] if isinstance(error, KeyError) else str(error))]
+    return []
 
 
 def strict_grades(samples: list[dict[str, Any]], grader: Grader) -> dict[str, float]:

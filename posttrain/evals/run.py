@@ -1,5 +1,6 @@
 """`posttrain eval`: score a model (Hugging Face directory or hub name, exported or posttrain checkpoint, or
-a from-config model) on a dataset's validation records with pass@k or cons@k. Rollouts and scoring go
+a from-config model) on every row of a dataset (or its validation slice, `eval.records: validation`)
+with pass@k or cons@k. Rollouts and scoring go
 through `run_validation`, the code GRPO validates with, so both report the same accuracy.
 
 Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-eval
@@ -22,10 +23,15 @@ from rich.console import Console
 from rich.table import Table
 
 from posttrain.config import ConfigError, load_run_config, save_config
-from posttrain.data import DataConfig, load_datasets
+from posttrain.data import DataConfig, load_all_records, load_datasets
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.environments import EnvironmentConfig, create_environments, tool_prompts
-from posttrain.evals.graders import resolve_grader, summarize_strict_grades
+from posttrain.environments.registry import (
+    check_record_tasks,
+    environment_file_problems,
+    match_task_to_environments,
+)
+from posttrain.evals.graders import grader_problems, resolve_grader, summarize_strict_grades
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
@@ -55,6 +61,13 @@ class EvalSettings:
     )
     seed: int = field(default=42, metadata={"help": "seed of the sampling (and of cons@k's subset draws)"})
     save_path: str = field(default="", metadata={"help": "output directory ('' : results/eval-<time>)"})
+    records: Literal["all", "validation"] = field(
+        default="all",
+        metadata={
+            "help": "all: every row of data.val_dataset if set, else of data.dataset (a built-in task: its "
+            "validation rows); validation: the slice training validates on (data.val_fraction)"
+        },
+    )
     max_samples: int | None = field(
         default=None, metadata={"help": "evaluate only the first this many prompts"}
     )
@@ -124,7 +137,7 @@ class EvalConfig:
     )
     data: DataConfig = field(
         default_factory=DataConfig,
-        metadata={"help": "dataset; its validation records (val_dataset, val_split) are scored"},
+        metadata={"help": "dataset: every row is scored (eval.records: all), or its validation slice"},
     )
     env: dict[str, EnvironmentConfig] = field(
         default_factory=lambda: {"arithmetic": EnvironmentConfig()},
@@ -137,6 +150,21 @@ class EvalConfig:
         default_factory=LoggerConfig,
         metadata={"help": "where the results are logged, as in training (log_dir None: eval.save_path)"},
     )
+
+    def validate(self) -> None:
+        match_task_to_environments(self.data, self.env)
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files, model directory, reward and environment files and grader file, one error
+        each (run before anything starts)."""
+        problems = self.data.missing_files()
+        try:
+            check_model_source(self.model)
+        except ConfigError as error:
+            problems.append(error)
+        return (
+            problems + environment_file_problems(self.env) + grader_problems("eval.grader", self.eval.grader)
+        )
 
 
 # ------------------------------------------------------------------------------------------------- model
@@ -200,15 +228,20 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
 
 
 def load_eval_records(cfg: EvalConfig, tokenizer: Any, processor: Any = None) -> list[dict]:
-    """The validation records of `cfg.data` (the first `eval.max_samples`), checked against `cfg.env`;
-    `processor`: a vision-language model's, for rows with images."""
-    _, val_records, _ = load_datasets(cfg.data, tokenizer, processor, tool_prompts(cfg.env))
-    records = val_records[: cfg.eval.max_samples] if cfg.eval.max_samples else val_records
+    """The records `eval.records` picks from `cfg.data` (all, or the validation slice; the first
+    `eval.max_samples`), checked against `cfg.env`; `processor`: a vision-language model's, for rows with
+    images."""
+    prompts = tool_prompts(cfg.env)
+    if cfg.eval.records == "all":
+        records = load_all_records(cfg.data, tokenizer, processor, prompts)
+    else:
+        records = load_datasets(cfg.data, tokenizer, processor, prompts)[1]
+    records = records[: cfg.eval.max_samples] if cfg.eval.max_samples else records
     if not records:
-        raise ConfigError("data", "the dataset has no validation records to evaluate (see data.val_* keys)")
-    missing = sorted({r["task_name"] for r in records} - set(cfg.env))
-    if missing:
-        raise ConfigError("env", f"no environment for task(s) {missing}; configured: {sorted(cfg.env)}")
+        raise ConfigError(
+            "data", f"{cfg.data.dataset} has no records to evaluate (eval.records={cfg.eval.records})"
+        )
+    check_record_tasks(records, cfg.env, cfg.data)
     return records
 
 
@@ -312,6 +345,7 @@ def build_summary(
         "score": score,
         "k": settings.k_value,
         "num_tests_per_prompt": settings.num_tests_per_prompt,
+        "records": settings.records,
         "num_prompts": len(result.samples) // settings.num_tests_per_prompt,
         "num_samples": len(result.samples),
         "accuracy": result.metrics["accuracy"],

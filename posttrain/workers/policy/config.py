@@ -20,7 +20,10 @@ class OptimizerConfig:
     )
     kwargs: dict[str, Any] = field(
         default_factory=lambda: {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8},
-        metadata={"help": "Keyword arguments of the optimizer class (lr, weight_decay, betas, eps, ...)."},
+        metadata={
+            "help": "Keyword arguments of the optimizer class (lr, weight_decay, betas, eps, ...); a file "
+            "that sets some keeps the defaults of the others (unless it changes name)."
+        },
     )
 
     def validate(self) -> None:
@@ -60,6 +63,14 @@ class SchedulerConfig:
             scheduler_cls(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **self.kwargs)
         except (TypeError, ValueError) as error:
             raise ConfigError.at("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
+
+
+def policy_with_lr(lr: float, **fields: Any) -> PolicyConfig:
+    """The default policy section with AdamW at learning rate `lr` (an algorithm's own default), the
+    other optimizer defaults kept."""
+    optimizer = OptimizerConfig()
+    optimizer.kwargs["lr"] = lr
+    return PolicyConfig(optimizer=optimizer, **fields)
 
 
 def optimizer_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
