@@ -1,14 +1,20 @@
 """`posttrain demo` / `make demo`: the main job, offline on a CPU in a few minutes.
 
 1. Build a tiny Llama-architecture model (~1M parameters) with the built-in character tokenizer.
-2. SFT it on the built-in 2-digit addition task until greedy validation accuracy reaches
-   `sft_target_accuracy` (checked every `sft_check_every` steps, at most `sft_max_steps`).
-3. GRPO from that model with exact-match rewards, validating every `grpo_val_period` steps;
-   `grpo_async=true` runs it as asynchronous GRPO (generation on a worker of its own, overlapping
-   training, trajectories at most `grpo_max_trajectory_age` steps old, truncated IS correction).
-Writes a run directory with both runs (config, metrics.jsonl, TensorBoard, checkpoints, validation
+2. SFT it on `sft_num_train` labelled examples of the built-in 2-digit addition task until greedy
+   validation accuracy reaches `sft_target_accuracy` (checked every `sft_check_every` steps, at most
+   `sft_max_steps`).
+3. GRPO from that model on 8000 other prompts, which carry no labels: the exact-match verifier grades
+   the replies. Validation every `grpo_val_period` steps; `grpo_async=true` runs it as asynchronous GRPO
+   (generation on a worker of its own, overlapping training, trajectories at most
+   `grpo_max_trajectory_age` steps old, truncated IS correction).
+4. The control (`sft_control`): SFT continued from the same model on its labelled examples for the
+   GRPO stage's training time, so that the GRPO gain stands beside what the same time gives otherwise.
+This is the setting RL is for: a verifier for many prompts, labels for few. With labels for every
+prompt, more SFT beats GRPO here (docs/real-model.md has the measurements).
+Writes a run directory with the runs (config, metrics.jsonl, TensorBoard, checkpoints, validation
 samples), `curves.png` (reward and accuracy over steps) and `summary.json` (validation accuracy of the
-untrained model, after SFT and after GRPO, and the wall time of each stage).
+untrained model, after SFT, after GRPO and of the control, and the time of each stage).
 """
 
 from __future__ import annotations
@@ -52,6 +58,12 @@ class DemoConfig:
     sft_check_every: int = field(default=25, metadata={"help": "SFT steps between accuracy checks"})
     sft_max_steps: int = field(default=600, metadata={"help": "most SFT steps"})
     sft_lr: float = field(default=2e-3, metadata={"help": "SFT learning rate"})
+    sft_num_train: int = field(
+        default=256, metadata={"help": "labelled examples SFT trains on (GRPO's 8000 prompts have none)"}
+    )
+    sft_control: bool = field(
+        default=True, metadata={"help": "continue SFT for GRPO's training time and report it beside GRPO"}
+    )
     grpo_steps: int = field(default=150, metadata={"help": "GRPO steps"})
     grpo_lr: float = field(default=3e-4, metadata={"help": "GRPO learning rate"})
     grpo_val_period: int = field(default=25, metadata={"help": "GRPO validation period"})
@@ -76,19 +88,20 @@ def tiny_model() -> ModelFromConfig:
     )
 
 
-def data_config(cfg: DemoConfig, fmt: str) -> DataConfig:
+def data_config(cfg: DemoConfig, fmt: str, num_train: int = 8000) -> DataConfig:
     return DataConfig(
         dataset="arithmetic",
         format=fmt,
         num_digits=cfg.num_digits,
-        num_train=8000,
+        num_train=num_train,
         num_val=cfg.num_val,
         max_length=32,
         seed=cfg.seed,
     )
 
 
-def sft_config(cfg: DemoConfig, out: Path, model_dir: Path) -> sft.SFTConfig:
+def sft_config(cfg: DemoConfig, out: Path, model_dir: Path, control: bool = False) -> sft.SFTConfig:
+    """The SFT stage's config; `control`: the control's, from the SFT model (no warm-up, no step cap)."""
     policy = PolicyConfig(
         model_name=str(model_dir),
         train_global_batch_size=64,
@@ -96,7 +109,7 @@ def sft_config(cfg: DemoConfig, out: Path, model_dir: Path) -> sft.SFTConfig:
         logprob_batch_size=128,
         optimizer=OptimizerConfig(kwargs={"lr": cfg.sft_lr, "weight_decay": 0.0, "betas": [0.9, 0.98]}),
         scheduler=[
-            SchedulerConfig("LinearLR", {"start_factor": 0.05, "total_iters": 20}),
+            SchedulerConfig("LinearLR", {"start_factor": 1.0 if control else 0.05, "total_iters": 20}),
             SchedulerConfig("ConstantLR", {"factor": 1.0, "total_iters": 1}),
         ],
         scheduler_milestones=[20],
@@ -105,14 +118,14 @@ def sft_config(cfg: DemoConfig, out: Path, model_dir: Path) -> sft.SFTConfig:
     return sft.SFTConfig(
         sft=LoopConfig(
             max_num_epochs=100,
-            max_num_steps=cfg.sft_max_steps,
+            max_num_steps=10**6 if control else cfg.sft_max_steps,
             val_period=cfg.sft_check_every,
             val_max_samples=256,
         ),
         policy=policy,
-        data=data_config(cfg, "prompt_response"),
+        data=data_config(cfg, "prompt_response", cfg.sft_num_train),
         cluster=ClusterConfig(),
-        logger=LoggerConfig(log_dir=str(out / "sft")),
+        logger=LoggerConfig(log_dir=str(out)),
         checkpointing=CheckpointingConfig(save_period=10**9, keep_top_k=1),
     )
 
@@ -183,7 +196,7 @@ class AccuracyProbe:
 
 
 def run_sft_stage(cfg: DemoConfig, out: Path, model_dir: Path) -> dict[str, Any]:
-    run = sft.setup(sft_config(cfg, out, model_dir))
+    run = sft.setup(sft_config(cfg, out / "sft", model_dir))
     probe = AccuracyProbe(run, cfg)
     curve = [(0, probe.accuracy(refit=False))]
     print(f"[demo] untrained model: greedy validation accuracy {curve[0][1]:.3f}")
@@ -208,12 +221,30 @@ def run_grpo_stage(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     final = grpo.grpo_train(run)
     run.policy.export_hf(str(out / "grpo" / "hf_model"))
     run.shutdown()
+    records = read_metrics(out / "grpo" / "metrics.jsonl")
     return {
         "grpo_start_accuracy": start_accuracy,
         "grpo_accuracy": final["accuracy"],
         "grpo_steps": run.step,
+        "grpo_train_s": sum(metric_series(records, "train/step_time")[1]),
         "grpo_async": cfg.grpo_async,
     }
+
+
+def run_sft_control(cfg: DemoConfig, out: Path, seconds: float) -> dict[str, Any]:
+    """SFT continued from the SFT stage's model on the same labelled examples until its training time
+    (validation excluded) reaches `seconds`, GRPO's; greedy accuracy on the same held-out prompts."""
+    run = sft.setup(sft_config(cfg, out / "sft_control", out / "sft" / "hf_model", control=True))
+    probe = AccuracyProbe(run, cfg)
+    trained = 0.0
+    while trained < seconds and run.step < run.total_steps:
+        start = time.perf_counter()
+        sft.sft_train(run, num_steps=cfg.sft_check_every)
+        trained += time.perf_counter() - start
+    accuracy = probe.accuracy()
+    probe.shutdown()
+    run.shutdown()
+    return {"sft_control_accuracy": accuracy, "sft_control_steps": run.step, "sft_control_train_s": trained}
 
 
 def plot_demo(out: Path, sft_curve: list) -> Path:
@@ -245,6 +276,8 @@ def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
         t2 = time.perf_counter()
         summary.update(run_grpo_stage(cfg, out))
         t3 = time.perf_counter()
+        if cfg.sft_control:
+            summary.update(run_sft_control(cfg, out, summary["grpo_train_s"]))
     finally:
         if started:
             ray.shutdown()
@@ -271,6 +304,12 @@ def main(args: Any) -> int:
         f"{summary['sft_accuracy']:.3f} -> after GRPO {summary['grpo_accuracy']:.3f} "
         f"({summary['grpo_gain_points']:+.1f} points from GRPO)"
     )
+    if cfg.sft_control:
+        print(
+            f"control: SFT continued for GRPO's {summary['grpo_train_s']:.0f} s of training "
+            f"({summary['sft_control_steps']} steps on the same {cfg.sft_num_train} labelled examples): "
+            f"{summary['sft_control_accuracy']:.3f}"
+        )
     print(
         f"wall time: {summary['wall_time_s']['total']:.0f}s; summary {out / 'summary.json'}; plot "
         f"{summary['curves_png']}; "

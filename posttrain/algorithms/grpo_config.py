@@ -23,6 +23,12 @@ from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
 from posttrain.workers.generation import GenerationConfig
 from posttrain.workers.policy import PolicyConfig
+from posttrain.workers.policy.config import policy_with_lr
+
+# TRL's GRPO default, for a pretrained model. On SmolLM2-135M at 8 questions x 8 samples a step, 5e-5
+# collapsed held-out accuracy (63% -> 24% in 15 steps) and 2e-5 with four updates a step lost 4 points
+# (benchmarks/reference/time_to_accuracy_smollm2_cpu.json); the tiny recipes set their own, larger rate.
+GRPO_LR = 1e-6
 
 AdvantageEstimator = Literal[
     "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae", "on_policy_distillation"
@@ -143,7 +149,10 @@ class GRPOConfig:
 
     grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
     loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
-    policy: PolicyConfig = field(default_factory=PolicyConfig, metadata={"help": "the trained model"})
+    policy: PolicyConfig = field(
+        default_factory=lambda: policy_with_lr(GRPO_LR),
+        metadata={"help": "the trained model (AdamW lr 1e-6 by default)"},
+    )
     critic: CriticConfig = field(
         default_factory=CriticConfig, metadata={"help": "PPO's value model (grpo.advantage_estimator gae)"}
     )

@@ -72,7 +72,13 @@ def source_of(key: str, sources: Mapping[str, str] | None) -> str | None:
 
 
 def closest(name: str, candidates: Sequence[str]) -> str | None:
-    """The candidate most like `name` (difflib ratio >= 0.6), for "did you mean" hints."""
+    """The candidate most like `name`, for "did you mean" hints: the shortest key in the same top-level
+    section that ends with the same name (`policy.lr` -> `policy.optimizer.kwargs.lr`), else the closest
+    spelling (difflib ratio >= 0.6)."""
+    section, last = name.partition(".")[0], name.rpartition(".")[2]
+    nested = [c for c in candidates if c.startswith(section + ".") and c.endswith("." + last) and c != name]
+    if "." in name and nested:
+        return min(nested, key=len)
     matches = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.6)
     return matches[0] if matches else None
 

@@ -213,9 +213,8 @@ class _Checker:
         for name in value:
             if name not in fields:
                 unknown = join_key(key, str(name))
-                raise self.error(
-                    unknown, f"unknown key in {schema_cls.__name__}", closest(unknown, self.all_keys)
-                )
+                suggestion = optimizer_key(key, str(name), fields) or closest(unknown, self.all_keys)
+                raise self.error(unknown, f"unknown key in {schema_cls.__name__}", suggestion)
         kwargs = {name: self.convert(hints[name], item, join_key(key, name)) for name, item in value.items()}
         for name, item in fields.items():
             if name not in kwargs and _is_mandatory(item):
@@ -234,6 +233,17 @@ class _Checker:
         except (ValueError, TypeError) as error:
             raise ConfigError(key, str(error), source_of(key, self.sources)) from None
         return instance
+
+
+OPTIMIZER_ARGUMENTS = {"lr": "lr", "learning_rate": "lr", "weight_decay": "weight_decay", "betas": "betas"}
+
+
+def optimizer_key(key: str, name: str, fields: Mapping[str, Any]) -> str | None:
+    """`policy.lr` -> `policy.optimizer.kwargs.lr`: an optimizer argument named beside an `optimizer`
+    section lives in its `kwargs` mapping, which the closest-key search cannot see into."""
+    if name in OPTIMIZER_ARGUMENTS and "optimizer" in fields:
+        return join_key(key, f"optimizer.kwargs.{OPTIMIZER_ARGUMENTS[name]}")
+    return None
 
 
 def _is_mandatory(item: dataclasses.Field) -> bool:

@@ -191,6 +191,9 @@ def start_local_ray(
     }  # GPUs: Ray detects them
     if include_dashboard:
         kwargs["dashboard_host"] = dashboard_host
+    # Every worker would draw its own bars for loading and saving weights (transformers' tqdm); the
+    # workers inherit this process's environment, and the run's own progress line says what happens.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     with (
         _loopback_only(),
         _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)),

@@ -37,8 +37,12 @@ def test_short_demo_writes_run_directory_plot_and_summary(ray_session, tmp_path)
         assert 0.0 <= summary[key] <= 1.0 or key == "grpo_gain_points"
     assert summary["sft_steps"] == 10 and summary["grpo_steps"] == 2
     assert set(summary["wall_time_s"]) == {"build_model", "sft", "grpo", "total"}
+    # The control: SFT continued for at least GRPO's training time, graded on the same prompts.
+    assert "control: SFT continued for GRPO's" in result.stdout
+    assert summary["sft_control_train_s"] >= summary["grpo_train_s"] > 0
+    assert summary["sft_control_steps"] > 0 and 0.0 <= summary["sft_control_accuracy"] <= 1.0
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for stage in ("sft", "grpo"):
+    for stage in ("sft", "grpo", "sft_control"):
         assert (out / stage / "config.yaml").exists() and (out / stage / "metrics.jsonl").exists()
     assert (out / "grpo" / "val_samples" / "step_2.jsonl").exists()
     assert (out / "grpo" / "checkpoints" / "step_2" / "training_info.json").exists()

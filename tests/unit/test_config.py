@@ -439,3 +439,16 @@ def test_mandatory_mark_in_a_file_is_not_filled_by_a_schema_default(tmp_path):
     ):
         load_typed_config(TrainConfig, str(path))
     assert load_typed_config(TrainConfig, str(path), ["policy.lr=0.5"]).policy.lr == 0.5
+
+
+def test_a_learning_rate_set_beside_the_optimizer_points_into_its_kwargs(tmp_path):
+    """`policy.lr`, on the command line or in a file, names the key that holds the learning rate."""
+    from posttrain.algorithms.sft import SFTConfig
+
+    configs = Path(__file__).resolve().parents[2] / "configs"
+    with pytest.raises(ConfigError, match=r"did you mean 'policy\.optimizer\.kwargs\.lr'"):
+        load_typed_config(SFTConfig, str(configs / "sft_tiny.yaml"), ["policy.lr=1e-5"])
+    in_file = tmp_path / "lr.yaml"
+    in_file.write_text("defaults: " + str(configs / "sft_tiny.yaml") + "\npolicy:\n  lr: 1.0e-5\n")
+    with pytest.raises(ConfigError, match=r"did you mean 'policy\.optimizer\.kwargs\.lr'"):
+        load_typed_config(SFTConfig, str(in_file))

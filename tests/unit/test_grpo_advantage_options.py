@@ -101,7 +101,10 @@ def test_ppo_config_errors_name_the_critic_key():
 def test_posttrain_ppo_refuses_a_config_without_the_critic(capsys):
     from posttrain.cli import main
 
-    assert main(["ppo", "--config", str(CONFIGS / "grpo_tiny.yaml")]) == 2
+    hub_model = (
+        "policy.model_name=HuggingFaceTB/SmolLM2-135M-Instruct"  # not looked up: the check comes first
+    )
+    assert main(["ppo", "--config", str(CONFIGS / "grpo_tiny.yaml"), hub_model]) == 2
     assert "grpo.advantage_estimator" in capsys.readouterr().err
 
 
@@ -146,5 +149,8 @@ def test_a_teacher_with_another_tokenizer_is_refused_naming_the_key(tmp_path):
 def test_posttrain_distill_refuses_a_config_without_the_teacher(capsys):
     from posttrain.cli import main
 
-    assert main(["distill", "--config", str(CONFIGS / "grpo_tiny.yaml")]) == 2
+    hub_model = (
+        "policy.model_name=HuggingFaceTB/SmolLM2-135M-Instruct"  # not looked up: the check comes first
+    )
+    assert main(["distill", "--config", str(CONFIGS / "grpo_tiny.yaml"), hub_model]) == 2
     assert "on_policy_distillation" in capsys.readouterr().err
