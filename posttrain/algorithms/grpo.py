@@ -11,6 +11,8 @@ policy. The new weights reach the generation workers (refit) when they next gene
 accelerator, the policy's training state leaves the device while they do (`Refit.generation_phase`).
 Departures from the paper: KL is off by default (beta = 0, as in DAPO); DAPO's dynamic sampling,
 clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are options of the config.
+Every step also logs its learning-health signals and warns when learning stalls, the entropy collapses,
+the replies run away or the reward falls (`health.py`, `grpo.health`).
 
 Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_grpo` (R - group mean, no
 std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
