@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from posttrain.environments.answers import strip_end_markers
 from posttrain.environments.interface import (
     EnvironmentInterface,
@@ -26,12 +24,4 @@ class ExactMatchEnvironment(EnvironmentInterface):
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         answers = [strip_end_markers(last_assistant_text(log)) for log in message_logs]
         rewards = [float(a == str(m[self.ground_truth_key]).strip()) for a, m in zip(answers, metadata)]
-        batch_size = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=answers,
-        )
+        return EnvironmentReturn.final(metadata, rewards, answers)

@@ -28,6 +28,26 @@ class EnvironmentReturn:
     counts: dict[str, float] = field(default_factory=dict)  # summed over a rollout, logged as rollout/env/*
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def final(
+        cls,
+        metadata: list[dict[str, Any]],
+        rewards: list[float] | torch.Tensor,
+        answers: list[str | None] | None = None,
+        num_errors: int = 0,
+    ) -> EnvironmentReturn:
+        """A single-turn answer: every episode ends with its reward, with no observation to add."""
+        batch_size = len(metadata)
+        return cls(
+            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
+            metadata=metadata,
+            next_stop_strings=[None] * batch_size,
+            rewards=torch.as_tensor(rewards, dtype=torch.float32),
+            terminateds=torch.ones(batch_size, dtype=torch.bool),
+            answers=[None] * batch_size if answers is None else answers,
+            num_errors=num_errors,
+        )
+
 
 class EnvironmentInterface(abc.ABC):
     """An environment scores (and may answer) the last assistant message of each conversation."""

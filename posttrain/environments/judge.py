@@ -277,13 +277,4 @@ class JudgeEnvironment(EnvironmentInterface):
             reward = self._score(reply, field_["response"], meta)
             num_errors += reward is None
             rewards.append(0.0 if reward is None else reward)
-        batch_size = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=[None] * batch_size,
-            num_errors=num_errors,
-        )
+        return EnvironmentReturn.final(metadata, rewards, None, num_errors)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import torch
-
 from posttrain.environments.answers import grade_reply
 from posttrain.environments.interface import (
     EnvironmentInterface,
@@ -44,13 +42,4 @@ class MathEnvironment(EnvironmentInterface):
                 reward, answer, num_errors = 0.0, None, num_errors + 1
             rewards.append(reward)
             answers.append(answer)
-        batch_size = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=answers,
-            num_errors=num_errors,
-        )
+        return EnvironmentReturn.final(metadata, rewards, answers, num_errors)

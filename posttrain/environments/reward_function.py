@@ -26,8 +26,6 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from posttrain.environments.answers import strip_end_markers
 from posttrain.environments.interface import (
     EnvironmentInterface,
@@ -161,16 +159,7 @@ class RewardFunctionEnvironment(EnvironmentInterface):
             rewards, num_errors = self._batch_rewards(replies, metadata)
         else:
             rewards, num_errors = self._sample_rewards(replies, metadata)
-        batch_size = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=torch.tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=replies,
-            num_errors=num_errors,
-        )
+        return EnvironmentReturn.final(metadata, rewards, replies, num_errors)
 
     def _sample_rewards(self, replies: list[str], metadata: list[dict[str, Any]]) -> tuple[list[float], int]:
         rewards, num_errors = [], 0

@@ -111,12 +111,4 @@ class RewardModelEnvironment(EnvironmentInterface):
         return logits.float().squeeze(-1).cpu()  # [b]
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        batch_size = len(message_logs)
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=self.score(message_logs),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=[None] * batch_size,
-        )
+        return EnvironmentReturn.final(metadata, self.score(message_logs))
