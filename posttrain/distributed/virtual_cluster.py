@@ -2,7 +2,8 @@
 
 A local Ray instance listens on 127.0.0.1 only (GCS, raylet, object manager, workers, agents), keeps
 Ray's token authentication on, and runs neither the dashboard nor the dashboard agent's HTTP server
-unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`).
+unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`). Its workers compute at the
+niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides).
 """
 
 from __future__ import annotations
@@ -194,6 +195,11 @@ def start_local_ray(
     # Every worker would draw its own bars for loading and saving weights (transformers' tqdm); the
     # workers inherit this process's environment, and the run's own progress line says what happens.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # Ray renices its workers by 15 so that its daemons stay responsive; here the workers are the run
+    # itself, and at 15 any normal process on the machine (an editor's indexer, a second job) takes their
+    # cores almost entirely, where a peer's single process at niceness 0 keeps its share. The daemons need
+    # little CPU and still get their fair share at the same niceness.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     with (
         _loopback_only(),
         _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)),

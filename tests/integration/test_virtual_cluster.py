@@ -22,3 +22,17 @@ def test_impossible_request_fails_within_timeout_naming_cpus(ray_session) -> Non
     with pytest.raises(ClusterResourceError, match="CPU"):
         RayVirtualCluster(ClusterConfig(num_cpus_per_worker=1000.0, resource_timeout_s=3.0))
     assert time.monotonic() - start < 15
+
+
+def test_workers_compute_at_the_niceness_of_the_command(ray_session) -> None:
+    """Ray renices workers by 15 unless told otherwise; posttrain's local Ray keeps them at the driver's
+    niceness, so that a normal process beside the run does not take their cores."""
+    import os
+
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def niceness() -> int:
+        return os.nice(0)
+
+    assert ray.get(niceness.remote()) == os.nice(0)
