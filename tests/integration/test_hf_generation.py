@@ -10,7 +10,12 @@ import torch
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
 from posttrain.workers.generation import GenerationConfig, HFGeneration
-from posttrain.workers.generation.decode import filter_logits, right_to_left_padded, sample_from_probs
+from posttrain.workers.generation.decode import (
+    filter_logits,
+    right_to_left_padded,
+    sample_from_probs,
+    sample_from_weights,
+)
 
 MAX_NEW_TOKENS = 12
 PROMPTS = ["hello", "ab", "the quick brown", "2+2=", "xyz", "Once upon", "k", "(1, 2)"]
@@ -42,6 +47,29 @@ def test_sample_from_probs_inverts_the_cdf_and_skips_zero_probability_tokens():
     probs = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]]).repeat(5, 1)
     uniforms = torch.tensor([0.1, 0.2, 0.69, 0.7, 1.0 - 1e-12], dtype=torch.float64)
     assert sample_from_probs(probs, uniforms).tolist() == [0, 2, 2, 3, 3]
+
+
+def test_two_level_sampling_crosses_block_boundaries_as_one_running_sum():
+    """Weights [1, 2, 3, 4] in blocks of 2: block sums [3, 7], running [3, 10]; total 10. u=0.05 -> target
+    0.5 -> token 0; u=0.1 -> 1.0 -> token 1 (the first running sum above 1 is 3); u=0.3 -> 3.0 -> block 1,
+    then 3 + [3, 7] = [6, 10] -> token 2; u=0.65 -> 6.5 -> token 3. The totals come back in float64."""
+    weights = torch.tensor([[1.0, 2.0, 3.0, 4.0]]).repeat(4, 1)
+    uniforms = torch.tensor([0.05, 0.1, 0.3, 0.65], dtype=torch.float64)
+    tokens, totals = sample_from_weights(weights, uniforms, block=2)
+    assert tokens.tolist() == [0, 1, 2, 3]
+    assert totals.tolist() == [10.0] * 4
+
+
+def test_two_level_sampling_draws_what_a_full_running_sum_draws():
+    """Against the plain inverse CDF (a float64 cumsum over the whole vocabulary), on peaked and flat
+    distributions over a vocabulary that is not a multiple of the block (the last block is padded)."""
+    generator = torch.Generator().manual_seed(0)
+    for scale in (0.5, 3.0, 12.0):
+        probs = (torch.randn(64, 1000, generator=generator) * scale).softmax(dim=-1)
+        uniforms = torch.rand(64, generator=generator, dtype=torch.float64)
+        cdf = probs.double().cumsum(dim=-1)
+        expected = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        assert torch.equal(sample_from_probs(probs, uniforms), expected)
 
 
 def test_right_to_left_padded_moves_prompts_to_the_right_edge():
