@@ -195,6 +195,35 @@ def async_curves_section(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def compare_section(name: str, data: dict) -> list[str]:
+    """A regression report (`benchmarks/compare.py`): every figure beside its reference."""
+    lines = [f"### `{name}`", "", f"Measured {data['date']} on {data['machine'].get('processor', '')} "
+             f"{data['machine'].get('cpu_count', '?')} cores (`benchmarks/compare.py`); references: "
+             + "; ".join(f"`{check['reference']}` ({check.get('reference_date')})" for check in data["checks"].values())
+             + ".", "", "| check | figure | reference | now | now / reference | |", "|---|---|---|---|---|---|"]
+    for check_name, check in data["checks"].items():
+        for f in check["figures"]:
+            mark = ("**worse**" if f["equal_work"] else "slower (absolute)") if f["worse"] else ""
+            lines.append(f"| {check_name} | {f['name']} | {f['reference']:.4g} | {f['value']:.4g} | "
+                         f"{f['ratio']:.2f} | {mark} |")
+    lines += ["", f"Equal-work figures more than 10% worse: {len(data['regressions'])}."]
+    if data.get("notes"):
+        lines += [""] + [f"- {note}" for note in data["notes"]]
+    return lines + [""]
+
+
+def generic_section(name: str, data: dict) -> list[str]:
+    """Any other reference: its date, machine and notes, and its top-level numbers."""
+    lines = [f"### `{name}`", "", f"Measured {data.get('date', '?')} on {machine_text(data)}.", ""]
+    numbers = {key: value for key, value in data.items() if isinstance(value, (int, float)) and key != "date"}
+    if numbers:
+        lines += ["| figure | value |", "|---|---|"] + [f"| {k} | {v:.4g} |" for k, v in numbers.items()] + [""]
+    if data.get("notes"):
+        notes = data["notes"] if isinstance(data["notes"], list) else [data["notes"]]
+        lines += [f"- {note}" for note in notes] + [""]
+    return lines
+
+
 def plot_async_curves(name: str, modes: dict[str, dict]) -> str:
     import matplotlib
 
@@ -311,6 +340,10 @@ def write_benchmarks() -> None:
             lines += async_curves_section(name, data)
         elif name.startswith("time_to_accuracy"):
             lines += time_to_accuracy_section(name, data)
+        elif name.startswith("compare"):
+            lines += compare_section(name, data)
+        else:
+            lines += generic_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
 
 
