@@ -190,8 +190,9 @@ def make_rollout_source(
     lease = None
     if async_cfg.lend_idle_cores:
         lease = lend_cores(policy.worker_group, generation.worker_group, generation.backend_name)
+    chunk = async_cfg.partial_rollout_chunk_tokens if async_cfg.partial_rollouts else None
     return AsyncRollouts(
-        collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps, lease
+        collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps, lease, chunk
     )
 
 
