@@ -119,6 +119,7 @@ class AsyncRollouts:
             start_version=step,
             generation_version=None if refit.stale else step,
             lease=lease,
+            start_newest=self.chunked is not None,
         )
         self.hold = False  # pause the producer with the next weights (a validation follows)
         self.publish_weights(step)

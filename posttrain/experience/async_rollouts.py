@@ -10,7 +10,8 @@ ObjectRef) and the producer refits before a batch whose version differs from the
 rollouts (`refit_newest`, experience/partial_rollouts.py) it also refits between the chunks of a batch
 when newer weights are published: the batch keeps its starting version as `policy_version` (its oldest
 tokens), so the staleness bound applies to the oldest token of each sample, and its later tokens are
-fresher.
+fresher. A batch then also starts from the newest published weights (at least its scheduled version),
+not from older ones than the workers already hold.
 
 Threads: the producer thread calls only the generation workers and the environments (through
 `produce`); the trainer's thread calls the policy. The data loader is advanced only by `produce`, so
@@ -58,8 +59,10 @@ class AsyncRolloutProducer:
         start_version: int,
         generation_version: int | None,
         lease: Callable[[str | None], Any] | None = None,
+        start_newest: bool = False,
     ) -> None:
         self.produce, self.refit, self.read_loader_state = produce, refit, loader_state
+        self.start_newest = start_newest  # partial rollouts: a batch starts from the newest weights
         self.max_age, self.start_version = max_age, start_version
         self.next_index, self.last_index = first_index, last_index
         self.generation_version = generation_version  # weights in the generation workers (None: unknown)
@@ -160,6 +163,9 @@ class AsyncRolloutProducer:
 
     def _produce_batch(self, index: int, version: int) -> TrajectoryBatch:
         try:
+            if self.start_newest:  # never older than the schedule's version, so within the bound
+                with self._condition:
+                    version = version if self._paused else max(version, max(self._weights))
             self._refit_to(version)
             start = time.perf_counter()
             rollouts, metrics = self.produce(index)
