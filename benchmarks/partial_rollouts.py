@@ -21,7 +21,9 @@ over step time), the mean per-token age, mid-batch refits, tokens generated befo
 that continued after it (what restarting those replies at the refit would discard), and tokens
 discarded (always 0 here: no mode regenerates tokens; stale batches would be dropped whole, and none is).
 
-Run: .venv/bin/python benchmarks/partial_rollouts.py [--steps 10] [--chunk 8]
+With `--runs N` the modes alternate N times and every figure is the median over the runs.
+
+Run: .venv/bin/python benchmarks/partial_rollouts.py [--steps 12] [--chunk 8] [--runs 2]
      [--out benchmarks/reference/partial_rollouts_cpu.json]
 """
 
@@ -32,6 +34,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -142,24 +145,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--chunk", type=int, default=8, help="partial_rollout_chunk_tokens")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--runs", type=int, default=1, help="runs per mode, alternating (medians reported)")
     parser.add_argument("--norm-scale", type=float, default=0.05, help="the policy's final norm x this")
     parser.add_argument("--num-stop-tokens", type=int, default=7, help="ids that end a reply (EOS first)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "reference" / "partial_rollouts_cpu.json"))
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     results = {}
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes.split(",")}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = long_tail_model(Path(tmp) / "model", args.norm_scale)
-        for mode in args.modes.split(","):
-            start = time.perf_counter()
-            records = run_mode(mode, args, model_dir, Path(tmp) / mode)
-            results[mode] = {**summarize(records), "wall_s": round(time.perf_counter() - start, 1)}
-            print(mode, json.dumps(results[mode]), flush=True)
+        for run in range(args.runs):  # modes alternate, so a change of machine load hits all of them
+            for mode in runs:
+                start = time.perf_counter()
+                records = run_mode(mode, args, model_dir, Path(tmp) / f"{mode}_{run}")
+                runs[mode].append({**summarize(records), "wall_s": round(time.perf_counter() - start, 1)})
+                print(mode, json.dumps(runs[mode][-1]), flush=True)
+    for mode, summaries in runs.items():  # medians over the runs, and each run's step time
+        results[mode] = {
+            key: statistics.median(s[key] for s in summaries) if summaries[0][key] is not None else None
+            for key in summaries[0]
+        }
+        results[mode]["step_time_mean_s_per_run"] = [s["step_time_mean_s"] for s in summaries]
     report = {
         "date": datetime.date.today().isoformat(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, no GPU; shared with other jobs "
         "while measured, so timings are noisy",
         "workload": {
+            "runs": args.runs,
             "steps": args.steps,
             "chunk_tokens": args.chunk,
             "norm_scale": args.norm_scale,
