@@ -163,7 +163,7 @@ def main() -> None:
                 print(mode, json.dumps(runs[mode][-1]), flush=True)
     for mode, summaries in runs.items():  # medians over the runs, and each run's step time
         results[mode] = {
-            key: statistics.median(s[key] for s in summaries) if summaries[0][key] is not None else None
+            key: round(statistics.median(s[key] for s in summaries), 3) if summaries[0][key] is not None else None
             for key in summaries[0]
         }
         results[mode]["step_time_mean_s_per_run"] = [s["step_time_mean_s"] for s in summaries]
