@@ -162,10 +162,8 @@ def main() -> None:
                 runs[mode].append({**summarize(records), "wall_s": round(time.perf_counter() - start, 1)})
                 print(mode, json.dumps(runs[mode][-1]), flush=True)
     for mode, summaries in runs.items():  # medians over the runs, and each run's step time
-        results[mode] = {
-            key: round(statistics.median(s[key] for s in summaries), 3) if summaries[0][key] is not None else None
-            for key in summaries[0]
-        }
+        medians = {key: [s[key] for s in summaries if s[key] is not None] for key in summaries[0]}
+        results[mode] = {key: round(statistics.median(v), 3) if v else None for key, v in medians.items()}
         results[mode]["step_time_mean_s_per_run"] = [s["step_time_mean_s"] for s in summaries]
     report = {
         "date": datetime.date.today().isoformat(),
