@@ -68,6 +68,7 @@ def test_cpu_references_come_from_the_reference_files():
     assert gpu_check.cpu_reference_step_time("0.5b") == (None, "no CPU reference for workload 0.5b")
 
 
+@pytest.mark.slow  # a Ray instance, two GRPO setups and a policy: ~200 s on 2 loaded cores, 19 s of CPU
 def test_dry_run_runs_every_row_on_the_cpu_and_writes_the_table(tmp_path):
     out = tmp_path / "check.json"
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
