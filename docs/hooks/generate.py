@@ -224,6 +224,24 @@ def generic_section(name: str, data: dict) -> list[str]:
     return lines
 
 
+def partial_rollouts_section(name: str, data: dict) -> list[str]:
+    """Asynchronous GRPO with and without partial rollouts on a long-tail batch (`benchmarks/partial_rollouts.py`)."""
+    results, work = data["results"], data["workload"]
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}.* {work['steps']} steps per mode (the first 2 "
+             f"untimed), chunks of {work['chunk_tokens']} tokens, {work['grpo.num_prompts_per_step']} x "
+             f"{work['grpo.num_generations_per_prompt']} samples of up to {work['generation.max_new_tokens']} new "
+             "tokens (`benchmarks/partial_rollouts.py`).", ""]
+    keys = [("step_time_mean_s", "mean step time (s)"), ("trainer_idle_fraction", "trainer idle share"),
+            ("token_age_mean", "mean token age (steps)"), ("mean_generated_length", "mean reply length"),
+            ("longest_reply_mean", "longest sequence per batch"), ("refits_mid_batch", "refits mid-batch"),
+            ("tokens_kept_across_refit", "tokens kept across a refit"), ("tokens_discarded", "tokens discarded")]
+    lines += ["| | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
+    for key, label in keys:
+        lines.append(f"| {label} | " + " | ".join(f"{r[key]:g}" if r[key] is not None else "n/a"
+                                                  for r in results.values()) + " |")
+    return lines + [""]
+
+
 def plot_async_curves(name: str, modes: dict[str, dict]) -> str:
     import matplotlib
 
@@ -342,6 +360,8 @@ def write_benchmarks() -> None:
             lines += time_to_accuracy_section(name, data)
         elif name.startswith("compare"):
             lines += compare_section(name, data)
+        elif name.startswith("partial_rollouts"):
+            lines += partial_rollouts_section(name, data)
         else:
             lines += generic_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")

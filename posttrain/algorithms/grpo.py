@@ -30,7 +30,10 @@ generating ones (prev_logprobs recomputed before the first update when a step ha
 update the trained forward's own logprobs, which are the same numbers), so the clipped ratio is
 pi / pi_prev, and the loss weights each token by the truncated importance weight
 min(exp(prev - generation logprobs), loss.truncated_importance_sampling_ratio)
-(`loss.use_importance_sampling_correction`, required when the bound is > 0).
+(`loss.use_importance_sampling_correction`, required when the bound is > 0). With
+`grpo.async_grpo.partial_rollouts` a batch is generated in chunks and replies still running take newer
+weights between chunks (`experience/partial_rollouts.py`); generation logprobs are then those of the weights
+that made each token, and the bound holds for each sample's oldest token.
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
@@ -190,8 +193,9 @@ def make_rollout_source(
     lease = None
     if async_cfg.lend_idle_cores:
         lease = lend_cores(policy.worker_group, generation.worker_group, generation.backend_name)
+    chunk = async_cfg.partial_rollout_chunk_tokens if async_cfg.partial_rollouts else None
     return AsyncRollouts(
-        collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps, lease
+        collector, refit, async_cfg.max_trajectory_age_steps, step, cfg.grpo.max_num_steps, lease, chunk
     )
 
 

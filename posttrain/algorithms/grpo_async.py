@@ -4,6 +4,7 @@ workers while the policy trains, instead of generating it itself (`grpo_rollouts
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 
 from posttrain.config import ConfigError
 from posttrain.experience.async_rollouts import AsyncRolloutProducer
+from posttrain.experience.partial_rollouts import ChunkedGeneration, token_versions
 from posttrain.experience.trajectory_buffer import TrajectoryBatch, trajectory_age
 from posttrain.utils.timer import Timer
 from posttrain.workers.refit import Refit
@@ -43,7 +45,24 @@ class AsyncGRPOConfig:
         },
     )
 
+    partial_rollouts: bool = field(
+        default=False,
+        metadata={
+            "help": "generate each batch in chunks of partial_rollout_chunk_tokens and refit newer weights "
+            "between chunks: replies still running continue from their prefix with the new weights (the "
+            "prefix is prefilled again) instead of finishing with the old ones; each token records its "
+            "weight version. hf generation backend only"
+        },
+    )
+    partial_rollout_chunk_tokens: int = field(
+        default=16, metadata={"help": "most new tokens per chunk of a partial rollout (>= 1)"}
+    )
+
     def validate(self) -> None:
+        if self.partial_rollout_chunk_tokens < 1:
+            raise ConfigError.at(
+                "partial_rollout_chunk_tokens", f"must be >= 1, got {self.partial_rollout_chunk_tokens}"
+            )
         if self.max_trajectory_age_steps < 0:
             raise ConfigError.at(
                 "max_trajectory_age_steps", f"must be >= 0, got {self.max_trajectory_age_steps}"
@@ -56,7 +75,13 @@ class AsyncRollouts:
 
     The trainer publishes every version's full weights (ObjectRefs) for the producer. A checkpoint saves
     the loader position after the last batch trained on; on resume the batches that were in flight are
-    generated again from there (same prompts and seeds), with the restored weights."""
+    generated again from there (same prompts and seeds), with the restored weights.
+
+    `partial_chunk_tokens` (partial rollouts): the collector generates through a `ChunkedGeneration` that
+    refits the newest published weights between chunks; the batch's per-token versions are
+    `generation_weight_versions` [B, T] (-1 off the generated tokens), and the logged ages are per token.
+    Which weights made a token no longer follows from the step alone, so such runs are not reproducible
+    bit for bit."""
 
     def __init__(
         self,
@@ -66,14 +91,27 @@ class AsyncRollouts:
         step: int,
         last_step: int,
         lease: Callable[[str | None], Any] | None = None,
+        partial_chunk_tokens: int | None = None,
     ) -> None:
         self.refit = refit
         loader = collector.loader
         self.consumed_loader_state = loader.state_dict()
         self.num_trained = self.num_dropped = 0
+        generation = collector.generation
+        self.chunked = None
+        if partial_chunk_tokens is not None:
+            self.chunked = ChunkedGeneration(
+                generation,
+                partial_chunk_tokens,
+                collector.max_new_tokens,
+                int(collector.tokenizer.pad_token_id),
+                between_chunks=lambda: self.producer.refit_newest(),
+            )
+            collector = dataclasses.replace(collector, generation=self.chunked)
+        self.collector = collector
         self.producer = AsyncRolloutProducer(
-            produce=collector.collect,
-            refit=collector.generation.update_weights,
+            produce=self.collect,
+            refit=generation.update_weights,
             loader_state=loader.state_dict,
             max_age=max_age,
             first_index=step + 1,
@@ -81,9 +119,17 @@ class AsyncRollouts:
             start_version=step,
             generation_version=None if refit.stale else step,
             lease=lease,
+            start_newest=self.chunked is not None,
         )
         self.hold = False  # pause the producer with the next weights (a validation follows)
         self.publish_weights(step)
+
+    def collect(self, index: int) -> tuple[Any, dict[str, float]]:
+        """The rollouts of step `index` (on the producer thread), with the chunk counts of partial ones."""
+        rollouts, metrics = self.collector.collect(index)
+        if self.chunked is not None:
+            metrics.update(self.chunked.take_counts())
+        return rollouts, metrics
 
     def next_batch(self, step: int, timer: Timer) -> tuple[TrajectoryBatch, dict[str, float]]:
         with timer.time("rollout_wait"):
@@ -92,10 +138,16 @@ class AsyncRollouts:
         self.consumed_loader_state = batch.loader_state
         self.num_trained += batch.num_trajectories
         self.num_dropped += taken.num_dropped
-        age = float(trajectory_age(step, batch.policy_version))  # one version per batch
+        age_mean = age_max = float(trajectory_age(step, batch.policy_version))  # one version per batch
+        if self.chunked is not None:
+            versions = token_versions(batch.rollouts["message_log"])  # [B, T]
+            batch.rollouts["generation_weight_versions"] = versions
+            ages = (step - versions)[versions >= 0].float()  # per generated token
+            if ages.numel():
+                age_mean, age_max = float(ages.mean()), float(ages.max())
         return batch, {
-            "trajectory_age_mean": age,
-            "trajectory_age_max": age,
+            "trajectory_age_mean": age_mean,
+            "trajectory_age_max": age_max,
             "dropped_stale_trajectories": float(taken.num_dropped),
             "buffer_trajectories": float(taken.num_buffered),
             "trainer_wait_s": taken.wait_s,

@@ -239,6 +239,16 @@ class GRPOConfig:
                 "lends threads to the hf generation backend only (vLLM sets its own): set "
                 "generation.backend=hf or lend_idle_cores=false",
             )
+        if async_cfg.partial_rollouts and not async_cfg.enabled:
+            raise ConfigError.at(
+                "grpo.async_grpo.partial_rollouts",
+                "refits between chunks while the policy trains: set grpo.async_grpo.enabled=true",
+            )
+        if async_cfg.partial_rollouts and self.generation.backend == "vllm":
+            raise ConfigError.at(
+                "grpo.async_grpo.partial_rollouts",
+                "chunks the hf generation backend only: set generation.backend=hf",
+            )
         if (
             async_cfg.enabled
             and async_cfg.max_trajectory_age_steps > 0

@@ -6,7 +6,12 @@ of policy version v(k) = max(v0, k - 1 - max_age), v0 being the version the prod
 Step k trains from version k - 1, so every batch is exactly min(max_age, k - 1 - v0) versions old, and
 generation of step k's batch overlaps training of steps v(k) + 1 .. k - 1. Weights reach the generation
 workers between batches (never mid-sequence): the trainer publishes each version's full weights (a Ray
-ObjectRef) and the producer refits before a batch whose version differs from the workers'.
+ObjectRef) and the producer refits before a batch whose version differs from the workers'. With partial
+rollouts (`refit_newest`, experience/partial_rollouts.py) it also refits between the chunks of a batch
+when newer weights are published: the batch keeps its starting version as `policy_version` (its oldest
+tokens), so the staleness bound applies to the oldest token of each sample, and its later tokens are
+fresher. A batch then also starts from the newest published weights (at least its scheduled version),
+not from older ones than the workers already hold.
 
 Threads: the producer thread calls only the generation workers and the environments (through
 `produce`); the trainer's thread calls the policy. The data loader is advanced only by `produce`, so
@@ -54,8 +59,10 @@ class AsyncRolloutProducer:
         start_version: int,
         generation_version: int | None,
         lease: Callable[[str | None], Any] | None = None,
+        start_newest: bool = False,
     ) -> None:
         self.produce, self.refit, self.read_loader_state = produce, refit, loader_state
+        self.start_newest = start_newest  # partial rollouts: a batch starts from the newest weights
         self.max_age, self.start_version = max_age, start_version
         self.next_index, self.last_index = first_index, last_index
         self.generation_version = generation_version  # weights in the generation workers (None: unknown)
@@ -156,6 +163,9 @@ class AsyncRolloutProducer:
 
     def _produce_batch(self, index: int, version: int) -> TrajectoryBatch:
         try:
+            if self.start_newest:  # never older than the schedule's version, so within the bound
+                with self._condition:
+                    version = version if self._paused else max(version, max(self._weights))
             self._refit_to(version)
             start = time.perf_counter()
             rollouts, metrics = self.produce(index)
@@ -174,6 +184,16 @@ class AsyncRolloutProducer:
                 weights = self._weights[version]
             self.refit(weights)
             self.generation_version = version
+
+    def refit_newest(self) -> int:
+        """Partial rollouts, between two chunks of a batch: refit the newest published weights unless a
+        pause holds them back (they are then for the validation that follows); returns the version the
+        generation workers hold. Called on the producer thread only."""
+        with self._condition:
+            newest = None if self._paused or not self._weights else max(self._weights)
+        if newest is not None and newest > self.generation_version:
+            self._refit_to(newest)
+        return self.generation_version
 
     def _has_turn(self) -> bool:
         """The next batch may start now (its weights are published); under the lock."""

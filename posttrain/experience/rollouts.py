@@ -3,7 +3,8 @@ append the assistant message and the observation, and stop samples that terminat
 or would exceed `max_seq_len`.
 
 A message in a message log is `{"role", "content", "token_ids"}`; assistant messages also carry
-`generation_logprobs` (one per token id). The concatenated token ids of a log are the conversation.
+`generation_logprobs` (one per token id) and, from partial rollouts, `generation_weight_versions` (the
+policy version that generated each token). The concatenated token ids of a log are the conversation.
 """
 
 from __future__ import annotations
@@ -91,14 +92,17 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         keep = max(0, min(length, room))
         token_ids = generated["output_ids"][j, start : start + keep]
         logprobs = generated["logprobs"][j, start : start + keep]
-        message_logs[i].append(
-            {
-                "role": "assistant",
-                "content": tokenizer.decode(token_ids, skip_special_tokens=False),
-                "token_ids": token_ids.clone(),
-                "generation_logprobs": logprobs.clone(),
-            }
-        )
+        message = {
+            "role": "assistant",
+            "content": tokenizer.decode(token_ids, skip_special_tokens=False),
+            "token_ids": token_ids.clone(),
+            "generation_logprobs": logprobs.clone(),
+        }
+        if "generation_weight_versions" in generated:  # partial rollouts: the version of each token
+            message["generation_weight_versions"] = generated["generation_weight_versions"][
+                j, start : start + keep
+            ].clone()
+        message_logs[i].append(message)
         cut.append(keep < length)
     return cut
 

@@ -88,3 +88,21 @@ def test_the_step_by_step_recipe_runs_async_as_its_header_says():
     )
     assert cfg.cluster.num_cpus_per_worker == cfg.generation.num_cpus_per_worker == 1.0
     assert cfg.loss.use_importance_sampling_correction and cfg.data.dataset == "math_steps"
+
+
+def test_partial_rollouts_need_async_grpo_and_the_hf_backend_and_a_positive_chunk():
+    base = ["grpo.async_grpo.partial_rollouts=true"]
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, base)
+    assert error.value.key == "grpo.async_grpo.partial_rollouts"
+    assert "grpo.async_grpo.enabled=true" in str(error.value)
+    on = base + ["grpo.async_grpo.enabled=true", "generation.colocated=false"]
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, on + ["generation.backend=vllm"])
+    assert error.value.key == "grpo.async_grpo.partial_rollouts"
+    assert "generation.backend=hf" in str(error.value)
+    with pytest.raises(ConfigError) as error:
+        load_typed_config(GRPOConfig, CONFIG, on + ["grpo.async_grpo.partial_rollout_chunk_tokens=0"])
+    assert error.value.key == "grpo.async_grpo.partial_rollout_chunk_tokens"
+    cfg = load_typed_config(GRPOConfig, CONFIG, on + ["grpo.async_grpo.partial_rollout_chunk_tokens=4"])
+    assert cfg.grpo.async_grpo.partial_rollouts and cfg.grpo.async_grpo.partial_rollout_chunk_tokens == 4

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -52,16 +53,22 @@ class HFGenerationWorker:
         self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
     ) -> dict[str, torch.Tensor]:
         """Decode a shard; `sample_offset` is the global index of its first sample (seeds per sample).
-        With a core lease, the threads are set from it first (see distributed/core_lease.py)."""
+        With a core lease, the threads are set from it first (see distributed/core_lease.py). An optional
+        `max_new_tokens` [B] in `data` lowers this call's budget (one chunk of a partial rollout)."""
         if self.leased_threads is not None:
             self.leased_threads.adjust()
         input_ids, input_lengths = data["input_ids"], data["input_lengths"].long().cpu()
         num_samples = input_ids.shape[0]
-        self.check_context_fits(int(input_lengths.max()))
-        stop_strings = merge_stop_strings(self.cfg, data.get("stop_strings"), num_samples)
+        cfg = self.cfg
+        if data.get("max_new_tokens") is not None:
+            cfg = dataclasses.replace(
+                cfg, max_new_tokens=min(cfg.max_new_tokens, int(data["max_new_tokens"].max()))
+            )
+        self.check_context_fits(int(input_lengths.max()), cfg.max_new_tokens)
+        stop_strings = merge_stop_strings(cfg, data.get("stop_strings"), num_samples)
         left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
         uniforms = per_sample_uniforms(
-            seed, list(range(sample_offset, sample_offset + num_samples)), self.cfg.max_new_tokens
+            seed, list(range(sample_offset, sample_offset + num_samples)), cfg.max_new_tokens
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
         state = decode_batch(
@@ -69,7 +76,7 @@ class HFGenerationWorker:
             self.tokenizer,
             left_ids,
             attention_mask,
-            self.cfg,
+            cfg,
             greedy,
             uniforms,
             stop_strings,
@@ -81,11 +88,11 @@ class HFGenerationWorker:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
         self.leased_threads = LeasedThreads(lease, side, lent)
 
-    def check_context_fits(self, longest_prompt: int) -> None:
+    def check_context_fits(self, longest_prompt: int, max_new_tokens: int) -> None:
         """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""
-        if self.max_positions is not None and longest_prompt + self.cfg.max_new_tokens > self.max_positions:
+        if self.max_positions is not None and longest_prompt + max_new_tokens > self.max_positions:
             raise ValueError(
-                f"generation.max_new_tokens={self.cfg.max_new_tokens} plus the longest prompt "
+                f"generation.max_new_tokens={max_new_tokens} plus the longest prompt "
                 f"({longest_prompt}"
                 f" tokens) exceeds the model's max_position_embeddings={self.max_positions}"
             )

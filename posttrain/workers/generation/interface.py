@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 #   stop_strings   list[list[str] | None] of length B (optional), per-sample stop strings
 #   pixel_values, image_grid_thw  lists of length B (optional): each prompt's image patches [P_i, D] and
 #                  grids [N_i, 3] for a vision-language model (posttrain.data.vision)
+#   max_new_tokens [B]     (optional, hf backend) this call's budget of new tokens, at most the config's;
+#                          all equal (partial rollouts generate in chunks: experience/partial_rollouts.py)
 # Output keys:
 #   output_ids                [B, T_out]  prompt + generation, right-padded with the pad id
 #   logprobs                  [B, T_out]  log p(token t | tokens < t) under logits / temperature at the
@@ -102,7 +104,7 @@ def lost_ranks(dead_workers: Sequence[str], names: Sequence[str]) -> list[int]:
 
 def slice_batch(data: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
     """Rows [start, end) of the keys a worker reads (prompt ids, lengths, per-sample stop strings, images)."""
-    optional = ("stop_strings", "pixel_values", "image_grid_thw")
+    optional = ("stop_strings", "pixel_values", "image_grid_thw", "max_new_tokens")
     keys = [key for key in GENERATION_INPUT_KEYS + optional if data.get(key) is not None]
     return {key: data[key][start:end] for key in keys}
 
