@@ -91,14 +91,15 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         keep = max(0, min(length, room))
         token_ids = generated["output_ids"][j, start : start + keep]
         logprobs = generated["logprobs"][j, start : start + keep]
-        message_logs[i].append(
-            {
-                "role": "assistant",
-                "content": tokenizer.decode(token_ids, skip_special_tokens=False),
-                "token_ids": token_ids.clone(),
-                "generation_logprobs": logprobs.clone(),
-            }
-        )
+        message = {
+            "role": "assistant",
+            "content": tokenizer.decode(token_ids, skip_special_tokens=False),
+            "token_ids": token_ids.clone(),
+            "generation_logprobs": logprobs.clone(),
+        }
+        if "routed_experts" in generated:  # an MoE generator's experts per token, [keep, L, k]
+            message["routed_experts"] = generated["routed_experts"][j, start : start + keep].clone()
+        message_logs[i].append(message)
         cut.append(keep < length)
     return cut
 
