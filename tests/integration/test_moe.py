@@ -165,3 +165,49 @@ def test_an_exported_moe_reloads_in_transformers_and_decodes_the_same_greedy_tok
         theirs = reloaded.generate(prompt_ids, max_new_tokens=12, do_sample=False)
         length = int(ours["input_lengths"][i])
         assert theirs[0].tolist() == ours["input_ids"][i, :length].tolist()
+
+
+def sft_batch(rollout: Rollout) -> dict[str, torch.Tensor]:
+    return {key: rollout.data[key] for key in ("input_ids", "input_lengths", "token_mask")}
+
+
+def test_router_losses_add_their_coefficients_times_the_logged_values_to_the_loss(moe_dir, bf16_rollout):
+    """The same SFT batch evaluated with both coefficients 0 and with 0.5 / 0.25: the loss grows by exactly
+    0.5 x moe_load_balancing_loss + 0.25 x moe_z_loss (as logged), and the expert load sums to the
+    step's real tokens x k per layer."""
+    from posttrain.algorithms.loss import NLLLoss
+
+    batch = sft_batch(bf16_rollout)
+    results = []
+    for coefs in ((0.0, 0.0), (0.5, 0.25)):
+        cfg = PolicyConfig(model_name=str(moe_dir), train_global_batch_size=16, train_micro_batch_size=8)
+        cfg.moe.load_balancing_coef, cfg.moe.z_loss_coef = coefs
+        worker = DTensorPolicyWorker(cfg)
+        results.append(worker.train(batch, NLLLoss(), eval_mode=True))
+        worker.shutdown()
+    plain, weighted = results
+    added = 0.5 * plain["moe_load_balancing_loss"][0] + 0.25 * plain["moe_z_loss"][0]
+    assert weighted["loss"][0] == pytest.approx(plain["loss"][0] + added, rel=1e-5)
+    assert plain["moe_load_balancing_loss"][0] == pytest.approx(2.0, abs=0.5)  # k = 2 when balanced
+    share_max, share_min = plain["moe_expert_share_max"][0], plain["moe_expert_share_min"][0]
+    assert 0 < share_min <= 1 / 8 <= share_max < 1
+
+
+def test_lora_on_an_moe_trains_its_adapters_and_exports_merged_weights(moe_dir, bf16_rollout, tmp_path):
+    """LoRA adapters on the attention projections of a Qwen3-MoE (its experts are fused tensors, not
+    linear layers): one SFT step changes the logprobs, the export merges and reloads with them."""
+    from posttrain.algorithms.loss import NLLLoss
+
+    batch = sft_batch(bf16_rollout)
+    cfg = PolicyConfig(model_name=str(moe_dir), train_global_batch_size=16, train_micro_batch_size=16)
+    cfg.lora.enabled, cfg.optimizer.kwargs["lr"] = True, 1e-2
+    worker = DTensorPolicyWorker(cfg)
+    before = worker.get_logprobs(batch)["logprobs"]
+    worker.train(batch, NLLLoss())
+    after = worker.get_logprobs(batch)["logprobs"]
+    worker.export_hf(str(tmp_path / "export"))
+    worker.shutdown()
+    assert not torch.allclose(before, after)
+    reloaded = DTensorPolicyWorker(PolicyConfig(model_name=str(tmp_path / "export")))
+    torch.testing.assert_close(reloaded.get_logprobs(batch)["logprobs"], after, atol=1e-5, rtol=1e-5)
+    reloaded.shutdown()

@@ -135,3 +135,36 @@ def test_router_replay_on_a_dense_model_is_a_config_error_naming_the_key(tmp_pat
     cfg.moe.router_replay = True
     with pytest.raises(ValueError, match=r"policy\.moe\.router_replay=true but .* is a dense model"):
         DTensorPolicyWorker(cfg)
+
+
+def test_recorded_experts_travel_from_generation_shards_to_the_train_batch_at_their_tokens():
+    """Two generation shards of different widths merge with -1 padding; an assistant message's experts
+    land at its tokens' positions of the flat train row, everything else -1."""
+    from posttrain.workers.generation.interface import concat_padded
+
+    def shard(width, value):
+        return {
+            "output_ids": torch.zeros(1, width, dtype=torch.long),
+            "logprobs": torch.zeros(1, width),
+            "generation_lengths": torch.ones(1, dtype=torch.long),
+            "unpadded_sequence_lengths": torch.full((1,), width),
+            "truncated": torch.zeros(1, dtype=torch.bool),
+            "routed_experts": torch.full((1, width, 2, 1), value, dtype=torch.int16),
+        }
+
+    merged = concat_padded([shard(3, 5), shard(2, 7)], pad_id=0)
+    assert merged["routed_experts"][:, :, 0, 0].tolist() == [[5, 5, 5], [7, 7, -1]]
+
+    experts = torch.tensor([[[1], [2]], [[3], [0]]], dtype=torch.int16)  # two tokens, L = 2, k = 1
+    logs = [
+        [
+            {"role": "user", "token_ids": torch.tensor([9, 9, 9])},
+            {"role": "assistant", "token_ids": torch.tensor([4, 4]), "routed_experts": experts},
+        ],
+        [{"role": "user", "token_ids": torch.tensor([9])}],
+    ]
+    routed = grpo.flat_routed_experts(logs, num_cols=6)  # [B, T, L, k]
+    assert routed.shape == (2, 6, 2, 1)
+    assert routed[0, 3:5].tolist() == experts.tolist()
+    assert (routed[0, :3] == -1).all() and (routed[0, 5:] == -1).all() and (routed[1] == -1).all()
+    assert grpo.flat_routed_experts([logs[1]], num_cols=2) is None  # a dense generator recorded nothing

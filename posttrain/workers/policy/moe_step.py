@@ -66,12 +66,13 @@ def add_router_losses(
     metrics: dict[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`loss` plus the weighted router losses of this micro-batch, and the tokens per expert [L, E] of its
-    real tokens (None for a dense model); writes `moe_load_balancing_loss` and `moe_z_loss` into `metrics`.
+        real tokens (None for a dense model); writes `moe_load_balancing_loss`, `moe_z_loss` and, when it
+    replays, `moe_replayed_tokens` (positions routed to recorded experts) into `metrics`.
 
-    Each micro-batch's router losses are computed over its own tokens (prompt and response, not padding)
-    and weighted by its share of the global batch's trained tokens, so that summed over micro-batches and
-    ranks they are a token-weighted mean of per-micro-batch losses (a batch statistic like the Switch loss
-    is not additive; this is how per-micro-batch MoE training computes it)."""
+        Each micro-batch's router losses are computed over its own tokens (prompt and response, not padding)
+        and weighted by its share of the global batch's trained tokens, so that summed over micro-batches and
+        ranks they are a token-weighted mean of per-micro-batch losses (a batch statistic like the Switch loss
+        is not additive; this is how per-micro-batch MoE training computes it)."""
     if tap is None:
         return loss, None
     device = loss.device
@@ -84,7 +85,10 @@ def add_router_losses(
     sample_mask = data.get("sample_mask", torch.ones(token_mask.shape[0]))
     share = (token_mask.float() * sample_mask.float()[:, None]).sum().to(device) / valid_toks.clamp(min=1)
     balance, z_loss = load_balancing_loss(logits, indices, rows), router_z_loss(logits, rows)
-    metrics["moe_load_balancing_loss"] = float(share * balance)
-    metrics["moe_z_loss"] = float(share * z_loss)
+    metrics["moe_load_balancing_loss"] = float((share * balance).detach())
+    metrics["moe_z_loss"] = float((share * z_loss).detach())
+    if tap.replay is not None:  # tokens routed to the generator's recorded experts (summed over the step)
+        replayed = (tap.replay >= 0).all(-1).any(-1).to(device).float()  # [N]
+        metrics["moe_replayed_tokens"] = float((replayed * rows).sum())
     loss = loss + share * (cfg.load_balancing_coef * balance + cfg.z_loss_coef * z_loss)
     return loss, expert_counts(indices, rows, logits[0].shape[-1]).cpu()
