@@ -130,6 +130,12 @@ def test_router_replay_on_a_dense_model_is_a_config_error_naming_the_key(tmp_pat
                 "policy.moe.router_replay=true",
             ],
         )
+    with pytest.raises(ConfigError, match=r"policy\.moe\.router_replay.*generation\.backend=hf"):
+        load_typed_config(
+            grpo.GRPOConfig,
+            str(CONFIGS / "grpo_moe_tiny.yaml"),
+            ["generation.backend=vllm"],  # vLLM records no experts
+        )
     dense = build_model_dir(ModelFromConfig(hidden_size=32, num_layers=1, num_attention_heads=2), tmp_path)
     cfg = PolicyConfig(model_name=str(dense))
     cfg.moe.router_replay = True
