@@ -278,11 +278,27 @@ def setup(cfg: GRPOConfig) -> GRPORun:
 
 
 # ----------------------------------------------------------------------------------------------- stages
+def flat_routed_experts(logs: list[list[dict]], num_cols: int) -> torch.Tensor | None:
+    """The experts an MoE generator routed each generated token to, aligned with input_ids: [B, T, L, k]
+    int16, -1 where nothing was recorded (prompts, observations, padding); None without any recording."""
+    recorded = [m["routed_experts"] for log in logs for m in log if "routed_experts" in m]
+    if not recorded:
+        return None
+    routed = torch.full((len(logs), num_cols, *recorded[0].shape[1:]), -1, dtype=torch.int16)
+    for i, log in enumerate(logs):
+        start = 0
+        for m in log:
+            if "routed_experts" in m:
+                routed[i, start : start + len(m["token_ids"])] = m["routed_experts"]
+            start += len(m["token_ids"])
+    return routed
+
+
 def build_train_data(
     rollouts: BatchedDataDict, pad_token_id: int, overlong_filtering: bool
 ) -> BatchedDataDict:
     """input_ids, input_lengths, token_mask (generated tokens), sample_mask and generation_logprobs [B,T]
-    aligned with input_ids."""
+    aligned with input_ids, and an MoE generator's routed_experts [B, T, L, k]."""
     logs = rollouts["message_log"]
     train_data = message_log_to_flat(logs, pad_token_id, train_on="assistant")
     generation_logprobs = torch.zeros(train_data["input_ids"].shape, dtype=torch.float32)
@@ -296,6 +312,9 @@ def build_train_data(
         flat = torch.cat(per_token)
         generation_logprobs[i, : len(flat)] = flat
     train_data["generation_logprobs"] = generation_logprobs
+    routed_experts = flat_routed_experts(logs, train_data["input_ids"].shape[1])
+    if routed_experts is not None:
+        train_data["routed_experts"] = routed_experts
     sample_mask = torch.ones(len(logs))
     if overlong_filtering:
         sample_mask = adv.overlong_filter_mask(rollouts["truncated"])

@@ -217,6 +217,12 @@ class GRPOConfig:
                     "critic.model.train_global_batch_size",
                     f"{self.critic.model.train_global_batch_size} must divide the {batch} samples of a step",
                 )
+        if self.policy.moe.router_replay and self.generation.backend == "vllm":
+            raise ConfigError.at(
+                "policy.moe.router_replay",
+                "the generator's experts are recorded by the hf generation backend only: set "
+                "generation.backend=hf or policy.moe.router_replay=false",
+            )
         max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
         if lora.enabled and max_rank is not None and lora.rank > max_rank:
             raise ConfigError.at(

@@ -102,6 +102,8 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
             message["generation_weight_versions"] = generated["generation_weight_versions"][
                 j, start : start + keep
             ].clone()
+        if "routed_experts" in generated:  # an MoE generator's experts per token, [keep, L, k]
+            message["routed_experts"] = generated["routed_experts"][j, start : start + keep].clone()
         message_logs[i].append(message)
         cut.append(keep < length)
     return cut

@@ -15,15 +15,25 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
     Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
 )
 
 from posttrain.models.tokenizer import TOKENIZERS
 
-ARCHITECTURES: dict[str, type[PretrainedConfig]] = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+ARCHITECTURES: dict[str, type[PretrainedConfig]] = {
+    "qwen2": Qwen2Config,
+    "llama": LlamaConfig,
+    "qwen3_moe": Qwen3MoeConfig,
+    "mixtral": MixtralConfig,
+    "qwen2_moe": Qwen2MoeConfig,
+}
+MOE_ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe")  # every decoder layer a mixture of experts
 VISION_ARCHITECTURES = ("qwen2_vl",)  # built by posttrain.models.vlm (a tiny vision tower + this text model)
 
 
@@ -33,7 +43,10 @@ class ModelFromConfig:
 
     architecture: str = field(
         default="qwen2",
-        metadata={"help": "Model family: 'qwen2', 'llama', or 'qwen2_vl' (a vision-language Qwen2-VL)."},
+        metadata={
+            "help": "Model family: 'qwen2', 'llama', 'qwen2_vl' (a vision-language Qwen2-VL), or a mixture "
+            "of experts: 'qwen3_moe', 'mixtral', 'qwen2_moe' (with a shared expert)."
+        },
     )
     hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
     num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
@@ -51,6 +64,17 @@ class ModelFromConfig:
     )
     attention_dropout: float = field(
         default=0.0, metadata={"help": "Dropout on attention probabilities while training (0: none)."}
+    )
+    num_experts: int = field(default=8, metadata={"help": "Routed experts per MoE layer (MoE families)."})
+    num_experts_per_token: int = field(
+        default=2, metadata={"help": "Experts each token is routed to (top-k; MoE families)."}
+    )
+    expert_intermediate_size: int = field(
+        default=128, metadata={"help": "Hidden width of one expert's MLP (MoE families)."}
+    )
+    shared_expert_intermediate_size: int = field(
+        default=256,
+        metadata={"help": "Hidden width of the shared expert every token goes through (qwen2_moe only)."},
     )
     seed: int = field(default=0, metadata={"help": "Seed of the random initial weights."})
     tokenizer: Literal["char", "byte"] = field(
@@ -76,6 +100,11 @@ class ModelFromConfig:
                 f"model.from_config.hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}"
             )
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"model.from_config.num_experts_per_token={self.num_experts_per_token} must be between 1 "
+                f"and num_experts={self.num_experts}"
+            )
         num_kv_heads = self.num_key_value_heads or self.num_attention_heads
         if self.num_attention_heads % num_kv_heads:
             raise ValueError(
@@ -87,7 +116,7 @@ class ModelFromConfig:
 def make_hf_config(cfg: ModelFromConfig, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     """The transformers config of `cfg`, with vocabulary size and special ids taken from `tokenizer`."""
     config_class = ARCHITECTURES[cfg.architecture]
-    return config_class(
+    fields = dict(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
@@ -101,6 +130,31 @@ def make_hf_config(cfg: ModelFromConfig, tokenizer: PreTrainedTokenizerBase) -> 
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    return config_class(**(fields | moe_config_fields(cfg)))
+
+
+def moe_config_fields(cfg: ModelFromConfig) -> dict[str, Any]:
+    """The mixture-of-experts fields of the transformers config of `cfg` ({} for a dense family). Every
+    layer is sparse; top-k weights are renormalised to sum to 1 (Mixtral always does); no router jitter."""
+    if cfg.architecture == "mixtral":
+        return {
+            "num_local_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.num_experts_per_token,
+            "intermediate_size": cfg.expert_intermediate_size,
+        }
+    if cfg.architecture not in ("qwen3_moe", "qwen2_moe"):
+        return {}
+    fields = {
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.num_experts_per_token,
+        "moe_intermediate_size": cfg.expert_intermediate_size,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+    }
+    if cfg.architecture == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return fields
 
 
 def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:

@@ -9,12 +9,14 @@ recomputes (`policy.logprob_temperature`), so the two can be compared token by t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from posttrain.models.cache_api import cache_argument, returned_cache
+from posttrain.models.moe import NOT_RECORDED, RouterTap, is_moe_model, moe_routers
 from posttrain.models.vlm import concat_row_images, is_vision_language_model, vision_prefill, vision_token_ids
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.interface import sample_seed
@@ -161,6 +163,20 @@ class DecodeState:
     generated_logprobs: list[list[float]]
     finished: list[bool]
     stopped: list[bool]  # ended by a stop token or stop string (not by max_new_tokens)
+    routed_experts: list[list[torch.Tensor]] | None = None  # MoE: per generated token, experts used [L, k]
+    routing_shape: tuple[int, int] = (0, 0)  # MoE: (MoE layers L, experts per token k)
+
+
+def record_routing(state: DecodeState, rows: list[int], tap: RouterTap | None) -> None:
+    """After a decode step fed each row's newest token: append the experts it was routed to ([L, k] per
+    MoE layer) to its sample's list, once per token (a finished row still in the batch appends nothing)."""
+    if tap is None or state.routed_experts is None:
+        return
+    used = tap.layer_indices().cpu()  # [rows, L, k]
+    tap.clear()
+    for j, i in enumerate(rows):
+        if len(state.routed_experts[i]) < len(state.generated_ids[i]):
+            state.routed_experts[i].append(used[j])
 
 
 def update_decode_state(
@@ -220,7 +236,9 @@ def decode_batch(
     images: dict[str, Any] | None = None,
 ) -> DecodeState:
     """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
-    Finished samples leave the batch (and the cache) once an eighth of it has finished, so a step costs
+    For an MoE model the state also holds the experts every generated token was routed to, except each
+    sample's last token, which is never fed back (moe.RouterTap). Finished samples leave the batch (and the
+    cache) once an eighth of it has finished, so a step costs
     little more than the samples still running; a finished sample still in the batch decodes on, and its
     tokens are dropped.
     `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts."""
@@ -232,6 +250,8 @@ def decode_batch(
         [[] for _ in range(num_samples)],
         [False] * num_samples,
         [False] * num_samples,
+        [[] for _ in range(num_samples)] if is_moe_model(model) else None,
+        (len(moe_routers(model)), moe_routers(model)[0].top_k) if is_moe_model(model) else (0, 0),
     )
     attention_mask = attention_mask.to(device)
     next_positions = attention_mask.sum(-1, keepdim=True)  # [B, 1]
@@ -245,35 +265,39 @@ def decode_batch(
     cache = reserve(cache, cfg.max_new_tokens)  # decode steps write in place: no copy of the cache per step
     rows = list(range(num_samples))  # the samples of the decoded batch, in its row order
     banned_ids = vision_token_ids(model)  # a generated image placeholder would need an image behind it
-    for step in range(cfg.max_new_tokens):
-        tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device), banned_ids)
-        update_decode_state(
-            state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer
-        )
-        running = [j for j, i in enumerate(rows) if not state.finished[i]]
-        if not running or step == cfg.max_new_tokens - 1:
-            break
-        # Finished samples leave once an eighth of the batch has finished (with fewer than 8 rows, at once):
-        # a step costs a fixed part (the weights read once) plus a part per row, so rows kept after they
-        # finish cost their share of every later step; copying the cache rows that stay costs about one
-        # step's attention. ~log(B)/log(8/7) distinct batch sizes, not one per finishing sample (on a GPU
-        # each new size may cost new kernel choices). Measured on the long-reply benchmark's 64 rows:
-        # leaving at half cost 34% more row-steps than the samples needed, at an eighth 10%.
-        if len(rows) - len(running) >= max(1, len(rows) // 8):
-            keep = torch.tensor(running, device=device)
-            cache.reorder_cache(keep)
-            tokens, attention_mask, next_positions = tokens[keep], attention_mask[keep], next_positions[keep]
-            rows = [rows[j] for j in running]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
-        out = model(
-            input_ids=tokens[:, None],
-            attention_mask=attention_mask,
-            position_ids=next_positions,
-            use_cache=True,
-            **cache_argument(model, cache),
-        )
-        cache, logits = returned_cache(out), out.logits[:, -1, :]
-        next_positions = next_positions + 1
+    tap = RouterTap(model, keep_logits=False) if state.routed_experts is not None else None
+    with tap if tap is not None else nullcontext():  # the decode steps only: prompts are not recorded
+        for step in range(cfg.max_new_tokens):
+            tokens, logprobs = choose_tokens(logits, cfg, greedy, uniforms[rows, step].to(device), banned_ids)
+            update_decode_state(
+                state, rows, tokens.cpu(), logprobs.cpu(), stop_token_ids, stop_strings, tokenizer
+            )
+            running = [j for j, i in enumerate(rows) if not state.finished[i]]
+            if not running or step == cfg.max_new_tokens - 1:
+                break
+            # Finished samples leave once an eighth of the batch has finished (with fewer than 8 rows, at
+            # once): a step costs a fixed part (the weights read once) plus a part per row, so rows kept after
+            # they finish cost their share of every later step; copying the cache rows that stay costs about
+            # one step's attention. ~log(B)/log(8/7) distinct batch sizes, not one per finishing sample (on a
+            # GPU each new size may cost new kernel choices). Measured on the long-reply benchmark's 64 rows:
+            # leaving at half cost 34% more row-steps than the samples needed, at an eighth 10%.
+            if len(rows) - len(running) >= max(1, len(rows) // 8):
+                keep = torch.tensor(running, device=device)
+                cache.reorder_cache(keep)
+                tokens, attention_mask = tokens[keep], attention_mask[keep]
+                next_positions = next_positions[keep]
+                rows = [rows[j] for j in running]
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+            out = model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_positions,
+                use_cache=True,
+                **cache_argument(model, cache),
+            )
+            cache, logits = returned_cache(out), out.logits[:, -1, :]
+            next_positions = next_positions + 1
+            record_routing(state, rows, tap)
     return state
 
 
@@ -309,13 +333,27 @@ def assemble_outputs(
         output_ids[i, :prompt_len] = input_ids[i, :prompt_len]
         output_ids[i, prompt_len:total_len] = torch.tensor(state.generated_ids[i], dtype=torch.long)
         logprobs[i, prompt_len:total_len] = torch.tensor(state.generated_logprobs[i], dtype=torch.float32)
-    return {
+    outputs = {
         "output_ids": output_ids,
         "logprobs": logprobs,
         "generation_lengths": generation_lengths,
         "unpadded_sequence_lengths": sequence_lengths,
         "truncated": torch.tensor([not s for s in state.stopped], dtype=torch.bool),
     }
+    if state.routed_experts is not None:
+        outputs["routed_experts"] = routed_experts_at(state, input_lengths, num_cols)
+    return outputs
+
+
+def routed_experts_at(state: DecodeState, input_lengths: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """Per sample, the experts its generated tokens were routed to, at their positions of the output:
+    [B, T_out, L, k] int16, NOT_RECORDED (-1) at prompt, padding and never-fed positions."""
+    routed = state.routed_experts or []
+    out = torch.full((len(routed), num_cols, *state.routing_shape), NOT_RECORDED, dtype=torch.int16)
+    for i, (tokens, start) in enumerate(zip(routed, input_lengths.tolist())):
+        if tokens:
+            out[i, start : start + len(tokens)] = torch.stack(tokens).to(torch.int16)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

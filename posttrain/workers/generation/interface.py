@@ -41,6 +41,7 @@ GENERATION_OUTPUT_KEYS = (
     "unpadded_sequence_lengths",
     "truncated",
 )
+ROUTED_EXPERTS_KEY = "routed_experts"  # MoE models (HF backend): [B, T, L, k] experts per generated token
 
 
 class GenerationInterface(abc.ABC):
@@ -121,6 +122,12 @@ def concat_padded(outputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[s
                 torch.nn.functional.pad(p, (0, num_cols - p.shape[1]), value=pad_values[key]) for p in parts
             ]
         merged[key] = torch.cat(parts, dim=0)
+    if all(ROUTED_EXPERTS_KEY in o for o in outputs):  # -1: not recorded
+        parts = [o[ROUTED_EXPERTS_KEY] for o in outputs]
+        pads = [(0, 0, 0, 0, 0, num_cols - p.shape[1]) for p in parts]
+        merged[ROUTED_EXPERTS_KEY] = torch.cat(
+            [torch.nn.functional.pad(p, pad, value=-1) for p, pad in zip(parts, pads)]
+        )
     return merged
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from posttrain.config import ConfigError
-from posttrain.models.build import ModelFromConfig
+from posttrain.models.build import MOE_ARCHITECTURES, ModelFromConfig
 from posttrain.models.lora import DEFAULT_TARGET_MODULES, LoraConfig
 
 
@@ -111,6 +111,30 @@ class SequencePackingConfig:
 
     enabled: bool = field(default=False, metadata={"help": "Pack sequences into rows (bins)."})
     max_tokens_per_bin: int = field(default=4096, metadata={"help": "Token budget of one packed row."})
+
+
+@dataclass
+class MoeConfig:
+    """Mixture-of-experts training: router losses added to the training loss, and router replay."""
+
+    load_balancing_coef: float = field(
+        default=0.0,
+        metadata={
+            "help": "Weight of the Switch-style load-balancing loss (as transformers computes it: k when "
+            "perfectly balanced) added to the training loss; 0: logged, not trained on."
+        },
+    )
+    z_loss_coef: float = field(
+        default=0.0,
+        metadata={"help": "Weight of the router z-loss, mean logsumexp(router logits)^2; 0: logged only."},
+    )
+    router_replay: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Training and logprob forwards route each generated token to the experts the generator "
+            "chose for it (recorded during generation; the HF backend). None: on for MoE models."
+        },
+    )
 
 
 @dataclass
@@ -251,6 +275,9 @@ class PolicyConfig:
         default_factory=LoraConfig,
         metadata={"help": "LoRA adapters (peft): only they train, refit and checkpoint (lora.enabled)."},
     )
+    moe: MoeConfig = field(
+        default_factory=MoeConfig, metadata={"help": "Mixture-of-experts router losses and router replay."}
+    )
     stop_on_nonfinite_loss: bool = field(
         default=True,
         metadata={
@@ -300,11 +327,34 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         )
     if cfg.lora.enabled and cfg.backend == "megatron":
         validate_megatron_lora(cfg)
+    validate_moe(cfg)
     if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
         raise ValueError(
             f"policy.scheduler_milestones: {len(cfg.scheduler)} schedulers need "
             f"{len(cfg.scheduler) - 1} milestones, got {cfg.scheduler_milestones}"
         )
+
+
+def validate_moe(cfg: PolicyConfig) -> None:
+    """Router losses are non-negative; router replay needs an MoE model (checked here for a from-config
+    model, by the worker once it holds the model) on the dtensor backend."""
+    for key in ("load_balancing_coef", "z_loss_coef"):
+        if getattr(cfg.moe, key) < 0:
+            raise ValueError(f"policy.moe.{key}: must be >= 0, got {getattr(cfg.moe, key)}")
+    if not cfg.moe.router_replay:
+        return
+    if cfg.backend != "dtensor":
+        raise ValueError(f"policy.moe.router_replay runs on the dtensor backend, not {cfg.backend!r}")
+    from_config = cfg.model.from_config
+    if from_config is not None and from_config.architecture not in MOE_ARCHITECTURES:
+        raise ValueError(dense_replay_error(from_config.architecture))
+
+
+def dense_replay_error(model: str) -> str:
+    return (
+        f"policy.moe.router_replay=true but {model} is a dense model (no mixture-of-experts router): "
+        "set policy.moe.router_replay to false or null"
+    )
 
 
 def model_parallel_size(cfg: PolicyConfig) -> int:

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from posttrain.models import lora
+from posttrain.models.moe import is_moe_model
 from posttrain.models.vlm import is_vision_language_model, vision_forward_inputs, vision_tower_anchor
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
@@ -32,6 +33,7 @@ from posttrain.workers.policy.microbatches import (
     row_lengths,
     unpack_row_logprobs,
 )
+from posttrain.workers.policy.moe_step import add_router_losses, router_replay_enabled, router_tap
 from posttrain.workers.policy.optim import build_optimizer, build_scheduler, clip_gradients
 from posttrain.workers.policy.shared_prefix import attention_cost_ratio, shared_prefix_logprobs
 from posttrain.workers.policy.step_metrics import StepMetrics
@@ -137,8 +139,9 @@ class DTensorPolicyWorker(PolicyWorker):
             )
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.router_replay = router_replay_enabled(model, self.cfg.moe, self.cfg.model_name)
         text_lm = self.cfg.model_kind == "causal_lm" and not is_vision_language_model(model)
-        if self.cfg.prefix_sharing and text_lm:
+        if self.shares_prefixes(model) and text_lm:
             use_tree_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
             model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
@@ -176,7 +179,7 @@ class DTensorPolicyWorker(PolicyWorker):
             values = torch.nn.functional.pad(outputs.float().squeeze(-1)[:, :-1], (1, 0))  # [b, T_mb]
             return values * attention_mask
         text_only = not is_vision_language_model(self.model)  # equal VLM prompts may show different images
-        if self.cfg.prefix_sharing and text_only and "token_mask" in data:  # shared prompts computed once
+        if self.shares_prefixes(self.model) and text_only and "token_mask" in data:  # prompts computed once
             logprobs = shared_prefix_logprobs(
                 self.model,
                 data["input_ids"],
@@ -249,12 +252,17 @@ class DTensorPolicyWorker(PolicyWorker):
         whether micro-batches may take rows longest first (`policy.length_bucketing`, for work whose rows
         are independent)."""
         share = (
-            self.cfg.prefix_sharing
+            self.shares_prefixes(self.model)
             and self.cfg.model_kind == "causal_lm"
             and not is_vision_language_model(self.model)
         )
         cost = ForwardCost(attention_cost_ratio(self.model.config), share)
         return cost, self.cfg.length_bucketing and rows_independent
+
+    def shares_prefixes(self, model: torch.nn.Module) -> bool:
+        """`policy.prefix_sharing`, except for an MoE model: its routers (replay, losses, expert load) see
+        plain or packed rows only."""
+        return self.cfg.prefix_sharing and not is_moe_model(model)
 
     def _forward_packed(self, packed: PackedRow, seq_len: int) -> torch.Tensor:
         logits = self.model(
@@ -274,7 +282,8 @@ class DTensorPolicyWorker(PolicyWorker):
         for microbatch in self.leased(
             self.make_microbatches(data, self.cfg.logprob_batch_size, *self.forward_plan())
         ):
-            outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
+            with router_tap(self.model, microbatch, self.router_replay, keep_logits=False):
+                outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
             if microbatch.is_padding:
                 continue
             if outputs.dim() == 2:
@@ -305,15 +314,18 @@ class DTensorPolicyWorker(PolicyWorker):
         for microbatch in self.leased(self.make_microbatches(batch, micro_batch_size, *plan)):
             step.num_computed_tokens += microbatch.computed_tokens
             step.num_real_tokens += microbatch.real_tokens
-            with torch.set_grad_enabled(not eval_mode):
+            tap = router_tap(self.model, microbatch, self.router_replay, keep_logits=True)
+            with torch.set_grad_enabled(not eval_mode), tap as routers:
                 candidates_key = getattr(loss_fn, "candidate_ids_key", None)  # a distillation loss's
                 candidates = microbatch.data[candidates_key] if candidates_key else None
                 outputs = self._forward(microbatch, candidates)  # [b, T_mb] logprobs or [b] scores
                 loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
-            if not eval_mode:
-                (loss * (0.0 if microbatch.is_padding else 1.0)).backward()
+                loss, counts = add_router_losses(routers, microbatch, self.cfg.moe, valid_toks, loss, metrics)
+                if not eval_mode:  # inside the tap: recomputed activations replay the same experts
+                    (loss * (0.0 if microbatch.is_padding else 1.0)).backward()
             if microbatch.is_padding:
                 continue
+            step.add_expert_counts(counts)
             step.loss += float(loss.detach())
             step.num_microbatches += 1
             parts.append({k: float(v) for k, v in metrics.items()})

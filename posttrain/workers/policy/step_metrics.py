@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from posttrain.models.moe import expert_load_metrics
 from posttrain.utils.metrics import reduction_of
 
 AllReduce = Callable[[torch.Tensor, str], torch.Tensor]  # (values, "sum" | "min" | "max") -> reduced over dp
@@ -25,6 +26,11 @@ class StepMetrics:
     loss_metrics: dict[str, float] = field(default_factory=dict)
     num_computed_tokens: int = 0  # positions the forwards computed, padding and keep-in-step repeats included
     num_real_tokens: int = 0  # of those, positions holding a token of a row (shared prompts counted once)
+    expert_counts: torch.Tensor | None = None  # [L, E] tokens per expert of an MoE model (None: dense)
+
+    def add_expert_counts(self, counts: torch.Tensor | None) -> None:
+        if counts is not None:
+            self.expert_counts = counts if self.expert_counts is None else self.expert_counts + counts
 
 
 COUNTS = ("loss", "num_microbatches", "num_computed_tokens", "num_real_tokens")  # summed over dp ranks
@@ -41,9 +47,10 @@ def reduce_steps(
     steps: list[StepMetrics], eval_mode: bool, reductions: dict[str, str], all_reduce: AllReduce
 ) -> dict[str, Any]:
     """Per-step lists reduced over dp ranks, each loss metric by its reduction (`reduction_of`: named by the
-    loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
-    ranks); losses, micro-batch and token counts summed; grad norm and lr are global already. Every rank must
-    have the same metric keys."""
+        loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
+        ranks); losses, micro-batch and token counts summed; an MoE model's tokens per expert summed, then
+    summarised (moe.expert_load_metrics); grad norm and lr are global already. Every rank must
+        have the same metric keys."""
     keys = sorted({key for step in steps for key in step.loss_metrics} - set(COUNTS))
     columns: dict[str, list[str]] = {"sum": list(COUNTS), "min": [], "max": [], "mean": []}
     for key in keys:
@@ -63,6 +70,11 @@ def reduce_steps(
             values = all_reduce(values, kind)
         for column, name in enumerate(names):
             result.setdefault(name, values[:, column].tolist())
+    if steps and steps[0].expert_counts is not None:  # an MoE model: every rank has counts
+        counts = all_reduce(torch.stack([step.expert_counts for step in steps]).double(), "sum")  # [S, L, E]
+        for step_counts in counts:
+            for name, value in expert_load_metrics(step_counts).items():
+                result.setdefault(name, []).append(value)
     if not eval_mode:
         result["grad_norm"] = [step.grad_norm for step in steps]
         result["lr"] = [step.lr for step in steps]
