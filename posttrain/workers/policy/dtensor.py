@@ -219,23 +219,27 @@ class DTensorPolicyWorker(PolicyWorker):
         return logprobs * attention_mask + vision_tower_anchor(self.model)
 
     def _forward_context_parallel(self, microbatch: MicroBatch, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logprobs [b, T_mb] of whole rows (packed or not), each cp rank computing its own chunks."""
-        packed = microbatch.packed
+        """Logprobs [b, T_mb] of whole rows (packed or not), each cp rank computing its own chunks; 0 before
+        the first trained token, as in _forward (no loss reads them)."""
+        data, packed, temperature = microbatch.data, microbatch.packed, self.cfg.logprob_temperature
+        positions = torch.arange(input_ids.shape[1], device=self.device)  # [T_mb]
+        read = length_mask(row_lengths(data).to(self.device), input_ids.shape[1]) * (
+            positions >= first_trained_position(data.get("token_mask"))
+        )  # [b, T_mb]
         if packed is None:
-            positions = torch.arange(input_ids.shape[1], device=self.device).expand_as(input_ids)
             logprobs = context_parallel_logprobs(
-                self.model, input_ids, positions, self.cp_group, self.cfg.logprob_temperature
+                self.model, input_ids, positions.expand_as(input_ids), self.cp_group, temperature
             )  # [b, T_mb]
-            return logprobs * length_mask(row_lengths(microbatch.data).to(self.device), input_ids.shape[1])
+            return logprobs * read
         row_logprobs = context_parallel_logprobs(
             self.model,
             packed.input_ids.to(self.device),
             packed.position_ids.to(self.device),
             self.cp_group,
-            self.cfg.logprob_temperature,
+            temperature,
             packed.lengths,
         )  # [1, L]
-        return unpack_row_logprobs(row_logprobs, packed.lengths, input_ids.shape[1])  # [n, T_mb]
+        return unpack_row_logprobs(row_logprobs, packed.lengths, input_ids.shape[1]) * read  # [n, T_mb]
 
     def _causal_logits(self, data: dict[str, Any], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K."""
