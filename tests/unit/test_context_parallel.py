@@ -89,10 +89,10 @@ def test_context_parallel_on_megatron_or_a_reward_model_is_an_error():
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
     """A 2-layer Qwen2 (hidden 64, 4 heads over 2 key/value heads) on a 1-rank gloo group."""
+    import torch.distributed as dist
+
     from posttrain.models.build import ModelFromConfig, build_model_dir, load_model
     from posttrain.workers.policy.base import ensure_process_group
-
-    import torch.distributed as dist
 
     created = not dist.is_initialized()
     ensure_process_group()
