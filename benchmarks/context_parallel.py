@@ -50,7 +50,7 @@ MODEL = dict(
 )
 CP_SIZES = (1, 2, 4)
 SEQ_LEN = 16384
-BUDGET_BYTES = 512 << 20  # 512 MiB of step memory per rank
+BUDGET_BYTES = 256 << 20  # 256 MiB of step memory per rank
 SEARCH_LENGTHS = (4096, 8192, 16384, 32768)
 
 

@@ -10,7 +10,10 @@ keys and values of the whole sequence from the CP ranks (all-gather, not a ring:
 gloo, but each rank holds the full [b, H_kv, T, d] keys and values of the layer it is computing, and
 autograd keeps them for the backward, so a rank stores the K/V of all T positions per layer where a ring
 would hold T / cp) and attends each local chunk's queries over the keys up to the chunk's end, causally by
-global position. Packed rows add a same-sequence condition to the mask. The backward of the all-gather sums
+global position. On a CPU, plain rows need no mask (CausalChunkAttention: flash attention over the keys
+before the chunk and, causally, over its own, merged by log-sum-exp), so memory stays linear in the length;
+packed rows (whose mask adds a same-sequence condition), dropout and GPUs use SDPA with a boolean mask of
+c x (chunk end) per chunk. The backward of the all-gather sums
 the key/value gradients of every rank's queries and keeps this rank's part (an all-reduce, which gloo has,
 then a slice). Positions fed to the rotary embedding are the global ones.
 
@@ -114,6 +117,80 @@ def chunk_mask(layout: ContextParallelLayout, chunk: int, device: torch.device) 
     return mask
 
 
+class CausalChunkAttention(torch.autograd.Function):
+    """Causal attention of one chunk's queries [b, H, c, d] over the keys and values [b, H, end, d] up to its
+    end (the chunk is the last c positions), on a CPU without a mask: flash attention over the keys before
+    the chunk (all visible) and, causally, over the chunk's own, merged by their log-sum-exps. The backward
+    runs the flash backward of each block with the merged output and log-sum-exp (the blocks' softmax is
+    the merged one). Memory is linear in the length, where a boolean mask costs c x end."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        start = key.shape[2] - query.shape[2]
+        blocks = [(0, start, False), (start, key.shape[2], True)] if start else [(0, key.shape[2], True)]
+        outs = [
+            flash(query, key[:, :, a:b], value[:, :, a:b], 0.0, causal, scale=scale)
+            for a, b, causal in blocks
+        ]
+        lse = outs[0][1] if len(outs) == 1 else torch.logaddexp(outs[0][1], outs[1][1])  # [b, H, c]
+        out = sum(o * torch.exp(block_lse - lse).unsqueeze(-1) for o, block_lse in outs)  # [b, H, c, d]
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.blocks, ctx.scale = blocks, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+        query, key, value, out, lse = ctx.saved_tensors
+        grad_query, grad_key, grad_value = (
+            torch.zeros_like(query),
+            torch.zeros_like(key),
+            torch.zeros_like(value),
+        )
+        for a, b, causal in ctx.blocks:
+            dq, dk, dv = flash_backward(
+                grad.contiguous(),
+                query,
+                key[:, :, a:b],
+                value[:, :, a:b],
+                out,
+                lse,
+                0.0,
+                causal,
+                scale=ctx.scale,
+            )
+            grad_query += dq
+            grad_key[:, :, a:b] = dk
+            grad_value[:, :, a:b] = dv
+        return grad_query, grad_key, grad_value, None
+
+
+def attend_chunk(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+) -> torch.Tensor:
+    """[b, H, c, d] outputs of a chunk's queries over keys and values [b, H_kv, end, d] (the chunk last):
+    CausalChunkAttention on a CPU without a mask (plain rows) or dropout, else SDPA with `mask` (or a causal
+    mask built here)."""
+    groups = query.shape[1] // keys.shape[1]
+    if mask is None and dropout == 0.0 and query.device.type == "cpu":
+        if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        return CausalChunkAttention.apply(query.contiguous(), keys.contiguous(), values.contiguous(), scaling)
+    if mask is None:
+        c, end = query.shape[2], keys.shape[2]
+        positions = torch.arange(end, device=query.device)
+        mask = (positions.unsqueeze(0) <= positions[end - c :].unsqueeze(1)).view(1, 1, c, end)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
+    )
+
+
 def context_parallel_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -142,15 +219,10 @@ def context_parallel_attention(
     outputs = []
     for j, chunk in enumerate(layout.chunks):
         end = (chunk + 1) * c
+        mask = chunk_mask(layout, chunk, query.device) if layout.segment_ids is not None else None
         outputs.append(
-            torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, j * c : (j + 1) * c],
-                keys[:, :, :end],
-                values[:, :, :end],
-                attn_mask=chunk_mask(layout, chunk, query.device),
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=query.shape[1] != key.shape[1],
+            attend_chunk(
+                query[:, :, j * c : (j + 1) * c], keys[:, :, :end], values[:, :, :end], mask, dropout, scaling
             )
         )  # [b, H, c, d]
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
