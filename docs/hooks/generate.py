@@ -167,6 +167,20 @@ def refit_nodes_section(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def context_parallel_section(name: str, data: dict) -> list[str]:
+    budget = data["budget_bytes_per_rank"] / 2**20
+    lines = [f"### `{name}`", "", f"*{data['date']}, {machine_text(data)}.* One SFT step on one sequence of random "
+             f"tokens, a tiny Llama ({data['model']['hidden_size']} wide, {data['model']['num_layers']} layers); "
+             f"attention: {data['attention']} (`benchmarks/context_parallel.py`). Peak: the resident-set high-water "
+             "mark over the step's start, largest rank. Step times are noisy (processes share the cores).",
+             "", f"| CP | tokens | peak per rank (MiB) | step (s) | longest within {budget:.0f} MiB |",
+             "|---|---|---|---|---|"]
+    for row in data["rows"]:
+        lines.append(f"| {row['cp']} | {row['seq_len']:,} | {row['peak_step_bytes_per_rank'] / 2**20:.0f} | "
+                     f"{row['step_s']:.2f} | {row['longest_within_budget']:,} |")
+    return lines + [""]
+
+
 def async_curves_section(name: str, data: dict) -> list[str]:
     """Two learning curves (`benchmarks/async_curves.py`): strict validation accuracy by step and wall time."""
     modes = data["modes"]
@@ -354,6 +368,8 @@ def write_benchmarks() -> None:
             lines += vllm_refit_section(name, data)
         elif name.startswith("refit_nodes"):
             lines += refit_nodes_section(name, data)
+        elif name.startswith("context_parallel"):
+            lines += context_parallel_section(name, data)
         elif name.startswith("async_curves"):
             lines += async_curves_section(name, data)
         elif name.startswith("time_to_accuracy"):

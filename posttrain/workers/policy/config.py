@@ -256,6 +256,14 @@ class PolicyConfig:
     tensor_parallel_size: int = field(
         default=1, metadata={"help": "Tensor-parallel ranks per model replica (Qwen2/Llama layouts)."}
     )
+    context_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks splitting each sequence along its length (load-balanced chunks; attention "
+            "all-gathers keys and values): causal LMs on the dtensor backend; dp = workers / (tp x cp); "
+            "shared prompts (prefix_sharing) are not shared under it."
+        },
+    )
     backend: Literal["dtensor", "megatron"] = field(
         default="dtensor",
         metadata={
@@ -306,6 +314,7 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         "train_micro_batch_size",
         "logprob_batch_size",
         "tensor_parallel_size",
+        "context_parallel_size",
     ):
         if getattr(cfg, key) < 1:
             raise ValueError(f"policy.{key}: must be >= 1, got {getattr(cfg, key)}")
@@ -317,6 +326,8 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
+    if cfg.context_parallel_size > 1:
+        validate_context_parallel(cfg)
     split = sorted(set(cfg.lora.modules_to_save or []) & set(DEFAULT_TARGET_MODULES))
     if cfg.lora.enabled and cfg.tensor_parallel_size > 1 and split:
         raise ValueError(
@@ -357,11 +368,32 @@ def dense_replay_error(model: str) -> str:
     )
 
 
+def validate_context_parallel(cfg: PolicyConfig) -> None:
+    """What context parallelism (`policy.context_parallel_size` > 1) runs with."""
+    cp = cfg.context_parallel_size
+    if cfg.backend != "dtensor":
+        raise ValueError(
+            f"policy.context_parallel_size={cp} with policy.backend={cfg.backend}: context parallelism runs "
+            "on the dtensor backend only (Megatron Core's needs Transformer Engine); set it to 1"
+        )
+    if cfg.model_kind != "causal_lm":
+        raise ValueError(
+            f"policy.context_parallel_size={cp} with policy.model_kind={cfg.model_kind}: only causal_lm "
+            "splits sequences; set it to 1"
+        )
+    round_to = cfg.dynamic_batching.sequence_length_round
+    if cfg.dynamic_batching.enabled and round_to % (2 * cp):
+        raise ValueError(
+            f"policy.dynamic_batching.sequence_length_round={round_to} must be a multiple of 2 x "
+            f"policy.context_parallel_size = {2 * cp} (each sequence is cut into 2 x cp equal chunks)"
+        )
+
+
 def model_parallel_size(cfg: PolicyConfig) -> int:
-    """Workers holding one model replica: tp (dtensor) or tp x pp (megatron); dp = workers / this."""
+    """Workers holding one model replica: tp x cp (dtensor) or tp x pp (megatron); dp = workers / this."""
     if cfg.backend == "megatron":
         return cfg.megatron.tensor_model_parallel_size * cfg.megatron.pipeline_model_parallel_size
-    return cfg.tensor_parallel_size
+    return cfg.tensor_parallel_size * cfg.context_parallel_size
 
 
 def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> None:
@@ -376,6 +408,12 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
         raise ConfigError(
             "policy.megatron",
             f"tensor_model_parallel_size x pipeline_model_parallel_size = "
+            f"{model_parallel} does not divide the {num_workers} workers ({workers})",
+        )
+    if cfg.context_parallel_size > 1:
+        raise ConfigError(
+            "policy.context_parallel_size",
+            f"{cfg.context_parallel_size} x policy.tensor_parallel_size {cfg.tensor_parallel_size} = "
             f"{model_parallel} does not divide the {num_workers} workers ({workers})",
         )
     raise ConfigError(

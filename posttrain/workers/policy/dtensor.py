@@ -1,8 +1,9 @@
 """The DTensor/FSDP2 policy worker (`policy.backend: dtensor`): one Ray actor per bundle holding an FSDP2
 shard of the policy model (one fp32 worker alone holds the plain model: see needs_fsdp), optionally
-tensor-parallel. On the shared base (`base.PolicyWorker`) it builds the model, optimizer and schedulers,
-runs forwards (plain, packed, shared-prefix, vision-language) and optimizer steps, writes native
-checkpoints and HF exports, gathers full weights for refit, and moves its state off the accelerator."""
+tensor-parallel and context-parallel (context_parallel.py). On the shared base (`base.PolicyWorker`) it
+builds the model, optimizer and schedulers, runs forwards (plain, packed, shared-prefix, context-parallel,
+vision-language) and optimizer steps, writes native checkpoints and HF exports, gathers full weights for
+refit, and moves its state off the accelerator."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ from posttrain.models.vlm import is_vision_language_model, vision_forward_inputs
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
 from posttrain.workers.policy.config import PolicyConfig
+from posttrain.workers.policy.context_parallel import (
+    context_parallel_logprobs,
+    use_context_parallel_attention,
+)
 from posttrain.workers.policy.microbatches import (
     ForwardCost,
     MicroBatch,
@@ -115,13 +120,17 @@ class DTensorPolicyWorker(PolicyWorker):
     """One rank of the policy: an FSDP2-sharded (optionally TP) model, its optimizer and scheduler."""
 
     def _init_parallel(self) -> None:
-        """A (dp, tp) device mesh; FSDP2 shards over dp, tensor parallelism splits over tp."""
-        tp = self.cfg.tensor_parallel_size
+        """A (dp, cp, tp) device mesh; tensor parallelism splits over tp, context parallelism over cp
+        (context_parallel.py), and FSDP2 shards over dp x cp: both hold different tokens of the batch, so
+        their gradients are summed together."""
+        tp, cp = self.cfg.tensor_parallel_size, self.cfg.context_parallel_size
         self.mesh = init_device_mesh(
-            self.device.type, (self.world_size // tp, tp), mesh_dim_names=("dp", "tp")
+            self.device.type, (self.world_size // (tp * cp), cp, tp), mesh_dim_names=("dp", "cp", "tp")
         )
         self.dp_group = self.mesh["dp"].get_group()
         self.dp_size = self.mesh["dp"].size()
+        self.cp_group = self.mesh["cp"].get_group() if cp > 1 else None
+        self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else self.mesh["dp"]
 
     def _build_model_and_optimizer(self) -> None:
         self.model = self._build_model()
@@ -131,17 +140,22 @@ class DTensorPolicyWorker(PolicyWorker):
     def _build_model(self) -> torch.nn.Module:
         model = load_hf_model(self.cfg)
         if getattr(model.config, "vision_config", None) is not None and (
-            self.cfg.tensor_parallel_size > 1 or self.cfg.sequence_packing.enabled
+            self.cfg.tensor_parallel_size > 1
+            or self.cfg.context_parallel_size > 1
+            or self.cfg.sequence_packing.enabled
         ):
             raise ValueError(
-                "policy: a vision-language model runs without tensor_parallel_size > 1 and "
-                "sequence_packing (its M-RoPE positions and vision tower are not split)"
+                "policy: a vision-language model runs without tensor_parallel_size > 1, "
+                "context_parallel_size > 1 and sequence_packing (its M-RoPE positions and vision tower "
+                "are not split)"
             )
         if self.cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.router_replay = router_replay_enabled(model, self.cfg.moe, self.cfg.model_name)
         text_lm = self.cfg.model_kind == "causal_lm" and not is_vision_language_model(model)
-        if self.shares_prefixes(model) and text_lm:
+        if self.cfg.context_parallel_size > 1:
+            use_context_parallel_attention(model)  # sequences split over cp ranks (context_parallel.py)
+        elif self.shares_prefixes(model) and text_lm:
             use_tree_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
             model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
@@ -149,7 +163,7 @@ class DTensorPolicyWorker(PolicyWorker):
             model.to(self.device)
             apply_tensor_parallel(model, self.mesh["tp"])
         if needs_fsdp(self.world_size, self.cfg, self.device):
-            shard_model(model, self.mesh["dp"], self.cfg, self.device)
+            shard_model(model, self.shard_mesh, self.cfg, self.device)
         if not (self.cfg.cpu_offload and self.device.type == "cuda"):
             model.to(self.device)
         return model
@@ -164,6 +178,8 @@ class DTensorPolicyWorker(PolicyWorker):
         input_ids = data["input_ids"].to(self.device)  # [b, T_mb]
         if logprobs_at is not None:
             return self._forward_with_candidates(data, input_ids, logprobs_at.to(self.device))
+        if self.cp_group is not None:
+            return self._forward_context_parallel(microbatch, input_ids)
         if microbatch.packed is not None:
             return self._forward_packed(microbatch.packed, input_ids.shape[1])
         attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
@@ -205,8 +221,36 @@ class DTensorPolicyWorker(PolicyWorker):
         logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
         return logprobs * attention_mask + vision_tower_anchor(self.model)
 
+    def _forward_context_parallel(self, microbatch: MicroBatch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logprobs [b, T_mb] of whole rows (packed or not), each cp rank computing its own chunks; 0 before
+        the first trained token, as in _forward (no loss reads them)."""
+        data, packed, temperature = microbatch.data, microbatch.packed, self.cfg.logprob_temperature
+        positions = torch.arange(input_ids.shape[1], device=self.device)  # [T_mb]
+        read = length_mask(row_lengths(data).to(self.device), input_ids.shape[1]) * (
+            positions >= first_trained_position(data.get("token_mask"))
+        )  # [b, T_mb]
+        if packed is None:
+            logprobs = context_parallel_logprobs(
+                self.model, input_ids, positions.expand_as(input_ids), self.cp_group, temperature
+            )  # [b, T_mb]
+            return logprobs * read
+        row_logprobs = context_parallel_logprobs(
+            self.model,
+            packed.input_ids.to(self.device),
+            packed.position_ids.to(self.device),
+            self.cp_group,
+            temperature,
+            packed.lengths,
+        )  # [1, L]
+        return unpack_row_logprobs(row_logprobs, packed.lengths, input_ids.shape[1]) * read  # [n, T_mb]
+
     def _causal_logits(self, data: dict[str, Any], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K."""
+        if self.cp_group is not None:
+            raise ValueError(
+                "policy.context_parallel_size > 1: top-k logprobs and distillation losses need every "
+                "position's logits on one rank; set it to 1 for them"
+            )
         attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
         num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
         logits = self.model(
@@ -253,6 +297,7 @@ class DTensorPolicyWorker(PolicyWorker):
         are independent)."""
         share = (
             self.shares_prefixes(self.model)
+            and self.cp_group is None
             and self.cfg.model_kind == "causal_lm"
             and not is_vision_language_model(self.model)
         )

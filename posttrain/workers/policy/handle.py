@@ -39,7 +39,7 @@ def check_finite_losses(losses: list[float]) -> None:
 
 
 def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) -> tuple[type, NamedSharding]:
-    """The worker class of `policy.backend` and its rank layout: (dp, tp) with tp consecutive for dtensor;
+    """The worker class of `policy.backend` and its rank layout: (dp, cp, tp) with tp fastest for dtensor;
     (pp, dp, tp) for megatron (Megatron's default order tp-cp-ep-dp-pp, tp fastest)."""
     ranks = np.arange(world_size)
     if cfg.backend == "megatron":
@@ -51,12 +51,14 @@ def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) 
             )
         shape = (cfg.megatron.pipeline_model_parallel_size, dp_size, cfg.megatron.tensor_model_parallel_size)
         return MegatronPolicyWorker, NamedSharding(ranks.reshape(shape), ["pp", "dp", "tp"])
-    return DTensorPolicyWorker, NamedSharding(ranks.reshape(dp_size, cfg.tensor_parallel_size), ["dp", "tp"])
+    shape = (dp_size, cfg.context_parallel_size, cfg.tensor_parallel_size)
+    return DTensorPolicyWorker, NamedSharding(ranks.reshape(shape), ["dp", "cp", "tp"])
 
 
 class Policy:
-    """The trainable model over `cluster`: dp x tp workers, FSDP2 over dp and tensor parallelism over tp;
-    or (backend megatron) pp x dp x tp workers, tp fastest-varying as in Megatron's rank order."""
+    """The trainable model over `cluster`: dp x cp x tp workers, FSDP2 over dp x cp, context parallelism
+    over cp and tensor parallelism over tp; or (backend megatron) pp x dp x tp workers, tp fastest-varying
+    as in Megatron's rank order."""
 
     def __init__(
         self,
