@@ -47,10 +47,10 @@ def reduce_steps(
     steps: list[StepMetrics], eval_mode: bool, reductions: dict[str, str], all_reduce: AllReduce
 ) -> dict[str, Any]:
     """Per-step lists reduced over dp ranks, each loss metric by its reduction (`reduction_of`: named by the
-        loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
-        ranks); losses, micro-batch and token counts summed; an MoE model's tokens per expert summed, then
-    summarised (moe.expert_load_metrics); grad norm and lr are global already. Every rank must
-        have the same metric keys."""
+    loss function, else `*_min` / `*_max` by min / max, else sum; a mean is over all micro-batches of all
+    ranks); losses, micro-batch and token counts summed; an MoE model's tokens per expert summed, then
+    summarised (moe.expert_load_metrics); grad norm and lr are global already. Every rank must have the
+    same metric keys."""
     keys = sorted({key for step in steps for key in step.loss_metrics} - set(COUNTS))
     columns: dict[str, list[str]] = {"sum": list(COUNTS), "min": [], "max": [], "mean": []}
     for key in keys:
