@@ -57,9 +57,9 @@ def build_moe_dir(path: Path) -> Path:
     return path
 
 
-def peak_rss_bytes(actor_class: str = "DTensorPolicyWorker") -> list[int]:
-    """Peak resident memory (VmHWM) of each live Ray actor process of `actor_class` on this machine."""
-    peaks = []
+def peak_rss_bytes(actor_class: str = "DTensorPolicyWorker") -> dict[int, int]:
+    """Peak resident memory (VmHWM) of each live `ray::actor_class` process on this machine, by pid."""
+    peaks = {}
     for status_file in Path("/proc").glob("[0-9]*/status"):
         try:
             title = (status_file.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
@@ -68,8 +68,8 @@ def peak_rss_bytes(actor_class: str = "DTensorPolicyWorker") -> list[int]:
             continue
         if title.split(".")[0].split(" ")[0] == f"ray::{actor_class}":
             match = re.search(r"VmHWM:\s+(\d+) kB", status)
-            peaks.append(int(match.group(1)) * 1024 if match else 0)
-    return sorted(peaks)
+            peaks[int(status_file.parent.name)] = int(match.group(1)) * 1024 if match else 0
+    return peaks
 
 
 def measure(model_dir: Path, workers: int, ep: int, steps: int) -> dict:
@@ -83,6 +83,7 @@ def measure(model_dir: Path, workers: int, ep: int, steps: int) -> dict:
             optimizer={"name": "AdamW", "kwargs": {"lr": 1e-3}},
         ),
     )
+    earlier_workers = set(peak_rss_bytes())  # a previous policy's workers may still be exiting
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, num_cpus_per_worker=0.5))
     policy = Policy(cluster, cfg)
     generator = torch.Generator().manual_seed(0)
@@ -104,7 +105,9 @@ def measure(model_dir: Path, workers: int, ep: int, steps: int) -> dict:
         "expert_parallel_size": ep,
         "param_bytes_per_rank": [f["param_bytes"] for f in footprints],
         "optimizer_state_bytes_per_rank": [f["optimizer_state_bytes"] for f in footprints],
-        "peak_rss_bytes_per_rank": peak_rss_bytes(),
+        "peak_rss_bytes_per_rank": sorted(
+            b for pid, b in peak_rss_bytes().items() if pid not in earlier_workers
+        ),
         "step_time_s_median": statistics.median(times),
         "step_times_s": times,
     }
