@@ -322,7 +322,9 @@ def validate_expert_parallel(cfg: PolicyConfig) -> None:
     ep = cfg.expert_parallel_size
     conflict = None
     if cfg.backend == "megatron":
-        conflict = "policy.backend=megatron (set policy.megatron.expert_model_parallel_size instead"
+        conflict = (
+            "policy.backend=megatron (its expert parallelism is not wired yet: use policy.backend=dtensor"
+        )
     elif cfg.tensor_parallel_size > 1:
         conflict = f"policy.tensor_parallel_size={cfg.tensor_parallel_size} (set it to 1"
     elif cfg.lora.enabled:
