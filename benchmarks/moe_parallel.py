@@ -143,8 +143,9 @@ def main() -> None:
         "notes": "CPU machine shared with other jobs while measured: step times are noisy. At EP 2 on 2 "
         "workers each rank holds half of the experts (not further sharded) and half of the dense "
         "parameters (FSDP), the same bytes as FSDP alone over 2 workers; EP replaces FSDP's all-gather "
-        "of the expert weights by an all-to-all of the routed tokens. Peak RSS lists every ray::DTensorPolicyWorker "
-        "process that appeared during the run, which on a shared machine can include another job's.",
+        "of the expert weights by an all-to-all of the routed tokens. Peak RSS lists every "
+        "ray::DTensorPolicyWorker process that appeared during the run, which on a shared machine can "
+        "include another job's.",
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
