@@ -264,6 +264,13 @@ class PolicyConfig:
             "shared prompts (prefix_sharing) are not shared under it."
         },
     )
+    expert_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks splitting the experts of each MoE layer (all-to-all token dispatch); they remain "
+            "data-parallel ranks. Divides the workers and num_experts; dtensor backend, no TP or LoRA."
+        },
+    )
     backend: Literal["dtensor", "megatron"] = field(
         default="dtensor",
         metadata={
@@ -315,6 +322,7 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         "logprob_batch_size",
         "tensor_parallel_size",
         "context_parallel_size",
+        "expert_parallel_size",
     ):
         if getattr(cfg, key) < 1:
             raise ValueError(f"policy.{key}: must be >= 1, got {getattr(cfg, key)}")
@@ -339,6 +347,8 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
     if cfg.lora.enabled and cfg.backend == "megatron":
         validate_megatron_lora(cfg)
     validate_moe(cfg)
+    if cfg.expert_parallel_size > 1:
+        validate_expert_parallel(cfg)
     if len(cfg.scheduler) > 1 and len(cfg.scheduler_milestones) != len(cfg.scheduler) - 1:
         raise ValueError(
             f"policy.scheduler_milestones: {len(cfg.scheduler)} schedulers need "
@@ -389,6 +399,27 @@ def validate_context_parallel(cfg: PolicyConfig) -> None:
         )
 
 
+def validate_expert_parallel(cfg: PolicyConfig) -> None:
+    """What policy.expert_parallel_size (dtensor backend) combines with: data parallelism only (not tensor or
+    context parallelism, not LoRA)."""
+    ep = cfg.expert_parallel_size
+    conflict = None
+    if cfg.backend == "megatron":
+        conflict = (
+            "policy.backend=megatron (its expert parallelism is not wired yet: use policy.backend=dtensor"
+        )
+    elif cfg.tensor_parallel_size > 1:
+        conflict = f"policy.tensor_parallel_size={cfg.tensor_parallel_size} (set it to 1"
+    elif cfg.lora.enabled:
+        conflict = "policy.lora.enabled=true (train the MoE in full"
+    elif cfg.context_parallel_size > 1:
+        conflict = f"policy.context_parallel_size={cfg.context_parallel_size} (set it to 1"
+    if conflict:
+        raise ValueError(
+            f"policy.expert_parallel_size={ep} with {conflict}, or set policy.expert_parallel_size=1)"
+        )
+
+
 def model_parallel_size(cfg: PolicyConfig) -> int:
     """Workers holding one model replica: tp x cp (dtensor) or tp x pp (megatron); dp = workers / this."""
     if cfg.backend == "megatron":
@@ -401,6 +432,11 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
     divides the `num_workers` workers (described by `workers`, e.g. "cluster.num_nodes x
     cluster.workers_per_node"). The one place this is checked: at config load, and by `Policy` for a cluster
     built in Python."""
+    if num_workers % cfg.expert_parallel_size:
+        raise ConfigError(
+            "policy.expert_parallel_size",
+            f"{cfg.expert_parallel_size} does not divide the {num_workers} workers ({workers})",
+        )
     model_parallel = model_parallel_size(cfg)
     if num_workers % model_parallel == 0:
         return

@@ -30,6 +30,7 @@ from posttrain.workers.policy.context_parallel import (
     context_parallel_logprobs,
     use_context_parallel_attention,
 )
+from posttrain.workers.policy.expert_parallel import apply_expert_parallel, reduce_expert_gradients
 from posttrain.workers.policy.microbatches import (
     ForwardCost,
     MicroBatch,
@@ -99,15 +100,30 @@ def needs_fsdp(world_size: int, cfg: PolicyConfig, device: torch.device) -> bool
     return world_size > 1 or cfg.precision != "float32" or (cfg.cpu_offload and device.type == "cuda")
 
 
-def shard_model(model: torch.nn.Module, dp_mesh: DeviceMesh, cfg: PolicyConfig, device: torch.device) -> None:
-    """fully_shard every decoder layer and the root; gradients are SUMMED over ranks (no averaging)."""
+def shard_model(
+    model: torch.nn.Module,
+    dp_mesh: DeviceMesh,
+    cfg: PolicyConfig,
+    device: torch.device,
+    ignored_params: set[torch.nn.Parameter] | None = None,
+) -> None:
+    """fully_shard every decoder layer and the root, except `ignored_params` (expert-parallel experts);
+    gradients are SUMMED over ranks (no averaging)."""
     mp_policy = MixedPrecisionPolicy()
     if cfg.precision == "bfloat16":
         mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     offload_policy = CPUOffloadPolicy() if cfg.cpu_offload and device.type == "cuda" else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy)
+        fully_shard(
+            layer,
+            mesh=dp_mesh,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params,
+        )
+    fully_shard(
+        model, mesh=dp_mesh, mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=ignored_params
+    )
     # The loss of each micro-batch is already normalised by GLOBAL counts, so the global gradient is the
     # sum over ranks: turn FSDP's default averaging off (and use plain SUM, which gloo supports).
     for module in model.modules():
@@ -122,8 +138,10 @@ class DTensorPolicyWorker(PolicyWorker):
     def _init_parallel(self) -> None:
         """A (dp, cp, tp) device mesh; tensor parallelism splits over tp, context parallelism over cp
         (context_parallel.py), and FSDP2 shards over dp x cp: both hold different tokens of the batch, so
-        their gradients are summed together."""
+        their gradients are summed together. With expert parallelism also an (edp, ep) mesh of the same
+        ranks, experts split over ep (expert_parallel.py)."""
         tp, cp = self.cfg.tensor_parallel_size, self.cfg.context_parallel_size
+        ep = self.cfg.expert_parallel_size
         self.mesh = init_device_mesh(
             self.device.type, (self.world_size // (tp * cp), cp, tp), mesh_dim_names=("dp", "cp", "tp")
         )
@@ -131,6 +149,11 @@ class DTensorPolicyWorker(PolicyWorker):
         self.dp_size = self.mesh["dp"].size()
         self.cp_group = self.mesh["cp"].get_group() if cp > 1 else None
         self.shard_mesh = self.mesh["dp", "cp"]._flatten("dp_cp") if cp > 1 else self.mesh["dp"]
+        self.ep_mesh = None
+        if ep > 1:
+            self.ep_mesh = init_device_mesh(
+                self.device.type, (self.world_size // ep, ep), mesh_dim_names=("edp", "ep")
+            )
 
     def _build_model_and_optimizer(self) -> None:
         self.model = self._build_model()
@@ -162,8 +185,9 @@ class DTensorPolicyWorker(PolicyWorker):
         if self.cfg.tensor_parallel_size > 1:
             model.to(self.device)
             apply_tensor_parallel(model, self.mesh["tp"])
+        expert_params = apply_expert_parallel(model, self.ep_mesh) if self.ep_mesh is not None else None
         if needs_fsdp(self.world_size, self.cfg, self.device):
-            shard_model(model, self.shard_mesh, self.cfg, self.device)
+            shard_model(model, self.shard_mesh, self.cfg, self.device, expert_params)
         if not (self.cfg.cpu_offload and self.device.type == "cuda"):
             model.to(self.device)
         return model
@@ -342,6 +366,8 @@ class DTensorPolicyWorker(PolicyWorker):
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr
         used)."""
+        if self.ep_mesh is not None:
+            reduce_expert_gradients(self.model, self.ep_mesh["edp"].get_group())
         grad_norm = clip_gradients(list(self.model.parameters()), self.cfg.max_grad_norm)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
