@@ -62,7 +62,6 @@ import datetime
 import json
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -82,6 +81,7 @@ from posttrain.utils.timer import Timer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_report beside this script
 from step_report import (  # noqa: E402
+    actor_peak_rss,
     add_floors,
     machine_description,
     matmul_gflops,
@@ -327,19 +327,9 @@ def run_posttrain(
 
 
 def peak_rss_bytes(actor_class: str) -> int:
-    """The largest peak resident memory (VmHWM) of this machine's Ray actor processes of `actor_class`
-    (Ray titles them `ray::CLASS` or `ray::CLASS.method`); 0 when none is found."""
-    peak = 0
-    for status_file in Path("/proc").glob("[0-9]*/status"):
-        try:
-            title = (status_file.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            status = status_file.read_text()
-        except OSError:
-            continue
-        if title.split(".")[0].split(" ")[0] == f"ray::{actor_class}":
-            match = re.search(r"VmHWM:\s+(\d+) kB", status)
-            peak = max(peak, int(match.group(1)) * 1024 if match else 0)
-    return peak
+    """The largest peak resident memory of this machine's Ray actor processes of `actor_class`; 0 when none
+    is found."""
+    return max(actor_peak_rss(actor_class).values(), default=0)
 
 
 # ------------------------------------------------------------------------------------------------- TRL

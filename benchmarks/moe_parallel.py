@@ -16,8 +16,8 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +31,9 @@ from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualClus
 from posttrain.distributed.virtual_cluster import start_local_ray
 from posttrain.models.tokenizer import build_byte_tokenizer
 from posttrain.workers.policy import Policy, PolicyConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # step_report beside this script
+from step_report import actor_peak_rss  # noqa: E402
 
 MOE = dict(
     hidden_size=128,
@@ -57,21 +60,6 @@ def build_moe_dir(path: Path) -> Path:
     return path
 
 
-def peak_rss_bytes(actor_class: str = "DTensorPolicyWorker") -> dict[int, int]:
-    """Peak resident memory (VmHWM) of each live `ray::actor_class` process on this machine, by pid."""
-    peaks = {}
-    for status_file in Path("/proc").glob("[0-9]*/status"):
-        try:
-            title = (status_file.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
-            status = status_file.read_text()
-        except OSError:
-            continue
-        if title.split(".")[0].split(" ")[0] == f"ray::{actor_class}":
-            match = re.search(r"VmHWM:\s+(\d+) kB", status)
-            peaks[int(status_file.parent.name)] = int(match.group(1)) * 1024 if match else 0
-    return peaks
-
-
 def measure(model_dir: Path, workers: int, ep: int, steps: int) -> dict:
     cfg = validate_config(
         PolicyConfig,
@@ -83,7 +71,9 @@ def measure(model_dir: Path, workers: int, ep: int, steps: int) -> dict:
             optimizer={"name": "AdamW", "kwargs": {"lr": 1e-3}},
         ),
     )
-    earlier_workers = set(peak_rss_bytes())  # a previous policy's workers may still be exiting
+    earlier_workers = set(
+        actor_peak_rss("DTensorPolicyWorker")
+    )  # a previous policy's workers may still be exiting
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=workers, num_cpus_per_worker=0.5))
     policy = Policy(cluster, cfg)
     generator = torch.Generator().manual_seed(0)
@@ -106,7 +96,7 @@ def measure(model_dir: Path, workers: int, ep: int, steps: int) -> dict:
         "param_bytes_per_rank": [f["param_bytes"] for f in footprints],
         "optimizer_state_bytes_per_rank": [f["optimizer_state_bytes"] for f in footprints],
         "peak_rss_bytes_per_rank": sorted(
-            b for pid, b in peak_rss_bytes().items() if pid not in earlier_workers
+            b for pid, b in actor_peak_rss("DTensorPolicyWorker").items() if pid not in earlier_workers
         ),
         "step_time_s_median": statistics.median(times),
         "step_times_s": times,

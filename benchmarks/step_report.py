@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import time
 from pathlib import Path
@@ -199,3 +200,19 @@ def machine_description(device: str) -> dict:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def actor_peak_rss(actor_class: str) -> dict[int, int]:
+    """Peak resident memory (VmHWM, bytes) of each live Ray actor process of `actor_class` on this machine,
+    by pid (Ray titles them `ray::CLASS` or `ray::CLASS.method`)."""
+    peaks = {}
+    for status_file in Path("/proc").glob("[0-9]*/status"):
+        try:
+            title = (status_file.parent / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+            status = status_file.read_text()
+        except OSError:
+            continue
+        if title.split(".")[0].split(" ")[0] == f"ray::{actor_class}":
+            match = re.search(r"VmHWM:\s+(\d+) kB", status)
+            peaks[int(status_file.parent.name)] = int(match.group(1)) * 1024 if match else 0
+    return peaks
