@@ -33,6 +33,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,6 +79,7 @@ class Row:
     cpu_reference: float | None = None  # the same workload's figure on a CPU, same unit
     note: str = ""
     seconds: float = 0.0  # wall time of the row
+    stages: dict[str, float] = dataclasses.field(default_factory=dict)  # GRPO rows: median seconds per stage
 
 
 @dataclass
@@ -153,11 +155,18 @@ def grpo_row(plan: Plan, name: str, work_dir: Path) -> Row:
     args = argparse.Namespace(device=plan.device, threads=None, warmup=plan.warmup, steps=plan.steps)
     steps, _ = grpo_step.run_posttrain(args, workload, model_dir, data_file, work_dir, "sync")
     step_s = sorted(s["step"] for s in steps)[len(steps) // 2]
+    stages = {
+        stage: round(sorted(s["stages"][stage] for s in steps)[len(steps) // 2], 3)
+        for stage in steps[0]["stages"]
+    }
     reference, source = cpu_reference_step_time(name)
     shape = (
         f"{workload.num_prompts}x{workload.num_generations} samples, <= {workload.max_new_tokens} new tokens"
     )
-    return Row(f"grpo_{name}", f"GRPO step ({shape})", step_s, "s/step", None, reference, source)
+    busiest = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])[:3])
+    row = Row(f"grpo_{name}", f"GRPO step ({shape}; median s: {busiest})", step_s, "s/step", None, reference)
+    row.note, row.stages = source, stages
+    return row
 
 
 def train_row(plan: Plan, name: str, model: ModelFromConfig, work_dir: Path, peak: float | None) -> Row:
@@ -217,7 +226,9 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def run_rows(plan: Plan, names: list[str], work_dir: Path) -> list[Row]:
+def run_rows(plan: Plan, names: list[str], work_dir: Path, on_row: Callable[[list[Row]], None]) -> list[Row]:
+    """Every row in turn; `on_row` gets the rows so far after each (the JSON is rewritten: a run cut short
+    keeps what it measured). A row that raises is recorded with its error and the next row runs."""
     peak = peak_bf16_flops(torch.cuda.get_device_name(0)) if plan.device == "cuda" else None
     makers: dict[str, Callable[[], Row]] = {
         "grpo_tiny": lambda: grpo_row(plan, "tiny", work_dir),
@@ -228,10 +239,15 @@ def run_rows(plan: Plan, names: list[str], work_dir: Path) -> list[Row]:
     rows = []
     for name in names:
         start = time.perf_counter()
-        row = makers[name]()
+        try:
+            row = makers[name]()
+        except Exception as error:  # noqa: BLE001 - one broken row must not cost the others' numbers
+            traceback.print_exc()
+            row = Row(name, "failed", note=f"error: {type(error).__name__}: {error}"[:300])
         row.seconds = round(time.perf_counter() - start, 1)
         print(format_table([row]).splitlines()[1], flush=True)
         rows.append(row)
+        on_row(rows)
     return rows
 
 
@@ -269,27 +285,34 @@ def main(argv: list[str] | None = None) -> int:
             else REFERENCE_DIR / f"gpu_check_{label}.json"
         )
     start = time.perf_counter()
-    start_local_ray(max(4, os.cpu_count() or 2), log_to_driver=False)
+
+    def write_report(rows: list[Row]) -> None:
+        report = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "device": label,
+            "device_name": torch.cuda.get_device_name(0) if plan.device == "cuda" else platform.processor(),
+            "dry_run": plan.dry_run,
+            "torch": torch.__version__,
+            "steps": {"warmup": plan.warmup, "timed": plan.steps},
+            "wall_s": round(time.perf_counter() - start, 1),
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+    # logical CPUs: the policy's bundle (the machine's cores, posttrain's default) plus the environments'
+    start_local_ray((os.cpu_count() or 2) + 2, log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        rows = run_rows(plan, args.rows, Path(tmp))
+        rows = run_rows(plan, args.rows, Path(tmp), write_report)
     import ray
 
     ray.shutdown()
     print(format_table(rows))
-    report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "device": label,
-        "device_name": torch.cuda.get_device_name(0) if plan.device == "cuda" else platform.processor(),
-        "dry_run": plan.dry_run,
-        "torch": torch.__version__,
-        "steps": {"warmup": plan.warmup, "timed": plan.steps},
-        "wall_s": round(time.perf_counter() - start, 1),
-        "rows": [dataclasses.asdict(r) for r in rows],
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out} ({report['wall_s']} s)")
-    return 0
+    failed = [r.name for r in rows if r.note.startswith("error:")]
+    print(f"wrote {out} ({round(time.perf_counter() - start, 1)} s)")
+    if failed:
+        print(f"failed rows: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -238,6 +238,21 @@ def generic_section(name: str, data: dict) -> list[str]:
     return lines
 
 
+def gpu_check_section(name: str, data: dict) -> list[str]:
+    """The one-GPU check's table (`benchmarks/gpu_check.py`): every row beside its CPU figure."""
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['device_name']}, torch {data['torch']}*, "
+             f"{data['steps']['timed']} timed steps per row after {data['steps']['warmup']} untimed.", "",
+             "| row | value | unit | MFU | CPU figure | what |", "|---|---|---|---|---|---|"]
+    for row in data["rows"]:
+        value = "-" if row["value"] is None else f"{row['value']:,.4g}"
+        mfu = "-" if row["mfu"] is None else f"{row['mfu']:.1%}"
+        cpu = "-" if row["cpu_reference"] is None else f"{row['cpu_reference']:,.4g}"
+        lines.append(f"| {row['name']} | {value} | {row['unit']} | {mfu} | {cpu} | {row['what']} |")
+    if data.get("notes"):
+        lines += [""] + [f"- {note}" for note in data["notes"]]
+    return lines + [""]
+
+
 def partial_rollouts_section(name: str, data: dict) -> list[str]:
     """Asynchronous GRPO with and without partial rollouts on a long-tail batch (`benchmarks/partial_rollouts.py`)."""
     results, work = data["results"], data["workload"]
@@ -378,6 +393,8 @@ def write_benchmarks() -> None:
             lines += compare_section(name, data)
         elif name.startswith("partial_rollouts"):
             lines += partial_rollouts_section(name, data)
+        elif name.startswith("gpu_check"):
+            lines += gpu_check_section(name, data)
         else:
             lines += generic_section(name, data)
     write(OUT / "benchmarks.md", "\n".join(lines) + "\n")
