@@ -132,7 +132,8 @@ class MoeConfig:
         default=None,
         metadata={
             "help": "Training and logprob forwards route each generated token to the experts the generator "
-            "chose for it (recorded during generation; the HF backend). None: on for MoE models."
+            "chose for it (recorded during generation; the HF backend). None: on for MoE models on the "
+            "dtensor backend, off on megatron (which does not replay: true is refused there)."
         },
     )
 
@@ -168,6 +169,14 @@ class MegatronConfig:
     distributed_optimizer: bool = field(
         default=False,
         metadata={"help": "Shard optimizer state (and fp32 master weights) over data-parallel ranks."},
+    )
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = field(
+        default="allgather",
+        metadata={
+            "help": "How an MoE layer sends tokens to the expert-parallel ranks owning their experts: "
+            "allgather (every rank sees its EP group's tokens; runs on gloo/CPU) or alltoall (only the "
+            "routed tokens; GPUs/NCCL)."
+        },
     )
 
 
@@ -267,8 +276,8 @@ class PolicyConfig:
     expert_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "Ranks splitting the experts of each MoE layer (all-to-all token dispatch); they remain "
-            "data-parallel ranks. Divides the workers and num_experts; dtensor backend, no TP or LoRA."
+            "help": "Ranks splitting the experts of each MoE layer; they remain data-parallel ranks. Divides "
+            "the data-parallel workers and num_experts; no TP, CP or LoRA."
         },
     )
     backend: Literal["dtensor", "megatron"] = field(
@@ -400,13 +409,13 @@ def validate_context_parallel(cfg: PolicyConfig) -> None:
 
 
 def validate_expert_parallel(cfg: PolicyConfig) -> None:
-    """What policy.expert_parallel_size (dtensor backend) combines with: data parallelism only (not tensor or
-    context parallelism, not LoRA)."""
+    """What policy.expert_parallel_size combines with: data parallelism (and pipeline parallelism on the
+    megatron backend); not tensor or context parallelism, not LoRA."""
     ep = cfg.expert_parallel_size
     conflict = None
-    if cfg.backend == "megatron":
+    if cfg.backend == "megatron" and cfg.megatron.tensor_model_parallel_size > 1:
         conflict = (
-            "policy.backend=megatron (its expert parallelism is not wired yet: use policy.backend=dtensor"
+            f"policy.megatron.tensor_model_parallel_size={cfg.megatron.tensor_model_parallel_size} (set it to 1"
         )
     elif cfg.tensor_parallel_size > 1:
         conflict = f"policy.tensor_parallel_size={cfg.tensor_parallel_size} (set it to 1"
@@ -432,12 +441,13 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
     divides the `num_workers` workers (described by `workers`, e.g. "cluster.num_nodes x
     cluster.workers_per_node"). The one place this is checked: at config load, and by `Policy` for a cluster
     built in Python."""
-    if num_workers % cfg.expert_parallel_size:
+    model_parallel = model_parallel_size(cfg)
+    if num_workers % (cfg.expert_parallel_size * model_parallel):
+        pipeline = f" x {model_parallel} pipeline stages" if model_parallel > 1 else ""
         raise ConfigError(
             "policy.expert_parallel_size",
-            f"{cfg.expert_parallel_size} does not divide the {num_workers} workers ({workers})",
+            f"{cfg.expert_parallel_size}{pipeline} does not divide the {num_workers} workers ({workers})",
         )
-    model_parallel = model_parallel_size(cfg)
     if num_workers % model_parallel == 0:
         return
     if cfg.backend == "megatron":
