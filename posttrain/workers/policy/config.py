@@ -409,13 +409,16 @@ def validate_context_parallel(cfg: PolicyConfig) -> None:
 
 
 def validate_expert_parallel(cfg: PolicyConfig) -> None:
-    """What policy.expert_parallel_size combines with: data parallelism (and pipeline parallelism on the
-    megatron backend); not tensor or context parallelism, not LoRA."""
+    """What policy.expert_parallel_size combines with: data parallelism only (not tensor, pipeline or
+    context parallelism, not LoRA)."""
     ep = cfg.expert_parallel_size
+    mcfg = cfg.megatron
     conflict = None
-    if cfg.backend == "megatron" and cfg.megatron.tensor_model_parallel_size > 1:
+    if cfg.backend == "megatron" and mcfg.tensor_model_parallel_size > 1:
+        conflict = f"policy.megatron.tensor_model_parallel_size={mcfg.tensor_model_parallel_size} (set it to 1"
+    elif cfg.backend == "megatron" and mcfg.pipeline_model_parallel_size > 1:
         conflict = (
-            f"policy.megatron.tensor_model_parallel_size={cfg.megatron.tensor_model_parallel_size} (set it to 1"
+            f"policy.megatron.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size} (set it to 1"
         )
     elif cfg.tensor_parallel_size > 1:
         conflict = f"policy.tensor_parallel_size={cfg.tensor_parallel_size} (set it to 1"
@@ -441,13 +444,12 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
     divides the `num_workers` workers (described by `workers`, e.g. "cluster.num_nodes x
     cluster.workers_per_node"). The one place this is checked: at config load, and by `Policy` for a cluster
     built in Python."""
-    model_parallel = model_parallel_size(cfg)
-    if num_workers % (cfg.expert_parallel_size * model_parallel):
-        pipeline = f" x {model_parallel} pipeline stages" if model_parallel > 1 else ""
+    if num_workers % cfg.expert_parallel_size:
         raise ConfigError(
             "policy.expert_parallel_size",
-            f"{cfg.expert_parallel_size}{pipeline} does not divide the {num_workers} workers ({workers})",
+            f"{cfg.expert_parallel_size} does not divide the {num_workers} workers ({workers})",
         )
+    model_parallel = model_parallel_size(cfg)
     if num_workers % model_parallel == 0:
         return
     if cfg.backend == "megatron":

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
-from posttrain.workers.policy import megatron_convert, megatron_moe_convert
+from posttrain.workers.policy import megatron_convert, megatron_moe_convert, megatron_moe_step
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
 from posttrain.workers.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.workers.policy.microbatches import MicroBatch, length_mask, row_lengths
@@ -151,7 +151,7 @@ class MegatronPolicyWorker(PolicyWorker):
         }
         self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
         moe = self.layout.moe
-        megatron_moe_convert.check_expert_parallel_size(moe, self.ep_size)
+        megatron_moe_convert.check_moe_parallelism(moe, self.ep_size, self.pp_size)
         if moe is not None and self.cfg.lora.enabled:
             raise ValueError(
                 "policy.lora.enabled=true with a mixture-of-experts model: policy.backend=megatron puts "
@@ -276,8 +276,8 @@ class MegatronPolicyWorker(PolicyWorker):
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch_size, seq_len)
         moe_inputs = {}
         if self.layout.moe is not None:  # the routers' losses skip positions past each row's length
-            real = pad_to(length_mask(row_lengths(microbatch.data), seq_len), batch_size, seq_len)
-            moe_inputs["padding_mask"] = (real == 0).to(self.device)  # [b, T] True: padding
+            mask = megatron_moe_step.padding_mask(microbatch, batch_size, seq_len)  # [b, T]
+            moe_inputs["padding_mask"] = mask.to(self.device)
         output = model(
             input_ids.to(self.device),
             position_ids.to(self.device),
@@ -370,8 +370,14 @@ class MegatronPolicyWorker(PolicyWorker):
         def microbatch_loss(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
             outputs = self._outputs(microbatch, logits)  # [b, T_mb] logprobs or [b] scores
             loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
+            reported = float(loss.detach())
+            if self.layout.moe is not None:
+                tokens = row_lengths(microbatch.data).sum()
+                reported += megatron_moe_step.take_router_losses(
+                    self.layout.moe, self.cfg.moe, float(tokens / global_tokens.cpu()), metrics
+                )
             if not microbatch.is_padding:
-                losses.append(float(loss.detach()))
+                losses.append(reported)
                 parts.append({k: float(v) for k, v in metrics.items()})
             loss = loss * (0.0 if microbatch.is_padding else 1.0)
             if self.layout.moe is None:
@@ -380,8 +386,7 @@ class MegatronPolicyWorker(PolicyWorker):
             # Megatron adds each micro-batch's router losses times its token count, then divides every
             # gradient by the summed counts: multiplied by that sum, the loss keeps its own normalisation
             # and the router losses enter weighted by the micro-batch's share of the global batch's tokens
-            tokens = row_lengths(microbatch.data).sum().to(device=self.device, dtype=torch.int)
-            return loss * global_tokens, tokens, {}
+            return loss * global_tokens, tokens.to(device=self.device, dtype=torch.int), {}
 
         if not eval_mode:
             self.model.zero_grad_buffer()
