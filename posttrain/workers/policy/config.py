@@ -415,7 +415,9 @@ def validate_expert_parallel(cfg: PolicyConfig) -> None:
     mcfg = cfg.megatron
     conflict = None
     if cfg.backend == "megatron" and mcfg.tensor_model_parallel_size > 1:
-        conflict = f"policy.megatron.tensor_model_parallel_size={mcfg.tensor_model_parallel_size} (set it to 1"
+        conflict = (
+            f"policy.megatron.tensor_model_parallel_size={mcfg.tensor_model_parallel_size} (set it to 1"
+        )
     elif cfg.backend == "megatron" and mcfg.pipeline_model_parallel_size > 1:
         conflict = (
             f"policy.megatron.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size} (set it to 1"

@@ -68,7 +68,9 @@ def check_expert_split(cfg: PolicyConfig) -> None:
     hf_config = AutoConfig.from_pretrained(cfg.model_name)
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if not num_experts:
-        raise ConfigError("policy.expert_parallel_size", f"{ep}: {cfg.model_name} is a dense model (no experts)")
+        raise ConfigError(
+            "policy.expert_parallel_size", f"{ep}: {cfg.model_name} is a dense model (no experts)"
+        )
     if num_experts % ep:
         raise ConfigError(
             "policy.expert_parallel_size", f"{ep} must divide the model's num_experts={num_experts}"

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 MOE_MODEL_TYPES = ("qwen3_moe", "mixtral")
-EXPERT_NAME = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+EXPERT_NAME = re.compile(
+    r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"
+)
 HF_EXPERTS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}  # Megatron linear -> HF fused tensor
 
 

@@ -31,9 +31,7 @@ def padding_mask(microbatch: MicroBatch, batch_size: int, seq_len: int) -> torch
     return length_mask(lengths, seq_len) == 0
 
 
-def take_router_losses(
-    moe: MoeLayout, cfg: MoeConfig, share: float, metrics: dict[str, float]
-) -> float:
+def take_router_losses(moe: MoeLayout, cfg: MoeConfig, share: float, metrics: dict[str, float]) -> float:
     """The weighted router losses of the micro-batch just run forward (its share of the global batch's
     tokens times each loss's coefficient and value), writing their `share`-weighted values into
     `metrics`; clears Megatron's tracker for the next micro-batch."""
