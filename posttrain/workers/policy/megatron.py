@@ -371,8 +371,8 @@ class MegatronPolicyWorker(PolicyWorker):
             outputs = self._outputs(microbatch, logits)  # [b, T_mb] logprobs or [b] scores
             loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
             reported = float(loss.detach())
-            if self.layout.moe is not None:
-                tokens = row_lengths(microbatch.data).sum()
+            tokens = row_lengths(microbatch.data).sum()
+            if self.layout.moe is not None and not eval_mode:  # Megatron's routers add losses in training
                 reported += megatron_moe_step.take_router_losses(
                     self.layout.moe, self.cfg.moe, float(tokens / global_tokens.cpu()), metrics
                 )
@@ -445,8 +445,9 @@ class MegatronPolicyWorker(PolicyWorker):
         (collective over the EP group)."""
         tensors = [local]
         if self.ep_size > 1:
-            tensors = [torch.empty_like(local) for _ in range(self.ep_size)]
-            dist.all_gather(tensors, local.to(self.device).contiguous(), group=self.ep_group)
+            on_device = local.to(self.device).contiguous()
+            tensors = [torch.empty_like(on_device) for _ in range(self.ep_size)]
+            dist.all_gather(tensors, on_device, group=self.ep_group)
         num_local = self.layout.moe.num_experts // self.ep_size
         return {
             megatron_moe_convert.with_global_expert(name, rank * num_local): tensor.cpu()
