@@ -132,7 +132,8 @@ class MoeConfig:
         default=None,
         metadata={
             "help": "Training and logprob forwards route each generated token to the experts the generator "
-            "chose for it (recorded during generation; the HF backend). None: on for MoE models."
+            "chose for it (recorded during generation; the HF backend). None: on for MoE models on the "
+            "dtensor backend, off on megatron (which does not replay: true is refused there)."
         },
     )
 
@@ -168,6 +169,14 @@ class MegatronConfig:
     distributed_optimizer: bool = field(
         default=False,
         metadata={"help": "Shard optimizer state (and fp32 master weights) over data-parallel ranks."},
+    )
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = field(
+        default="allgather",
+        metadata={
+            "help": "How an MoE layer sends tokens to the expert-parallel ranks owning their experts: "
+            "allgather (every rank sees its EP group's tokens; runs on gloo/CPU) or alltoall (only the "
+            "routed tokens; GPUs/NCCL)."
+        },
     )
 
 
@@ -267,8 +276,8 @@ class PolicyConfig:
     expert_parallel_size: int = field(
         default=1,
         metadata={
-            "help": "Ranks splitting the experts of each MoE layer (all-to-all token dispatch); they remain "
-            "data-parallel ranks. Divides the workers and num_experts; dtensor backend, no TP or LoRA."
+            "help": "Ranks splitting the experts of each MoE layer; they remain data-parallel ranks. Divides "
+            "the data-parallel workers and num_experts; no TP, CP or LoRA."
         },
     )
     backend: Literal["dtensor", "megatron"] = field(
@@ -400,13 +409,18 @@ def validate_context_parallel(cfg: PolicyConfig) -> None:
 
 
 def validate_expert_parallel(cfg: PolicyConfig) -> None:
-    """What policy.expert_parallel_size (dtensor backend) combines with: data parallelism only (not tensor or
+    """What policy.expert_parallel_size combines with: data parallelism only (not tensor, pipeline or
     context parallelism, not LoRA)."""
     ep = cfg.expert_parallel_size
+    mcfg = cfg.megatron
     conflict = None
-    if cfg.backend == "megatron":
+    if cfg.backend == "megatron" and mcfg.tensor_model_parallel_size > 1:
         conflict = (
-            "policy.backend=megatron (its expert parallelism is not wired yet: use policy.backend=dtensor"
+            f"policy.megatron.tensor_model_parallel_size={mcfg.tensor_model_parallel_size} (set it to 1"
+        )
+    elif cfg.backend == "megatron" and mcfg.pipeline_model_parallel_size > 1:
+        conflict = (
+            f"policy.megatron.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size} (set it to 1"
         )
     elif cfg.tensor_parallel_size > 1:
         conflict = f"policy.tensor_parallel_size={cfg.tensor_parallel_size} (set it to 1"

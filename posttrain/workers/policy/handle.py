@@ -7,11 +7,13 @@ It shards batches across data-parallel ranks, calls the workers and puts their r
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import ray
 
+from posttrain.config import ConfigError
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
@@ -55,6 +57,26 @@ def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) 
     return DTensorPolicyWorker, NamedSharding(ranks.reshape(shape), ["dp", "cp", "tp"])
 
 
+def check_expert_split(cfg: PolicyConfig) -> None:
+    """ConfigError naming policy.expert_parallel_size, before any worker starts, when it does not divide the
+    experts of a local model (read from its config.json; the workers check hub models once loaded)."""
+    ep = cfg.expert_parallel_size
+    if ep == 1 or not (Path(cfg.model_name) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(cfg.model_name)
+    num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
+    if not num_experts:
+        raise ConfigError(
+            "policy.expert_parallel_size", f"{ep}: {cfg.model_name} is a dense model (no experts)"
+        )
+    if num_experts % ep:
+        raise ConfigError(
+            "policy.expert_parallel_size", f"{ep} must divide the model's num_experts={num_experts}"
+        )
+
+
 class Policy:
     """The trainable model over `cluster`: dp x cp x tp workers, FSDP2 over dp x cp, context parallelism
     over cp and tensor parallelism over tp; or (backend megatron) pp x dp x tp workers, tp fastest-varying
@@ -74,6 +96,7 @@ class Policy:
         if cfg.model_name is None:
             raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
         check_parallel_sizes(cfg, cluster.world_size, "the cluster's bundles")
+        check_expert_split(cfg)
         self.dp_size = cluster.world_size // model_parallel_size(cfg)
         worker_cls, self.sharding = worker_class_and_sharding(cfg, cluster.world_size, self.dp_size)
         self.worker_group = RayWorkerGroup(

@@ -1,6 +1,7 @@
 """The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a
 tp x pp x dp layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a
-Hugging Face Llama/Qwen2 model, Megatron's DDP and optimizer (optionally distributed). A sibling of
+Hugging Face Llama/Qwen2/Qwen3-MoE/Mixtral model (an MoE model's experts split over `ep` of the dp ranks),
+Megatron's DDP and optimizer (optionally distributed). A sibling of
 `DTensorPolicyWorker` on the same base (`base.PolicyWorker`): micro-batched train steps with the project's
 losses and global
 normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
-from posttrain.workers.policy import megatron_convert
+from posttrain.workers.policy import megatron_convert, megatron_moe_convert, megatron_moe_step
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
 from posttrain.workers.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.workers.policy.microbatches import MicroBatch, length_mask, row_lengths
@@ -112,6 +113,7 @@ class MegatronPolicyWorker(PolicyWorker):
             parallel_state.initialize_model_parallel(
                 tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
                 pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
+                expert_model_parallel_size=self.cfg.expert_parallel_size,
             )
         if self.device.type == "cuda":
             model_parallel_cuda_manual_seed(self.cfg.seed)
@@ -126,6 +128,9 @@ class MegatronPolicyWorker(PolicyWorker):
         self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
         self.is_first_stage = parallel_state.is_pipeline_first_stage()
         self.is_last_stage = parallel_state.is_pipeline_last_stage()
+        self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.ep_size = self.cfg.expert_parallel_size
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
 
     def _build_model_and_optimizer(self) -> None:
         with self._backend():
@@ -142,16 +147,40 @@ class MegatronPolicyWorker(PolicyWorker):
             "tensor_model_parallel_size": mcfg.tensor_model_parallel_size,
             "pipeline_model_parallel_size": mcfg.pipeline_model_parallel_size,
             "sequence_parallel": mcfg.sequence_parallel,
+            "expert_model_parallel_size": self.ep_size,
         }
         self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
-        self.transformer_config = megatron_convert.transformer_config(self.hf_config, parallel, bf16)
+        moe = self.layout.moe
+        megatron_moe_convert.check_moe_parallelism(moe, self.ep_size, self.pp_size)
+        if moe is not None and self.cfg.lora.enabled:
+            raise ValueError(
+                "policy.lora.enabled=true with a mixture-of-experts model: policy.backend=megatron puts "
+                "adapters on dense models only (use policy.backend=dtensor)"
+            )
+        moe_training = megatron_moe_convert.moe_training_fields(
+            moe,
+            self.layout.num_layers,
+            self.cfg.moe.load_balancing_coef,
+            self.cfg.moe.z_loss_coef,
+            self._token_dispatcher(),
+        )
+        self.transformer_config = megatron_convert.transformer_config(
+            self.hf_config, parallel, bf16, moe_training
+        )
         model = megatron_convert.build_gpt_model(
             self.hf_config, self.transformer_config, self.is_first_stage, self.is_last_stage
         )
         self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
         names = [name for name, _ in model.named_parameters()]
+        self.expert_offset = megatron_moe_convert.local_expert_offset(moe, self.ep_rank, self.ep_size)
         local = megatron_convert.hf_to_megatron(
-            hf_model.state_dict(), names, self.layer_offset, self.layout, self.tp_rank, self.tp_size
+            hf_model.state_dict(),
+            names,
+            self.layer_offset,
+            self.layout,
+            self.tp_rank,
+            self.tp_size,
+            self.expert_offset,
         )
         del hf_model
         with torch.no_grad():
@@ -173,36 +202,59 @@ class MegatronPolicyWorker(PolicyWorker):
             megatron_optimizer_config(self.cfg, bf16), [self.model], config_overrides={}
         )
         self.scheduler = build_scheduler(self._torch_optimizer(), self.cfg)
+        self._sync_lr()
+
+    def _token_dispatcher(self) -> str:
+        """policy.megatron.moe_token_dispatcher; alltoall needs NCCL (gloo cannot exchange its uneven
+        splits)."""
+        dispatcher = self.cfg.megatron.moe_token_dispatcher
+        if dispatcher == "alltoall" and self.device.type != "cuda":
+            raise ValueError(
+                "policy.megatron.moe_token_dispatcher=alltoall needs GPUs (NCCL); use allgather on a CPU"
+            )
+        return dispatcher
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """This stage's GPTModel, loaded, before Megatron's DDP wraps it (the LoRA worker adds adapters)."""
         return model
 
-    @staticmethod
-    def _finalize_grads(model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
-        """Megatron's grad all-reduce (dp, tied embeddings, sequence-parallel norms) without its rescaling
-        by token counts: the losses are already normalised by the global batch's counts."""
+    def _finalize_grads(self, model: list[torch.nn.Module], num_tokens: Any = None, **kwargs: Any) -> None:
+        """Megatron's grad all-reduce (dp, expert dp, tied embeddings, sequence-parallel norms). A dense
+        model's losses are already normalised by the global batch's counts: no rescaling. An MoE model's
+        micro-batch losses come multiplied by the global token count and Megatron divides every gradient by
+        it (`num_tokens`), the scale at which it adds its router losses (see `_run_global_batch`)."""
         from megatron.core.distributed import finalize_model_grads
 
-        finalize_model_grads(model, num_tokens=None, **kwargs)
+        finalize_model_grads(model, num_tokens=num_tokens if self.layout.moe else None, **kwargs)
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers inside Megatron's wrapper: one, or for an MoE model two (dense and expert
+        parameters, whose gradients Megatron reduces over different groups)."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [optimizer.optimizer for optimizer in chained]
 
     def _torch_optimizer(self) -> torch.optim.Optimizer:
-        """The torch optimizer inside Megatron's wrapper (the LR schedulers drive its param groups)."""
-        optimizer = self.optimizer
-        chained = getattr(optimizer, "chained_optimizers", None)
-        if chained is not None:
-            if len(chained) != 1:
-                raise RuntimeError(f"expected one Megatron optimizer, got {len(chained)}")
-            optimizer = chained[0]
-        return optimizer.optimizer
+        """The first torch optimizer: the LR schedulers drive its param groups (`_sync_lr` copies its LR to
+        the others, which share its base LR)."""
+        return self._torch_optimizers()[0]
+
+    def _sync_lr(self) -> None:
+        lr = self._torch_optimizer().param_groups[0]["lr"]
+        for optimizer in self._torch_optimizers()[1:]:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
     # -- micro-batches through Megatron's schedule -------------------------------------------------------
 
     def _microbatch_shape(self, batch_size: int, seq_len: int) -> tuple[int, int] | None:
-        """Pipeline stages exchange fixed-shape activations: every micro-batch is padded to [rows, T]
-        (T a multiple of tp with sequence parallelism). None: each micro-batch keeps its own shape."""
-        if self.pp_size == 1:
+        """Pipeline stages exchange fixed-shape activations, and the allgather token dispatcher gathers
+        equal token counts from the expert-parallel ranks: then every micro-batch is padded to [rows, T]
+        (with EP, T is the widest of the dp ranks' batches; a multiple of tp with sequence parallelism).
+        None: each micro-batch keeps its own shape."""
+        if self.pp_size == 1 and self.ep_size == 1:
             return None
+        if self.ep_size > 1:  # collective over the dp ranks
+            seq_len = int(self._all_reduce_dp(torch.tensor(seq_len), "max"))
         return batch_size, -(-seq_len // self.tp_size) * self.tp_size
 
     def _forward_step(
@@ -222,8 +274,15 @@ class MegatronPolicyWorker(PolicyWorker):
             )
         batch_size, seq_len = input_ids.shape
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch_size, seq_len)
+        moe_inputs = {}
+        if self.layout.moe is not None:  # the routers' losses skip positions past each row's length
+            mask = megatron_moe_step.padding_mask(microbatch, batch_size, seq_len)  # [b, T]
+            moe_inputs["padding_mask"] = mask.to(self.device)
         output = model(
-            input_ids.to(self.device), position_ids.to(self.device), causal_mask(seq_len, self.device)
+            input_ids.to(self.device),
+            position_ids.to(self.device),
+            causal_mask(seq_len, self.device),
+            **moe_inputs,
         )  # last stage: logits [b, T, V_padded]; other stages: hidden states for the next
         return output, partial(loss_func, microbatch)
 
@@ -303,16 +362,31 @@ class MegatronPolicyWorker(PolicyWorker):
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
         microbatches = self.make_microbatches(batch, micro_batch_size)
+        if self.layout.moe is not None:  # the routers' tokens: every micro-batch's rows, up to their lengths
+            local_tokens = sum(row_lengths(m.data).sum() for m in microbatches)
+            global_tokens = self._all_reduce_dp(local_tokens, "sum").to(self.device)
         losses, parts = [], []
 
         def microbatch_loss(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
             outputs = self._outputs(microbatch, logits)  # [b, T_mb] logprobs or [b] scores
             loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
+            reported = float(loss.detach())
+            tokens = row_lengths(microbatch.data).sum()
+            if self.layout.moe is not None and not eval_mode:  # Megatron's routers add losses in training
+                reported += megatron_moe_step.take_router_losses(
+                    self.layout.moe, self.cfg.moe, float(tokens / global_tokens.cpu()), metrics
+                )
             if not microbatch.is_padding:
-                losses.append(float(loss.detach()))
+                losses.append(reported)
                 parts.append({k: float(v) for k, v in metrics.items()})
-            # summed as it is (calculate_per_token_loss): the loss already carries the global normalisation
-            return loss * (0.0 if microbatch.is_padding else 1.0), torch.tensor(1, dtype=torch.int), {}
+            loss = loss * (0.0 if microbatch.is_padding else 1.0)
+            if self.layout.moe is None:
+                # summed as it is (calculate_per_token_loss): it already carries the global normalisation
+                return loss, torch.tensor(1, dtype=torch.int), {}
+            # Megatron adds each micro-batch's router losses times its token count, then divides every
+            # gradient by the summed counts: multiplied by that sum, the loss keeps its own normalisation
+            # and the router losses enter weighted by the micro-batch's share of the global batch's tokens
+            return loss * global_tokens, tokens.to(device=self.device, dtype=torch.int), {}
 
         if not eval_mode:
             self.model.zero_grad_buffer()
@@ -340,6 +414,7 @@ class MegatronPolicyWorker(PolicyWorker):
         _, grad_norm, _ = self.optimizer.step()  # clips at policy.max_grad_norm; norm over all ranks
         self.versions.bump()
         self.scheduler.step()
+        self._sync_lr()
         return float(grad_norm or 0.0), lr
 
     # -- full weights: refit, export -----------------------------------------------------------------------
@@ -352,7 +427,11 @@ class MegatronPolicyWorker(PolicyWorker):
             if self.tp_size > 1:
                 shards = [torch.empty_like(param) for _ in range(self.tp_size)]
                 dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
-            stage[name] = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards], self.layout)
+            full = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards], self.layout)
+            if megatron_moe_convert.is_expert_name(name):
+                stage.update(self._all_experts(name, full))
+            else:
+                stage[name] = full
         hf = megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout)
         if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # the stages of rank 0's pipeline
             gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
@@ -360,6 +439,20 @@ class MegatronPolicyWorker(PolicyWorker):
             if self.rank == 0:
                 hf = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
         return hf if self.rank == 0 else {}
+
+    def _all_experts(self, name: str, local: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The local expert parameter `name` of every expert-parallel rank, under global expert names
+        (collective over the EP group)."""
+        tensors = [local]
+        if self.ep_size > 1:
+            on_device = local.to(self.device).contiguous()
+            tensors = [torch.empty_like(on_device) for _ in range(self.ep_size)]
+            dist.all_gather(tensors, on_device, group=self.ep_group)
+        num_local = self.layout.moe.num_experts // self.ep_size
+        return {
+            megatron_moe_convert.with_global_expert(name, rank * num_local): tensor.cpu()
+            for rank, tensor in enumerate(tensors)
+        }
 
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """The model's parameters that are HF weights (all of them; not LoRA adapters)."""
@@ -460,6 +553,7 @@ class MegatronPolicyWorker(PolicyWorker):
                 with torch.no_grad():
                     self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(json.loads((path / SCHEDULER_FILE).read_text()))
+        self._sync_lr()
         native_checkpoint.load_rng_state_if_saved(path, self.rank)
         self.versions.bump()
 
@@ -481,6 +575,11 @@ class MegatronPolicyWorker(PolicyWorker):
     def describe(self) -> dict[str, Any]:
         info = super().describe()
         info.update(
-            backend_name="megatron", tp=self.tp_size, pp=self.pp_size, dp=self.dp_size, pid=os.getpid()
+            backend_name="megatron",
+            tp=self.tp_size,
+            pp=self.pp_size,
+            dp=self.dp_size,
+            ep=self.ep_size,
+            pid=os.getpid(),
         )
         return info

@@ -1,11 +1,13 @@
-"""Hugging Face Llama / Qwen2 <-> Megatron Core `GPTModel` (local layer spec): the model's config, and the
-weight mapping in both directions, sharded over tensor-parallel ranks and pipeline stages.
+"""Hugging Face Llama / Qwen2 / Qwen3-MoE / Mixtral <-> Megatron Core `GPTModel` (local layer spec): the
+model's config, and the weight mapping in both directions, sharded over tensor-parallel ranks, pipeline stages
+and (experts of MoE layers, see megatron_moe_convert) expert-parallel ranks.
 
 Megatron layout of one layer (TP shards along the first dim unless noted):
   linear_qkv   [groups x (q heads of the group, k, v) x head_dim, H]  (q/k/v interleaved per kv group)
   linear_proj  [H, heads x head_dim]                                   (TP shards along dim 1)
   linear_fc1   [gate; up] of this rank's slice of the FFN                (SwiGLU)
   linear_fc2   [H, FFN]                                                  (TP shards along dim 1)
+  q_layernorm, k_layernorm [head_dim]  (Qwen3-MoE's q_norm / k_norm; replicated)
 The vocabulary is padded to a multiple of the TP size (rows of zeros); logits past it are cut off. A reward
 model (a HF `*ForSequenceClassification`) has `ScoreHead` ([1, H], replicated over TP) as its output layer.
 """
@@ -18,7 +20,17 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+from posttrain.workers.policy.megatron_moe_convert import (
+    MoeLayout,
+    allow_missing_transformer_engine,
+    expert_from_hf,
+    experts_to_hf,
+    is_expert_name,
+    moe_config_fields,
+    moe_layout,
+)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3_moe", "mixtral")
 
 
 @dataclass
@@ -36,6 +48,8 @@ class GPTLayout:
     tied_embeddings: bool
     qkv_bias: bool
     reward_model: bool = False  # output layer = the [1, H] score head, not the vocabulary projection
+    qk_norm: bool = False  # RMSNorm of each query and key head (Qwen3)
+    moe: MoeLayout | None = None  # the MoE layers' facts (None: a dense model)
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -51,14 +65,19 @@ def rope_theta(hf_config: Any) -> float:
 
 
 def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
-    """Layout of a HF Llama/Qwen2 config at `tp_size`; ValueError for what the mapping does not cover."""
+    """Layout of a HF Llama/Qwen2/Qwen3-MoE/Mixtral config at `tp_size`; ValueError for what the mapping
+    does not cover."""
     model_type = hf_config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(
             f"policy.backend=megatron maps {SUPPORTED_MODEL_TYPES} models; this one is {model_type!r}"
         )
-    if getattr(hf_config, "mlp_bias", False) or (model_type == "llama" and hf_config.attention_bias):
-        raise ValueError("policy.backend=megatron: Llama models with attention_bias/mlp_bias are not mapped")
+    if getattr(hf_config, "mlp_bias", False) or (
+        model_type != "qwen2" and getattr(hf_config, "attention_bias", False)
+    ):
+        raise ValueError(
+            f"policy.backend=megatron: {model_type} models with attention_bias/mlp_bias are not mapped"
+        )
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"policy.backend=megatron: hidden_act {hf_config.hidden_act!r} is not mapped (silu)")
     num_heads = hf_config.num_attention_heads
@@ -68,6 +87,12 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
             f"policy.megatron.tensor_model_parallel_size={tp_size} must divide "
             f"num_attention_heads={num_heads} "
             f"and num_key_value_heads={num_kv_heads}"
+        )
+    moe = moe_layout(hf_config)
+    if moe is not None and tp_size > 1:
+        raise ValueError(
+            f"policy.megatron.tensor_model_parallel_size={tp_size} with a mixture-of-experts model: "
+            "policy.backend=megatron runs MoE models at tensor_model_parallel_size=1"
         )
     if hf_config.intermediate_size % tp_size:
         raise ValueError(
@@ -90,6 +115,8 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         reward_model=(getattr(hf_config, "architectures", None) or [""])[0].endswith(
             "ForSequenceClassification"
         ),
+        qk_norm=model_type == "qwen3_moe",
+        moe=moe,
     )
 
 
@@ -111,13 +138,19 @@ HF_LAYER_PARTS = {
         "self_attn.v_proj.bias",
     ],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+    "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
+    "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
     "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+    "mlp.router.weight": ["mlp.gate.weight"],
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
 }
 TP_DIM = {  # the dim a Megatron tensor is split along over TP ranks (None: replicated)
     "input_layernorm.weight": None,
     "pre_mlp_layernorm.weight": None,
+    "self_attention.q_layernorm.weight": None,
+    "self_attention.k_layernorm.weight": None,
+    "mlp.router.weight": None,
     "self_attention.linear_qkv.weight": 0,
     "self_attention.linear_qkv.bias": 0,
     "self_attention.linear_proj.weight": 1,
@@ -131,8 +164,8 @@ TP_DIM = {  # the dim a Megatron tensor is split along over TP ranks (None: repl
 
 def tp_dim(name: str, layout: GPTLayout) -> int | None:
     """The dim along which the Megatron parameter `name` is sharded over TP ranks (None: replicated)."""
-    if name == "output_layer.weight" and layout.reward_model:
-        return None
+    if (name == "output_layer.weight" and layout.reward_model) or is_expert_name(name):
+        return None  # experts are whole on every rank: MoE models run at TP 1
     match = LAYER_NAME.match(name)
     return TP_DIM[match.group(2) if match else name]
 
@@ -177,11 +210,16 @@ def hf_to_megatron(
     layout: GPTLayout,
     tp_rank: int,
     tp_size: int,
+    expert_offset: int = 0,
 ) -> dict[str, torch.Tensor]:
     """This rank's tensors for each Megatron parameter name of its stage (local layer i = global layer
-    layer_offset + i), from full HF weights (`model.*`, `lm_head.weight`)."""
+    layer_offset + i; local expert j = HF expert expert_offset + j), from full HF weights (`model.*`,
+    `lm_head.weight`)."""
     local: dict[str, torch.Tensor] = {}
     for name in megatron_names:
+        if is_expert_name(name):
+            local[name] = expert_from_hf(hf_weights, name, layer_offset, expert_offset)
+            continue
         full = full_megatron_tensor(hf_weights, name, layer_offset, layout)
         dim = tp_dim(name, layout)
         if name.endswith("mlp.linear_fc1.weight"):  # each rank holds [its gate slice; its up slice]
@@ -234,9 +272,13 @@ def merge_tp_shards(name: str, shards: list[torch.Tensor], layout: GPTLayout) ->
 def megatron_to_hf(
     full_weights: dict[str, torch.Tensor], layer_offset: int, layout: GPTLayout
 ) -> dict[str, torch.Tensor]:
-    """HF tensors (`model.*`, `lm_head.weight`) of one stage's unsharded Megatron tensors."""
-    hf: dict[str, torch.Tensor] = {}
+    """HF tensors (`model.*`, `lm_head.weight`) of one stage's unsharded Megatron tensors (every expert of
+    an MoE layer, under its global index)."""
+    experts = {name: tensor for name, tensor in full_weights.items() if is_expert_name(name)}
+    hf: dict[str, torch.Tensor] = experts_to_hf(experts, layer_offset)
     for name, tensor in full_weights.items():
+        if name in experts:
+            continue
         if name == "embedding.word_embeddings.weight":
             hf["model.embed_tokens.weight"] = tensor[: layout.vocab_size]
             if layout.tied_embeddings and not layout.reward_model:  # tied HF state dicts list both names
@@ -267,9 +309,13 @@ def megatron_to_hf(
 # ----------------------------------------------------------------------------------------------------
 
 
-def transformer_config(hf_config: Any, parallel: dict[str, Any], bf16: bool) -> Any:
-    """Megatron's TransformerConfig of a HF Llama/Qwen2 config. `parallel`: tensor_model_parallel_size,
-    pipeline_model_parallel_size, sequence_parallel. Fusions that need CUDA kernels are off."""
+def transformer_config(
+    hf_config: Any, parallel: dict[str, Any], bf16: bool, moe_training: dict[str, Any] | None = None
+) -> Any:
+    """Megatron's TransformerConfig of a HF config. `parallel`: tensor_model_parallel_size,
+    pipeline_model_parallel_size, sequence_parallel (and expert_model_parallel_size); `moe_training`: an MoE
+    model's router losses and token dispatcher (megatron_moe_convert.moe_training_fields). Fusions that need
+    CUDA kernels are off."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     layout = gpt_layout(hf_config, parallel["tensor_model_parallel_size"])
@@ -287,6 +333,7 @@ def transformer_config(hf_config: Any, parallel: dict[str, Any], bf16: bool) -> 
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=layout.qkv_bias,
+        qk_layernorm=layout.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         bias_activation_fusion=False,
@@ -301,7 +348,7 @@ def transformer_config(hf_config: Any, parallel: dict[str, Any], bf16: bool) -> 
         bf16=bf16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        **parallel,
+        **(moe_config_fields(layout.moe) | (moe_training or {}) | parallel),
     )
 
 
@@ -338,16 +385,22 @@ class ScoreHead(torch.nn.Module):
 
 
 def block_spec(config: Any) -> Any:
-    """Megatron's local layer spec with SequenceParallelRMSNorm for every norm, for this stage's layers."""
+    """Megatron's local layer spec (MoE layers with per-expert MLPs when the config has experts) with
+    SequenceParallelRMSNorm for every norm, for this stage's layers."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
 
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts, qk_layernorm=config.qk_layernorm, normalization="RMSNorm"
+    )
     layer_spec.submodules.input_layernorm = SequenceParallelRMSNorm
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+    if config.qk_layernorm:
+        layer_spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
+        layer_spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
     num_layers = get_num_layers_to_build(config)
     return TransformerBlockSubmodules(
         layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm
@@ -359,6 +412,8 @@ def build_gpt_model(hf_config: Any, config: Any, pre_process: bool, post_process
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     layout = gpt_layout(hf_config, config.tensor_model_parallel_size)
+    if layout.moe is not None:
+        allow_missing_transformer_engine()
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config),
