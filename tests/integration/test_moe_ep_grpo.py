@@ -53,7 +53,8 @@ COMPARED = ("train/loss", "train/reward_mean", "train/token_mult_prob_error", "t
 def test_grpo_with_experts_split_over_two_workers_equals_every_expert_on_each(ray_session, tmp_path):
     """Step 1 samples from the same initial weights; step 2 from the weights each run trained and refit
     into generation, so equal rewards there mean EP 2 trained the weights EP 1 did. Losses, rewards,
-    gradient norms and the generator/trainer mismatch of each step to 1e-5."""
+    gradient norms and the generator/trainer mismatch of each step to 1e-5 (measured: within 1e-7 at step
+    1; at step 2, where AdamW's first update has amplified rounding in the expert sums, within 5e-6)."""
     split = run_grpo(tmp_path / "ep2")
     whole = run_grpo(tmp_path / "ep1", **{"policy.expert_parallel_size": 1})
     for step in (1, 2):
