@@ -1,16 +1,19 @@
 """Context parallelism on real Ray workers over gloo: a batch whose sequences are split over 2 CP ranks
 (and packed rows on 2 data-parallel x 2 CP ranks) gives the logprobs, SFT and GRPO losses, gradient norms
-and weights of one worker; an SFT step from a config file runs through it."""
+and weights of one worker; SFT from configs/sft_long_cp_tiny.yaml (~1,500-token rows) gives one worker's
+losses."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
+from posttrain.algorithms import sft
 from posttrain.algorithms.loss import ClippedPGLoss, NLLLoss
-from posttrain.config import validate_config
+from posttrain.config import load_typed_config, validate_config
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -20,6 +23,7 @@ from posttrain.workers.policy.handle import Policy
 pytestmark = pytest.mark.slow  # multi-worker runs: make test, not make test-fast
 
 NUM_ROWS, SEQ_LEN = 8, 26
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
 def make_data() -> BatchedDataDict:
@@ -103,21 +107,9 @@ def runs(ray_session, model_dir):
     """Every layout's workers start together (their start-up overlaps), then each trains."""
     built = {}
     try:
-        import time
-
-        t = time.time()
         for name, (workers, overrides) in LAYOUTS.items():
             built[name] = Trained(model_dir, workers, **overrides)
-        print("TIME start", time.time() - t)
-        import time
-
-        t = time.time()
-        out = {}
-        for name, run in built.items():
-            out[name] = run.train(ray_session)
-            print("TIME", name, time.time() - t)
-            t = time.time()
-        yield out
+        yield {name: run.train(ray_session) for name, run in built.items()}
     finally:
         for run in built.values():
             run.shutdown()
@@ -143,22 +135,43 @@ def test_topk_logprobs_under_context_parallelism_is_a_clear_error(runs):
         runs["cp2"].policy.get_topk_logprobs(data, 2)
 
 
-def test_sft_from_config_through_context_parallelism_equals_one_worker(ray_session, tmp_path):
-    """`configs/sft_tiny.yaml` (shrunk as in test_sft) for two steps and a validation, with
-    policy.context_parallel_size=2 on 2 workers: the same train and validation losses as 1 worker."""
-    from test_sft import run_sft
-
-    settings = {
+def run_long_sft(log_dir, **extra) -> dict[int, float]:
+    """Two steps of configs/sft_long_cp_tiny.yaml (its ~1,500-token rows kept; 4 rows a step, one micro-batch
+    of 2 per data-parallel rank) and a validation on 8 rows at step 2; the train loss by step."""
+    values = {
+        "logger.log_dir": str(log_dir),
         "sft.max_num_steps": 2,
         "sft.val_period": 2,
-        "checkpointing.enabled": "false",
+        "sft.val_max_samples": 8,
+        "sft.val_global_batch_size": 8,
         "sft.export_final_model": "false",
+        "policy.train_global_batch_size": 4,
+        "policy.train_micro_batch_size": 2,
+        "data.num_train": 64,
+        "data.num_val": 8,
+        "checkpointing.enabled": "false",
+        "cluster.num_cpus_per_worker": 0.5,
+        **extra,
     }
-    one = run_sft(tmp_path / "one", **settings)
-    split = run_sft(
-        tmp_path / "cp2", **settings, **{"cluster.workers_per_node": 2, "policy.context_parallel_size": 2}
-    )
+    overrides = [f"{key}={value}" for key, value in values.items()]
+    run = sft.setup(load_typed_config(sft.SFTConfig, str(CONFIGS / "sft_long_cp_tiny.yaml"), overrides))
+    try:
+        sft.sft_train(run)
+    finally:
+        run.shutdown()
+    records = [json.loads(line) for line in open(log_dir / "metrics.jsonl")]
+    return {record["step"]: record["train/loss"] for record in records if "train/loss" in record}
+
+
+def test_sft_from_the_long_sequence_config_through_context_parallelism_equals_one_worker(
+    ray_session, tmp_path
+):
+    """configs/sft_long_cp_tiny.yaml as shipped (context_parallel_size 2 on 2 workers) and on 1 worker
+    without CP: the same train losses of both steps and the same validation loss, within 1e-5."""
+    split = run_long_sft(tmp_path / "cp2")
+    one = run_long_sft(tmp_path / "one", **{"cluster.workers_per_node": 1, "policy.context_parallel_size": 1})
     assert list(one) == [1, 2]
+    assert one[1] > 4.0  # an untrained model: about the log of the 105-token vocabulary
     assert [split[step] for step in one] == pytest.approx(list(one.values()), abs=1e-5)
     assert len(val_losses(tmp_path / "one")) == 1  # the validation at step 2
     assert val_losses(tmp_path / "cp2") == pytest.approx(val_losses(tmp_path / "one"), abs=1e-5)

@@ -8,48 +8,36 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config import ConfigError
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.models.tokenizer import build_byte_tokenizer
 from posttrain.workers.policy.config import check_parallel_sizes
 from posttrain.workers.policy.expert_parallel import check_expert_parallel
 from tests.integration.test_policy import Run, assert_same_training, policy_config
 
-
-def build_tiny_moe_dir(path, num_experts: int = 4, seed: int = 0):
-    """A seeded Qwen3-MoE (hidden 64, 2 layers, 4 experts, top-2) with the built-in byte tokenizer."""
-    tokenizer = build_byte_tokenizer()
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=num_experts,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # the router starts at zeros in HF's init: give it a real, seeded spread
-        for layer in model.model.layers:
-            layer.mlp.gate.weight.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+# A seeded Qwen3-MoE (hidden 64, 2 layers, 4 experts, top-2) with the built-in byte tokenizer, built as
+# `posttrain create-model` builds it.
+TINY_MOE = ModelFromConfig(
+    architecture="qwen3_moe",
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    num_experts=4,
+    num_experts_per_token=2,
+    expert_intermediate_size=32,
+    tokenizer="byte",
+    seed=0,
+)
 
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return build_tiny_moe_dir(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+    return build_model_dir(TINY_MOE, tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 SGD = {"name": "SGD", "kwargs": {"lr": 1.0}}
