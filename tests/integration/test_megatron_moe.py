@@ -6,6 +6,8 @@ experts fails naming the key. Mixtral converts to Megatron and back with the HF 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -22,7 +24,7 @@ from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualClust
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
 from posttrain.workers.policy.handle import Policy  # noqa: E402
 from posttrain.workers.policy.megatron_moe_convert import check_moe_parallelism, moe_layout  # noqa: E402
-from tests.integration.test_expert_parallel import SGD, build_tiny_moe_dir  # noqa: E402
+from tests.integration.test_expert_parallel import SGD, TINY_MOE  # noqa: E402
 from tests.integration.test_megatron import megatron_round_trip  # noqa: E402
 from tests.integration.test_policy import (  # noqa: E402
     Run,
@@ -53,7 +55,7 @@ def trained(model_dir, ray_session, num_workers: int, **overrides) -> Run:
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    return build_tiny_moe_dir(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+    return build_model_dir(TINY_MOE, tmp_path_factory.mktemp("tiny_qwen3_moe"))
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +79,27 @@ def test_megatron_moe_gives_dtensor_logprobs_losses_and_grad_norms(runs):
     assert baseline.losses[2] < baseline.losses[0]
     torch.testing.assert_close(run.initial_logprobs, baseline.initial_logprobs, atol=1e-5, rtol=0)
     assert_same_training(run, baseline)
+    assert_same_expert_load(run, baseline)
+
+
+EXPERT_LOAD = ("moe_tokens_per_expert_min", "moe_tokens_per_expert_max", "moe_expert_share_min")
+
+
+def assert_same_expert_load(run: Run, baseline: Run) -> None:
+    """The step's tokens per expert, read from Megatron's routing maps and from transformers' routers:
+    the same counts (whole tokens) and shares at every step; not all experts equally loaded."""
+    for step, expected in zip(run.steps, baseline.steps, strict=True):
+        for name in EXPERT_LOAD:
+            assert step[name][0] == pytest.approx(expected[name][0], abs=1e-9), name
+        fewest, most = expected["moe_tokens_per_expert_min"][0], expected["moe_tokens_per_expert_max"][0]
+        assert fewest == int(fewest) and fewest < most
 
 
 def test_megatron_expert_parallel_trains_and_exports_like_every_expert_on_every_rank(runs):
     """Losses, gradient norms, the gathered HF weights and the exported safetensors (transformers writes
     experts one by one) of EP 2 against EP 1, on the same 2 data-parallel workers."""
     assert_same_training(runs["ep2"], runs["ep1"])
+    assert_same_expert_load(runs["ep2"], runs["ep1"])
     one = load_file(runs["ep1"].export_dir / "model.safetensors")
     split = load_file(runs["ep2"].export_dir / "model.safetensors")
     assert split.keys() == one.keys()
@@ -94,7 +111,7 @@ def test_megatron_expert_parallel_trains_and_exports_like_every_expert_on_every_
 def test_expert_parallel_size_not_dividing_the_experts_names_the_key(ray_session, tmp_path):
     """A 3-expert model split over 2 expert-parallel ranks: a one-line ConfigError before any worker
     starts, and the same check where a worker converts a (hub) model."""
-    model_dir = build_tiny_moe_dir(tmp_path / "three_experts", num_experts=3)
+    model_dir = build_model_dir(dataclasses.replace(TINY_MOE, num_experts=3), tmp_path / "three_experts")
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
     try:
         with pytest.raises(ConfigError) as error:

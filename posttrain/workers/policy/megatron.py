@@ -131,6 +131,7 @@ class MegatronPolicyWorker(PolicyWorker):
         self.ep_group = parallel_state.get_expert_model_parallel_group()
         self.ep_size = self.cfg.expert_parallel_size
         self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+        self.expert_counter: megatron_moe_step.ExpertCounter | None = None  # set while a global batch runs
 
     def _build_model_and_optimizer(self) -> None:
         with self._backend():
@@ -275,6 +276,8 @@ class MegatronPolicyWorker(PolicyWorker):
         batch_size, seq_len = input_ids.shape
         position_ids = torch.arange(seq_len).unsqueeze(0).expand(batch_size, seq_len)
         moe_inputs = {}
+        if self.expert_counter is not None:  # keep-in-step repeats route no counted tokens
+            self.expert_counter.counting = not microbatch.is_padding
         if self.layout.moe is not None:  # the routers' losses skip positions past each row's length
             mask = megatron_moe_step.padding_mask(microbatch, batch_size, seq_len)  # [b, T]
             moe_inputs["padding_mask"] = mask.to(self.device)
@@ -391,9 +394,12 @@ class MegatronPolicyWorker(PolicyWorker):
         if not eval_mode:
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
-        self._run_schedule(
-            microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1]
-        )
+        self.expert_counter = megatron_moe_step.ExpertCounter(self.model, self.layout.moe)
+        with self.expert_counter:
+            self._run_schedule(
+                microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1]
+            )
+        counts, self.expert_counter = self.expert_counter.result(), None
         shape = self._microbatch_shape(micro_batch_size, batch["input_ids"].shape[1])
         step = StepMetrics(
             loss=sum(losses),
@@ -403,6 +409,7 @@ class MegatronPolicyWorker(PolicyWorker):
                 shape[0] * shape[1] if shape else m.computed_tokens for m in microbatches
             ),
             num_real_tokens=sum(m.real_tokens for m in microbatches),
+            expert_counts=counts,
         )
         step = self._from_last_stage(step)
         if not eval_mode:

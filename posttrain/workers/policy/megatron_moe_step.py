@@ -1,6 +1,6 @@
-"""The Megatron worker's mixture-of-experts parts of a micro-batch: the routers' padding mask, and the
-router losses Megatron added during its forward, read back from Megatron's logging tracker into the loss
-and metrics posttrain reports.
+"""The Megatron worker's mixture-of-experts parts of a micro-batch: the routers' padding mask, the router
+losses Megatron added during its forward, read back from Megatron's logging tracker into the loss and
+metrics posttrain reports, and the tokens each expert received (`ExpertCounter`).
 
 Megatron adds its router losses itself (inside the routers' backward) for the layers it trains, summed over
 layers with the coefficients of `megatron_moe_convert.moe_training_fields`; what is read back here is the
@@ -9,6 +9,9 @@ when balanced), weighted by the micro-batch's share of the global batch's tokens
 is 0 is not computed by Megatron, hence not reported."""
 
 from __future__ import annotations
+
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -52,3 +55,46 @@ def take_router_losses(moe: MoeLayout, cfg: MoeConfig, share: float, metrics: di
         total += share * getattr(cfg, coef_key) * value
     clear_aux_losses_tracker()
     return total
+
+
+class ExpertCounter:
+    """Tokens per expert [L, E] (float64, summed) of the real tokens that the model's routers route while
+    the counter is entered and `counting` is True: a forward hook on each of Megatron's routers reads its
+    routing map [T * b, E] and leaves out the positions its padding mask marks (the same tokens the dtensor
+    backend counts: every row's tokens up to its length). Layers in module order (this stage's). A dense
+    model's counter counts nothing."""
+
+    def __init__(self, model: torch.nn.Module, moe: MoeLayout | None):
+        self.routers: list[torch.nn.Module] = []
+        if moe is not None:  # a dense model: no routers, no counts
+            from megatron.core.transformer.moe.router import Router
+
+            self.routers = [module for module in model.modules() if isinstance(module, Router)]
+        self.counts = torch.zeros(len(self.routers), moe.num_experts if moe else 0, dtype=torch.float64)
+        self.counting = True
+        self._handles: list[Any] = []
+
+    def result(self) -> torch.Tensor | None:
+        """The counts, or None for a dense model."""
+        return self.counts if self.routers else None
+
+    def __enter__(self) -> ExpertCounter:
+        self._handles = [
+            router.register_forward_hook(partial(self._count, layer))
+            for layer, router in enumerate(self.routers)
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _count(self, layer: int, module: torch.nn.Module, args: tuple, output: tuple) -> None:
+        if not self.counting:
+            return
+        routing_map = output[1]  # [T * b, E] bool
+        padding = args[1] if len(args) > 1 else None  # [T, b], True at padding
+        if padding is not None:
+            routing_map = routing_map[~padding.reshape(-1)]
+        self.counts[layer] += routing_map.sum(0).double().cpu()
