@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core", reason="policy.backend=megatron needs postt
 
 from transformers import AutoConfig  # noqa: E402
 
+from posttrain.algorithms.loss import NLLLoss  # noqa: E402
 from posttrain.config import ConfigError  # noqa: E402
 from posttrain.distributed.batched_data_dict import BatchedDataDict  # noqa: E402
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster  # noqa: E402
@@ -70,6 +71,15 @@ def runs(ray_session, moe_dir, tmp_path_factory):
     for name, run in built.items():
         run.export_dir = tmp_path_factory.mktemp(f"export_{name}")
         run.policy.export_hf(run.export_dir)
+        if name == "ep2":  # a checkpoint of split experts: saved, one more step, reloaded, the step again
+            checkpoint = tmp_path_factory.mktemp("ep2_checkpoint")
+            run.policy.save_checkpoint(checkpoint)
+            run.saved_logprobs = run.policy.get_logprobs(run.data)["logprobs"]
+            run.next_step = run.policy.train(run.data, NLLLoss())
+            run.stepped_logprobs = run.policy.get_logprobs(run.data)["logprobs"]
+            run.policy.load_checkpoint(checkpoint)
+            run.reloaded_logprobs = run.policy.get_logprobs(run.data)["logprobs"]
+            run.redone_step = run.policy.train(run.data, NLLLoss())
         run.shutdown()
     return built
 
@@ -145,3 +155,13 @@ def test_mixtral_to_megatron_and_back_keeps_logits(ray_session, tmp_path):
     differences = ray_session.get(task.remote(model_dir))
     assert differences["megatron"] < 1e-5
     assert differences["rebuilt"] == 0.0
+
+
+def test_megatron_expert_parallel_checkpoint_reloads_to_the_same_next_step(runs):
+    """EP 2's checkpoint (each rank's experts in Megatron's sharded format): reloaded after one more step,
+    the weights give the saved logprobs exactly, and the step taken again has the same loss and norm."""
+    run = runs["ep2"]
+    assert not torch.equal(run.stepped_logprobs, run.saved_logprobs)  # the step changed the weights
+    torch.testing.assert_close(run.reloaded_logprobs, run.saved_logprobs, atol=0, rtol=0)
+    assert run.redone_step["loss"][0] == run.next_step["loss"][0]
+    assert run.redone_step["grad_norm"][0] == run.next_step["grad_norm"][0]

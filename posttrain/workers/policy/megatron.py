@@ -28,7 +28,7 @@ from posttrain.workers.policy import megatron_convert, megatron_moe_convert, meg
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
 from posttrain.workers.policy.config import PolicyConfig, optimizer_kwargs
 from posttrain.workers.policy.microbatches import MicroBatch, length_mask, row_lengths
-from posttrain.workers.policy.optim import build_scheduler
+from posttrain.workers.policy.optim import build_scheduler, init_sgd_state
 from posttrain.workers.policy.step_metrics import StepMetrics
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 from posttrain.workers.refit import cast_floating
@@ -202,6 +202,8 @@ class MegatronPolicyWorker(PolicyWorker):
         self.optimizer = get_megatron_optimizer(
             megatron_optimizer_config(self.cfg, bf16), [self.model], config_overrides={}
         )
+        for optimizer in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+            optimizer.init_state_fn = optimizer.init_state_fn or init_sgd_state  # Megatron gives SGD none
         self.scheduler = build_scheduler(self._torch_optimizer(), self.cfg)
         self._sync_lr()
 

@@ -69,3 +69,12 @@ def build_scheduler(
     return torch.optim.lr_scheduler.SequentialLR(
         optimizer, schedulers, milestones=list(cfg.scheduler_milestones)
     )
+
+
+def init_sgd_state(optimizer: torch.optim.Optimizer, config: Any = None) -> None:
+    """The per-parameter state SGD keeps (a momentum buffer, where momentum is on), made before a checkpoint
+    loads into it: Megatron's loader fills existing state and has no initialiser of its own for SGD."""
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0):
+            for param in group["params"]:
+                optimizer.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
