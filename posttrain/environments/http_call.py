@@ -141,7 +141,8 @@ def _exchange(
             raise HTTPCallError(f"the answer ended after {len(body)} of its {declared} bytes")
         return HTTPReply(response.status, body)
     except (OSError, http.client.HTTPException) as error:
-        if expired.is_set():
+        # the socket's own timeout (the time left at connect) can fire before the watchdog thread runs
+        if expired.is_set() or isinstance(error, TimeoutError) or time.monotonic() >= deadline:
             raise HTTPCallError("no complete answer before the deadline") from error
         raise HTTPCallError(f"the connection failed after the request was sent: {error!r}") from error
     finally:
