@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step
+from run_logs import metrics_by_step, run_to_end
 
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
@@ -66,12 +66,7 @@ def overrides(log_dir, **extra):
 
 def run_grpo(log_dir, **extra) -> dict[int, dict]:
     cfg = load_typed_config(grpo.GRPOConfig, CONFIG, overrides(log_dir, **extra))
-    run = grpo.setup(cfg)
-    try:
-        grpo.grpo_train(run)
-    finally:
-        run.shutdown()
-    return metrics_by_step(log_dir)
+    return run_to_end(cfg, grpo.setup, grpo.grpo_train)
 
 
 def test_a_short_run_logs_every_stage_and_keeps_logprobs_consistent(ray_session, tmp_path):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step
+from run_logs import run_to_end
 from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms import grpo, sft
@@ -39,12 +39,7 @@ def run_grpo(log_dir, **extra) -> dict[int, dict]:
     }
     overrides = [f"{key}={value}" for key, value in values.items()]
     cfg = load_typed_config(grpo.GRPOConfig, str(CONFIGS / "grpo_moe_ep_tiny.yaml"), overrides)
-    run = grpo.setup(cfg)
-    try:
-        grpo.grpo_train(run)
-    finally:
-        run.shutdown()
-    return metrics_by_step(log_dir)
+    return run_to_end(cfg, grpo.setup, grpo.grpo_train)
 
 
 COMPARED = ("train/loss", "train/reward_mean", "train/token_mult_prob_error", "train/grad_norm")
@@ -82,12 +77,7 @@ def test_sft_from_the_expert_parallel_config_learns_and_exports_every_expert(ray
         "cluster.num_cpus_per_worker=0.5",
     ]
     cfg = load_typed_config(sft.SFTConfig, str(CONFIGS / "sft_moe_ep_tiny.yaml"), overrides)
-    run = sft.setup(cfg)
-    try:
-        sft.sft_train(run)
-    finally:
-        run.shutdown()
-    steps = metrics_by_step(tmp_path)
+    steps = run_to_end(cfg, sft.setup, sft.sft_train)
     assert steps[1]["train/loss"] > 4.0
     assert steps[30]["train/loss"] < 2.0 and steps[30]["val/loss"] < 2.0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_model")

@@ -5,7 +5,7 @@ PPO reaches GRPO's held-out accuracy on the tiny task at equal samples."""
 from pathlib import Path
 
 import pytest
-from run_logs import metrics_by_step
+from run_logs import run_to_end
 from test_grpo import overrides
 
 from posttrain.algorithms import grpo
@@ -27,12 +27,7 @@ def run_ppo(log_dir, **extra) -> dict[int, dict]:
     cfg = load_typed_config(
         grpo.GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), overrides(log_dir, **PPO, **extra)
     )
-    run = grpo.setup(cfg)
-    try:
-        grpo.grpo_train(run)
-    finally:
-        run.shutdown()
-    return metrics_by_step(log_dir)
+    return run_to_end(cfg, grpo.setup, grpo.grpo_train)
 
 
 def test_ppo_trains_its_critic_and_a_resumed_run_equals_an_uninterrupted_one(ray_session, tmp_path):
@@ -78,12 +73,7 @@ def learning_run(log_dir, sft_model, estimator: str, num_steps: int, **extra) ->
     cfg = load_typed_config(
         grpo.GRPOConfig, str(CONFIGS / "ppo_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
     )
-    run = grpo.setup(cfg)
-    try:
-        grpo.grpo_train(run)
-    finally:
-        run.shutdown()
-    return metrics_by_step(log_dir)
+    return run_to_end(cfg, grpo.setup, grpo.grpo_train)
 
 
 def test_ppo_reaches_grpo_accuracy_at_equal_samples(arithmetic_sft_model, tmp_path, caplog):
