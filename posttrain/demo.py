@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,32 +49,38 @@ from posttrain.workers.policy.config import OptimizerConfig, PolicyConfig, Sched
 class DemoConfig:
     """Knobs of the demo (override with `posttrain demo key=value`)."""
 
-    seed: int = field(default=0, metadata={"help": "seed of the model, data and sampling"})
-    num_digits: int = field(default=2, metadata={"help": "digits per operand of the addition task"})
-    num_val: int = field(default=400, metadata={"help": "validation prompts (never trained on)"})
-    sft_target_accuracy: float = field(
-        default=0.35, metadata={"help": "stop SFT at this greedy val accuracy"}
-    )
-    sft_check_every: int = field(default=25, metadata={"help": "SFT steps between accuracy checks"})
-    sft_max_steps: int = field(default=600, metadata={"help": "most SFT steps"})
-    sft_lr: float = field(default=2e-3, metadata={"help": "SFT learning rate"})
-    sft_num_train: int = field(
-        default=256, metadata={"help": "labelled examples SFT trains on (GRPO's 8000 prompts have none)"}
-    )
-    sft_control: bool = field(
-        default=True, metadata={"help": "continue SFT for GRPO's training time and report it beside GRPO"}
-    )
-    grpo_steps: int = field(default=150, metadata={"help": "GRPO steps"})
-    grpo_lr: float = field(default=3e-4, metadata={"help": "GRPO learning rate"})
-    grpo_val_period: int = field(default=25, metadata={"help": "GRPO validation period"})
-    num_prompts_per_step: int = field(default=32, metadata={"help": "GRPO prompts per step"})
-    num_generations_per_prompt: int = field(default=8, metadata={"help": "GRPO samples per prompt"})
-    grpo_async: bool = field(
-        default=False, metadata={"help": "asynchronous GRPO (generation overlaps training)"}
-    )
-    grpo_max_trajectory_age: int = field(
-        default=1, metadata={"help": "async GRPO: most steps a trajectory is old"}
-    )
+    seed: int = 0
+    """seed of the model, data and sampling"""
+    num_digits: int = 2
+    """digits per operand of the addition task"""
+    num_val: int = 400
+    """validation prompts (never trained on)"""
+    sft_target_accuracy: float = 0.35
+    """stop SFT at this greedy val accuracy"""
+    sft_check_every: int = 25
+    """SFT steps between accuracy checks"""
+    sft_max_steps: int = 600
+    """most SFT steps"""
+    sft_lr: float = 2e-3
+    """SFT learning rate"""
+    sft_num_train: int = 256
+    """labelled examples SFT trains on (GRPO's 8000 prompts have none)"""
+    sft_control: bool = True
+    """continue SFT for GRPO's training time and report it beside GRPO"""
+    grpo_steps: int = 150
+    """GRPO steps"""
+    grpo_lr: float = 3e-4
+    """GRPO learning rate"""
+    grpo_val_period: int = 25
+    """GRPO validation period"""
+    num_prompts_per_step: int = 32
+    """GRPO prompts per step"""
+    num_generations_per_prompt: int = 8
+    """GRPO samples per prompt"""
+    grpo_async: bool = False
+    """asynchronous GRPO (generation overlaps training)"""
+    grpo_max_trajectory_age: int = 1
+    """async GRPO: most steps a trajectory is old"""
 
 
 def tiny_model() -> ModelFromConfig:

@@ -39,19 +39,17 @@ def _value_model_config() -> PolicyConfig:
 class CriticConfig:
     """PPO's critic: a value model trained beside the policy (used with grpo.advantage_estimator gae)."""
 
-    model: PolicyConfig = field(
-        default_factory=_value_model_config,
-        metadata={
-            "help": "the value model (model_kind value_model); model_name null = the policy's model, with a "
-            "new value head"
-        },
-    )
-    loss: ValueLossConfig = field(default_factory=ValueLossConfig, metadata={"help": "value loss"})
-    gamma: float = field(default=1.0, metadata={"help": "GAE discount per token"})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda: 0 = one-step TD, 1 = Monte Carlo"})
-    whiten_advantages: bool = field(
-        default=True, metadata={"help": "whiten the advantages over the batch's trained tokens"}
-    )
+    model: PolicyConfig = field(default_factory=_value_model_config)
+    """the value model (model_kind value_model); model_name null = the policy's model, with a new value
+    head"""
+    loss: ValueLossConfig = field(default_factory=ValueLossConfig)
+    """value loss"""
+    gamma: float = 1.0
+    """GAE discount per token"""
+    lam: float = 0.95
+    """GAE lambda: 0 = one-step TD, 1 = Monte Carlo"""
+    whiten_advantages: bool = True
+    """whiten the advantages over the batch's trained tokens"""
 
     def validate(self) -> None:
         if self.model.model_kind != "value_model":

@@ -53,23 +53,22 @@ DPO_LR = 1e-6
 class DPOConfig:
     """`posttrain dpo` configuration."""
 
-    dpo: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the DPO loop"})
-    loss: DPOLossConfig = field(default_factory=DPOLossConfig, metadata={"help": "DPO loss (beta, SFT term)"})
-    policy: PolicyConfig = field(
-        default_factory=lambda: policy_with_lr(DPO_LR),
-        metadata={"help": "the trained model (AdamW lr 1e-6 by default)"},
-    )
+    dpo: LoopConfig = field(default_factory=LoopConfig)
+    """the DPO loop"""
+    loss: DPOLossConfig = field(default_factory=DPOLossConfig)
+    """DPO loss (beta, SFT term)"""
+    policy: PolicyConfig = field(default_factory=lambda: policy_with_lr(DPO_LR))
+    """the trained model (AdamW lr 1e-6 by default)"""
     data: DataConfig = field(
-        default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
-        metadata={"help": "preference pairs (prompt, chosen, rejected)"},
+        default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference")
     )
-    cluster: ClusterConfig = field(
-        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
-    )
-    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
-    checkpointing: CheckpointingConfig = field(
-        default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
-    )
+    """preference pairs (prompt, chosen, rejected)"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster and placement"""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """logging"""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """checkpoints (ranked by val_loss by default)"""
 
     def validate(self) -> None:
         if self.policy.model_kind != "causal_lm":

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from posttrain.config import ConfigError
@@ -23,40 +23,25 @@ class AsyncGRPOConfig:
     """Asynchronous GRPO: generate the next steps' rollouts while the policy trains (needs
     generation.colocated=false)."""
 
-    enabled: bool = field(
-        default=False,
-        metadata={"help": "overlap generation of the next steps with training (separate workers)"},
-    )
-    max_trajectory_age_steps: int = field(
-        default=1,
-        metadata={
-            "help": "most optimizer steps between the weights that generated a trajectory and the weights "
-            "trained on it (0: on-policy, equals the synchronous loop)"
-        },
-    )
+    enabled: bool = False
+    """overlap generation of the next steps with training (separate workers)"""
+    max_trajectory_age_steps: int = 1
+    """most optimizer steps between the weights that generated a trajectory and the weights trained on it
+    (0: on-policy, equals the synchronous loop)"""
 
-    lend_idle_cores: bool = field(
-        default=False,
-        metadata={
-            "help": "trainer and generator on one machine: the side that waits lends its CPU threads to the "
-            "other (the trainer's micro-batches take the generator's threads once its batch is done; "
-            "validation takes the trainer's); faster, but thread counts then follow timing, so runs are "
-            "not bitwise reproducible. hf generation backend only"
-        },
-    )
+    lend_idle_cores: bool = False
+    """trainer and generator on one machine: the side that waits lends its CPU threads to the other (the
+    trainer's micro-batches take the generator's threads once its batch is done; validation takes the
+    trainer's); faster, but thread counts then follow timing, so runs are not bitwise reproducible. hf
+    generation backend only"""
 
-    partial_rollouts: bool = field(
-        default=False,
-        metadata={
-            "help": "generate each batch in chunks of partial_rollout_chunk_tokens and refit newer weights "
-            "between chunks: replies still running continue from their prefix with the new weights (the "
-            "prefix is prefilled again) instead of finishing with the old ones; each token records its "
-            "weight version. hf generation backend only"
-        },
-    )
-    partial_rollout_chunk_tokens: int = field(
-        default=16, metadata={"help": "most new tokens per chunk of a partial rollout (>= 1)"}
-    )
+    partial_rollouts: bool = False
+    """generate each batch in chunks of partial_rollout_chunk_tokens and refit newer weights between
+    chunks: replies still running continue from their prefix with the new weights (the prefix is prefilled
+    again) instead of finishing with the old ones; each token records its weight version. hf generation
+    backend only"""
+    partial_rollout_chunk_tokens: int = 16
+    """most new tokens per chunk of a partial rollout (>= 1)"""
 
     def validate(self) -> None:
         if self.partial_rollout_chunk_tokens < 1:

@@ -39,96 +39,93 @@ AdvantageEstimator = Literal[
 class DynamicSamplingConfig:
     """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more to fill the step."""
 
-    enabled: bool = field(default=False, metadata={"help": "drop zero-signal groups"})
-    max_num_gen_batches: int = field(default=4, metadata={"help": "most generation rounds per step"})
+    enabled: bool = False
+    """drop zero-signal groups"""
+    max_num_gen_batches: int = 4
+    """most generation rounds per step"""
 
 
 @dataclass
 class OverlongShapingConfig:
     """DAPO soft overlong punishment added to the reward of long responses."""
 
-    enabled: bool = field(default=False, metadata={"help": "penalise responses near max_new_tokens"})
-    buffer_length: int = field(
-        default=16, metadata={"help": "tokens before the limit where the penalty ramps up"}
-    )
-    penalty_factor: float = field(default=1.0, metadata={"help": "penalty at the limit"})
+    enabled: bool = False
+    """penalise responses near max_new_tokens"""
+    buffer_length: int = 16
+    """tokens before the limit where the penalty ramps up"""
+    penalty_factor: float = 1.0
+    """penalty at the limit"""
 
 
 @dataclass
 class RewardScalingConfig:
     """Affine reward shaping: reward * scale + shift."""
 
-    enabled: bool = field(default=False, metadata={"help": "apply scale and shift"})
-    scale: float = field(default=1.0, metadata={"help": "multiplier"})
-    shift: float = field(default=0.0, metadata={"help": "offset"})
+    enabled: bool = False
+    """apply scale and shift"""
+    scale: float = 1.0
+    """multiplier"""
+    shift: float = 0.0
+    """offset"""
 
 
 @dataclass
 class GRPOLoopConfig:
     """The GRPO loop's own knobs."""
 
-    num_prompts_per_step: int = field(default=32, metadata={"help": "prompts per step"})
-    num_generations_per_prompt: int = field(default=8, metadata={"help": "samples per prompt (the group)"})
-    max_num_steps: int = field(default=100, metadata={"help": "training steps"})
-    max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
-    max_seq_len: int = field(
-        default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
-    )
-    advantage_estimator: AdvantageEstimator = field(
-        default="grpo",
-        metadata={
-            "help": "grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: "
-            "R - group mean, no std (needs loss.constant_length_normalizer); reinforce_pp: rewards "
-            "whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group mean, then "
-            "whitened over the batch's tokens; gae: PPO, per-token GAE from the value model of the critic "
-            "section; on_policy_distillation: log pi_teacher - log pi_student per token (teacher section)"
-        },
-    )
-    normalize_rewards: bool = field(
-        default=True, metadata={"help": "divide advantages by the group std (advantage_estimator grpo)"}
-    )
-    use_leave_one_out_baseline: bool = field(
-        default=False, metadata={"help": "RLOO baseline instead of the mean (advantage_estimator grpo)"}
-    )
-    overlong_filtering: bool = field(default=False, metadata={"help": "DAPO: no loss on truncated samples"})
-    dynamic_sampling: DynamicSamplingConfig = field(
-        default_factory=DynamicSamplingConfig, metadata={"help": "DAPO"}
-    )
-    overlong_shaping: OverlongShapingConfig = field(
-        default_factory=OverlongShapingConfig, metadata={"help": "DAPO"}
-    )
-    reward_scaling: RewardScalingConfig = field(
-        default_factory=RewardScalingConfig, metadata={"help": "shaping"}
-    )
-    val_period: int = field(default=10, metadata={"help": "validate every this many steps (0: never)"})
-    val_at_start: bool = field(default=True, metadata={"help": "validate before the first step"})
-    max_val_samples: int = field(default=256, metadata={"help": "validation prompts used"})
-    val_num_generations: int = field(default=1, metadata={"help": "samples per validation prompt"})
-    val_greedy: bool = field(
-        default=True, metadata={"help": "greedy validation (needs val_num_generations 1)"}
-    )
-    val_pass_k: int = field(default=1, metadata={"help": "k of the reported validation pass@k"})
-    val_grader: str | None = field(
-        default="final_number",
-        metadata={
-            "help": "strict grade of validation replies beside the reward ('final_number': the reply's "
-            "last number equals a numeric ground truth; file.py:function or module:function; "
-            "null: none)"
-        },
-    )
-    val_max_reward_gap: float = field(
-        default=0.1, metadata={"help": "warn when val reward exceeds the strict grade by more than this"}
-    )
-    early_stop_val_accuracy: float | None = field(
-        default=None, metadata={"help": "stop when val accuracy >= this"}
-    )
-    seed: int = field(default=42, metadata={"help": "seed of the rollout sampling"})
-    async_grpo: AsyncGRPOConfig = field(
-        default_factory=AsyncGRPOConfig, metadata={"help": "asynchronous GRPO"}
-    )
-    health: HealthConfig = field(
-        default_factory=HealthConfig, metadata={"help": "learning-health signals and their warnings"}
-    )
+    num_prompts_per_step: int = 32
+    """prompts per step"""
+    num_generations_per_prompt: int = 8
+    """samples per prompt (the group)"""
+    max_num_steps: int = 100
+    """training steps"""
+    max_rollout_turns: int = 1
+    """turns per episode (1: single-turn)"""
+    max_seq_len: int = 256
+    """most tokens of a conversation; longer is truncated"""
+    advantage_estimator: AdvantageEstimator = "grpo"
+    """grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: R - group mean,
+    no std (needs loss.constant_length_normalizer); reinforce_pp: rewards whitened over the batch's tokens
+    (REINFORCE++); reinforce_pp_baseline: R - group mean, then whitened over the batch's tokens; gae: PPO,
+    per-token GAE from the value model of the critic section; on_policy_distillation: log pi_teacher - log
+    pi_student per token (teacher section)"""
+    normalize_rewards: bool = True
+    """divide advantages by the group std (advantage_estimator grpo)"""
+    use_leave_one_out_baseline: bool = False
+    """RLOO baseline instead of the mean (advantage_estimator grpo)"""
+    overlong_filtering: bool = False
+    """DAPO: no loss on truncated samples"""
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    """DAPO"""
+    overlong_shaping: OverlongShapingConfig = field(default_factory=OverlongShapingConfig)
+    """DAPO"""
+    reward_scaling: RewardScalingConfig = field(default_factory=RewardScalingConfig)
+    """shaping"""
+    val_period: int = 10
+    """validate every this many steps (0: never)"""
+    val_at_start: bool = True
+    """validate before the first step"""
+    max_val_samples: int = 256
+    """validation prompts used"""
+    val_num_generations: int = 1
+    """samples per validation prompt"""
+    val_greedy: bool = True
+    """greedy validation (needs val_num_generations 1)"""
+    val_pass_k: int = 1
+    """k of the reported validation pass@k"""
+    val_grader: str | None = "final_number"
+    """strict grade of validation replies beside the reward ('final_number': the reply's last number equals
+    a numeric ground truth; file.py:function or module:function; null: none)"""
+    val_max_reward_gap: float = 0.1
+    """warn when val reward exceeds the strict grade by more than this"""
+    early_stop_val_accuracy: float | None = None
+    """stop when val accuracy >= this"""
+    seed: int = 42
+    """seed of the rollout sampling"""
+    async_grpo: AsyncGRPOConfig = field(default_factory=AsyncGRPOConfig)
+    """asynchronous GRPO"""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """learning-health signals and their warnings"""
 
     def validate(self) -> None:
         check_loop_lengths(self)
@@ -147,35 +144,28 @@ class GRPOLoopConfig:
 class GRPOConfig:
     """`posttrain grpo` configuration."""
 
-    grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig, metadata={"help": "the GRPO loop"})
-    loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig, metadata={"help": "policy loss"})
-    policy: PolicyConfig = field(
-        default_factory=lambda: policy_with_lr(GRPO_LR),
-        metadata={"help": "the trained model (AdamW lr 1e-6 by default)"},
-    )
-    critic: CriticConfig = field(
-        default_factory=CriticConfig, metadata={"help": "PPO's value model (grpo.advantage_estimator gae)"}
-    )
-    teacher: TeacherConfig = field(
-        default_factory=TeacherConfig,
-        metadata={"help": "the frozen teacher (grpo.advantage_estimator on_policy_distillation)"},
-    )
-    generation: GenerationConfig = field(
-        default_factory=GenerationConfig, metadata={"help": "rollout sampling"}
-    )
-    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "prompts (rl format)"})
-    env: dict[str, EnvironmentConfig] = field(
-        default_factory=lambda: {"arithmetic": EnvironmentConfig()},
-        metadata={"help": "task name -> environment"},
-    )
-    cluster: ClusterConfig = field(
-        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
-    )
-    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
-    checkpointing: CheckpointingConfig = field(
-        default_factory=CheckpointingConfig,
-        metadata={"help": "checkpoints (ranked by val_accuracy by default)"},
-    )
+    grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig)
+    """the GRPO loop"""
+    loss: ClippedPGLossConfig = field(default_factory=ClippedPGLossConfig)
+    """policy loss"""
+    policy: PolicyConfig = field(default_factory=lambda: policy_with_lr(GRPO_LR))
+    """the trained model (AdamW lr 1e-6 by default)"""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """PPO's value model (grpo.advantage_estimator gae)"""
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """the frozen teacher (grpo.advantage_estimator on_policy_distillation)"""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """rollout sampling"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """prompts (rl format)"""
+    env: dict[str, EnvironmentConfig] = field(default_factory=lambda: {"arithmetic": EnvironmentConfig()})
+    """task name -> environment"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster and placement"""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """logging"""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """checkpoints (ranked by val_accuracy by default)"""
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,38 +34,25 @@ log = logging.getLogger(__name__)
 class HealthConfig:
     """Thresholds of the learning-health warnings (`grpo.health`)."""
 
-    enabled: bool = field(default=True, metadata={"help": "log the health/ signals and warn"})
-    stall_zero_signal_share: float = field(
-        default=0.9,
-        metadata={"help": "warn of a stall when at least this share of groups has all-equal rewards"},
-    )
-    stall_steps: int = field(
-        default=3, metadata={"help": "... for this many steps in a row (the warning names the first)"}
-    )
-    entropy_collapse_ratio: float = field(
-        default=0.1, metadata={"help": "warn when the entropy falls below this fraction of step 1's"}
-    )
-    length_growth_ratio: float = field(
-        default=2.0,
-        metadata={"help": "warn of runaway replies when their mean length exceeds this x step 1's"},
-    )
-    runaway_truncation_rate: float = field(
-        default=0.5, metadata={"help": "... and at least this share of replies is cut at the budget"}
-    )
-    reward_window: int = field(
-        default=5, metadata={"help": "steps averaged to compare the training reward now with at the start"}
-    )
-    reward_drop_ratio: float = field(
-        default=0.4,
-        metadata={"help": "warn when the recent mean reward falls below this fraction of the first one"},
-    )
-    kl_to_start_period: int = field(
-        default=0,
-        metadata={
-            "help": "every this many steps, log health/kl_to_start (keeps a frozen copy of the starting "
-            "weights; 0: only when loss.reference_policy_kl_penalty > 0, on every step)"
-        },
-    )
+    enabled: bool = True
+    """log the health/ signals and warn"""
+    stall_zero_signal_share: float = 0.9
+    """warn of a stall when at least this share of groups has all-equal rewards"""
+    stall_steps: int = 3
+    """... for this many steps in a row (the warning names the first)"""
+    entropy_collapse_ratio: float = 0.1
+    """warn when the entropy falls below this fraction of step 1's"""
+    length_growth_ratio: float = 2.0
+    """warn of runaway replies when their mean length exceeds this x step 1's"""
+    runaway_truncation_rate: float = 0.5
+    """... and at least this share of replies is cut at the budget"""
+    reward_window: int = 5
+    """steps averaged to compare the training reward now with at the start"""
+    reward_drop_ratio: float = 0.4
+    """warn when the recent mean reward falls below this fraction of the first one"""
+    kl_to_start_period: int = 0
+    """every this many steps, log health/kl_to_start (keeps a frozen copy of the starting weights; 0: only
+    when loss.reference_policy_kl_penalty > 0, on every step)"""
 
     def validate(self) -> None:
         for name in (

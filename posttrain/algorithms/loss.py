@@ -22,7 +22,7 @@ Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (los
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 import torch
@@ -92,10 +92,10 @@ class NLLLoss:
 class KDLossConfig:
     """Weights of off-policy knowledge distillation's loss."""
 
-    kd_weight: float = field(default=1.0, metadata={"help": "weight of the KL to the teacher's top-k"})
-    nll_weight: float = field(
-        default=0.0, metadata={"help": "weight of the data's own NLL (SFT's loss) beside it; 0 = off"}
-    )
+    kd_weight: float = 1.0
+    """weight of the KL to the teacher's top-k"""
+    nll_weight: float = 0.0
+    """weight of the data's own NLL (SFT's loss) beside it; 0 = off"""
 
     def validate(self) -> None:
         if self.kd_weight < 0 or self.nll_weight < 0 or self.kd_weight + self.nll_weight == 0:
@@ -156,73 +156,37 @@ class KDLoss:
 class ClippedPGLossConfig:
     """Options of the clipped policy-gradient loss (PPO/GRPO, with DAPO and GSPO variants)."""
 
-    ratio_clip_min: float = field(
-        default=0.2, metadata={"help": "epsilon_low: the ratio is clipped below at 1 - ratio_clip_min"}
-    )
-    ratio_clip_max: float = field(
-        default=0.2,
-        metadata={
-            "help": "epsilon_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: > min)"
-        },
-    )
-    ratio_clip_c: float | None = field(
-        default=None,
-        metadata={
-            "help": "dual clip for negative advantages: per-token loss capped at -c * A (c > 1); None = off"
-        },
-    )
-    reference_policy_kl_penalty: float = field(
-        default=0.0,
-        metadata={"help": "beta: weight of the per-token KL(pi || pi_ref) added to the loss; 0 = off"},
-    )
-    kl_type: Literal["k1", "k2", "k3"] = field(
-        default="k3", metadata={"help": "KL estimator: k1 = log ratio, k2 = squared/2, k3 = exp(-x) + x - 1"}
-    )
-    kl_input_clamp_value: float | None = field(
-        default=20.0, metadata={"help": "clamp the log ratio to [-v, v] before the KL estimator; None = off"}
-    )
-    kl_output_clamp_value: float | None = field(
-        default=10.0, metadata={"help": "clamp the per-token KL estimate to [-v, v]; None = off"}
-    )
-    token_level_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "True: mean over all valid tokens of the global batch; False: mean over tokens per "
-            "sequence, then mean over sequences"
-        },
-    )
-    constant_length_normalizer: int | None = field(
-        default=None,
-        metadata={
-            "help": "Dr. GRPO: divide the summed token loss by global sequences x this constant (e.g. the "
-            "generation budget, generation.max_new_tokens) instead of by the token count; None = off"
-        },
-    )
-    sequence_level_importance_ratios: bool = field(
-        default=False,
-        metadata={
-            "help": "GSPO: one ratio per sequence, exp(mean over its tokens of logprobs - prev_logprobs); "
-            "needs token_level_loss=False"
-        },
-    )
-    use_importance_sampling_correction: bool = field(
-        default=False,
-        metadata={
-            "help": "weight each token's loss by exp(prev_logprobs - generation_logprobs) (training vs "
-            "generation engine mismatch)"
-        },
-    )
-    truncated_importance_sampling_ratio: float | None = field(
-        default=None,
-        metadata={"help": "upper bound of that importance weight (truncated IS); None = no bound"},
-    )
-    force_on_policy_ratio: bool = field(
-        default=False,
-        metadata={
-            "help": "use ratio = exp(logprobs - logprobs.detach()) (== 1, gradient of plain REINFORCE), "
-            "ignoring prev_logprobs"
-        },
-    )
+    ratio_clip_min: float = 0.2
+    """epsilon_low: the ratio is clipped below at 1 - ratio_clip_min"""
+    ratio_clip_max: float = 0.2
+    """epsilon_high: the ratio is clipped above at 1 + ratio_clip_max (DAPO clip-higher: > min)"""
+    ratio_clip_c: float | None = None
+    """dual clip for negative advantages: per-token loss capped at -c * A (c > 1); None = off"""
+    reference_policy_kl_penalty: float = 0.0
+    """beta: weight of the per-token KL(pi || pi_ref) added to the loss; 0 = off"""
+    kl_type: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator: k1 = log ratio, k2 = squared/2, k3 = exp(-x) + x - 1"""
+    kl_input_clamp_value: float | None = 20.0
+    """clamp the log ratio to [-v, v] before the KL estimator; None = off"""
+    kl_output_clamp_value: float | None = 10.0
+    """clamp the per-token KL estimate to [-v, v]; None = off"""
+    token_level_loss: bool = True
+    """True: mean over all valid tokens of the global batch; False: mean over tokens per sequence, then
+    mean over sequences"""
+    constant_length_normalizer: int | None = None
+    """Dr. GRPO: divide the summed token loss by global sequences x this constant (e.g. the generation
+    budget, generation.max_new_tokens) instead of by the token count; None = off"""
+    sequence_level_importance_ratios: bool = False
+    """GSPO: one ratio per sequence, exp(mean over its tokens of logprobs - prev_logprobs); needs
+    token_level_loss=False"""
+    use_importance_sampling_correction: bool = False
+    """weight each token's loss by exp(prev_logprobs - generation_logprobs) (training vs generation engine
+    mismatch)"""
+    truncated_importance_sampling_ratio: float | None = None
+    """upper bound of that importance weight (truncated IS); None = no bound"""
+    force_on_policy_ratio: bool = False
+    """use ratio = exp(logprobs - logprobs.detach()) (== 1, gradient of plain REINFORCE), ignoring
+    prev_logprobs"""
 
     def validate(self) -> None:
         if self.ratio_clip_min < 0 or self.ratio_clip_max < 0:
@@ -430,12 +394,8 @@ def token_mult_prob_error(
 class ValueLossConfig:
     """Options of PPO's value (critic) loss."""
 
-    value_clip: float | None = field(
-        default=0.2,
-        metadata={
-            "help": "clip the new value to within this of the value that computed the advantages; None = off"
-        },
-    )
+    value_clip: float | None = 0.2
+    """clip the new value to within this of the value that computed the advantages; None = off"""
 
     def validate(self) -> None:
         if self.value_clip is not None and self.value_clip <= 0:

@@ -4,7 +4,7 @@ order, so these losses are not `rows_independent`. The contract is `loss.py`'s."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
 import torch
@@ -34,39 +34,21 @@ def _pair_halves(values: torch.Tensor, loss_name: str) -> tuple[torch.Tensor, to
 class DPOLossConfig:
     """Options of the DPO loss and its one-loss-away variants (IPO, SimPO)."""
 
-    preference_loss: Literal["dpo", "ipo", "simpo"] = field(
-        default="dpo",
-        metadata={
-            "help": "dpo: -log sigmoid(r_c - r_r); ipo: (h - 1/(2 beta))^2 with h the difference of log "
-            "ratios; simpo: reference-free, -log sigmoid(beta (mean log pi(y_c) - mean log pi(y_r)) - "
-            "simpo_gamma)"
-        },
-    )
-    reference_policy_kl_penalty: float = field(
-        default=0.1,
-        metadata={
-            "help": "beta: scale of the implicit reward beta * (log pi - log pi_ref); IPO's tau; SimPO's beta"
-        },
-    )
-    simpo_gamma: float = field(
-        default=0.5, metadata={"help": "SimPO's target reward margin gamma (preference_loss simpo)"}
-    )
-    preference_average_log_probs: bool = field(
-        default=False,
-        metadata={
-            "help": "sequence log-prob = mean (not sum) of the response's token logprobs in the preference "
-            "term"
-        },
-    )
-    preference_loss_weight: float = field(
-        default=1.0, metadata={"help": "weight of the preference (DPO) term"}
-    )
-    sft_loss_weight: float = field(
-        default=0.0, metadata={"help": "weight of an NLL term on the chosen response; 0 = off"}
-    )
-    sft_average_log_probs: bool = field(
-        default=False, metadata={"help": "the SFT term uses the mean (not sum) of the chosen token logprobs"}
-    )
+    preference_loss: Literal["dpo", "ipo", "simpo"] = "dpo"
+    """dpo: -log sigmoid(r_c - r_r); ipo: (h - 1/(2 beta))^2 with h the difference of log ratios; simpo:
+    reference-free, -log sigmoid(beta (mean log pi(y_c) - mean log pi(y_r)) - simpo_gamma)"""
+    reference_policy_kl_penalty: float = 0.1
+    """beta: scale of the implicit reward beta * (log pi - log pi_ref); IPO's tau; SimPO's beta"""
+    simpo_gamma: float = 0.5
+    """SimPO's target reward margin gamma (preference_loss simpo)"""
+    preference_average_log_probs: bool = False
+    """sequence log-prob = mean (not sum) of the response's token logprobs in the preference term"""
+    preference_loss_weight: float = 1.0
+    """weight of the preference (DPO) term"""
+    sft_loss_weight: float = 0.0
+    """weight of an NLL term on the chosen response; 0 = off"""
+    sft_average_log_probs: bool = False
+    """the SFT term uses the mean (not sum) of the chosen token logprobs"""
 
     def validate(self) -> None:
         if self.preference_loss == "ipo" and self.reference_policy_kl_penalty <= 0:

@@ -46,22 +46,20 @@ RM_LR = 1e-5
 class RMConfig:
     """`posttrain rm` configuration."""
 
-    rm: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the reward-model loop"})
-    policy: PolicyConfig = field(
-        default_factory=lambda: policy_with_lr(RM_LR, model_kind="reward_model"),
-        metadata={"help": "the trained reward model (model_kind: reward_model; AdamW lr 1e-5 by default)"},
-    )
+    rm: LoopConfig = field(default_factory=LoopConfig)
+    """the reward-model loop"""
+    policy: PolicyConfig = field(default_factory=lambda: policy_with_lr(RM_LR, model_kind="reward_model"))
+    """the trained reward model (model_kind: reward_model; AdamW lr 1e-5 by default)"""
     data: DataConfig = field(
-        default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference"),
-        metadata={"help": "preference pairs (prompt, chosen, rejected)"},
+        default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference")
     )
-    cluster: ClusterConfig = field(
-        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
-    )
-    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
-    checkpointing: CheckpointingConfig = field(
-        default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
-    )
+    """preference pairs (prompt, chosen, rejected)"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster and placement"""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """logging"""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """checkpoints (ranked by val_loss by default)"""
 
     def validate(self) -> None:
         if self.policy.model_kind != "reward_model":

@@ -50,19 +50,14 @@ SFT_LR = 2e-5
 class DistillationConfig:
     """Off-policy knowledge distillation: SFT's data, a frozen teacher's top-k as the target."""
 
-    enabled: bool = field(
-        default=False, metadata={"help": "train on the teacher's top-k instead of only the data"}
-    )
-    top_k: int = field(
-        default=20, metadata={"help": "the teacher's most likely next tokens kept per position"}
-    )
-    loss: KDLossConfig = field(
-        default_factory=KDLossConfig, metadata={"help": "weights of the KL and NLL terms"}
-    )
-    teacher: PolicyConfig = field(
-        default_factory=PolicyConfig,
-        metadata={"help": "the teacher: a causal LM with the student's tokenizer (only its forward runs)"},
-    )
+    enabled: bool = False
+    """train on the teacher's top-k instead of only the data"""
+    top_k: int = 20
+    """the teacher's most likely next tokens kept per position"""
+    loss: KDLossConfig = field(default_factory=KDLossConfig)
+    """weights of the KL and NLL terms"""
+    teacher: PolicyConfig = field(default_factory=PolicyConfig)
+    """the teacher: a causal LM with the student's tokenizer (only its forward runs)"""
 
     def validate(self) -> None:
         if self.top_k < 1:
@@ -79,23 +74,20 @@ class DistillationConfig:
 class SFTConfig:
     """`posttrain sft` configuration."""
 
-    sft: LoopConfig = field(default_factory=LoopConfig, metadata={"help": "the SFT loop"})
-    policy: PolicyConfig = field(
-        default_factory=lambda: policy_with_lr(SFT_LR),
-        metadata={"help": "the trained model (AdamW lr 2e-5 by default)"},
-    )
-    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "training and validation data"})
-    cluster: ClusterConfig = field(
-        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
-    )
-    logger: LoggerConfig = field(default_factory=LoggerConfig, metadata={"help": "logging"})
-    checkpointing: CheckpointingConfig = field(
-        default_factory=CheckpointingConfig, metadata={"help": "checkpoints (ranked by val_loss by default)"}
-    )
-    distillation: DistillationConfig = field(
-        default_factory=DistillationConfig,
-        metadata={"help": "off-policy knowledge distillation (off by default)"},
-    )
+    sft: LoopConfig = field(default_factory=LoopConfig)
+    """the SFT loop"""
+    policy: PolicyConfig = field(default_factory=lambda: policy_with_lr(SFT_LR))
+    """the trained model (AdamW lr 2e-5 by default)"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """training and validation data"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster and placement"""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """logging"""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """checkpoints (ranked by val_loss by default)"""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """off-policy knowledge distillation (off by default)"""
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)

@@ -43,25 +43,18 @@ from posttrain.workers.policy import Policy, PolicyConfig
 class LoopConfig:
     """The loop knobs of a supervised algorithm (the `sft`, `dpo` and `rm` sections)."""
 
-    max_num_epochs: int = field(
-        default=1, metadata={"help": "passes over the training set (when max_num_steps is null)"}
-    )
-    max_num_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "optimizer steps; wins over max_num_epochs, the data loops as needed (null: epochs)"
-        },
-    )
-    val_period: int = field(
-        default=25, metadata={"help": "validation every this many steps (and at the end)"}
-    )
-    val_global_batch_size: int = field(
-        default=64, metadata={"help": "validation examples (conversations, or pairs for dpo/rm) per batch"}
-    )
-    val_max_samples: int | None = field(
-        default=256, metadata={"help": "validation examples used (None: all)"}
-    )
-    export_final_model: bool = field(default=True, metadata={"help": "write <log_dir>/hf_model at the end"})
+    max_num_epochs: int = 1
+    """passes over the training set (when max_num_steps is null)"""
+    max_num_steps: int | None = None
+    """optimizer steps; wins over max_num_epochs, the data loops as needed (null: epochs)"""
+    val_period: int = 25
+    """validation every this many steps (and at the end)"""
+    val_global_batch_size: int = 64
+    """validation examples (conversations, or pairs for dpo/rm) per batch"""
+    val_max_samples: int | None = 256
+    """validation examples used (None: all)"""
+    export_final_model: bool = True
+    """write <log_dir>/hf_model at the end"""
 
     def validate(self) -> None:
         if self.val_period < 1:

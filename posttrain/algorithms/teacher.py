@@ -35,33 +35,19 @@ from posttrain.workers.policy import Policy, PolicyConfig
 class TeacherConfig:
     """On-policy distillation's frozen teacher (used with grpo.advantage_estimator on_policy_distillation)."""
 
-    model: PolicyConfig = field(
-        default_factory=PolicyConfig,
-        metadata={"help": "the teacher: a causal LM with the student's tokenizer (only its forward runs)"},
-    )
-    reward_weight: float = field(
-        default=0.0,
-        metadata={
-            "help": "weight of the environment's group-relative advantage added to the distillation "
-            "advantage; 0 = pure distillation"
-        },
-    )
+    model: PolicyConfig = field(default_factory=PolicyConfig)
+    """the teacher: a causal LM with the student's tokenizer (only its forward runs)"""
+    reward_weight: float = 0.0
+    """weight of the environment's group-relative advantage added to the distillation advantage; 0 = pure
+    distillation"""
 
-    top_k: int = field(
-        default=0,
-        metadata={
-            "help": "0: each sampled token's advantage is log pi_teacher - log pi_student (a policy "
-            "gradient); k > 0: the loss on the student's samples is the forward KL from the teacher's top-k "
-            "next tokens at every sampled position (GKD's supervised on-policy distillation)"
-        },
-    )
-    whiten_advantages: bool = field(
-        default=True,
-        metadata={
-            "help": "whiten the distillation advantages over the batch's trained tokens (the batch mean is "
-            "a baseline: nearly every sampled token starts below the teacher's logprob)"
-        },
-    )
+    top_k: int = 0
+    """0: each sampled token's advantage is log pi_teacher - log pi_student (a policy gradient); k > 0: the
+    loss on the student's samples is the forward KL from the teacher's top-k next tokens at every sampled
+    position (GKD's supervised on-policy distillation)"""
+    whiten_advantages: bool = True
+    """whiten the distillation advantages over the batch's trained tokens (the batch mean is a baseline:
+    nearly every sampled token starts below the teacher's logprob)"""
 
     def validate(self) -> None:
         if self.model.model_kind != "causal_lm":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import yaml
@@ -41,12 +41,14 @@ _KEY_PATTERN = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+)*$")
 class Override:
     """One command-line override: `a.b=v` (set), `+a.c=v` (add), `++a.c=v` (force) or `~a.d` (delete)."""
 
-    kind: Literal["set", "add", "force", "delete"] = field(
-        default="set", metadata={"help": "set: key must exist; add: must not; force: either; delete."}
-    )
-    key: str = field(default="", metadata={"help": "Dotted key, e.g. policy.optimizer.kwargs.lr."})
-    value: Any = field(default=None, metadata={"help": "The value, parsed as YAML (None for delete)."})
-    text: str = field(default="", metadata={"help": "The override as typed on the command line."})
+    kind: Literal["set", "add", "force", "delete"] = "set"
+    """set: key must exist; add: must not; force: either; delete."""
+    key: str = ""
+    """Dotted key, e.g. policy.optimizer.kwargs.lr."""
+    value: Any = None
+    """The value, parsed as YAML (None for delete)."""
+    text: str = ""
+    """The override as typed on the command line."""
 
 
 def _parse_value(key: str, text: str) -> Any:

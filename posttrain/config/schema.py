@@ -3,8 +3,12 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
 import os
+import textwrap
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -306,10 +310,27 @@ def _describe_fields(schema_cls: type, prefix: str, instance: Any) -> list[tuple
         if section is not None and isinstance(default, section):
             rows += _describe_fields(section, dotted, default)
             continue
-        rows.append((dotted, _format_default(default), item.metadata.get("help", "")))
+        help_text = field_docs(schema_cls).get(item.name) or item.metadata.get("help", "")
+        rows.append((dotted, _format_default(default), help_text))
         if section is not None:  # an optional section, off by default: list its keys too
             rows += _describe_fields(section, dotted, None)
     return rows
+
+
+@functools.cache
+def field_docs(schema_cls: type) -> dict[str, str]:
+    """The help of each field of a dataclass: the docstring under the field, base classes first."""
+    docs: dict[str, str] = {}
+    for klass in reversed(schema_cls.__mro__[:-1]):
+        try:
+            body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body  # type: ignore[attr-defined]
+        except (OSError, TypeError):
+            continue
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
+                if isinstance(node.target, ast.Name) and isinstance(after.value, ast.Constant):
+                    docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
 
 
 def format_config_help(schema_cls: type) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from posttrain.config import ConfigError
@@ -16,86 +16,66 @@ Format = Literal["auto", "messages", "prompt_response", "rl", "preference"]
 class DataConfig:
     """Training and validation data (the `data` section)."""
 
-    dataset: str = field(
-        default="arithmetic",
-        metadata={
-            "help": "built-in task name, a .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name"
-        },
-    )
-    val_dataset: str | None = field(
-        default=None,
-        metadata={"help": "validation file or dataset (None: val_split, else carved off with val_fraction)"},
-    )
-    format: Format = field(
-        default="auto",
-        metadata={"help": "messages | prompt_response | rl | preference (auto: from the row's keys)"},
-    )
-    split: str = field(default="train", metadata={"help": "Hugging Face split for training"})
-    val_split: str | None = field(default=None, metadata={"help": "Hugging Face split for validation"})
-    val_fraction: float = field(
-        default=0.05, metadata={"help": "share of rows carved off for validation when none is given"}
-    )
-    messages_key: str = field(default="messages", metadata={"help": "column of OpenAI-style messages"})
-    prompt_key: str = field(default="prompt", metadata={"help": "column of the prompt"})
-    response_key: str = field(
-        default="response", metadata={"help": "column of the response (prompt_response)"}
-    )
-    answer_key: str = field(default="answer", metadata={"help": "column of the ground-truth answer (rl)"})
-    chosen_key: str = field(default="chosen", metadata={"help": "column of the chosen response (preference)"})
-    rejected_key: str = field(
-        default="rejected", metadata={"help": "column of the rejected response (preference)"}
-    )
-    image_key: str = field(
-        default="images",
-        metadata={
-            "help": "column of image paths/bytes (one or a list) shown before the prompt (rl, "
-            "prompt_response)"
-        },
-    )
-    task_key: str = field(default="task_name", metadata={"help": "column naming the task/environment (rl)"})
-    tools_key: str = field(
-        default="tools",
-        metadata={"help": "column of the tool names a row may call (default: all its task's)"},
-    )
-    task_name: str | None = field(
-        default=None,
-        metadata={"help": "task of rows without a task column (rl; null: the one task of `env`, if one)"},
-    )
-    system_prompt: str | None = field(
-        default=None, metadata={"help": "system message; '@path' reads it from a file"}
-    )
-    prompt_template: str | None = field(
-        default=None, metadata={"help": "template with {prompt}, e.g. 'Q: {prompt}'; '@path' reads a file"}
-    )
-    max_length: int = field(default=512, metadata={"help": "most tokens of a sample"})
-    overlong: Literal["truncate", "drop"] = field(
-        default="truncate", metadata={"help": "what to do with longer samples (counted either way)"}
-    )
-    skip_invalid: bool = field(
-        default=False, metadata={"help": "skip and count bad rows instead of stopping with an error"}
-    )
-    shuffle: bool = field(default=True, metadata={"help": "shuffle training data each epoch"})
-    seed: int = field(default=42, metadata={"help": "seed of shuffling, splits and built-in tasks"})
-    shuffle_seed: int | None = field(
-        default=None,
-        metadata={"help": "seed of the training order alone (null: data.seed); the split stays as it is"},
-    )
-    train_on: Literal["assistant", "last_assistant"] = field(
-        default="assistant", metadata={"help": "tokens trained on: all assistant turns or only the last"}
-    )
-    num_train: int | None = field(
-        default=None, metadata={"help": "training rows used (built-in tasks: generated)"}
-    )
-    num_val: int | None = field(
-        default=None, metadata={"help": "validation rows used (built-in tasks: generated)"}
-    )
-    num_digits: int = field(
-        default=2, metadata={"help": "built-in arithmetic, math_words, multiplication: digits per operand"}
-    )
-    puzzle_size: int = field(default=2, metadata={"help": "built-in sliding_puzzle: board size"})
-    puzzle_scramble_moves: int = field(
-        default=2, metadata={"help": "built-in sliding_puzzle: random moves from solved"}
-    )
+    dataset: str = "arithmetic"
+    """built-in task name, a .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name"""
+    val_dataset: str | None = None
+    """validation file or dataset (None: val_split, else carved off with val_fraction)"""
+    format: Format = "auto"
+    """messages | prompt_response | rl | preference (auto: from the row's keys)"""
+    split: str = "train"
+    """Hugging Face split for training"""
+    val_split: str | None = None
+    """Hugging Face split for validation"""
+    val_fraction: float = 0.05
+    """share of rows carved off for validation when none is given"""
+    messages_key: str = "messages"
+    """column of OpenAI-style messages"""
+    prompt_key: str = "prompt"
+    """column of the prompt"""
+    response_key: str = "response"
+    """column of the response (prompt_response)"""
+    answer_key: str = "answer"
+    """column of the ground-truth answer (rl)"""
+    chosen_key: str = "chosen"
+    """column of the chosen response (preference)"""
+    rejected_key: str = "rejected"
+    """column of the rejected response (preference)"""
+    image_key: str = "images"
+    """column of image paths/bytes (one or a list) shown before the prompt (rl, prompt_response)"""
+    task_key: str = "task_name"
+    """column naming the task/environment (rl)"""
+    tools_key: str = "tools"
+    """column of the tool names a row may call (default: all its task's)"""
+    task_name: str | None = None
+    """task of rows without a task column (rl; null: the one task of `env`, if one)"""
+    system_prompt: str | None = None
+    """system message; '@path' reads it from a file"""
+    prompt_template: str | None = None
+    """template with {prompt}, e.g. 'Q: {prompt}'; '@path' reads a file"""
+    max_length: int = 512
+    """most tokens of a sample"""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """what to do with longer samples (counted either way)"""
+    skip_invalid: bool = False
+    """skip and count bad rows instead of stopping with an error"""
+    shuffle: bool = True
+    """shuffle training data each epoch"""
+    seed: int = 42
+    """seed of shuffling, splits and built-in tasks"""
+    shuffle_seed: int | None = None
+    """seed of the training order alone (null: data.seed); the split stays as it is"""
+    train_on: Literal["assistant", "last_assistant"] = "assistant"
+    """tokens trained on: all assistant turns or only the last"""
+    num_train: int | None = None
+    """training rows used (built-in tasks: generated)"""
+    num_val: int | None = None
+    """validation rows used (built-in tasks: generated)"""
+    num_digits: int = 2
+    """built-in arithmetic, math_words, multiplication: digits per operand"""
+    puzzle_size: int = 2
+    """built-in sliding_puzzle: board size"""
+    puzzle_scramble_moves: int = 2
+    """built-in sliding_puzzle: random moves from solved"""
 
     @property
     def training_order_seed(self) -> int:

@@ -41,60 +41,39 @@ class ClusterConnectionError(ConnectionError):
 class ClusterConfig:
     """Where workers run: a local Ray instance or a running cluster, and the bundles to reserve."""
 
-    address: str | None = field(
-        default=None,
-        metadata={"help": "Ray address to join (auto, ray://...); None: RAY_ADDRESS or a local instance"},
-    )
-    num_nodes: int = field(default=1, metadata={"help": "nodes the workers span"})
-    workers_per_node: int = field(
-        default=1, metadata={"help": "training workers per node (one per GPU, or per CPU bundle)"}
-    )
-    num_cpus_per_worker: float | None = field(
-        default=None,
-        metadata={
-            "help": "CPUs in each worker bundle (None: a local instance's cores shared by workers_per_node, "
-            "at least 1; 1 on a running cluster)"
-        },
-    )
-    num_gpus_per_worker: float = field(default=0.0, metadata={"help": "GPUs in each worker bundle"})
-    num_cpus: int | None = field(
-        default=None, metadata={"help": "logical CPUs of a local Ray start (None: enough for the bundles)"}
-    )
-    placement_strategy: str | None = field(
-        default=None,
-        metadata={
-            "help": "STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"
-        },
-    )
-    include_dashboard: bool = field(
-        default=False, metadata={"help": "start Ray's dashboard with a local instance"}
-    )
-    dashboard_agent: bool = field(
-        default=False,
-        metadata={
-            "help": "run Ray's full dashboard agent on a local instance (job API, metrics export that "
-            "logger.monitor_gpus reads); off: the minimal agent, no HTTP server"
-        },
-    )
-    connect_timeout_s: float = field(
-        default=10.0, metadata={"help": "seconds to wait for cluster.address to answer before failing"}
-    )
-    dashboard_host: str = field(default="127.0.0.1", metadata={"help": "address the dashboard binds to"})
-    resource_timeout_s: float = field(
-        default=60.0, metadata={"help": "seconds to wait for the bundles before failing"}
-    )
-    master_port_range: list[int] = field(
-        default_factory=lambda: [29500, 29999], metadata={"help": "ports for torch.distributed rendezvous"}
-    )
-    max_restarts: int = field(
-        default=3,
-        metadata={
-            "help": "times a run rebuilds its workers (on the nodes left, or ones that join) and resumes "
-            "from its latest intact checkpoint after a worker or its node dies; 0: the run stops. Also "
-            "the times Hugging Face generation workers apart from the policy that die mid-generate are "
-            "replaced, regenerating only their samples"
-        },
-    )
+    address: str | None = None
+    """Ray address to join (auto, ray://...); None: RAY_ADDRESS or a local instance"""
+    num_nodes: int = 1
+    """nodes the workers span"""
+    workers_per_node: int = 1
+    """training workers per node (one per GPU, or per CPU bundle)"""
+    num_cpus_per_worker: float | None = None
+    """CPUs in each worker bundle (None: a local instance's cores shared by workers_per_node, at least 1; 1
+    on a running cluster)"""
+    num_gpus_per_worker: float = 0.0
+    """GPUs in each worker bundle"""
+    num_cpus: int | None = None
+    """logical CPUs of a local Ray start (None: enough for the bundles)"""
+    placement_strategy: str | None = None
+    """STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"""
+    include_dashboard: bool = False
+    """start Ray's dashboard with a local instance"""
+    dashboard_agent: bool = False
+    """run Ray's full dashboard agent on a local instance (job API, metrics export that logger.monitor_gpus
+    reads); off: the minimal agent, no HTTP server"""
+    connect_timeout_s: float = 10.0
+    """seconds to wait for cluster.address to answer before failing"""
+    dashboard_host: str = "127.0.0.1"
+    """address the dashboard binds to"""
+    resource_timeout_s: float = 60.0
+    """seconds to wait for the bundles before failing"""
+    master_port_range: list[int] = field(default_factory=lambda: [29500, 29999])
+    """ports for torch.distributed rendezvous"""
+    max_restarts: int = 3
+    """times a run rebuilds its workers (on the nodes left, or ones that join) and resumes from its latest
+    intact checkpoint after a worker or its node dies; 0: the run stops. Also the times Hugging Face
+    generation workers apart from the policy that die mid-generate are replaced, regenerating only their
+    samples"""
 
     def validate(self) -> None:
         if self.num_nodes < 1 or self.workers_per_node < 1:

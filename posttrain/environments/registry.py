@@ -45,23 +45,19 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
 class EnvironmentConfig:
     """One task's environment."""
 
-    cls: str = field(
-        default="exact_match",
-        metadata={"help": "registered name, or file.py:Class / module:Class (reward_function with reward)"},
-    )
-    kwargs: dict[str, Any] = field(default_factory=dict, metadata={"help": "keyword arguments of the class"})
-    num_workers: int = field(default=1, metadata={"help": "Ray actors sharing this environment's samples"})
-    num_cpus: float = field(default=0.1, metadata={"help": "logical CPUs reserved per environment actor"})
-    reward: str | None = field(
-        default=None,
-        metadata={
-            "help": "a reward function fn(reply, **columns) -> float as file.py:fn, module:fn or a "
-            "register_reward name (replaces cls)"
-        },
-    )
-    reward_batched: bool = field(
-        default=False, metadata={"help": "call reward once per batch: fn(replies, **columns) -> list"}
-    )
+    cls: str = "exact_match"
+    """registered name, or file.py:Class / module:Class (reward_function with reward)"""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """keyword arguments of the class"""
+    num_workers: int = 1
+    """Ray actors sharing this environment's samples"""
+    num_cpus: float = 0.1
+    """logical CPUs reserved per environment actor"""
+    reward: str | None = None
+    """a reward function fn(reply, **columns) -> float as file.py:fn, module:fn or a register_reward name
+    (replaces cls)"""
+    reward_batched: bool = False
+    """call reward once per batch: fn(replies, **columns) -> list"""
 
     def validate(self) -> None:
         if self.reward is not None and self.cls not in ("exact_match", "reward_function"):

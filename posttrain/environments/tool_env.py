@@ -24,35 +24,29 @@ from posttrain.environments.tools import Tool, ToolResult, call_tool, resolve_to
 class ToolEnvironmentConfig:
     """The keyword arguments of the `tools` environment (`env.<task>.kwargs`)."""
 
-    tools: list[str] = field(
-        default_factory=lambda: ["calculator"],
-        metadata={"help": "built-in names (calculator, python) or module:function / file.py:function"},
-    )
-    parameters: dict[str, Any] = field(
-        default_factory=dict,
-        metadata={"help": "JSON schema of a tool's arguments by tool name (default: inferred)"},
-    )
-    format: Literal["hermes", "llama3_json"] = field(
-        default="hermes", metadata={"help": "call format: hermes (Hermes/Qwen tool_call tags) or llama3_json"}
-    )
-    system_prompt: str | None = field(
-        default=None,
-        metadata={
-            "help": "tool prompt for templates without tools= support; {tools} and {instructions} are "
-            "filled in (None: the default)"
-        },
-    )
-    max_tool_turns: int = field(default=4, metadata={"help": "assistant turns with tool calls per episode"})
-    max_episode_tokens: int | None = field(
-        default=None, metadata={"help": "tokens of the conversation after which a call ends the episode"}
-    )
-    max_tool_time_s: float = field(default=30.0, metadata={"help": "seconds of tool time per episode"})
-    max_output_chars: int = field(
-        default=2000, metadata={"help": "a tool result is cut to this many characters"}
-    )
-    python_timeout_s: float = field(default=5.0, metadata={"help": "the python tool's time limit per call"})
-    python_memory_mb: int = field(default=512, metadata={"help": "the python tool's memory limit"})
-    ground_truth_key: str = field(default="ground_truth", metadata={"help": "metadata key of the answer"})
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """built-in names (calculator, python) or module:function / file.py:function"""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    """JSON schema of a tool's arguments by tool name (default: inferred)"""
+    format: Literal["hermes", "llama3_json"] = "hermes"
+    """call format: hermes (Hermes/Qwen tool_call tags) or llama3_json"""
+    system_prompt: str | None = None
+    """tool prompt for templates without tools= support; {tools} and {instructions} are filled in (None:
+    the default)"""
+    max_tool_turns: int = 4
+    """assistant turns with tool calls per episode"""
+    max_episode_tokens: int | None = None
+    """tokens of the conversation after which a call ends the episode"""
+    max_tool_time_s: float = 30.0
+    """seconds of tool time per episode"""
+    max_output_chars: int = 2000
+    """a tool result is cut to this many characters"""
+    python_timeout_s: float = 5.0
+    """the python tool's time limit per call"""
+    python_memory_mb: int = 512
+    """the python tool's memory limit"""
+    ground_truth_key: str = "ground_truth"
+    """metadata key of the answer"""
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> ToolEnvironmentConfig:

@@ -50,41 +50,32 @@ from posttrain.workers.generation import GenerationConfig, make_generation
 class EvalSettings:
     """What is measured and where the results go (section `eval`)."""
 
-    metric: Literal["pass@k", "cons@k"] = field(
-        default="pass@k",
-        metadata={"help": "pass@k (unbiased estimator) or cons@k (majority vote over k samples)"},
-    )
-    k_value: int = field(default=1, metadata={"help": "k of pass@k / cons@k (>= 1, <= num_tests_per_prompt)"})
-    num_tests_per_prompt: int = field(default=1, metadata={"help": "n: samples generated per prompt"})
-    greedy: bool = field(
-        default=True, metadata={"help": "argmax decoding (needs num_tests_per_prompt 1); false: sample"}
-    )
-    seed: int = field(default=42, metadata={"help": "seed of the sampling (and of cons@k's subset draws)"})
-    save_path: str = field(default="", metadata={"help": "output directory ('' : results/eval-<time>)"})
-    records: Literal["all", "validation"] = field(
-        default="all",
-        metadata={
-            "help": "all: every row of data.val_dataset if set, else of data.dataset (a built-in task: its "
-            "validation rows); validation: the slice training validates on (data.val_fraction)"
-        },
-    )
-    max_samples: int | None = field(
-        default=None, metadata={"help": "evaluate only the first this many prompts"}
-    )
-    batch_size: int = field(
-        default=256, metadata={"help": "prompts per generation round (one progress step)"}
-    )
-    max_seq_len: int = field(
-        default=256, metadata={"help": "most tokens of a conversation; longer is truncated"}
-    )
-    max_rollout_turns: int = field(default=1, metadata={"help": "turns per episode (1: single-turn)"})
-    grader: str | None = field(
-        default="final_number",
-        metadata={
-            "help": "strict grade reported beside the reward ('final_number': the reply's last number "
-            "equals a numeric ground truth; file.py:function or module:function; null: none)"
-        },
-    )
+    metric: Literal["pass@k", "cons@k"] = "pass@k"
+    """pass@k (unbiased estimator) or cons@k (majority vote over k samples)"""
+    k_value: int = 1
+    """k of pass@k / cons@k (>= 1, <= num_tests_per_prompt)"""
+    num_tests_per_prompt: int = 1
+    """n: samples generated per prompt"""
+    greedy: bool = True
+    """argmax decoding (needs num_tests_per_prompt 1); false: sample"""
+    seed: int = 42
+    """seed of the sampling (and of cons@k's subset draws)"""
+    save_path: str = ""
+    """output directory ('' : results/eval-<time>)"""
+    records: Literal["all", "validation"] = "all"
+    """all: every row of data.val_dataset if set, else of data.dataset (a built-in task: its validation
+    rows); validation: the slice training validates on (data.val_fraction)"""
+    max_samples: int | None = None
+    """evaluate only the first this many prompts"""
+    batch_size: int = 256
+    """prompts per generation round (one progress step)"""
+    max_seq_len: int = 256
+    """most tokens of a conversation; longer is truncated"""
+    max_rollout_turns: int = 1
+    """turns per episode (1: single-turn)"""
+    grader: str | None = "final_number"
+    """strict grade reported beside the reward ('final_number': the reply's last number equals a numeric
+    ground truth; file.py:function or module:function; null: none)"""
 
     def validate(self) -> None:
         if self.k_value < 1:
@@ -110,16 +101,12 @@ class EvalSettings:
 class EvalModelConfig:
     """The evaluated model (section `model`): exactly one of model_name and from_config."""
 
-    model_name: str | None = field(
-        default=None,
-        metadata={
-            "help": "HF model directory or hub name, exported checkpoint, or a run's checkpoints/step_N"
-        },
-    )
-    tokenizer_name: str | None = field(default=None, metadata={"help": "tokenizer (None: the model's own)"})
-    from_config: ModelFromConfig | None = field(
-        default=None, metadata={"help": "a seeded random model with the character tokenizer (offline)"}
-    )
+    model_name: str | None = None
+    """HF model directory or hub name, exported checkpoint, or a run's checkpoints/step_N"""
+    tokenizer_name: str | None = None
+    """tokenizer (None: the model's own)"""
+    from_config: ModelFromConfig | None = None
+    """a seeded random model with the character tokenizer (offline)"""
 
     def validate(self) -> None:
         if (self.model_name is None) == (self.from_config is None):
@@ -130,26 +117,20 @@ class EvalModelConfig:
 class EvalConfig:
     """`posttrain eval` configuration."""
 
-    eval: EvalSettings = field(default_factory=EvalSettings, metadata={"help": "metric, samples, output"})
-    model: EvalModelConfig = field(default_factory=EvalModelConfig, metadata={"help": "the evaluated model"})
-    generation: GenerationConfig = field(
-        default_factory=GenerationConfig, metadata={"help": "sampling and backend"}
-    )
-    data: DataConfig = field(
-        default_factory=DataConfig,
-        metadata={"help": "dataset: every row is scored (eval.records: all), or its validation slice"},
-    )
-    env: dict[str, EnvironmentConfig] = field(
-        default_factory=lambda: {"arithmetic": EnvironmentConfig()},
-        metadata={"help": "task name -> environment"},
-    )
-    cluster: ClusterConfig = field(
-        default_factory=ClusterConfig, metadata={"help": "Ray cluster and placement"}
-    )
-    logger: LoggerConfig = field(
-        default_factory=LoggerConfig,
-        metadata={"help": "where the results are logged, as in training (log_dir None: eval.save_path)"},
-    )
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    """metric, samples, output"""
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
+    """the evaluated model"""
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    """sampling and backend"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """dataset: every row is scored (eval.records: all), or its validation slice"""
+    env: dict[str, EnvironmentConfig] = field(default_factory=lambda: {"arithmetic": EnvironmentConfig()})
+    """task name -> environment"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster and placement"""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """where the results are logged, as in training (log_dir None: eval.save_path)"""
 
     def validate(self) -> None:
         match_task_to_environments(self.data, self.env)

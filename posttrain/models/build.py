@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,49 +41,37 @@ VISION_ARCHITECTURES = ("qwen2_vl",)  # built by posttrain.models.vlm (a tiny vi
 class ModelFromConfig:
     """A decoder-only model with seeded random weights and a built-in tokenizer (character or byte-level)."""
 
-    architecture: str = field(
-        default="qwen2",
-        metadata={
-            "help": "Model family: 'qwen2', 'llama', 'qwen2_vl' (a vision-language Qwen2-VL), or a mixture "
-            "of experts: 'qwen3_moe', 'mixtral', 'qwen2_moe' (with a shared expert)."
-        },
-    )
-    hidden_size: int = field(default=128, metadata={"help": "Width of the residual stream."})
-    num_layers: int = field(default=4, metadata={"help": "Number of transformer blocks."})
-    num_attention_heads: int = field(default=4, metadata={"help": "Number of query heads per layer."})
-    num_key_value_heads: int | None = field(
-        default=None,
-        metadata={"help": "Key/value heads (grouped-query attention); None = num_attention_heads."},
-    )
-    intermediate_size: int = field(default=512, metadata={"help": "Hidden width of the MLP."})
-    max_position_embeddings: int = field(
-        default=512, metadata={"help": "Longest sequence the model supports."}
-    )
-    tie_word_embeddings: bool = field(
-        default=True, metadata={"help": "Share the input embedding and the output projection."}
-    )
-    attention_dropout: float = field(
-        default=0.0, metadata={"help": "Dropout on attention probabilities while training (0: none)."}
-    )
-    num_experts: int = field(default=8, metadata={"help": "Routed experts per MoE layer (MoE families)."})
-    num_experts_per_token: int = field(
-        default=2, metadata={"help": "Experts each token is routed to (top-k; MoE families)."}
-    )
-    expert_intermediate_size: int = field(
-        default=128, metadata={"help": "Hidden width of one expert's MLP (MoE families)."}
-    )
-    shared_expert_intermediate_size: int = field(
-        default=256,
-        metadata={"help": "Hidden width of the shared expert every token goes through (qwen2_moe only)."},
-    )
-    seed: int = field(default=0, metadata={"help": "Seed of the random initial weights."})
-    tokenizer: Literal["char", "byte"] = field(
-        default="char",
-        metadata={
-            "help": "Built-in tokenizer: 'char' (one token per character, ~105) or 'byte' (byte-level BPE, "
-            "300)."
-        },
-    )
+    architecture: str = "qwen2"
+    """Model family: 'qwen2', 'llama', 'qwen2_vl' (a vision-language Qwen2-VL), or a mixture of experts:
+    'qwen3_moe', 'mixtral', 'qwen2_moe' (with a shared expert)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_attention_heads: int = 4
+    """Number of query heads per layer."""
+    num_key_value_heads: int | None = None
+    """Key/value heads (grouped-query attention); None = num_attention_heads."""
+    intermediate_size: int = 512
+    """Hidden width of the MLP."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model supports."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the output projection."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities while training (0: none)."""
+    num_experts: int = 8
+    """Routed experts per MoE layer (MoE families)."""
+    num_experts_per_token: int = 2
+    """Experts each token is routed to (top-k; MoE families)."""
+    expert_intermediate_size: int = 128
+    """Hidden width of one expert's MLP (MoE families)."""
+    shared_expert_intermediate_size: int = 256
+    """Hidden width of the shared expert every token goes through (qwen2_moe only)."""
+    seed: int = 0
+    """Seed of the random initial weights."""
+    tokenizer: Literal["char", "byte"] = "char"
+    """Built-in tokenizer: 'char' (one token per character, ~105) or 'byte' (byte-level BPE, 300)."""
 
     def validate(self) -> None:
         if self.tokenizer not in TOKENIZERS:

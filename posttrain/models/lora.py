@@ -31,21 +31,19 @@ DEFAULT_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "
 class LoraConfig:
     """Low-rank adapters on the policy's linear layers (peft); the base weights stay frozen."""
 
-    enabled: bool = field(default=False, metadata={"help": "Train LoRA adapters instead of all weights."})
-    rank: int = field(default=8, metadata={"help": "Rank r of each adapter (A: r x in, B: out x r)."})
-    alpha: float = field(default=16.0, metadata={"help": "Scaling: the update is (alpha / rank) * B @ A."})
-    dropout: float = field(default=0.0, metadata={"help": "Dropout on the adapter's input while training."})
-    target_modules: list[str] = field(
-        default_factory=lambda: list(DEFAULT_TARGET_MODULES),
-        metadata={"help": "Names (suffixes) of the nn.Linear modules that get adapters."},
-    )
-    modules_to_save: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Modules trained in full and saved with the adapter (None: the 'score' head of a "
-            "reward model, nothing for a causal LM)."
-        },
-    )
+    enabled: bool = False
+    """Train LoRA adapters instead of all weights."""
+    rank: int = 8
+    """Rank r of each adapter (A: r x in, B: out x r)."""
+    alpha: float = 16.0
+    """Scaling: the update is (alpha / rank) * B @ A."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: list[str] = field(default_factory=lambda: list(DEFAULT_TARGET_MODULES))
+    """Names (suffixes) of the nn.Linear modules that get adapters."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter (None: the 'score' head of a reward model,
+    nothing for a causal LM)."""
 
     def validate(self) -> None:
         if self.rank < 1:

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,37 +41,23 @@ class CheckpointWriteError(OSError):
 class CheckpointingConfig:
     """Where checkpoints go, how often, and which ones are kept."""
 
-    enabled: bool = field(default=True, metadata={"help": "Save checkpoints at all."})
-    checkpoint_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Directory holding step_N/ checkpoint folders; None: <logger.log_dir>/checkpoints."
-        },
-    )
-    metric_name: str | None = field(
-        default="auto",
-        metadata={
-            "help": "training_info key that ranks checkpoints; auto: the algorithm's validation metric "
-            "(val_loss; GRPO: val_accuracy); None ranks by step only."
-        },
-    )
-    higher_is_better: bool | None = field(
-        default=None, metadata={"help": "True if a larger metric is better; None: the algorithm's choice."}
-    )
-    keep_top_k: int | None = field(
-        default=None, metadata={"help": "Keep the k best checkpoints (plus the latest); None keeps all."}
-    )
-    save_optimizer: bool = field(
-        default=True,
-        metadata={
-            "help": "Save optimizer state; false: weights only (export-only checkpoints, resume with a "
-            "fresh optimizer)."
-        },
-    )
-    save_period: int = field(default=10, metadata={"help": "Save every this many steps."})
-    resume_from: str | None = field(
-        default=None, metadata={"help": "Explicit checkpoint directory to resume from; None: the latest one."}
-    )
+    enabled: bool = True
+    """Save checkpoints at all."""
+    checkpoint_dir: str | None = None
+    """Directory holding step_N/ checkpoint folders; None: <logger.log_dir>/checkpoints."""
+    metric_name: str | None = "auto"
+    """training_info key that ranks checkpoints; auto: the algorithm's validation metric (val_loss; GRPO:
+    val_accuracy); None ranks by step only."""
+    higher_is_better: bool | None = None
+    """True if a larger metric is better; None: the algorithm's choice."""
+    keep_top_k: int | None = None
+    """Keep the k best checkpoints (plus the latest); None keeps all."""
+    save_optimizer: bool = True
+    """Save optimizer state; false: weights only (export-only checkpoints, resume with a fresh optimizer)."""
+    save_period: int = 10
+    """Save every this many steps."""
+    resume_from: str | None = None
+    """Explicit checkpoint directory to resume from; None: the latest one."""
 
     def validate(self) -> None:
         if self.keep_top_k is not None and self.keep_top_k < 1:

@@ -30,85 +30,72 @@ log = logging.getLogger(__name__)
 class WandbConfig:
     """Weights & Biases run identity (offline unless an API key is set and WANDB_MODE allows online)."""
 
-    project: str = field(default="posttrain", metadata={"help": "W&B project name."})
-    name: str | None = field(default=None, metadata={"help": "W&B run name; None: the run directory's name."})
+    project: str = "posttrain"
+    """W&B project name."""
+    name: str | None = None
+    """W&B run name; None: the run directory's name."""
 
 
 @dataclass
 class TensorboardConfig:
     """Where TensorBoard event files go."""
 
-    log_dir: str | None = field(
-        default=None, metadata={"help": "Event file directory; None: <log_dir>/tensorboard."}
-    )
+    log_dir: str | None = None
+    """Event file directory; None: <log_dir>/tensorboard."""
 
 
 @dataclass
 class MLflowConfig:
     """MLflow experiment and run; the store is local to the run directory unless tracking_uri is set."""
 
-    experiment_name: str = field(
-        default="posttrain", metadata={"help": "MLflow experiment (created if missing)."}
-    )
-    run_name: str | None = field(
-        default=None, metadata={"help": "MLflow run name; None: the run directory's name."}
-    )
-    tracking_uri: str | None = field(
-        default=None, metadata={"help": "MLflow server or store URI; None: file store <log_dir>/mlruns."}
-    )
-    log_model: bool = field(
-        default=True,
-        metadata={"help": "At the end, copy the final model directory (<log_dir>/hf_model) as an artifact."},
-    )
+    experiment_name: str = "posttrain"
+    """MLflow experiment (created if missing)."""
+    run_name: str | None = None
+    """MLflow run name; None: the run directory's name."""
+    tracking_uri: str | None = None
+    """MLflow server or store URI; None: file store <log_dir>/mlruns."""
+    log_model: bool = True
+    """At the end, copy the final model directory (<log_dir>/hf_model) as an artifact."""
 
 
 @dataclass
 class GPUMonitoringConfig:
     """Timing of the Ray system monitor (node CPU/memory always, GPUs where present)."""
 
-    collection_interval: float = field(
-        default=10.0, metadata={"help": "Seconds between scrapes of every node."}
-    )
-    flush_interval: float = field(
-        default=10.0, metadata={"help": "Seconds between logged (averaged) points."}
-    )
+    collection_interval: float = 10.0
+    """Seconds between scrapes of every node."""
+    flush_interval: float = 10.0
+    """Seconds between logged (averaged) points."""
 
 
 @dataclass
 class LoggerConfig:
     """Where a run's metrics go: JSONL always, plus the enabled backends, all under `log_dir`."""
 
-    log_dir: str | None = field(
-        default=None,
-        metadata={"help": "Run directory; every backend writes under it (None: results/<algorithm>-<time>)."},
-    )
-    wandb_enabled: bool = field(
-        default=False, metadata={"help": "Log to Weights & Biases (offline by default)."}
-    )
-    tensorboard_enabled: bool = field(default=True, metadata={"help": "Write TensorBoard event files."})
-    mlflow_enabled: bool = field(default=False, metadata={"help": "Log to MLflow (local store by default)."})
-    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": "W&B settings."})
-    tensorboard: TensorboardConfig = field(
-        default_factory=TensorboardConfig, metadata={"help": "TB settings."}
-    )
-    mlflow: MLflowConfig = field(default_factory=MLflowConfig, metadata={"help": "MLflow settings."})
-    num_val_samples_to_print: int = field(
-        default=0, metadata={"help": "Validation samples printed per validation (best and worst reward)."}
-    )
-    monitor_gpus: bool = field(
-        default=False, metadata={"help": "Log node CPU/memory and GPU metrics from Ray's metrics endpoints."}
-    )
-    gpu_monitoring: GPUMonitoringConfig = field(
-        default_factory=GPUMonitoringConfig, metadata={"help": "System monitor intervals."}
-    )
-    gpu_collection_interval: float | None = field(
-        default=None,
-        metadata={"help": "Alias of gpu_monitoring.collection_interval (a flat name some configs use)."},
-    )
-    gpu_flush_interval: float | None = field(
-        default=None,
-        metadata={"help": "Alias of gpu_monitoring.flush_interval (a flat name some configs use)."},
-    )
+    log_dir: str | None = None
+    """Run directory; every backend writes under it (None: results/<algorithm>-<time>)."""
+    wandb_enabled: bool = False
+    """Log to Weights & Biases (offline by default)."""
+    tensorboard_enabled: bool = True
+    """Write TensorBoard event files."""
+    mlflow_enabled: bool = False
+    """Log to MLflow (local store by default)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """W&B settings."""
+    tensorboard: TensorboardConfig = field(default_factory=TensorboardConfig)
+    """TB settings."""
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    """MLflow settings."""
+    num_val_samples_to_print: int = 0
+    """Validation samples printed per validation (best and worst reward)."""
+    monitor_gpus: bool = False
+    """Log node CPU/memory and GPU metrics from Ray's metrics endpoints."""
+    gpu_monitoring: GPUMonitoringConfig = field(default_factory=GPUMonitoringConfig)
+    """System monitor intervals."""
+    gpu_collection_interval: float | None = None
+    """Alias of gpu_monitoring.collection_interval (a flat name some configs use)."""
+    gpu_flush_interval: float | None = None
+    """Alias of gpu_monitoring.flush_interval (a flat name some configs use)."""
 
     def validate(self) -> None:
         """Fold the flat GPU-monitoring aliases into `gpu_monitoring`; an alias that contradicts the nested

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 
@@ -10,94 +10,50 @@ from typing import Literal
 class GenerationConfig:
     """How rollouts are sampled and where the generation workers run."""
 
-    backend: Literal["auto", "hf", "vllm"] = field(
-        default="auto",
-        metadata={
-            "help": "hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra); auto: vllm when it is "
-            "importable and the workers have GPUs, else hf."
-        },
-    )
-    max_new_tokens: int = field(default=64, metadata={"help": "Most tokens generated per sample."})
-    temperature: float = field(
-        default=1.0, metadata={"help": "Sampling temperature (> 0); logprobs use it too."}
-    )
-    top_p: float = field(
-        default=1.0, metadata={"help": "Nucleus sampling mass in (0, 1]; 1.0 keeps all tokens."}
-    )
-    top_k: int | None = field(
-        default=None,
-        metadata={"help": "Keep only the k most likely tokens; None keeps all (no hidden default)."},
-    )
-    stop_token_ids: list[int] | None = field(
-        default=None,
-        metadata={"help": "Token ids that end a sample (kept in the output); None: the tokenizer's EOS."},
-    )
-    stop_strings: list[str] | None = field(
-        default=None,
-        metadata={"help": "Strings that end every sample (kept); added to per-sample stop_strings."},
-    )
-    num_workers: int = field(
-        default=1,
-        metadata={
-            "help": "Data-parallel generation workers when not colocated (colocated: one per policy bundle)."
-        },
-    )
-    colocated: bool = field(
-        default=True,
-        metadata={"help": "Share the policy's bundles (True) or run on a cluster of its own (False)."},
-    )
-    colocated_offload: bool | Literal["auto"] = field(
-        default="auto",
-        metadata={
-            "help": "Colocated on GPUs: the policy's weights and optimizer state leave the GPU while "
-            "generating (True), never (False), or only when policy and generation would not fit "
-            "together (auto: 4 x the policy's parameter bytes + the generation weights over half "
-            "of the GPU)."
-        },
-    )
-    num_cpus_per_worker: float = field(
-        default=0.5,
-        metadata={
-            "help": "Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."
-        },
-    )
-    precision: Literal["float32", "bfloat16"] = field(
-        default="float32", metadata={"help": "dtype of the generation model's weights and compute."}
-    )
-    packed_weights: bool = field(
-        default=True,
-        metadata={
-            "help": "hf backend, fp32 on a CPU: every linear layer computes with a copy of its weight laid "
-            "out "
-            "once for oneDNN, repacked after each refit (decoding ~1.4x faster at SmolLM2's size, for "
-            "a second copy of the weights in memory); False: torch's own linear."
-        },
-    )
-    seed: int = field(default=0, metadata={"help": "Base seed; a call without seed uses seed + call index."})
-    vllm_gpu_memory_utilization: float = field(
-        default=0.5,
-        metadata={"help": "vLLM only: share of GPU memory the engine may take (on CPU: of CPU memory)."},
-    )
-    vllm_max_model_len: int | None = field(
-        default=None, metadata={"help": "vLLM only: context length of the engine (None: the model's)."}
-    )
-    vllm_refit: Literal["memory", "disk"] = field(
-        default="memory",
-        metadata={
-            "help": "vLLM only: memory: the engine runs in the actor's process and a refit hands it the "
-            "tensors (vLLM's reload_weights with a weights iterator); disk: the engine in a process of "
-            "its own, and a refit writes the model as safetensors for it to reload (for vLLM builds "
-            "without an in-memory reload)."
-        },
-    )
-    vllm_lora_max_rank: int | None = field(
-        default=None,
-        metadata={
-            "help": "vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads "
-            "the adapter only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into "
-            "the weights and reload them."
-        },
-    )
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """hf: transformers (CPU or GPU); vllm: vLLM (the `vllm` extra); auto: vllm when it is importable and
+    the workers have GPUs, else hf."""
+    max_new_tokens: int = 64
+    """Most tokens generated per sample."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0); logprobs use it too."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1.0 keeps all tokens."""
+    top_k: int | None = None
+    """Keep only the k most likely tokens; None keeps all (no hidden default)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end a sample (kept in the output); None: the tokenizer's EOS."""
+    stop_strings: list[str] | None = None
+    """Strings that end every sample (kept); added to per-sample stop_strings."""
+    num_workers: int = 1
+    """Data-parallel generation workers when not colocated (colocated: one per policy bundle)."""
+    colocated: bool = True
+    """Share the policy's bundles (True) or run on a cluster of its own (False)."""
+    colocated_offload: bool | Literal["auto"] = "auto"
+    """Colocated on GPUs: the policy's weights and optimizer state leave the GPU while generating (True),
+    never (False), or only when policy and generation would not fit together (auto: 4 x the policy's
+    parameter bytes + the generation weights over half of the GPU)."""
+    num_cpus_per_worker: float = 0.5
+    """Logical CPUs of each generation actor on its own cluster (colocated: half a bundle)."""
+    precision: Literal["float32", "bfloat16"] = "float32"
+    """dtype of the generation model's weights and compute."""
+    packed_weights: bool = True
+    """hf backend, fp32 on a CPU: every linear layer computes with a copy of its weight laid out once for
+    oneDNN, repacked after each refit (decoding ~1.4x faster at SmolLM2's size, for a second copy of the
+    weights in memory); False: torch's own linear."""
+    seed: int = 0
+    """Base seed; a call without seed uses seed + call index."""
+    vllm_gpu_memory_utilization: float = 0.5
+    """vLLM only: share of GPU memory the engine may take (on CPU: of CPU memory)."""
+    vllm_max_model_len: int | None = None
+    """vLLM only: context length of the engine (None: the model's)."""
+    vllm_refit: Literal["memory", "disk"] = "memory"
+    """vLLM only: memory: the engine runs in the actor's process and a refit hands it the tensors (vLLM's
+    reload_weights with a weights iterator); disk: the engine in a process of its own, and a refit writes
+    the model as safetensors for it to reload (for vLLM builds without an in-memory reload)."""
+    vllm_lora_max_rank: int | None = None
+    """vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads the adapter
+    only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into the weights and reload them."""
 
     def validate(self) -> None:
         validate_generation_config(self)

@@ -15,16 +15,13 @@ from posttrain.models.lora import DEFAULT_TARGET_MODULES, LoraConfig
 class OptimizerConfig:
     """Any `torch.optim` class by name, built with these keyword arguments."""
 
-    name: str = field(
-        default="AdamW", metadata={"help": "Class name in torch.optim (AdamW, Adam, SGD, ...)."}
-    )
+    name: str = "AdamW"
+    """Class name in torch.optim (AdamW, Adam, SGD, ...)."""
     kwargs: dict[str, Any] = field(
-        default_factory=lambda: {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8},
-        metadata={
-            "help": "Keyword arguments of the optimizer class (lr, weight_decay, betas, eps, ...); a file "
-            "that sets some keeps the defaults of the others (unless it changes name)."
-        },
+        default_factory=lambda: {"lr": 1e-4, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8}
     )
+    """Keyword arguments of the optimizer class (lr, weight_decay, betas, eps, ...); a file that sets some
+    keeps the defaults of the others (unless it changes name)."""
 
     def validate(self) -> None:
         """Build the optimizer over one dummy parameter: an unknown name, keyword or value fails here,
@@ -43,11 +40,10 @@ class OptimizerConfig:
 class SchedulerConfig:
     """One `torch.optim.lr_scheduler` class by name, built with these keyword arguments."""
 
-    name: str = field(default="ConstantLR", metadata={"help": "Class name in torch.optim.lr_scheduler."})
-    kwargs: dict[str, Any] = field(
-        default_factory=lambda: {"factor": 1.0, "total_iters": 1},
-        metadata={"help": "Keyword arguments of the scheduler class (without the optimizer)."},
-    )
+    name: str = "ConstantLR"
+    """Class name in torch.optim.lr_scheduler."""
+    kwargs: dict[str, Any] = field(default_factory=lambda: {"factor": 1.0, "total_iters": 1})
+    """Keyword arguments of the scheduler class (without the optimizer)."""
 
     def validate(self) -> None:
         """Build the scheduler on a dummy optimizer: an unknown name, keyword or value fails here."""
@@ -96,88 +92,62 @@ def _torch_class(module: Any, name: str, base: type, where: str) -> type:
 class DynamicBatchingConfig:
     """Micro-batches cut by a token budget instead of a fixed number of sequences."""
 
-    enabled: bool = field(default=False, metadata={"help": "Cut micro-batches by token budget."})
-    max_tokens_per_microbatch: int = field(
-        default=4096, metadata={"help": "Token budget of one micro-batch (padded length x rows)."}
-    )
-    sequence_length_round: int = field(
-        default=16, metadata={"help": "Sequence lengths are rounded up to a multiple of this."}
-    )
+    enabled: bool = False
+    """Cut micro-batches by token budget."""
+    max_tokens_per_microbatch: int = 4096
+    """Token budget of one micro-batch (padded length x rows)."""
+    sequence_length_round: int = 16
+    """Sequence lengths are rounded up to a multiple of this."""
 
 
 @dataclass
 class SequencePackingConfig:
     """Several sequences per row, kept apart by position ids and a block-diagonal causal mask."""
 
-    enabled: bool = field(default=False, metadata={"help": "Pack sequences into rows (bins)."})
-    max_tokens_per_bin: int = field(default=4096, metadata={"help": "Token budget of one packed row."})
+    enabled: bool = False
+    """Pack sequences into rows (bins)."""
+    max_tokens_per_bin: int = 4096
+    """Token budget of one packed row."""
 
 
 @dataclass
 class MoeConfig:
     """Mixture-of-experts training: router losses added to the training loss, and router replay."""
 
-    load_balancing_coef: float = field(
-        default=0.0,
-        metadata={
-            "help": "Weight of the Switch-style load-balancing loss (as transformers computes it: k when "
-            "perfectly balanced) added to the training loss; 0: logged, not trained on."
-        },
-    )
-    z_loss_coef: float = field(
-        default=0.0,
-        metadata={"help": "Weight of the router z-loss, mean logsumexp(router logits)^2; 0: logged only."},
-    )
-    router_replay: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Training and logprob forwards route each generated token to the experts the generator "
-            "chose for it (recorded during generation; the HF backend). None: on for MoE models on the "
-            "dtensor backend, off on megatron (which does not replay: true is refused there)."
-        },
-    )
+    load_balancing_coef: float = 0.0
+    """Weight of the Switch-style load-balancing loss (as transformers computes it: k when perfectly
+    balanced) added to the training loss; 0: logged, not trained on."""
+    z_loss_coef: float = 0.0
+    """Weight of the router z-loss, mean logsumexp(router logits)^2; 0: logged only."""
+    router_replay: bool | None = None
+    """Training and logprob forwards route each generated token to the experts the generator chose for it
+    (recorded during generation; the HF backend). None: on for MoE models on the dtensor backend, off on
+    megatron (which does not replay: true is refused there)."""
 
 
 @dataclass
 class PolicyModelConfig:
     """Offline alternative to `policy.model_name`: build the model from an architecture config."""
 
-    from_config: ModelFromConfig | None = field(
-        default=None,
-        metadata={
-            "help": "Architecture of a seeded random model + the built-in tokenizer (None: use model_name)."
-        },
-    )
+    from_config: ModelFromConfig | None = None
+    """Architecture of a seeded random model + the built-in tokenizer (None: use model_name)."""
 
 
 @dataclass
 class MegatronConfig:
     """Parallelism of the Megatron Core backend (`policy.backend: megatron`); dp = workers / (tp x pp)."""
 
-    tensor_model_parallel_size: int = field(
-        default=1,
-        metadata={"help": "Ranks splitting each layer's matrices (attention heads, FFN, vocabulary)."},
-    )
-    pipeline_model_parallel_size: int = field(
-        default=1,
-        metadata={"help": "Pipeline stages (consecutive blocks of layers), run with the 1F1B schedule."},
-    )
-    sequence_parallel: bool = field(
-        default=False,
-        metadata={"help": "Split norms and dropout along the sequence over TP ranks (needs tp > 1)."},
-    )
-    distributed_optimizer: bool = field(
-        default=False,
-        metadata={"help": "Shard optimizer state (and fp32 master weights) over data-parallel ranks."},
-    )
-    moe_token_dispatcher: Literal["allgather", "alltoall"] = field(
-        default="allgather",
-        metadata={
-            "help": "How an MoE layer sends tokens to the expert-parallel ranks owning their experts: "
-            "allgather (every rank sees its EP group's tokens; runs on gloo/CPU) or alltoall (only the "
-            "routed tokens; GPUs/NCCL)."
-        },
-    )
+    tensor_model_parallel_size: int = 1
+    """Ranks splitting each layer's matrices (attention heads, FFN, vocabulary)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages (consecutive blocks of layers), run with the 1F1B schedule."""
+    sequence_parallel: bool = False
+    """Split norms and dropout along the sequence over TP ranks (needs tp > 1)."""
+    distributed_optimizer: bool = False
+    """Shard optimizer state (and fp32 master weights) over data-parallel ranks."""
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """How an MoE layer sends tokens to the expert-parallel ranks owning their experts: allgather (every
+    rank sees its EP group's tokens; runs on gloo/CPU) or alltoall (only the routed tokens; GPUs/NCCL)."""
 
 
 MEGATRON_OPTIMIZERS = {
@@ -191,124 +161,73 @@ MEGATRON_OPTIMIZERS = {
 class PolicyConfig:
     """The trainable model and how it is trained (one section: `policy`)."""
 
-    model_name: str | None = field(
-        default=None, metadata={"help": "Hugging Face model directory or hub name."}
-    )
-    model: PolicyModelConfig = field(
-        default_factory=PolicyModelConfig,
-        metadata={
-            "help": "model.from_config builds a tiny model into <log_dir>/initial_model and sets model_name."
-        },
-    )
-    tokenizer_name: str | None = field(
-        default=None, metadata={"help": "Tokenizer directory or hub name (None: same as model_name)."}
-    )
-    model_kind: Literal["causal_lm", "reward_model", "value_model"] = field(
-        default="causal_lm",
-        metadata={
-            "help": "causal_lm: token logprobs; reward_model: one scalar score per sequence; value_model: "
-            "one value per token (a PPO critic)."
-        },
-    )
-    precision: Literal["float32", "bfloat16"] = field(
-        default="float32",
-        metadata={"help": "Compute dtype; bfloat16 = mixed precision with fp32 master weights."},
-    )
-    train_global_batch_size: int = field(
-        default=32, metadata={"help": "Sequences per optimizer step, summed over data-parallel ranks."}
-    )
-    train_micro_batch_size: int = field(
-        default=4, metadata={"help": "Sequences per forward/backward on one rank (gradient accumulation)."}
-    )
-    logprob_batch_size: int = field(default=8, metadata={"help": "Sequences per forward in get_logprobs."})
-    max_grad_norm: float | None = field(
-        default=1.0, metadata={"help": "Clip the global gradient norm to this (None: no clipping)."}
-    )
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig, metadata={"help": "Optimizer."})
-    scheduler: list[SchedulerConfig] = field(
-        default_factory=list,
-        metadata={"help": "LR schedulers stepped once per optimizer step; several become SequentialLR."},
-    )
-    scheduler_milestones: list[int] = field(
-        default_factory=list, metadata={"help": "SequentialLR milestones (len(scheduler) - 1 steps)."}
-    )
-    dynamic_batching: DynamicBatchingConfig = field(
-        default_factory=DynamicBatchingConfig, metadata={"help": "Micro-batches by token budget."}
-    )
-    sequence_packing: SequencePackingConfig = field(
-        default_factory=SequencePackingConfig, metadata={"help": "Several sequences per row."}
-    )
-    prefix_sharing: bool = field(
-        default=True,
-        metadata={
-            "help": "Rows that share a prompt (a GRPO group, a DPO pair) compute it once: one row holds "
-            "the prompt and every continuation, each continuation attending over the prompt and itself "
-            "(tree attention). Same logprobs and gradients at trained positions, fewer tokens and no "
-            "padding between continuations (causal_lm, unpacked)."
-        },
-    )
-    length_bucketing: bool = field(
-        default=True,
-        metadata={
-            "help": "Fixed-size micro-batches take the rows longest first when that computes fewer padded "
-            "positions than keeping them in order (shared prompts counted), for losses whose rows are "
-            "independent (SFT, GRPO, PPO, distillation; not DPO or reward-model pairs) and for logprobs."
-        },
-    )
-    activation_checkpointing: bool = field(
-        default=False, metadata={"help": "Recompute decoder-layer activations in backward to save memory."}
-    )
-    cpu_offload: bool = field(
-        default=False,
-        metadata={"help": "Keep sharded parameters, gradients and optimizer state on CPU (FSDP2)."},
-    )
-    tensor_parallel_size: int = field(
-        default=1, metadata={"help": "Tensor-parallel ranks per model replica (Qwen2/Llama layouts)."}
-    )
-    context_parallel_size: int = field(
-        default=1,
-        metadata={
-            "help": "Ranks splitting each sequence along its length (load-balanced chunks; attention "
-            "all-gathers keys and values): causal LMs on the dtensor backend; dp = workers / (tp x cp); "
-            "shared prompts (prefix_sharing) are not shared under it."
-        },
-    )
-    expert_parallel_size: int = field(
-        default=1,
-        metadata={
-            "help": "Ranks splitting the experts of each MoE layer; they remain data-parallel ranks. Divides "
-            "the data-parallel workers and num_experts; no TP, CP or LoRA."
-        },
-    )
-    backend: Literal["dtensor", "megatron"] = field(
-        default="dtensor",
-        metadata={
-            "help": "Training backend: dtensor (FSDP2 + TP) or megatron (Megatron Core: TP, PP, "
-            "distributed optimizer; needs posttrain[megatron])."
-        },
-    )
-    megatron: MegatronConfig = field(
-        default_factory=MegatronConfig,
-        metadata={"help": "Megatron Core parallelism (policy.backend=megatron)."},
-    )
-    logprob_temperature: float = field(
-        default=1.0, metadata={"help": "Logprobs come from logits / temperature, to match sampling."}
-    )
-    seed: int = field(default=42, metadata={"help": "Seed of torch's RNG on every worker."})
-    lora: LoraConfig = field(
-        default_factory=LoraConfig,
-        metadata={"help": "LoRA adapters (peft): only they train, refit and checkpoint (lora.enabled)."},
-    )
-    moe: MoeConfig = field(
-        default_factory=MoeConfig, metadata={"help": "Mixture-of-experts router losses and router replay."}
-    )
-    stop_on_nonfinite_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "A NaN/inf training loss stops the run with NonFiniteLossError (before any "
-            "checkpoint of that step); false: keep training."
-        },
-    )
+    model_name: str | None = None
+    """Hugging Face model directory or hub name."""
+    model: PolicyModelConfig = field(default_factory=PolicyModelConfig)
+    """model.from_config builds a tiny model into <log_dir>/initial_model and sets model_name."""
+    tokenizer_name: str | None = None
+    """Tokenizer directory or hub name (None: same as model_name)."""
+    model_kind: Literal["causal_lm", "reward_model", "value_model"] = "causal_lm"
+    """causal_lm: token logprobs; reward_model: one scalar score per sequence; value_model: one value per
+    token (a PPO critic)."""
+    precision: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype; bfloat16 = mixed precision with fp32 master weights."""
+    train_global_batch_size: int = 32
+    """Sequences per optimizer step, summed over data-parallel ranks."""
+    train_micro_batch_size: int = 4
+    """Sequences per forward/backward on one rank (gradient accumulation)."""
+    logprob_batch_size: int = 8
+    """Sequences per forward in get_logprobs."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (None: no clipping)."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    scheduler: list[SchedulerConfig] = field(default_factory=list)
+    """LR schedulers stepped once per optimizer step; several become SequentialLR."""
+    scheduler_milestones: list[int] = field(default_factory=list)
+    """SequentialLR milestones (len(scheduler) - 1 steps)."""
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    """Micro-batches by token budget."""
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    """Several sequences per row."""
+    prefix_sharing: bool = True
+    """Rows that share a prompt (a GRPO group, a DPO pair) compute it once: one row holds the prompt and
+    every continuation, each continuation attending over the prompt and itself (tree attention). Same
+    logprobs and gradients at trained positions, fewer tokens and no padding between continuations
+    (causal_lm, unpacked)."""
+    length_bucketing: bool = True
+    """Fixed-size micro-batches take the rows longest first when that computes fewer padded positions than
+    keeping them in order (shared prompts counted), for losses whose rows are independent (SFT, GRPO, PPO,
+    distillation; not DPO or reward-model pairs) and for logprobs."""
+    activation_checkpointing: bool = False
+    """Recompute decoder-layer activations in backward to save memory."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state on CPU (FSDP2)."""
+    tensor_parallel_size: int = 1
+    """Tensor-parallel ranks per model replica (Qwen2/Llama layouts)."""
+    context_parallel_size: int = 1
+    """Ranks splitting each sequence along its length (load-balanced chunks; attention all-gathers keys and
+    values): causal LMs on the dtensor backend; dp = workers / (tp x cp); shared prompts (prefix_sharing)
+    are not shared under it."""
+    expert_parallel_size: int = 1
+    """Ranks splitting the experts of each MoE layer; they remain data-parallel ranks. Divides the
+    data-parallel workers and num_experts; no TP, CP or LoRA."""
+    backend: Literal["dtensor", "megatron"] = "dtensor"
+    """Training backend: dtensor (FSDP2 + TP) or megatron (Megatron Core: TP, PP, distributed optimizer;
+    needs posttrain[megatron])."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Megatron Core parallelism (policy.backend=megatron)."""
+    logprob_temperature: float = 1.0
+    """Logprobs come from logits / temperature, to match sampling."""
+    seed: int = 42
+    """Seed of torch's RNG on every worker."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (peft): only they train, refit and checkpoint (lora.enabled)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture-of-experts router losses and router replay."""
+    stop_on_nonfinite_loss: bool = True
+    """A NaN/inf training loss stops the run with NonFiniteLossError (before any checkpoint of that step);
+    false: keep training."""
 
     def validate(self) -> None:
         validate_policy_config(self)
