@@ -78,11 +78,6 @@ def group_relative_advantages(
     return advantages.reshape(-1)  # [N]
 
 
-def rloo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
-    """RLOO: A_i = r_i - mean of the group's other rewards, not divided by the std. [N] -> [N]."""
-    return group_relative_advantages(rewards, num_generations, baseline="leave_one_out", normalize_std=False)
-
-
 def dr_grpo_advantages(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783), [N] -> [N]:
 

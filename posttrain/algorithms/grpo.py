@@ -21,19 +21,10 @@ formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives
 advantages and trains beside the policy. `on_policy_distillation`: a frozen teacher (`teacher.py`) scores
 the sampled tokens, and each token's advantage is log pi_teacher - log pi_student.
 
-Asynchronous GRPO (`grpo.async_grpo.enabled`, generation on workers of its own): the rollouts of the
-coming steps are generated while the policy trains, through a bounded buffer (`experience/
-async_rollouts.py`); the batch of step k comes from the weights of step k - 1 - max_trajectory_age_steps,
-so it is at most that many optimizer steps old (older data are dropped, never trained on). Off-policy
-correction (decoupled PPO, as in AReaL): pi_prev is the trainer's current weights, never the stale
-generating ones (prev_logprobs recomputed before the first update when a step has several; with one
-update the trained forward's own logprobs, which are the same numbers), so the clipped ratio is
-pi / pi_prev, and the loss weights each token by the truncated importance weight
-min(exp(prev - generation logprobs), loss.truncated_importance_sampling_ratio)
-(`loss.use_importance_sampling_correction`, required when the bound is > 0). With
-`grpo.async_grpo.partial_rollouts` a batch is generated in chunks and replies still running take newer
-weights between chunks (`experience/partial_rollouts.py`); generation logprobs are then those of the weights
-that made each token, and the bound holds for each sample's oldest token.
+Asynchronous GRPO (`grpo.async_grpo.enabled`): generation runs ahead on workers of its own, at most
+`max_trajectory_age_steps` optimizer steps behind (schedule: experience/async_rollouts.py; partial
+rollouts: experience/partial_rollouts.py); the loss corrects for the stale generator with pi_prev = the
+trainer's weights and truncated importance weights (`loss.use_importance_sampling_correction`).
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
@@ -90,7 +81,7 @@ from posttrain.utils.logger import Logger
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
-from posttrain.workers.generation import GenerationInterface, make_generation
+from posttrain.workers.generation import RayGeneration, make_generation
 from posttrain.workers.policy import Policy
 from posttrain.workers.refit import Refit, uses_shared_memory
 
@@ -106,7 +97,7 @@ class GRPORun:
     log_dir: Path
     tokenizer: Any
     policy: Policy
-    generation: GenerationInterface
+    generation: RayGeneration
     clusters: list[RayVirtualCluster]
     envs: dict[str, EnvironmentPool]
     val_records: list[dict]
@@ -140,7 +131,7 @@ class GRPORun:
 
 
 # ------------------------------------------------------------------------------------------------ setup
-def make_refit(cfg: GRPOConfig, policy: Policy, generation: GenerationInterface, stale: bool) -> Refit:
+def make_refit(cfg: GRPOConfig, policy: Policy, generation: RayGeneration, stale: bool) -> Refit:
     """The refit between `policy` and `generation` as the config places them."""
     colocated = cfg.generation.colocated
     shared_memory = uses_shared_memory(

@@ -79,7 +79,7 @@ def shaped_rewards(cfg: Any, rollouts: BatchedDataDict, max_new_tokens: int) -> 
 @dataclass
 class RolloutCollector:
     """Generates and scores one step's groups: the `grpo` config section, a generation backend
-    (`GenerationInterface`), the training prompts' loader, the tokenizer and one environment per task."""
+    (`RayGeneration`), the training prompts' loader, the tokenizer and one environment per task."""
 
     cfg: Any  # GRPOLoopConfig
     generation: Any

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from posttrain.config import config_to_dict, validate_config
-from posttrain.utils.checkpoint_integrity import verify_checkpoint, write_manifest
+from posttrain.utils.checkpoint_integrity import CheckpointWriteError, verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = "tmp_step_"
 # An existing step_N being replaced is first renamed to this; it is never read as a checkpoint.
 _REPLACED_PREFIX = "replaced_step_"
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (disk full, permissions...); the message names the path."""
 
 
 @dataclass

@@ -12,6 +12,10 @@ MANIFEST_FILE = "checksums.json"
 _CHUNK = 1 << 20
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permission, a file in the way); names the path."""
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

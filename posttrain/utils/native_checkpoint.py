@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from posttrain.utils.checkpoint_integrity import CheckpointWriteError
 from posttrain.utils.safe_dcp import (
     SafeFileSystemReader,
     SafeLoadPlanner,
@@ -48,10 +49,6 @@ TOKENIZER_DIR = "tokenizer"
 RNG_DIR = "rng"
 SCHEDULER_FILE = "scheduler.json"
 EXTRA_STATE_FILE = "extra_state.json"
-
-
-class CheckpointWriteError(OSError):
-    """A checkpoint could not be written (disk full, permission, a file in the way); names the path."""
 
 
 class CheckpointLoadError(RuntimeError):

@@ -13,8 +13,7 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import SharedWeights
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.workers.generation import GenerationConfig
-from posttrain.workers.generation.hf import HFGeneration
+from posttrain.workers.generation import GenerationConfig, HFGeneration
 from posttrain.workers.policy.handle import Policy
 
 pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast

@@ -17,7 +17,6 @@ from posttrain.algorithms.advantages import (
     overlong_filter_mask,
     overlong_reward_penalty,
     reinforce_pp_advantages,
-    rloo_advantages,
     scale_rewards,
     terminal_token_rewards,
 )
@@ -43,14 +42,13 @@ def test_mean_baseline_without_std_normalisation_is_reward_minus_mean():
     torch.testing.assert_close(advantages, torch.tensor([0.75, -0.25, -0.25, -0.25]))
 
 
-def test_leave_one_out_baseline_and_rloo_alias():
+def test_leave_one_out_baseline():
     """Group [1,0,0,0]: A_0 = 1 - mean(0,0,0) = 1, A_j = 0 - mean(1,0,0) = -1/3 (= 4/3 * (r - 0.25))."""
     rewards = torch.tensor([1.0, 0, 0, 0])
     expected = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3])
     torch.testing.assert_close(
         group_relative_advantages(rewards, 4, "leave_one_out", normalize_std=False), expected
     )
-    torch.testing.assert_close(rloo_advantages(rewards, 4), expected)
 
 
 def test_dr_grpo_is_reward_minus_group_mean_without_std_division():

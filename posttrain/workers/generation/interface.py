@@ -1,10 +1,9 @@
-"""The contract every generation backend fulfils (batch keys, `GenerationInterface`), and `RayGeneration`:
-the data-parallel driver over Ray actors that the Hugging Face and vLLM backends share, which replaces a
-generation worker lost mid-generate and generates the lost shard again."""
+"""The contract of generation (batch keys) and `RayGeneration`, the data-parallel driver over Ray actors that
+the Hugging Face and vLLM backends share, which replaces a generation worker lost mid-generate and
+generates the lost shard again."""
 
 from __future__ import annotations
 
-import abc
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,42 +41,6 @@ GENERATION_OUTPUT_KEYS = (
     "truncated",
 )
 ROUTED_EXPERTS_KEY = "routed_experts"  # MoE models (HF backend): [B, T, L, k] experts per generated token
-
-
-class GenerationInterface(abc.ABC):
-    """A generation backend: sample continuations of prompts and take new weights from the policy."""
-
-    @abc.abstractmethod
-    def generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Any:
-        """Continue each prompt of `data` (a BatchedDataDict with the input keys above).
-
-        Returns a BatchedDataDict with the output keys above, in the order of the input.
-        `seed` makes sampling reproducible; None draws a fresh seed per call (from the config's).
-        """
-
-    @abc.abstractmethod
-    def prepare_for_generation(self) -> None:
-        """Bring the weights / caches onto the accelerator before a round of generation."""
-
-    @abc.abstractmethod
-    def finish_generation(self) -> None:
-        """Free accelerator memory after a round of generation (for colocated training)."""
-
-    @abc.abstractmethod
-    def update_weights(self, weights: Any) -> float:
-        """Load new weights (dict name -> tensor, possibly only the changed ones, or a Ray ObjectRef of one).
-
-        Returns the seconds the refit took.
-        """
-
-    @abc.abstractmethod
-    def shutdown(self) -> None:
-        """Stop the workers and release what this backend created."""
-
-    @abc.abstractmethod
-    def set_weights_source(self, source: Callable[[], Any]) -> None:
-        """`source()` returns all the weights the workers hold at that moment (as `update_weights` takes
-        them), for a worker that replaces a lost one; a backend that replaces no workers ignores it."""
 
 
 def sample_seed(seed: int, sample_index: int) -> int:
@@ -131,7 +94,7 @@ def concat_padded(outputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[s
     return merged
 
 
-class RayGeneration(GenerationInterface):
+class RayGeneration:
     """Data-parallel generation over one Ray actor per bundle; subclasses name the worker class.
 
     `cluster` is the policy's RayVirtualCluster when colocated (one worker per bundle, sharing them, so
@@ -190,8 +153,10 @@ class RayGeneration(GenerationInterface):
         )
 
     def generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Any:
-        """Split the batch into contiguous shards, decode them in parallel, gather them in order; a shard
-        whose worker died is decoded again on its replacement (see the class)."""
+        """Continue each prompt of `data` (a BatchedDataDict with the input keys above); returns the output
+        keys in the order of the input. `seed` makes sampling reproducible (None: the config's seed plus
+        the call count). The batch is split into contiguous shards decoded in parallel; a shard whose
+        worker died is decoded again on its replacement (see the class)."""
         from posttrain.distributed import BatchedDataDict, WorkerDiedError
 
         if seed is None:
@@ -263,10 +228,13 @@ class RayGeneration(GenerationInterface):
         return ranks
 
     def set_weights_source(self, source: Callable[[], Any]) -> None:
+        """`source()` returns all the weights the workers hold at that moment (as `update_weights` takes
+        them), for a worker that replaces a lost one."""
         self.weights_source = source
 
     def update_weights(self, weights: Any) -> float:
-        """Send new weights (once, through the object store) to every worker; return wall seconds."""
+        """Send new weights (dict name -> tensor, possibly only the changed ones, or a Ray ObjectRef of one)
+        once, through the object store, to every worker; return wall seconds."""
         import ray
 
         start = time.perf_counter()
