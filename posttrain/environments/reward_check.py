@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -35,11 +36,12 @@ def sample_name(metadata: dict[str, Any] | Any, position: int) -> str:
 def check_reward(
     value: Any, source: str, sample: str, reward_range: tuple[float, float] = DEFAULT_REWARD_RANGE
 ) -> float:
-    """`value` as a float if it is a real number (an int, a float or a 0-d tensor; not a bool, not a
-    string), finite and within `reward_range` (inclusive); else RewardError naming source and sample."""
+    """`value` as a float if it is a real number (an int, a float, a numpy scalar or a 0-d tensor; not a
+    bool, not a string), finite and within `reward_range` (inclusive); else RewardError naming source and
+    sample. The one rule for every reward; a Python reward function's bool is made 0.0 or 1.0 first."""
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise RewardError(f"{source}, {sample}: reward {value!r} is a {type(value).__name__}, not a number")
     low, high = reward_range
     if not math.isfinite(value) or not low <= value <= high:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import signal
 import threading
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from posttrain.environments.interface import (
     Message,
     last_assistant_text,
 )
+from posttrain.environments.reward_check import check_reward
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +106,9 @@ def time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-def as_reward(value: Any) -> float:
-    """A reward function's answer as a float (a bool, int, float or 0-d tensor); anything else, and a
-    value that is not finite, is a ValueError."""
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
-        raise ValueError(f"returned {value!r}, not a number")
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise ValueError(f"returned {reward}, not a finite number")
-    return reward
+def as_reward(value: Any, source: str = "reward function", sample: str = "a sample") -> float:
+    """A reward function's answer as a float: a bool is 0.0 or 1.0, the rest follows `check_reward`."""
+    return check_reward(float(value) if isinstance(value, bool) else value, source, sample)
 
 
 class RewardFunctionEnvironment(EnvironmentInterface):
@@ -139,7 +133,7 @@ class RewardFunctionEnvironment(EnvironmentInterface):
     def _score_one(self, reply: str, metadata: dict[str, Any]) -> float:
         with time_limit(self.timeout_seconds):
             value = self.function(reply, **self._kwargs(metadata))
-        return as_reward(value)
+        return as_reward(value, self.name, f"sample idx={metadata.get('idx')}")
 
     def _score_batch(self, replies: list[str], metadata: list[dict[str, Any]]) -> list[float]:
         names = sorted({k for m in metadata for k in m})

@@ -299,18 +299,8 @@ class PolicyWorker:
         """
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         micro_batch_size = micro_batch_size or self.cfg.train_micro_batch_size
-        if global_batch_size % self.dp_size:
-            raise ValueError(
-                f"train: global batch size {global_batch_size} is not divisible by "
-                f"{self.dp_size} data-parallel ranks"
-            )
-        local_batch_size = global_batch_size // self.dp_size
+        local_batch_size = global_batch_size // self.dp_size  # the driver's shard_by_batch_size checked
         num_rows = data["input_ids"].shape[0]
-        if num_rows % local_batch_size:
-            raise ValueError(
-                f"train: rank {self.rank} got {num_rows} rows, not a multiple of global batch "
-                f"size / dp = {local_batch_size}"
-            )
         self.model.train(not eval_mode)
         with self._backend(), self.timer.time("eval" if eval_mode else "train"):
             steps = [

@@ -195,11 +195,6 @@ class Policy:
         micro_batch_size: int | None,
     ) -> dict[str, list[float]]:
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
-        if data.size % global_batch_size or global_batch_size % self.dp_size:
-            raise ValueError(
-                f"Policy.train: batch of {data.size} rows must be a multiple of the global batch size "
-                f"{global_batch_size}, itself a multiple of the {self.dp_size} data-parallel ranks"
-            )
         shards = data.shard_by_batch_size(self.dp_size, batch_size=global_batch_size)
         results = self._run_dp(
             "train",
