@@ -23,10 +23,8 @@ def main(args: Any) -> int:
 
     policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
     merge = bool(args.merge)
-    if (policy_dir / "megatron").is_dir() and is_lora_checkpoint(policy_dir):  # megatron + LoRA
-        from posttrain.workers.policy.megatron_lora import export_megatron_lora_checkpoint
-
-        out_dir = export_megatron_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
+    if is_lora_checkpoint(policy_dir):  # either backend
+        out_dir = export_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
         if not merge:
             print(
                 f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
@@ -41,14 +39,6 @@ def main(args: Any) -> int:
                 f"--merge: {policy_dir} is a Megatron checkpoint, not a LoRA one; export it without --merge"
             )
         out_dir = export_megatron_checkpoint(policy_dir, args.out_dir)
-    elif is_lora_checkpoint(policy_dir):
-        out_dir = export_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
-        if not merge:
-            print(
-                f"exported the LoRA adapter of {args.checkpoint_dir} -> {out_dir} (load it with "
-                "peft.PeftModel.from_pretrained(base_model, dir); --merge writes a merged model)"
-            )
-            return 0
     elif merge:
         raise FileNotFoundError(
             f"--merge: {policy_dir} is not a LoRA checkpoint (no lora/adapter_config.json); "

@@ -272,9 +272,12 @@ def export_merged_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path
 def export_lora_checkpoint(
     policy_dir: str | Path, out_dir: str | Path, merge: bool = False, base_model_dir: str | Path | None = None
 ) -> Path:
-    """`posttrain export` of a LoRA checkpoint (one process): a PEFT adapter directory, or with `merge` a
-    Hugging Face model with the adapter merged in. The base weights come from the base model the
-    checkpoint names (or `base_model_dir`); config and tokenizer from the checkpoint."""
+    """`posttrain export` of a LoRA checkpoint of either backend (one process): a PEFT adapter directory,
+    or with `merge` a Hugging Face model with the adapter merged in. The base weights come from the base
+    model the checkpoint names (or `base_model_dir`); config and tokenizer from the checkpoint. The adapter
+    is `lora/`'s PEFT directory (Megatron) or the DCP shards of the trainable parameters (DTensor)."""
+    import shutil
+
     import peft
     from transformers import (
         AutoConfig,
@@ -286,6 +289,12 @@ def export_lora_checkpoint(
     from posttrain.utils import native_checkpoint
 
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir / native_checkpoint.TOKENIZER_DIR)
+    peft_dir = policy_dir / LORA_DIR
+    if (peft_dir / "adapter_model.safetensors").is_file() and not merge:
+        shutil.copytree(peft_dir, out_dir, dirs_exist_ok=True)
+        tokenizer.save_pretrained(out_dir)
+        return out_dir
     base = str(base_model_dir or base_model_of(policy_dir))
     if not Path(base).exists():
         raise FileNotFoundError(
@@ -296,11 +305,12 @@ def export_lora_checkpoint(
     reward_model = native_checkpoint.is_sequence_classifier(model_config)
     auto_class = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
     model = auto_class.from_pretrained(base, config=model_config, dtype=torch.float32)
-    adapter_config = peft.LoraConfig.from_pretrained(str(policy_dir / LORA_DIR))
-    peft_model = peft.get_peft_model(model, adapter_config)
-    trainable = {name: param.detach() for name, param in peft_model.named_parameters() if param.requires_grad}
-    native_checkpoint.load_dcp_into(trainable, policy_dir / native_checkpoint.MODEL_DIR)  # in place
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir / native_checkpoint.TOKENIZER_DIR)
+    if (peft_dir / "adapter_model.safetensors").is_file():
+        peft_model = peft.PeftModel.from_pretrained(model, str(peft_dir))
+    else:
+        peft_model = peft.get_peft_model(model, peft.LoraConfig.from_pretrained(str(peft_dir)))
+        trainable = {name: p.detach() for name, p in peft_model.named_parameters() if p.requires_grad}
+        native_checkpoint.load_dcp_into(trainable, policy_dir / native_checkpoint.MODEL_DIR)  # in place
     if merge:
         native_checkpoint.write_hf_dir(merged_model(peft_model), tokenizer, out_dir)
     else:

@@ -410,34 +410,3 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
             sum(v.nbytes for state in optimizer_state for v in state.values() if isinstance(v, torch.Tensor))
         )
         return footprint
-
-
-def export_megatron_lora_checkpoint(
-    policy_dir: str | Path, out_dir: str | Path, merge: bool = False, base_model_dir: str | Path | None = None
-) -> Path:
-    """`posttrain export` of a Megatron LoRA checkpoint: its `lora/` PEFT adapter directory (with the
-    tokenizer), or with `merge` a Hugging Face model with the adapter merged into the base weights."""
-    import shutil
-
-    import peft
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from posttrain.utils import native_checkpoint
-
-    policy_dir, out_dir = Path(policy_dir), Path(out_dir)
-    base = str(base_model_dir or lora.base_model_of(policy_dir))
-    tokenizer = AutoTokenizer.from_pretrained(policy_dir / native_checkpoint.TOKENIZER_DIR)
-    if not merge:
-        shutil.copytree(policy_dir / lora.LORA_DIR, out_dir, dirs_exist_ok=True)
-        tokenizer.save_pretrained(out_dir)
-        return out_dir
-    if not Path(base).exists():
-        raise FileNotFoundError(
-            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
-            "here; pass the base model directory"
-        )
-    model_config = AutoConfig.from_pretrained(policy_dir / native_checkpoint.HF_CONFIG_DIR)
-    model = AutoModelForCausalLM.from_pretrained(base, config=model_config, dtype=torch.float32)
-    peft_model = peft.PeftModel.from_pretrained(model, str(policy_dir / lora.LORA_DIR))
-    native_checkpoint.write_hf_dir(lora.merged_model(peft_model), tokenizer, out_dir)
-    return out_dir
