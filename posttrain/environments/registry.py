@@ -11,11 +11,7 @@ script registers reaches actors in other processes.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from posttrain.config import ConfigError
@@ -27,6 +23,7 @@ from posttrain.environments.interface import EnvironmentInterface
 from posttrain.environments.math_env import MathEnvironment
 from posttrain.environments.reward_function import RewardFunctionEnvironment, resolve_reward
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
+from posttrain.utils.imports import import_attribute, pickle_by_value
 
 _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "math": MathEnvironment,
@@ -83,36 +80,6 @@ def register_environment(name: str, cls: type[EnvironmentInterface]) -> None:
         raise TypeError(f"register_environment({name!r}): {cls!r} is not an EnvironmentInterface subclass")
     _REGISTRY[name] = cls
     pickle_by_value(cls)
-
-
-def pickle_by_value(obj: Any) -> None:
-    """Send `obj` (a user's class or function) to Ray actors by value: its module (a script, a file
-    next to it, a test module) may not be importable in an actor's process. posttrain's own modules and
-    `__main__` (always by value) are left alone."""
-    module_name = getattr(obj, "__module__", None) or ""
-    module = sys.modules.get(module_name)
-    if module is None or module_name == "__main__" or module_name.split(".")[0] == "posttrain":
-        return
-    from ray import cloudpickle  # the copy Ray serializes actor arguments with
-
-    cloudpickle.register_pickle_by_value(module)
-
-
-def import_attribute(spec: str, kind: str = "environment") -> Any:
-    """The attribute named by `path/to/file.py:name` or `package.module:name` (`kind` names it in errors)."""
-    location, _, attribute = spec.rpartition(":")
-    if location.endswith(".py"):
-        path = Path(location).resolve()
-        if not path.exists():
-            raise FileNotFoundError(f"{kind} file {path} (from {spec!r}) does not exist")
-        module_spec = importlib.util.spec_from_file_location(path.stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(location)
-    if not hasattr(module, attribute):
-        raise AttributeError(f"{kind} {spec!r}: {location} has no attribute {attribute!r}")
-    return getattr(module, attribute)
 
 
 def resolve_environment_class(spec: str) -> type[EnvironmentInterface]:

@@ -33,6 +33,7 @@ from posttrain.environments.interface import (
     last_assistant_text,
 )
 from posttrain.environments.reward_check import check_reward
+from posttrain.utils.imports import import_attribute, pickle_by_value
 
 logger = logging.getLogger(__name__)
 
@@ -52,16 +53,12 @@ def register_reward(function: RewardFunction, name: str | None = None) -> str:
         raise TypeError(f"register_reward: {function!r} is not a function")
     name = name or function.__name__
     _REWARDS[name] = function
-    from posttrain.environments.registry import pickle_by_value
-
     pickle_by_value(function)
     return name
 
 
 def resolve_reward(spec: str) -> RewardFunction:
     """The function of a registered name or of `path/to/file.py:fn` / `package.module:fn`."""
-    from posttrain.environments.registry import import_attribute
-
     if spec in _REWARDS:
         return _REWARDS[spec]
     if ":" not in spec:

@@ -17,8 +17,8 @@ from typing import Any
 
 import jsonschema
 
-from posttrain.environments.registry import import_attribute
 from posttrain.environments.sandbox import SandboxLimits, run_python
+from posttrain.utils.imports import import_attribute
 
 # ------------------------------------------------------------------------------------------- built-ins
 _BINARY = {

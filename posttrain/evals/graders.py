@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from posttrain.config import ConfigError
 from posttrain.environments.answers import parse_number, strip_end_markers
-from posttrain.environments.registry import import_attribute
+from posttrain.utils.imports import import_attribute
 
 log = logging.getLogger(__name__)
 Grader = Callable[[dict[str, Any]], "float | None"]

@@ -13,7 +13,6 @@ import torch
 import yaml
 from transformers import (
     AutoModelForCausalLM,
-    AutoTokenizer,
     LlamaConfig,
     MixtralConfig,
     PretrainedConfig,
@@ -25,6 +24,8 @@ from transformers import (
 )
 
 from posttrain.models.tokenizer import TOKENIZERS
+from posttrain.models.tokenizer import load_tokenizer as load_tokenizer  # re-exported for its callers
+from posttrain.models.vlm import build_vlm_dir, is_vision_language_dir
 
 ARCHITECTURES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
@@ -151,8 +152,6 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     The same `cfg` (seed included) always gives identical weights. Returns the directory.
     """
     if cfg.architecture in VISION_ARCHITECTURES:
-        from posttrain.models.vlm import build_vlm_dir
-
         return build_vlm_dir(cfg, out_dir)
     out_dir = Path(out_dir)
     tokenizer = TOKENIZERS[cfg.tokenizer]()
@@ -181,23 +180,11 @@ def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32) -> 
 
 def causal_lm_class(path_or_name: str | Path) -> Any:
     """AutoModelForImageTextToText for a local vision-language directory, else AutoModelForCausalLM."""
-    from posttrain.models.vlm import is_vision_language_dir
-
     if is_vision_language_dir(path_or_name):
         from transformers import AutoModelForImageTextToText
 
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
-
-
-def load_tokenizer(path_or_name: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer of a local directory or hub name; a missing pad token falls back to the eos token."""
-    tokenizer = AutoTokenizer.from_pretrained(str(path_or_name))
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ValueError(f"tokenizer of {path_or_name} has neither a pad token nor an eos token")
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def main(args: Any) -> int:

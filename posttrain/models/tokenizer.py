@@ -1,13 +1,15 @@
 """The project's own offline tokenizers, with special tokens and a chat template: character-level (~105
 tokens) and byte-level BPE (300 tokens, trained here on a small built-in corpus); and the check that two
-tokenizers give the same ids (a distillation teacher scores the student's token ids)."""
+tokenizers give the same ids (a distillation teacher scores the student's token ids); `load_tokenizer`
+for any model directory or hub name."""
 
 from __future__ import annotations
 
 import string
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLE_TOKENS = {
@@ -115,3 +117,13 @@ def tokenizer_mismatch(student: PreTrainedTokenizerBase, teacher: PreTrainedToke
         if ours != theirs:
             return f"{name} is {ours!r} for the student, {theirs!r} for the teacher"
     return None
+
+
+def load_tokenizer(path_or_name: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer of a local directory or hub name; a missing pad token falls back to the eos token."""
+    tokenizer = AutoTokenizer.from_pretrained(str(path_or_name))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"tokenizer of {path_or_name} has neither a pad token nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

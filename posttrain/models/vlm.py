@@ -12,7 +12,7 @@ import torch
 from tokenizers import AddedToken
 
 from posttrain.models.cache_api import returned_cache
-from posttrain.models.tokenizer import TOKENIZERS
+from posttrain.models.tokenizer import TOKENIZERS, load_tokenizer
 
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
     "<|vision_start|>",
@@ -198,8 +198,6 @@ def load_processor(path_or_name: str | Path) -> VisionProcessor:
     """The tokenizer and image processor saved with a vision-language model (offline for a local
     directory)."""
     from transformers import AutoImageProcessor
-
-    from posttrain.models.build import load_tokenizer
 
     tokenizer = load_tokenizer(path_or_name)
     image_token = getattr(tokenizer, "image_token", None) or IMAGE_PAD

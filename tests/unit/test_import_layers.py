@@ -122,3 +122,35 @@ def test_the_walk_resolves_absolute_relative_and_nested_imports():
         (4, "posttrain.algorithms.grpo"),
     ]
     assert all(layer_of(name) > layer_of("posttrain.data.tasks") for _, name in found)
+
+
+def test_no_import_cycles_not_even_through_imports_inside_functions():
+    """The graph of posttrain's modules, with every import (module-level or inside a function) an edge,
+    has no cycle: a depth-first walk never meets a module that is still on its path."""
+    modules = {module_name(path): path for path in PACKAGE_DIR.rglob("*.py")}
+
+    def owner(name: str) -> str:
+        while name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    edges = {
+        name: {owner(imported) for _, imported in imported_modules(path)} - {name}
+        for name, path in modules.items()
+    }
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(edges[name]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target) :] + [name, target]))
+            elif target not in state:
+                visit(target, path + [name])
+        state[name] = "done"
+
+    for name in sorted(modules):
+        if name not in state:
+            visit(name, [])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
