@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 from posttrain.algorithms.checks import check_model_exists
 from posttrain.config import ConfigError, config_to_dict, save_config
 from posttrain.distributed.shared_dir import check_shared_directories
+from posttrain.models.build import build_model_dir
 from posttrain.models.gguf import gguf_model_dir
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
 from posttrain.utils.logger import Logger, LoggerConfig, default_log_dir, step_timing
@@ -98,7 +99,6 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
         return dataclasses.replace(
             policy_cfg, model_name=gguf_model_dir(policy_cfg.model_name)
         )  # .gguf: plain dir
-    from posttrain.models.build import build_model_dir
 
     model_dir = log_dir / "initial_model"
     if not (model_dir / "config.json").exists():

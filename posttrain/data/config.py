@@ -8,6 +8,7 @@ from typing import Literal
 
 from posttrain.config import ConfigError
 from posttrain.data.sources import is_file_source, looks_like_hub_name
+from posttrain.data.tasks import BUILTIN_TASKS
 
 Format = Literal["auto", "messages", "prompt_response", "rl", "preference"]
 
@@ -113,8 +114,6 @@ class DataConfig:
     def _check_source(key: str, name: str) -> None:
         """A built-in task, a data file, or an `org/name` hub dataset; anything else is a typo, caught here
         rather than by a hub lookup."""
-        from posttrain.data.tasks import BUILTIN_TASKS
-
         if name in BUILTIN_TASKS or is_file_source(name) or looks_like_hub_name(name):
             return
         guess = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)

@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.placement import ClusterResourceError
+from posttrain.distributed.rendezvous import bound_tcp_store
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.distributed.worker_group_utils import rank_env_vars
 
@@ -83,8 +84,6 @@ def init_torch_distributed(backend: str | None = None) -> None:
     backend = backend or ("nccl" if assigned_device().type == "cuda" else "gloo")
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if os.environ.get(NODE_IP_ENV) and not os.environ.get(RENDEZVOUS_FILE_ENV):  # a group across machines
-        from posttrain.distributed.rendezvous import bound_tcp_store
-
         pin_socket_interface(os.environ[NODE_IP_ENV])
         store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)

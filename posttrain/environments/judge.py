@@ -45,6 +45,7 @@ import torch
 from posttrain.environments.http_call import HTTPCallError, post_json
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
 from posttrain.environments.reward_model import pick_device
+from posttrain.models.build import load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +157,6 @@ class LocalJudge:
 
     def __init__(self, model_dir: str, max_new_tokens: int, batch_size: int, device: str) -> None:
         from transformers import AutoModelForCausalLM
-
-        from posttrain.models.build import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from posttrain.distributed.worker_group import assigned_device
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.models.build import load_tokenizer
 
 # End-of-turn markers a generation backend may leave in the decoded assistant text; the chat template
 # adds the reward model's own end marker, so a kept one would appear twice.
@@ -29,8 +31,6 @@ def pick_device(device: str) -> torch.device:
     """ "auto": the GPU this actor was given, else the CPU (an actor without a GPU share stays off the
     GPU)."""
     if device == "auto":
-        from posttrain.distributed.worker_group import assigned_device
-
         return assigned_device()
     return torch.device(device)
 
@@ -48,8 +48,6 @@ class RewardModelEnvironment(EnvironmentInterface):
         device: str = "auto",
     ) -> None:
         from transformers import AutoModelForSequenceClassification
-
-        from posttrain.models.build import load_tokenizer
 
         if batch_size < 1:
             raise ValueError(f"reward_model environment: batch_size must be >= 1, got {batch_size}")

@@ -30,6 +30,7 @@ from typing import Any
 
 from posttrain.environments.episodes import BadRequest, EpisodeStore, StoreFull, check_request
 from posttrain.environments.interface import EnvironmentInterface
+from posttrain.environments.registry import resolve_environment_class
 from posttrain.environments.reward_check import FAILED_KEY, step_isolated
 
 log = logging.getLogger(__name__)
@@ -283,8 +284,6 @@ def server_token(host: str, token_env: str) -> str | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from posttrain.environments.registry import resolve_environment_class
-
     kwargs = json.loads(args.kwargs) if args.kwargs else {}
     limits = ServerLimits(
         args.max_body_bytes, args.max_episodes, args.episode_ttl_s, args.socket_timeout_s, args.max_workers

@@ -11,7 +11,9 @@ from typing import Any
 import torch
 
 from posttrain.data.vision import VISION_KEYS
+from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.workers.generation import GenerationConfig
+from posttrain.workers.generation.hf_worker import HFGenerationWorker
 
 
 @dataclass
@@ -59,8 +61,6 @@ def greedy_answers(
     """Greedy continuations of `prompts` (with their per-row `images` for a vision-language model) by the
     policy's current weights, decoded on the driver with the Hugging Face generation code (one copy of the
     model, loaded for this call)."""
-    from posttrain.workers.generation.hf_worker import HFGenerationWorker
-
     cfg = GenerationConfig(backend="hf", max_new_tokens=max_new_tokens)
     worker = HFGenerationWorker(cfg, policy.cfg.model_name, policy.cfg.tokenizer_name)
     worker.update_weights(policy.get_weights(only_changed=False))
@@ -104,8 +104,6 @@ def reward_model_samples(
     policy: Any, tokenizer: Any, rows: list[dict[str, torch.Tensor]]
 ) -> list[dict[str, Any]]:
     """prompt / chosen (the reference) / rejected with the model's score of each; reward = the margin."""
-    from posttrain.distributed.batched_data_dict import BatchedDataDict
-
     keys = ("input_ids", "token_mask", "input_lengths")
     width = max(int(r["input_ids"].shape[0]) for r in rows)
     pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[0])) if t.dim() else t  # noqa: E731

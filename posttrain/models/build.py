@@ -23,6 +23,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from posttrain.config import validate_config
 from posttrain.models.tokenizer import TOKENIZERS
 from posttrain.models.tokenizer import load_tokenizer as load_tokenizer  # re-exported for its callers
 from posttrain.models.vlm import build_vlm_dir, is_vision_language_dir
@@ -189,8 +190,6 @@ def causal_lm_class(path_or_name: str | Path) -> Any:
 
 def main(args: Any) -> int:
     """`posttrain create-model OUT_DIR [key=value ...]`: a from-config model + tokenizer directory."""
-    from posttrain.config import validate_config
-
     overrides = dict(item.split("=", 1) for item in args.overrides)
     values = {key: yaml.safe_load(value) for key, value in overrides.items()}
     cfg = validate_config(ModelFromConfig, values, {key: "command line" for key in overrides})

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from posttrain.config import ConfigError
+from posttrain.utils import native_checkpoint
 
 PEFT_INSTALL_HINT = (
     "policy.lora.enabled needs Hugging Face peft: pip install 'posttrain[lora]' (or pip install peft)"
@@ -249,8 +250,6 @@ def export_merged_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path
     import peft
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from posttrain.utils import native_checkpoint
-
     out_dir = Path(out_dir)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_state = get_model_state_dict(model, options=options)  # full on rank 0, empty on the others
@@ -285,8 +284,6 @@ def export_lora_checkpoint(
         AutoModelForSequenceClassification,
         AutoTokenizer,
     )
-
-    from posttrain.utils import native_checkpoint
 
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir / native_checkpoint.TOKENIZER_DIR)

@@ -3,6 +3,7 @@ which needs the `vllm` extra only when constructed) workers, and their config.""
 
 import importlib.util
 
+from posttrain.models.vlm import is_vision_language_dir
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.hf_worker import HFGenerationWorker
 from posttrain.workers.generation.interface import RayGeneration
@@ -45,8 +46,6 @@ def make_generation(
     """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own, where the Hugging Face
     backend replaces a worker lost mid-generate up to `max_worker_restarts` times)."""
     import ray
-
-    from posttrain.models.vlm import is_vision_language_dir
 
     on_gpus = (
         cluster.cfg.num_gpus_per_worker > 0

@@ -7,13 +7,21 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from posttrain.distributed.worker_group import WorkerDiedError
+from posttrain.distributed import (
+    BatchedDataDict,
+    ClusterConfig,
+    ClusterResourceError,
+    RayVirtualCluster,
+    RayWorkerGroup,
+    WorkerDiedError,
+)
+from posttrain.distributed.worker_group import wait_until_marked_dead
+from posttrain.models.build import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -123,9 +131,6 @@ class RayGeneration:
         tokenizer_name: str | None = None,
         max_worker_restarts: int = 0,
     ) -> None:
-        from posttrain.distributed import RayWorkerGroup
-        from posttrain.models.build import load_tokenizer
-
         self.cfg = cfg
         self.owned_cluster = cluster is None
         # Colocated: one worker per bundle of the policy's cluster; separate: num_workers bundles of its own.
@@ -157,8 +162,6 @@ class RayGeneration:
         keys in the order of the input. `seed` makes sampling reproducible (None: the config's seed plus
         the call count). The batch is split into contiguous shards decoded in parallel; a shard whose
         worker died is decoded again on its replacement (see the class)."""
-        from posttrain.distributed import BatchedDataDict, WorkerDiedError
-
         if seed is None:
             seed = self.cfg.seed + self.num_calls
         self.num_calls += 1
@@ -193,9 +196,6 @@ class RayGeneration:
         spent, it names no worker, the weights cannot be had again (refitted without a weights source) or a
         replacement does not start."""
         import ray
-
-        from posttrain.distributed import ClusterResourceError, WorkerDiedError
-        from posttrain.distributed.worker_group import wait_until_marked_dead
 
         ranks = lost_ranks(error.dead_workers, self.worker_group.names)
         restarts_left = self.num_worker_restarts < self.max_worker_restarts
@@ -262,8 +262,6 @@ class RayGeneration:
 def make_generation_cluster(cfg: Any) -> Any:
     """A cluster of `num_workers` bundles for generation placed apart from the policy (a GPU each if any)."""
     import ray
-
-    from posttrain.distributed import ClusterConfig, RayVirtualCluster
 
     num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
     return RayVirtualCluster(

@@ -22,7 +22,7 @@ from posttrain.distributed.core_lease import LeasedThreads
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsWriter
 from posttrain.distributed.worker_group import assigned_device, init_torch_distributed
 from posttrain.models import lora
-from posttrain.models.build import load_tokenizer
+from posttrain.models.build import causal_lm_class, load_tokenizer
 from posttrain.models.vlm import is_vision_language_dir, load_processor
 from posttrain.utils.metrics import metric_reductions
 from posttrain.utils.timer import Timer
@@ -61,8 +61,6 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     (reward model) or a 1-label token classifier without dropout (value model: the policy's architecture
     with a linear value head on every position)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
-
-    from posttrain.models.build import causal_lm_class
 
     if cfg.model_name is None:
         raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")

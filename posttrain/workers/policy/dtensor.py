@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from posttrain.models import lora
 from posttrain.models.moe import is_moe_model
 from posttrain.models.vlm import is_vision_language_model, vision_forward_inputs, vision_tower_anchor
+from posttrain.utils import native_checkpoint
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
 from posttrain.workers.policy.config import PolicyConfig
@@ -410,8 +411,6 @@ class DTensorPolicyWorker(PolicyWorker):
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (when `save_optimizer`) + scheduler state (DCP) under `path`, and this
         rank's RNG states (collective)."""
-        from posttrain.utils import native_checkpoint
-
         optimizer = self.optimizer if save_optimizer else None
         native_checkpoint.save_checkpoint(
             self.model,
@@ -429,8 +428,6 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def load_checkpoint(self, path: str) -> None:
         """Restore model, optimizer and scheduler state saved by save_checkpoint (collective)."""
-        from posttrain.utils import native_checkpoint
-
         native_checkpoint.load_checkpoint(
             self.model, self.optimizer, self.scheduler, path, trainable_only=self.cfg.lora.enabled
         )
@@ -439,8 +436,6 @@ class DTensorPolicyWorker(PolicyWorker):
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
-        from posttrain.utils import native_checkpoint
-
         if self.cfg.lora.enabled:  # merged weights, and the PEFT adapter in out_dir/adapter
             lora.export_merged_hf(self.model, self.tokenizer, out_dir, self.model.config)
             return

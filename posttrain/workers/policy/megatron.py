@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from posttrain.utils import native_checkpoint
 from posttrain.utils.metrics import metric_reductions, reduce_metrics
 from posttrain.workers.policy import megatron_convert, megatron_moe_convert, megatron_moe_step
 from posttrain.workers.policy.base import LossFn, PolicyWorker, load_hf_model
@@ -529,8 +530,6 @@ class MegatronPolicyWorker(PolicyWorker):
         hf_config/, tokenizer/ and every rank's RNG states under `path` (collective)."""
         from megatron.core import dist_checkpointing
 
-        from posttrain.utils import native_checkpoint
-
         path = Path(path)
         (path / MEGATRON_DIR).mkdir(parents=True, exist_ok=True)
         with self._backend():
@@ -546,8 +545,6 @@ class MegatronPolicyWorker(PolicyWorker):
     def load_checkpoint(self, path: str) -> None:
         """Restore what save_checkpoint wrote, at any tp/pp/dp layout (collective)."""
         from megatron.core import dist_checkpointing
-
-        from posttrain.utils import native_checkpoint
 
         path = Path(path)
         if not (path / MEGATRON_DIR).is_dir():

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.models import lora
 from posttrain.workers.policy import megatron_convert
 from posttrain.workers.policy.megatron import MegatronPolicyWorker
@@ -300,8 +301,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         self.reference_weights = {}  # the reference is the base: adapters disabled, nothing copied
 
     def get_reference_policy_logprobs(self, data: dict[str, Any]) -> Any:
-        from posttrain.distributed.batched_data_dict import BatchedDataDict
-
         if self.reference_weights is None:
             raise RuntimeError(
                 f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
