@@ -4,26 +4,26 @@ Bradley-Terry) are in `preference_loss.py` and follow the same contract.
 
 Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
 - `logprobs [B, T]`: position t holds log p(token t | tokens < t), position 0 is 0 (`scores [B]` for the
-  reward model). `data` holds `input_ids [B, T]`, `token_mask [B, T]`, `sample_mask [B]` (optional,
-  default 1) and what the loss needs (`advantages`, `prev_logprobs`, `generation_logprobs`,
-  `reference_policy_logprobs`, all [B, T]).
+  reward model). `data` is the micro-batch; each loss reads the tensors its `inputs` dataclass names,
+  with their shapes (`PGInputs`: `advantages`, `prev_logprobs`, ...), and a KeyError names the loss and
+  the key it needs that the micro-batch lacks.
 - `global_valid_toks` = sum of token_mask * sample_mask over the GLOBAL batch, `global_valid_seqs` = sum
   of sample_mask over the global batch. Every loss divides by these, so the sum of the micro-batch losses
   over micro-batches and data-parallel ranks is the loss of the global batch (and so is the gradient).
 - Metrics are floats already divided by the global counts, so that SUMMING them over micro-batches and
   ranks gives the global value; the only exceptions are keys ending in `_min` / `_max`, this micro-batch's
   extremes, which must be reduced with min / max (`posttrain.utils.metrics.reduce_metrics` does both).
-  A loss function may name another reduction per metric in a `metric_reductions` attribute
-  ({"name": "mean" | "max" | "min" | "sum"}); the training worker uses it over micro-batches and ranks.
-- `rows_independent = True` on a loss says a micro-batch's loss is a sum of its rows' own terms, so the
-  worker may put any rows together (`policy.length_bucketing`); DPO and Bradley-Terry read rows in pairs
-  and keep the order.
+- What the training worker asks a loss is the `Loss` base's attributes: `metric_reductions` (another
+  reduction per metric, {"name": "mean" | "max" | "min" | "sum"}), `rows_independent` (a micro-batch's
+  loss is a sum of its rows' own terms, so the worker may put any rows together, `policy.length_bucketing`;
+  DPO and Bradley-Terry read rows in pairs and keep the order) and `candidate_ids_key`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping, Self
 
 import torch
 
@@ -34,27 +34,70 @@ Count = torch.Tensor | float | int
 LossOutput = tuple[torch.Tensor, dict[str, float]]
 
 
-# -- shared helpers ---------------------------------------------------------------------------------
+# -- the contract: what a loss reads and what the worker asks it ---------------------------------------
 
 
-def _require(data: Mapping[str, Any], key: str, loss_name: str) -> torch.Tensor:
-    """data[key], or a KeyError naming the loss and the missing key."""
-    if key not in data:
-        raise KeyError(f"{loss_name} needs '{key}' in the micro-batch; it has {sorted(data.keys())}")
-    return data[key]
+class Loss:
+    """Base of the losses: the attributes the training worker reads (`workers/policy/base.LossFn`)."""
+
+    rows_independent: ClassVar[bool] = False  # True: the micro-batch loss is a sum of per-row terms
+    metric_reductions: ClassVar[Mapping[str, str]] = {}  # metric -> "mean" / "max" / "min" / "sum"
+    candidate_ids_key: ClassVar[str | None] = None  # data key of token ids [B, T, k] scored beside logprobs
 
 
-def _valid_token_mask(data: Mapping[str, Any], like: torch.Tensor, loss_name: str) -> torch.Tensor:
-    """token_mask * sample_mask as float on like's device: [B, T]."""
-    token_mask = _require(data, "token_mask", loss_name).to(like.device).float()  # [B, T]
-    return token_mask * _sample_mask(data, like).unsqueeze(1)  # [B, T]
+@dataclass(kw_only=True)
+class LossInputs:
+    """The micro-batch tensors a loss reads; each field is a data key (None: optional and absent)."""
+
+    sample_mask: torch.Tensor | None = None  # [B] 0 drops a sample; absent: all ones
+
+    @classmethod
+    def read(
+        cls, data: Mapping[str, Any], like: torch.Tensor, loss: str, needs: tuple[str, ...] = ()
+    ) -> Self:
+        """The fields found in `data`, as float on like's device; KeyError naming `loss` and the key when a
+        field without a default, or one named in `needs`, is missing."""
+        values = {}
+        for item in dataclasses.fields(cls):
+            if item.name in data:
+                values[item.name] = data[item.name].to(like.device).float()
+            elif item.default is dataclasses.MISSING or item.name in needs:
+                raise KeyError(f"{loss} needs '{item.name}' in the micro-batch; it has {sorted(data.keys())}")
+        return cls(**values)
+
+    def samples(self, like: torch.Tensor) -> torch.Tensor:
+        """sample_mask [B] (all ones when absent)."""
+        return torch.ones(like.shape[0], device=like.device) if self.sample_mask is None else self.sample_mask
 
 
-def _sample_mask(data: Mapping[str, Any], like: torch.Tensor) -> torch.Tensor:
-    """sample_mask [B] as float (all ones when absent)."""
-    if "sample_mask" not in data:
-        return torch.ones(like.shape[0], device=like.device)
-    return data["sample_mask"].to(like.device).float()  # [B]
+@dataclass(kw_only=True)
+class TokenInputs(LossInputs):
+    """What every per-token loss reads."""
+
+    token_mask: torch.Tensor  # [B, T] 1 on trained tokens
+
+    def valid_tokens(self) -> torch.Tensor:
+        """token_mask * sample_mask [B, T]."""
+        return self.token_mask * self.samples(self.token_mask).unsqueeze(1)
+
+
+@dataclass(kw_only=True)
+class KDInputs(TokenInputs):
+    teacher_topk_logprobs: torch.Tensor  # [B, T, k] the teacher's top-k next-token logprobs
+
+
+@dataclass(kw_only=True)
+class PGInputs(TokenInputs):
+    advantages: torch.Tensor  # [B, T]
+    prev_logprobs: torch.Tensor | None = None  # [B, T] pi_prev (the trainer's logprobs of the data)
+    generation_logprobs: torch.Tensor | None = None  # [B, T] the generation engine's
+    reference_policy_logprobs: torch.Tensor | None = None  # [B, T] the frozen reference's
+
+
+@dataclass(kw_only=True)
+class ValueInputs(TokenInputs):
+    returns: torch.Tensor  # [B, T]
+    prev_values: torch.Tensor  # [B, T] the values that computed the advantages
 
 
 def _count(value: Count, like: torch.Tensor) -> torch.Tensor:
@@ -69,12 +112,12 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 # -- NLL ------------------------------------------------------------------------------------------
 
 
-class NLLLoss:
+class NLLLoss(Loss):
     """Supervised fine-tuning: -sum(logprobs * mask) / global_valid_toks.
 
     Metrics (sums): loss; num_valid_tokens, this micro-batch's count of trained tokens."""
 
-    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
+    rows_independent = True
 
     def __call__(
         self,
@@ -83,7 +126,7 @@ class NLLLoss:
         global_valid_seqs: Count,
         global_valid_toks: Count,
     ) -> LossOutput:
-        mask = _valid_token_mask(data, logprobs, "NLLLoss")  # [B, T]
+        mask = TokenInputs.read(data, logprobs, "NLLLoss").valid_tokens()  # [B, T]
         loss = -_masked_sum(logprobs.float(), mask) / _count(global_valid_toks, logprobs)
         return loss, {"loss": float(loss.detach()), "num_valid_tokens": float(mask.sum())}
 
@@ -102,7 +145,7 @@ class KDLossConfig:
             raise ConfigError.at("kd_weight", "kd_weight and nll_weight must be >= 0, not both 0")
 
 
-class KDLoss:
+class KDLoss(Loss):
     """Off-policy knowledge distillation on the teacher's top-k (Hinton et al. 2015, arXiv:1503.02531, with
     the top-k truncation of large-vocabulary distillation). At each trained token t the teacher's k most
     likely next tokens j with logprobs l_j are renormalised, q_j = exp(l_j) / sum_i exp(l_i), and with the
@@ -116,7 +159,7 @@ class KDLoss:
     Metrics (sums): loss, kd_loss, nll_loss, teacher_topk_mass (the teacher's probability inside its top k,
     summed over tokens / global tokens), num_valid_tokens."""
 
-    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
+    rows_independent = True
 
     candidate_ids_key = "teacher_topk_ids"
 
@@ -131,8 +174,8 @@ class KDLoss:
         global_valid_toks: Count,
     ) -> LossOutput:
         logprobs, student = outputs[..., 0].float(), outputs[..., 1:].float()  # [B, T], [B, T, k]
-        teacher = _require(data, "teacher_topk_logprobs", "KDLoss").to(outputs.device).float()  # [B, T, k]
-        mask = _valid_token_mask(data, logprobs, "KDLoss")  # [B, T]
+        inputs = KDInputs.read(data, logprobs, "KDLoss")
+        teacher, mask = inputs.teacher_topk_logprobs, inputs.valid_tokens()  # [B, T, k], [B, T]
         tokens = _count(global_valid_toks, logprobs)
         target = torch.log_softmax(teacher, dim=-1)  # log q [B, T, k]
         kl = (target.exp() * (target - student)).sum(dim=-1)  # [B, T]
@@ -210,7 +253,7 @@ class ClippedPGLossConfig:
                 )
 
 
-class ClippedPGLoss:
+class ClippedPGLoss(Loss):
     """Clipped policy gradient, per token t of sample i with ratio r = pi(t) / pi_prev(t), advantage A:
 
         L_t = w_t * (max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) + beta * KL_t)
@@ -238,7 +281,7 @@ class ClippedPGLoss:
     and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch).
     """
 
-    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
+    rows_independent = True
 
     metric_reductions = {"probs_ratio_min": "min", "probs_ratio_max": "max"}
 
@@ -254,35 +297,39 @@ class ClippedPGLoss:
         global_valid_toks: Count,
     ) -> LossOutput:
         logprobs = logprobs.float()  # [B, T]
-        mask = _valid_token_mask(data, logprobs, "ClippedPGLoss")  # [B, T]
-        advantages = _require(data, "advantages", "ClippedPGLoss").to(logprobs.device).float()  # [B, T]
+        inputs = PGInputs.read(data, logprobs, "ClippedPGLoss", self.needs())
+        mask, advantages = inputs.valid_tokens(), inputs.advantages  # [B, T], [B, T]
         check_finite(advantages, "advantages")
-        prev_logprobs = self._prev_logprobs(logprobs, data)  # [B, T]
+        prev_logprobs = inputs.prev_logprobs  # [B, T]
+        if self.prev_is_current or prev_logprobs is None:
+            prev_logprobs = logprobs.detach()
         ratio = self._ratio(logprobs, prev_logprobs, mask)  # [B, T]
         clipped_ratio = ratio.clamp(1.0 - self.cfg.ratio_clip_min, 1.0 + self.cfg.ratio_clip_max)
         pg_loss = torch.maximum(-advantages * ratio, -advantages * clipped_ratio)  # [B, T]
         if self.cfg.ratio_clip_c is not None:
             dual_clipped = torch.minimum(pg_loss, -advantages * self.cfg.ratio_clip_c)
             pg_loss = torch.where(advantages < 0, dual_clipped, pg_loss)
-        kl = self._kl(logprobs, data)  # [B, T]
-        is_weight = self._importance_weight(data, prev_logprobs)  # [B, T]
+        kl = self._kl(logprobs, inputs.reference_policy_logprobs)  # [B, T]
+        is_weight = self._importance_weight(inputs.generation_logprobs, prev_logprobs)  # [B, T]
         token_loss = is_weight * (pg_loss + self.cfg.reference_policy_kl_penalty * kl)  # [B, T]
-        loss = self._reduce(token_loss, mask, data, global_valid_seqs, global_valid_toks)
+        loss = self._reduce(token_loss, mask, inputs, global_valid_seqs, global_valid_toks)
         num_toks = _count(global_valid_toks, logprobs)
         metrics = self._ratio_metrics(ratio.detach(), mask, num_toks)
         metrics.update(
             self._other_metrics(
-                logprobs.detach(), prev_logprobs, kl.detach(), is_weight, data, mask, num_toks
+                logprobs.detach(), prev_logprobs, kl.detach(), is_weight, inputs, mask, num_toks
             )
         )
         metrics["loss"] = float(loss.detach())
         return loss, metrics
 
-    def _prev_logprobs(self, logprobs: torch.Tensor, data: Mapping[str, Any]) -> torch.Tensor:
-        """The sampling policy's logprobs as the trainer computes them [B, T] (no gradient)."""
-        if self.prev_is_current or (self.cfg.force_on_policy_ratio and "prev_logprobs" not in data):
-            return logprobs.detach()
-        return _require(data, "prev_logprobs", "ClippedPGLoss").to(logprobs.device).float()
+    def needs(self) -> tuple[str, ...]:
+        """The optional `PGInputs` this configuration reads: prev_logprobs unless pi_prev is the trained
+        forward's own, generation_logprobs for the importance weight, the reference's for the KL term."""
+        cfg = self.cfg
+        needs = () if self.prev_is_current or cfg.force_on_policy_ratio else ("prev_logprobs",)
+        needs += ("generation_logprobs",) if cfg.use_importance_sampling_correction else ()
+        return needs + (("reference_policy_logprobs",) if cfg.reference_policy_kl_penalty else ())
 
     def _ratio(self, logprobs: torch.Tensor, prev_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Importance ratio pi / pi_prev per token [B, T] (per sequence, broadcast, for GSPO)."""
@@ -295,11 +342,10 @@ class ClippedPGLoss:
             log_ratio = sequence_log_ratio.unsqueeze(1).expand_as(log_ratio)  # [B, T]
         return torch.exp(log_ratio)  # [B, T]
 
-    def _kl(self, logprobs: torch.Tensor, data: Mapping[str, Any]) -> torch.Tensor:
-        """Per-token KL estimate to the reference policy [B, T]; zeros when the penalty is off."""
-        if self.cfg.reference_policy_kl_penalty == 0 and "reference_policy_logprobs" not in data:
+    def _kl(self, logprobs: torch.Tensor, ref_logprobs: torch.Tensor | None) -> torch.Tensor:
+        """Per-token KL estimate to the reference policy [B, T]; zeros without reference logprobs."""
+        if ref_logprobs is None:
             return torch.zeros_like(logprobs)
-        ref_logprobs = _require(data, "reference_policy_logprobs", "ClippedPGLoss").to(logprobs.device)
         return kl_estimate(
             logprobs,
             ref_logprobs,
@@ -308,14 +354,13 @@ class ClippedPGLoss:
             self.cfg.kl_output_clamp_value,
         )
 
-    def _importance_weight(self, data: Mapping[str, Any], prev_logprobs: torch.Tensor) -> torch.Tensor:
+    def _importance_weight(
+        self, generation_logprobs: torch.Tensor | None, prev_logprobs: torch.Tensor
+    ) -> torch.Tensor:
         """Detached exp(prev - generation logprobs), truncated above [B, T]; ones when the correction is
         off."""
-        if not self.cfg.use_importance_sampling_correction:
+        if not self.cfg.use_importance_sampling_correction or generation_logprobs is None:
             return torch.ones_like(prev_logprobs)
-        generation_logprobs = (
-            _require(data, "generation_logprobs", "ClippedPGLoss").to(prev_logprobs.device).float()
-        )
         weight = torch.exp(prev_logprobs - generation_logprobs).detach()  # [B, T]
         if self.cfg.truncated_importance_sampling_ratio is not None:
             weight = weight.clamp(max=self.cfg.truncated_importance_sampling_ratio)
@@ -325,7 +370,7 @@ class ClippedPGLoss:
         self,
         token_loss: torch.Tensor,
         mask: torch.Tensor,
-        data: Mapping[str, Any],
+        inputs: PGInputs,
         global_valid_seqs: Count,
         global_valid_toks: Count,
     ) -> torch.Tensor:
@@ -338,7 +383,7 @@ class ClippedPGLoss:
             return _masked_sum(token_loss, mask) / _count(global_valid_toks, token_loss)
         num_tokens = mask.sum(dim=1).clamp(min=1.0)  # [B]
         sequence_loss = (token_loss * mask).sum(dim=1) / num_tokens  # [B]
-        sample_mask = _sample_mask(data, token_loss)  # [B]
+        sample_mask = inputs.samples(token_loss)  # [B]
         return (sequence_loss * sample_mask).sum() / _count(global_valid_seqs, token_loss)
 
     def _ratio_metrics(
@@ -360,7 +405,7 @@ class ClippedPGLoss:
         prev_logprobs: torch.Tensor,
         kl: torch.Tensor,
         is_weight: torch.Tensor,
-        data: Mapping[str, Any],
+        inputs: PGInputs,
         mask: torch.Tensor,
         num_toks: torch.Tensor,
     ) -> dict[str, float]:
@@ -371,8 +416,7 @@ class ClippedPGLoss:
             "approx_entropy": float(-_masked_sum(logprobs, mask) / num_toks),
             "is_weight_mean": float(_masked_sum(is_weight, mask) / num_toks),
             "token_mult_prob_error": float(
-                _masked_sum(token_mult_prob_error(prev_logprobs, data.get("generation_logprobs")), mask)
-                / num_toks
+                _masked_sum(token_mult_prob_error(prev_logprobs, inputs.generation_logprobs), mask) / num_toks
             ),
         }
 
@@ -404,7 +448,7 @@ class ValueLossConfig:
             )
 
 
-class ValueLoss:
+class ValueLoss(Loss):
     """PPO's clipped value loss (Schulman et al. 2017, arXiv:1707.06347, as in its reference code), per
     trained token t with value V_t, the value V_old_t that computed the advantages and the return R_t:
 
@@ -415,7 +459,7 @@ class ValueLoss:
     Metrics (sums): loss; values_mean, returns_mean; value_clip_fraction (tokens where the clipped term is
     the larger, so the gradient is cut)."""
 
-    rows_independent = True  # each row's loss stands alone: micro-batches may group rows freely
+    rows_independent = True
 
     def __init__(self, cfg: ValueLossConfig | None = None) -> None:
         self.cfg = cfg or ValueLossConfig()
@@ -428,9 +472,8 @@ class ValueLoss:
         global_valid_toks: Count,
     ) -> LossOutput:
         values = values.float()  # [B, T]
-        mask = _valid_token_mask(data, values, "ValueLoss")  # [B, T]
-        returns = _require(data, "returns", "ValueLoss").to(values.device).float()  # [B, T]
-        prev_values = _require(data, "prev_values", "ValueLoss").to(values.device).float()  # [B, T]
+        inputs = ValueInputs.read(data, values, "ValueLoss")
+        mask, returns, prev_values = inputs.valid_tokens(), inputs.returns, inputs.prev_values  # [B, T]
         squared_error = (values - returns).square()  # [B, T]
         clipped_error = squared_error
         if self.cfg.value_clip is not None:

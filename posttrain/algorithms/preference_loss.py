@@ -10,13 +10,7 @@ from typing import Any, Literal, Mapping
 import torch
 import torch.nn.functional as F
 
-from posttrain.algorithms.loss import (
-    Count,
-    LossOutput,
-    _count,
-    _require,
-    _sample_mask,
-)
+from posttrain.algorithms.loss import Count, Loss, LossInputs, LossOutput, TokenInputs, _count
 from posttrain.config import ConfigError
 
 
@@ -63,13 +57,18 @@ def _sequence_logprobs(logprobs: torch.Tensor, token_mask: torch.Tensor, average
     return total / token_mask.sum(dim=1).clamp(min=1.0) if average else total
 
 
-def _pair_mask(data: Mapping[str, Any], like: torch.Tensor, loss_name: str) -> torch.Tensor:
+def _pair_mask(inputs: LossInputs, like: torch.Tensor, loss_name: str) -> torch.Tensor:
     """1 for pairs whose chosen and rejected rows are both valid: [P]."""
-    chosen_mask, rejected_mask = _pair_halves(_sample_mask(data, like), loss_name)
+    chosen_mask, rejected_mask = _pair_halves(inputs.samples(like), loss_name)
     return chosen_mask * rejected_mask  # [P]
 
 
-class DPOLoss:
+@dataclass(kw_only=True)
+class DPOInputs(TokenInputs):
+    reference_policy_logprobs: torch.Tensor | None = None  # [B, T] the reference's (all but SimPO)
+
+
+class DPOLoss(Loss):
     """Direct preference optimisation (Rafailov et al. 2023, arXiv:2305.18290) and two variants that are one
     loss away, IPO and SimPO (`cfg.preference_loss`).
 
@@ -103,10 +102,12 @@ class DPOLoss:
         global_valid_toks: Count,
     ) -> LossOutput:
         logprobs = logprobs.float()  # [B, T]
-        token_mask = _require(data, "token_mask", "DPOLoss").to(logprobs.device).float()  # [B, T]
-        pair_mask = _pair_mask(data, logprobs, "DPOLoss")  # [P]
+        needs = () if self.cfg.preference_loss == "simpo" else ("reference_policy_logprobs",)
+        inputs = DPOInputs.read(data, logprobs, "DPOLoss", needs)
+        token_mask = inputs.token_mask  # [B, T]
+        pair_mask = _pair_mask(inputs, logprobs, "DPOLoss")  # [P]
         num_pairs = _count(torch.as_tensor(global_valid_seqs, dtype=torch.float32) / 2, logprobs)
-        rewards_chosen, rewards_rejected, pair_losses = self._pair_losses(logprobs, token_mask, data)  # [P]
+        rewards_chosen, rewards_rejected, pair_losses = self._pair_losses(logprobs, token_mask, inputs)  # [P]
         preference_loss = (pair_losses * pair_mask).sum() / num_pairs
         chosen_logprobs, _ = _pair_halves(
             _sequence_logprobs(logprobs, token_mask, self.cfg.sft_average_log_probs), "DPOLoss"
@@ -122,14 +123,14 @@ class DPOLoss:
         return loss, metrics
 
     def _pair_losses(
-        self, logprobs: torch.Tensor, token_mask: torch.Tensor, data: Mapping[str, Any]
+        self, logprobs: torch.Tensor, token_mask: torch.Tensor, inputs: DPOInputs
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rewards of the chosen and rejected responses and the per-pair preference loss l, each [P]."""
         beta = self.cfg.reference_policy_kl_penalty
         if self.cfg.preference_loss == "simpo":
             chosen, rejected = _pair_halves(beta * _sequence_logprobs(logprobs, token_mask, True), "DPOLoss")
             return chosen, rejected, -F.logsigmoid(chosen - rejected - self.cfg.simpo_gamma)
-        ref_logprobs = _require(data, "reference_policy_logprobs", "DPOLoss").to(logprobs.device).float()
+        ref_logprobs = inputs.reference_policy_logprobs  # [B, T] (required but by SimPO)
         average = self.cfg.preference_average_log_probs
         log_ratio = _sequence_logprobs(logprobs, token_mask, average) - _sequence_logprobs(
             ref_logprobs, token_mask, average
@@ -155,7 +156,7 @@ def _pair_metrics(
     }
 
 
-class BradleyTerryLoss:
+class BradleyTerryLoss(Loss):
     """Reward-model loss on interleaved pairs of scalar scores (row 2i chosen, 2i+1 rejected):
 
         loss = sum over pairs of -log sigmoid(s_c - s_r) / global pairs, global pairs = global_valid_seqs / 2
@@ -172,7 +173,7 @@ class BradleyTerryLoss:
         global_valid_toks: Count,
     ) -> LossOutput:
         scores = scores.float().reshape(scores.shape[0])  # [B]
-        pair_mask = _pair_mask(data, scores, "BradleyTerryLoss")  # [P]
+        pair_mask = _pair_mask(LossInputs.read(data, scores, "BradleyTerryLoss"), scores, "BradleyTerryLoss")
         num_pairs = _count(torch.as_tensor(global_valid_seqs, dtype=torch.float32) / 2, scores)
         scores_chosen, scores_rejected = _pair_halves(scores, "BradleyTerryLoss")  # [P], [P]
         loss = (-F.logsigmoid(scores_chosen - scores_rejected) * pair_mask).sum() / num_pairs

@@ -72,9 +72,9 @@ def reduce_metrics(
 
 
 def metric_reductions(loss_fn: Any) -> dict[str, str]:
-    """The reductions a loss function names for its metrics in its optional `metric_reductions` attribute
-    (metric -> "sum" / "mean" / "min" / "max"); a plain function names none."""
-    declared = dict(getattr(loss_fn, "metric_reductions", {}))
+    """The reductions a loss names for its metrics in its `metric_reductions` attribute (metric -> "sum" /
+    "mean" / "min" / "max"), checked."""
+    declared = dict(loss_fn.metric_reductions)
     for name, reduction in declared.items():
         if reduction not in _REDUCTIONS:
             raise ValueError(

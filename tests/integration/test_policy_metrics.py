@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.algorithms.loss import NLLLoss
+from posttrain.algorithms.loss import Loss, NLLLoss
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test,
 LENGTHS = [5, 9, 7, 12, 6, 8, 11, 10]  # 8 rows: 2 workers x 2 micro-batches of 2 rows
 
 
-class LengthStatsLoss:
+class LengthStatsLoss(Loss):
     """NLL plus three statistics of each micro-batch's row lengths, reduced as declared: names without a
     `_min` / `_max` suffix, so a suffix rule alone would sum all three."""
 

@@ -245,6 +245,22 @@ def test_missing_advantages_names_the_key():
         pg_loss(ClippedPGLossConfig(), logprobs, data)
 
 
+def test_the_pg_loss_names_the_inputs_its_options_need():
+    """prev_logprobs unless the trained forward is pi_prev; generation_logprobs for the importance weight;
+    the reference's for a KL penalty; a missing one is a KeyError naming it."""
+    assert ClippedPGLoss().needs() == ("prev_logprobs",)
+    assert ClippedPGLoss(prev_is_current=True).needs() == ()
+    corrected = ClippedPGLossConfig(use_importance_sampling_correction=True, reference_policy_kl_penalty=0.1)
+    assert ClippedPGLoss(corrected).needs() == (
+        "prev_logprobs",
+        "generation_logprobs",
+        "reference_policy_logprobs",
+    )
+    logprobs, data = one_token_batch(1.0, 1.0)
+    with pytest.raises(KeyError, match="ClippedPGLoss needs 'generation_logprobs'"):
+        pg_loss(corrected, logprobs, data)
+
+
 # -- DPO and Bradley-Terry ----------------------------------------------------------------------------
 
 

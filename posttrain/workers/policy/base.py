@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -39,7 +39,18 @@ from posttrain.workers.policy.microbatches import (
 from posttrain.workers.policy.step_metrics import StepMetrics, reduce_steps
 from posttrain.workers.refit import WeightVersions
 
-LossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+
+class LossFn(Protocol):
+    """A loss as the worker calls and asks it (the contract and the `Loss` base: algorithms/loss.py)."""
+
+    rows_independent: bool
+    metric_reductions: Mapping[str, str]
+    candidate_ids_key: str | None
+
+    def __call__(
+        self, outputs: torch.Tensor, data: Any, global_valid_seqs: Any, global_valid_toks: Any
+    ) -> tuple[torch.Tensor, dict[str, float]]: ...
+
 
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 

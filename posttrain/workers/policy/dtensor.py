@@ -382,13 +382,13 @@ class DTensorPolicyWorker(PolicyWorker):
     ) -> StepMetrics:
         valid_seqs, valid_toks = self._global_counts(batch)
         step, parts = StepMetrics(), []
-        plan = self.forward_plan(getattr(loss_fn, "rows_independent", False))
+        plan = self.forward_plan(loss_fn.rows_independent)
         for microbatch in self.leased(self.make_microbatches(batch, micro_batch_size, *plan)):
             step.num_computed_tokens += microbatch.computed_tokens
             step.num_real_tokens += microbatch.real_tokens
             tap = router_tap(self.model, microbatch, self.router_replay, keep_logits=True)
             with torch.set_grad_enabled(not eval_mode), tap as routers:
-                candidates_key = getattr(loss_fn, "candidate_ids_key", None)  # a distillation loss's
+                candidates_key = loss_fn.candidate_ids_key  # a distillation loss's
                 candidates = microbatch.data[candidates_key] if candidates_key else None
                 outputs = self._forward(microbatch, candidates)  # [b, T_mb] logprobs or [b] scores
                 loss, metrics = loss_fn(outputs, microbatch.data.to(self.device), valid_seqs, valid_toks)
