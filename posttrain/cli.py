@@ -13,8 +13,8 @@ import sys
 COMMANDS = {
     "sft": ("posttrain.algorithms.sft", "supervised fine-tuning on conversations or prompt/response pairs"),
     "grpo": ("posttrain.algorithms.grpo", "GRPO-family RL with verifiable rewards (DAPO/GSPO options)"),
-    "ppo": ("posttrain.algorithms.ppo", "PPO: GRPO's loop with a value model and per-token GAE advantages"),
-    "distill": ("posttrain.algorithms.distill", "on-policy distillation from a teacher model"),
+    "ppo": ("posttrain.algorithms.grpo", "PPO: GRPO's loop with a value model and per-token GAE advantages"),
+    "distill": ("posttrain.algorithms.grpo", "on-policy distillation from a teacher model"),
     "dpo": ("posttrain.algorithms.dpo", "direct preference optimisation on chosen/rejected pairs"),
     "rm": ("posttrain.algorithms.rm", "Bradley-Terry reward-model training on preference pairs"),
     "eval": ("posttrain.evals.run", "evaluate a model or checkpoint with pass@k or cons@k"),

@@ -63,7 +63,7 @@ from posttrain.algorithms.run import (
     shutdown_on_error,
 )
 from posttrain.algorithms.teacher import Teacher, check_same_tokenizer
-from posttrain.config import load_run_config
+from posttrain.config import ConfigError, load_run_config
 from posttrain.data import StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.core_lease import lend_cores
@@ -538,5 +538,22 @@ def train_and_export(cfg: GRPOConfig) -> int:
     return 0
 
 
+# `posttrain ppo` and `posttrain distill` run this loop and insist on their estimator, so that their config
+# cannot silently run without its critic or teacher: command -> (estimator, what the command does).
+COMMAND_ESTIMATORS = {
+    "ppo": ("gae", "trains a critic and needs"),
+    "distill": ("on_policy_distillation", "scores the student's samples with a teacher and needs"),
+}
+
+
 def main(args: Any) -> int:
-    return train_and_export(load_run_config(GRPOConfig, args))
+    """`posttrain grpo`, `posttrain ppo` (critic.py) and `posttrain distill` (teacher.py)."""
+    cfg = load_run_config(GRPOConfig, args)
+    estimator, does = COMMAND_ESTIMATORS.get(getattr(args, "command", "grpo"), (None, ""))
+    if estimator is not None and cfg.grpo.advantage_estimator != estimator:
+        raise ConfigError(
+            "grpo.advantage_estimator",
+            f"posttrain {args.command} {does} {estimator!r}, got {cfg.grpo.advantage_estimator!r} "
+            "(or run posttrain grpo)",
+        )
+    return train_and_export(cfg)
