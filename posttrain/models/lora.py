@@ -115,9 +115,7 @@ def adapter_disabled(model: torch.nn.Module) -> Any:
     return model.disable_adapter()
 
 
-# ----------------------------------------------------------------------------------------------------
-# The refit payload: adapter tensors only
-# ----------------------------------------------------------------------------------------------------
+# -- The refit payload: adapter tensors only ---------------------------------------------------------
 
 
 @dataclass
@@ -209,9 +207,7 @@ def merge_adapter(base: dict[str, torch.Tensor], adapter: AdapterWeights) -> dic
     return merged
 
 
-# ----------------------------------------------------------------------------------------------------
-# Checkpoints and exports
-# ----------------------------------------------------------------------------------------------------
+# -- Checkpoints and exports -------------------------------------------------------------------------
 
 
 def save_adapter_config(model: torch.nn.Module, path: str | Path) -> None:
@@ -316,9 +312,7 @@ def export_lora_checkpoint(
     return out_dir
 
 
-# ----------------------------------------------------------------------------------------------------
-# Tensor parallelism (dtensor worker): the TP plan of a decoder layer whose projections peft wrapped
-# ----------------------------------------------------------------------------------------------------
+# -- Tensor parallelism (dtensor worker): the TP plan of a decoder layer whose projections peft wrapped --
 
 
 def is_lora_linear(module: torch.nn.Module) -> bool:

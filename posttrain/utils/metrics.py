@@ -25,21 +25,6 @@ def reduction_of(key: str, reductions: Mapping[str, str] | None = None) -> str:
     return "sum"
 
 
-_COMBINE = {"sum": lambda a, b: a + b, "min": min, "max": max}
-
-
-def sum_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Metrics of several micro-batches (or ranks) of one global batch: sum, `*_min` min, `*_max` max."""
-    combined: dict[str, float] = {}
-    for metrics in parts:
-        for key, value in metrics.items():
-            if key not in combined:
-                combined[key] = value
-            else:
-                combined[key] = _COMBINE[reduction_of(key)](combined[key], value)
-    return combined
-
-
 _REDUCTIONS = {"sum": np.sum, "mean": np.mean, "min": np.min, "max": np.max}
 
 
@@ -95,7 +80,9 @@ def mean_over_steps(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
     reduced = {}
     for key, values in metrics.items():
         reduction = reduction_of(key)
-        reduced[key] = float(sum(values) / len(values) if reduction == "sum" else _COMBINE[reduction](values))
+        reduced[key] = float(
+            sum(values) / len(values) if reduction == "sum" else _REDUCTIONS[reduction](values)
+        )
     return reduced
 
 

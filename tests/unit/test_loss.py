@@ -17,7 +17,7 @@ from posttrain.algorithms.loss import (
 )
 from posttrain.algorithms.preference_loss import BradleyTerryLoss, DPOLoss, DPOLossConfig
 from posttrain.config import ConfigError
-from posttrain.utils.metrics import sum_metrics
+from posttrain.utils.metrics import reduce_metrics
 
 LN2 = math.log(2.0)
 
@@ -498,7 +498,7 @@ def test_two_micro_batches_sum_to_whole_batch_loss_metrics_and_gradient(name):
     (summed_grad,) = torch.autograd.grad(summed_loss, logprobs)
     torch.testing.assert_close(summed_loss, whole_loss)
     torch.testing.assert_close(summed_grad, whole_grad)
-    summed_metrics = sum_metrics([parts[0][1], parts[1][1]])
+    summed_metrics = reduce_metrics([parts[0][1], parts[1][1]])
     assert summed_metrics == pytest.approx(whole_metrics, rel=1e-5, abs=1e-6)
 
 

@@ -1,14 +1,14 @@
 """Metric reductions: the `*_min`/`*_max` rule over micro-batches and steps."""
 
-from posttrain.utils.metrics import mean_over_steps, sum_metrics
+from posttrain.utils.metrics import mean_over_steps, reduce_metrics
 
 
-def test_sum_metrics_sums_shares_and_keeps_extremes():
+def test_micro_batch_metrics_sum_shares_and_keep_extremes():
     parts = [
         {"loss": 0.25, "ratio_min": 0.5, "ratio_max": 1.5},
         {"loss": 0.5, "ratio_min": 0.75, "ratio_max": 2.0},
     ]
-    assert sum_metrics(parts) == {"loss": 0.75, "ratio_min": 0.5, "ratio_max": 2.0}
+    assert reduce_metrics(parts) == {"loss": 0.75, "ratio_min": 0.5, "ratio_max": 2.0}
 
 
 def test_mean_over_steps_averages_except_extremes():

@@ -150,9 +150,7 @@ def ends_with_stop_string(tokenizer: Any, generated_ids: list[int], stop_strings
     return any(s in text for s in stop_strings)
 
 
-# ----------------------------------------------------------------------------------------------------
-# The decoding loop
-# ----------------------------------------------------------------------------------------------------
+# -- The decoding loop -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -356,6 +354,4 @@ def routed_experts_at(state: DecodeState, input_lengths: torch.Tensor, num_cols:
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
-# Worker (one per Ray actor) and driver-side handle
-# ----------------------------------------------------------------------------------------------------
+# -- Worker (one per Ray actor) and driver-side handle -----------------------------------------------

@@ -120,9 +120,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
     )
 
 
-# ----------------------------------------------------------------------------------------------------
-# Names: Megatron (local layer index) <-> HF (global layer index)
-# ----------------------------------------------------------------------------------------------------
+# -- Names: Megatron (local layer index) <-> HF (global layer index) ---------------------------------
 
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER_PARTS = {
@@ -170,9 +168,7 @@ def tp_dim(name: str, layout: GPTLayout) -> int | None:
     return TP_DIM[match.group(2) if match else name]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Tensor transforms
-# ----------------------------------------------------------------------------------------------------
+# -- Tensor transforms -------------------------------------------------------------------------------
 
 
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
@@ -198,9 +194,7 @@ def pad_vocab(weight: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
     return torch.nn.functional.pad(weight, (0, 0, 0, layout.padded_vocab_size - weight.shape[0]))
 
 
-# ----------------------------------------------------------------------------------------------------
-# HF -> Megatron (this rank's shards)
-# ----------------------------------------------------------------------------------------------------
+# -- HF -> Megatron (this rank's shards) -------------------------------------------------------------
 
 
 def hf_to_megatron(
@@ -255,9 +249,7 @@ def full_megatron_tensor(
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-# ----------------------------------------------------------------------------------------------------
-# Megatron -> HF (from every TP rank's shards of one stage)
-# ----------------------------------------------------------------------------------------------------
+# -- Megatron -> HF (from every TP rank's shards of one stage) ---------------------------------------
 
 
 def merge_tp_shards(name: str, shards: list[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
@@ -304,9 +296,7 @@ def megatron_to_hf(
     return hf
 
 
-# ----------------------------------------------------------------------------------------------------
-# The Megatron model of a HF config
-# ----------------------------------------------------------------------------------------------------
+# -- The Megatron model of a HF config ---------------------------------------------------------------
 
 
 def transformer_config(
