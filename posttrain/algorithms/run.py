@@ -128,8 +128,7 @@ def save_run_checkpoint(
     critic) in a directory of its name, loader; then finalize (which writes the sha256 manifest before
     the rename)."""
     path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
-    policy.save_checkpoint(str(path / "policy"), save_optimizer=manager.save_optimizer)
-    for name, model in (extra_models or {}).items():
+    for name, model in {"policy": policy, **(extra_models or {})}.items():
         model.save_checkpoint(str(path / name), save_optimizer=manager.save_optimizer)
     (path / "dataloader.json").write_text(json.dumps(loader_state))
     manager.finalize_checkpoint(path)
@@ -147,8 +146,7 @@ def restore_run(
     if path is None:
         return None
     path = Path(path)
-    policy.load_checkpoint(str(path / "policy"))
-    for name, model in (extra_models or {}).items():
+    for name, model in {"policy": policy, **(extra_models or {})}.items():
         model.load_checkpoint(str(path / name))
     training_info = manager.load_training_info(path) or {}
     loader_file = path / "dataloader.json"
