@@ -39,7 +39,6 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
-from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
 from posttrain.workers.policy.config import policy_with_lr
@@ -83,14 +82,6 @@ class DPOConfig:
 DPORun = SupervisedRun[DPOConfig]  # val_data: interleaved pairs with their reference logprobs
 
 
-def add_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
-    """`reference_policy_logprobs [B, T]` from the frozen initial policy, added to `data`."""
-    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)[
-        "reference_policy_logprobs"
-    ]
-    return data
-
-
 def uses_reference(cfg: DPOConfig) -> bool:
     """Every pair loss but SimPO's compares with the frozen reference."""
     return cfg.loss.preference_loss != "simpo"
@@ -99,12 +90,8 @@ def uses_reference(cfg: DPOConfig) -> bool:
 def val_batches(
     cfg: DPOConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
 ) -> list[BatchedDataDict]:
-    return [
-        add_reference_logprobs(policy, batch) if uses_reference(cfg) else batch
-        for batch in pairs.pair_batches(
-            records, cfg.dpo.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id
-        )
-    ]
+    size, pad_id = cfg.dpo.val_global_batch_size, tokenizer.pad_token_id
+    return pairs.val_pair_batches(policy, records, size, pad_id, uses_reference(cfg))
 
 
 def validate(run: DPORun) -> dict[str, float]:
@@ -115,13 +102,7 @@ def validate(run: DPORun) -> dict[str, float]:
 
 def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
     """One optimizer step on the next global batch of pairs."""
-    with timer.time("data"):
-        batch = pairs.pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
-    if uses_reference(run.cfg):
-        with timer.time("reference_logprobs"):
-            add_reference_logprobs(run.policy, batch)
-    with timer.time("train"):
-        metrics = single_step_metrics(run.policy.train(batch, DPOLoss(run.cfg.loss)))
+    metrics, batch = pairs.train_pairs(run, timer, DPOLoss(run.cfg.loss), uses_reference(run.cfg))
     metrics["num_trained_tokens"] = float(batch["token_mask"].sum())
     return metrics
 

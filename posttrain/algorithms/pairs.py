@@ -9,6 +9,7 @@ batching or packing)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from posttrain.algorithms.checks import check_parallelism
 from posttrain.config import ConfigError
@@ -16,6 +17,7 @@ from posttrain.data import message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.utils.metrics import single_step_metrics
+from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
 from posttrain.workers.policy.base import LossFn
 from posttrain.workers.policy.config import model_parallel_size
@@ -74,6 +76,36 @@ def pair_batches(
         num_padding = -len(chunk) % num_ranks
         batches.append(pairs_to_train_data(chunk + [chunk[-1]] * num_padding, pad_token_id, num_padding))
     return batches
+
+
+def with_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
+    """`reference_policy_logprobs [B, T]` from the frozen initial policy, added to `data`."""
+    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)[
+        "reference_policy_logprobs"
+    ]
+    return data
+
+
+def val_pair_batches(
+    policy: Policy, records: list[dict], pairs_per_batch: int, pad_id: int, reference: bool
+) -> list[BatchedDataDict]:
+    """`pair_batches` of the validation records, with the reference's logprobs when the loss needs them."""
+    batches = pair_batches(records, pairs_per_batch, policy.dp_size, pad_id)
+    return [with_reference_logprobs(policy, batch) for batch in batches] if reference else batches
+
+
+def train_pairs(
+    run: Any, timer: Timer, loss_fn: LossFn, reference: bool
+) -> tuple[dict[str, float], BatchedDataDict]:
+    """One optimizer step of `loss_fn` on the run's next global batch of pairs (with the reference's
+    logprobs when the loss needs them): the step's metrics and the batch."""
+    with timer.time("data"):
+        batch = pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
+    if reference:
+        with timer.time("reference_logprobs"):
+            with_reference_logprobs(run.policy, batch)
+    with timer.time("train"):
+        return single_step_metrics(run.policy.train(batch, loss_fn)), batch
 
 
 def evaluate_pairs(

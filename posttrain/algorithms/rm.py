@@ -32,7 +32,6 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
-from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
 from posttrain.workers.policy.config import policy_with_lr
@@ -80,7 +79,9 @@ RMRun = SupervisedRun[RMConfig]  # val_data: interleaved pairs
 def val_batches(
     cfg: RMConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
 ) -> list[BatchedDataDict]:
-    return pairs.pair_batches(records, cfg.rm.val_global_batch_size, policy.dp_size, tokenizer.pad_token_id)
+    return pairs.val_pair_batches(
+        policy, records, cfg.rm.val_global_batch_size, tokenizer.pad_token_id, False
+    )
 
 
 def validate(run: RMRun) -> dict[str, float]:
@@ -91,10 +92,7 @@ def validate(run: RMRun) -> dict[str, float]:
 
 def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
     """One optimizer step on the next global batch of pairs."""
-    with timer.time("data"):
-        batch = pairs.pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
-    with timer.time("train"):
-        metrics = single_step_metrics(run.policy.train(batch, BradleyTerryLoss()))
+    metrics, _ = pairs.train_pairs(run, timer, BradleyTerryLoss(), reference=False)
     metrics["margin_mean"] = metrics["rewards_chosen_mean"] - metrics["rewards_rejected_mean"]
     return metrics
 
