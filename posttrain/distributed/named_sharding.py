@@ -32,10 +32,6 @@ class NamedSharding:
         return dict(zip(self.names, self.layout.shape))
 
     @property
-    def ndim(self) -> int:
-        return len(self.names)
-
-    @property
     def size(self) -> int:
         return int(self.layout.size)
 
@@ -46,36 +42,6 @@ class NamedSharding:
         if name not in self.names:
             raise ValueError(f"unknown axis {name!r}; axes are {self.names}")
         return self.names.index(name)
-
-    def _index(self, coords: dict[str, int]) -> tuple:
-        index: list[Any] = [slice(None)] * self.ndim
-        for name, value in coords.items():
-            axis = self._axis(name)
-            size = self.layout.shape[axis]
-            if not 0 <= value < size:
-                raise IndexError(
-                    f"index {value} out of bounds for axis {name!r} of size {size} (valid 0..{size - 1})"
-                )
-            index[axis] = value
-        return tuple(index)
-
-    def get_ranks(self, **coords: int) -> int | NamedSharding:
-        """The rank at full coordinates, or the sub-sharding over the axes left free."""
-        selected = self.layout[self._index(coords)]
-        if np.ndim(selected) == 0:
-            return int(selected)
-        free = [name for name in self.names if name not in coords]
-        return NamedSharding._unchecked(selected, free)
-
-    @classmethod
-    def _unchecked(cls, layout: np.ndarray, names: list[str]) -> NamedSharding:
-        sharding = cls.__new__(cls)
-        sharding.layout, sharding.names = np.asarray(layout, dtype=int), list(names)
-        return sharding
-
-    def get_ranks_by_coord(self, **coords: int) -> list[int]:
-        """All ranks whose coordinates match `coords` (other axes free), sorted."""
-        return sorted(np.asarray(self.layout[self._index(coords)]).flatten().tolist())
 
     def get_worker_coords(self, rank: int) -> dict[str, int]:
         positions = np.argwhere(self.layout == rank)
