@@ -4,9 +4,9 @@ Bradley-Terry) are in `preference_loss.py` and follow the same contract.
 
 Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (loss, metrics)`.
 - `logprobs [B, T]`: position t holds log p(token t | tokens < t), position 0 is 0 (`scores [B]` for the
-  reward model). `data` is the micro-batch; each loss reads the tensors its `inputs` dataclass names,
-  with their shapes (`PGInputs`: `advantages`, `prev_logprobs`, ...), and a KeyError names the loss and
-  the key it needs that the micro-batch lacks.
+  reward model). `data` is the micro-batch; each loss reads it through a dataclass that names the tensors
+  it needs with their shapes (`TokenInputs`, `PGInputs`, ...: `<Inputs>.read(data, ...)`), and a KeyError
+  names the loss and the key it needs that the micro-batch lacks.
 - `global_valid_toks` = sum of token_mask * sample_mask over the GLOBAL batch, `global_valid_seqs` = sum
   of sample_mask over the global batch. Every loss divides by these, so the sum of the micro-batch losses
   over micro-batches and data-parallel ranks is the loss of the global batch (and so is the gradient).
