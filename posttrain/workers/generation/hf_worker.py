@@ -21,6 +21,7 @@ from posttrain.workers.generation.decode import (
     right_to_left_padded,
 )
 from posttrain.workers.generation.packed_linear import pack_linears
+from posttrain.workers.generation.static_decode import static_decode_applies, static_decode_batch
 
 
 def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
@@ -71,6 +72,18 @@ class HFGenerationWorker:
             seed, list(range(sample_offset, sample_offset + num_samples)), cfg.max_new_tokens
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
+        if self.static_decode(stop_strings, images):
+            state = static_decode_batch(
+                self.model,
+                self.tokenizer,
+                left_ids,
+                attention_mask,
+                cfg,
+                greedy,
+                uniforms,
+                cfg.decode_sync_every,
+            )
+            return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
         state = decode_batch(
             self.model,
             self.tokenizer,
@@ -83,6 +96,15 @@ class HFGenerationWorker:
             images,
         )
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
+
+    def static_decode(self, stop_strings: list[list[str]], images: dict[str, Any]) -> bool:
+        """Use the static decode loop for this batch? (`generation.decode_loop`; auto: on a GPU)"""
+        reason = "images" if images else static_decode_applies(self.model, stop_strings)
+        if self.cfg.decode_loop == "static" and reason is not None:
+            raise ValueError(
+                f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'"
+            )
+        return reason is None and (self.cfg.decode_loop == "static" or self.device.type == "cuda")
 
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
