@@ -4,6 +4,7 @@ one decode step of each: CPU-side time vs device kernel time per step (torch.pro
 host syncs per step (torch.cuda.set_sync_debug_mode).
 
 Run: .venv/bin/python benchmarks/decode_profile.py [--device cpu|cuda] [--size tiny|0.5b] [--out F]
+(the sizes: grpo_step.py's workloads, 2x8 samples of <= 64 tokens and 8x8 of <= 128).
 (`make gpu-check` runs it on the GPU and writes benchmarks/reference/decode_profile_<gpu>.json)."""
 
 from __future__ import annotations
@@ -18,22 +19,18 @@ from pathlib import Path
 
 import torch
 
-from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
-from posttrain.workers.generation import decode
-from posttrain.workers.generation.config import GenerationConfig
-from posttrain.workers.generation.static_decode import StaticDecoder, static_decode_batch
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, imported by name
+import grpo_step  # noqa: E402
 
-SIZES = {
-    "tiny": ModelFromConfig(
-        hidden_size=64, num_layers=2, num_attention_heads=2, intermediate_size=128, seed=0
-    ),
-    "small": ModelFromConfig(
-        hidden_size=256, num_layers=4, num_attention_heads=4, intermediate_size=768, seed=0
-    ),
-    "0.5b": ModelFromConfig(
-        hidden_size=896, num_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864
-    ),
-}
+from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer  # noqa: E402
+from posttrain.workers.generation import decode  # noqa: E402
+from posttrain.workers.generation.config import GenerationConfig  # noqa: E402
+from posttrain.workers.generation.static_decode import StaticDecoder, static_decode_batch  # noqa: E402
+
+
+def workload_model(size: str) -> ModelFromConfig:
+    """`grpo_step.py`'s model of that workload (tiny: 256 x 4 layers; 0.5b: 896 x 32 layers)."""
+    return grpo_step.WORKLOADS[size].model
 
 
 def make_batch(tokenizer, num_rows: int, prompt_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,10 +143,16 @@ def profile_steps(
     }
 
 
-def measure(size: str, device: str, num_rows: int, prompt_len: int, new_tokens: int, repeats: int) -> dict:
-    """Both loops at one size: tokens/s and a 16-step profile each, as one JSON-ready dict."""
+def measure(
+    size: str, device: str, prompt_len: int, repeats: int, model: ModelFromConfig | None = None
+) -> dict:
+    """Both loops on `grpo_step.py`'s workload `size` (its samples per step and max_new_tokens, no stop
+    token: equal work): tokens/s and a 16-step profile each, as one JSON-ready dict. `model` replaces the
+    workload's model (a toy one for a dry run)."""
+    workload = grpo_step.WORKLOADS[size]
+    num_rows, new_tokens = workload.num_prompts * workload.num_generations, workload.max_new_tokens
     work = Path(tempfile.mkdtemp(prefix="decode_profile_"))
-    model_dir = build_model_dir(SIZES[size], work / size)
+    model_dir = build_model_dir(model or workload_model(size), work / size)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = load_model(str(model_dir), dtype=dtype).to(device).eval()
     tokenizer = load_tokenizer(str(model_dir))
@@ -172,14 +175,12 @@ def measure(size: str, device: str, num_rows: int, prompt_len: int, new_tokens: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--prompt-len", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--size", choices=["tiny", "0.5b"], default="tiny", help="grpo_step.py's workload")
+    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt (the shortest: half)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed decodes of each loop")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args(argv)
-    result = measure(args.size, args.device, args.rows, args.prompt_len, args.new_tokens, args.repeats)
+    result = measure(args.size, args.device, args.prompt_len, args.repeats)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
