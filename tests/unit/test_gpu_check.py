@@ -21,8 +21,8 @@ def test_unknown_rows_and_a_missing_gpu_are_refused_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--dry-run", "--rows", "grpo_tiny,mfu"])
     assert (
-        "--rows: unknown ['mfu']; choose from decode_tiny, decode_0.5b, grpo_tiny, grpo_0.5b, train_mfu_1b, moe_ep"
-        in capsys.readouterr().err
+        "--rows: unknown ['mfu']; choose from decode_tiny, decode_0.5b, grpo_tiny, grpo_0.5b, train_mfu_1b, "
+        "moe_ep" in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--dry-run", "--steps", "0"])
