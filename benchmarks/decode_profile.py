@@ -119,19 +119,18 @@ def profile_steps(
         step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     syncs = None
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught, profile(activities=activities) as prof:
         warnings.simplefilter("always")
-        if on_cuda:
-            torch.cuda.set_sync_debug_mode("warn")
         start = time.perf_counter()
-        with profile(activities=activities) as prof:
-            for _ in range(num_steps):
-                step()
-            sync(model)
-        wall = time.perf_counter() - start
         if on_cuda:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode("warn")  # each synchronizing call warns
+        for _ in range(num_steps):
+            step()
+        if on_cuda:
+            torch.cuda.set_sync_debug_mode(0)  # before the final wait, which is not a step's
             syncs = sum("synchroniz" in str(w.message) for w in caught) / num_steps
+        sync(model)
+        wall = time.perf_counter() - start
     events = prof.key_averages()
     kernel_us = sum(e.self_device_time_total for e in events) if on_cuda else 0.0
     cpu_us = sum(e.self_cpu_time_total for e in events)

@@ -178,7 +178,7 @@ def test_the_worker_picks_the_loop_by_config(model_dir):
     }
     outputs = {}
     for loop in ("eager", "static"):
-        cfg = GenerationConfig(max_new_tokens=6, decode_loop=loop, packed_weights=False)
+        cfg = GenerationConfig(max_new_tokens=6, decode_loop=loop)  # packed weights (CPU fp32) in both
         outputs[loop] = HFGenerationWorker(cfg, str(model_dir)).generate(data, seed=3)
     assert torch.equal(outputs["static"]["output_ids"], outputs["eager"]["output_ids"])
     torch.testing.assert_close(outputs["static"]["logprobs"], outputs["eager"]["logprobs"], atol=1e-5, rtol=0)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 from transformers.cache_utils import StaticCache, StaticLayer
 
 from posttrain.models.cache_api import cache_argument
@@ -21,9 +22,12 @@ from posttrain.workers.generation.decode import DecodeState, choose_tokens, pref
 
 def static_decode_applies(model: torch.nn.Module, stop_strings: list[list[str]]) -> str | None:
     """None when the static loop can decode for `model`, else why not: it covers dense text models with
-    full attention under sdpa or eager attention, without stop strings (they need the text every step)."""
+    full attention under sdpa or eager attention (no LoRA adapter on top), without stop strings (they need
+    the text every step)."""
     if is_moe_model(model) or is_vision_language_model(model):
         return "a mixture-of-experts or vision-language model"
+    if not isinstance(model, PreTrainedModel):
+        return f"a {type(model).__name__} (a LoRA adapter on the model)"
     if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
         return f"attention implementation {model.config._attn_implementation!r}"
     if any(stop_strings):
@@ -101,7 +105,7 @@ class StaticDecoder:
         rows.tokens.copy_(tokens)
         rows.out_tokens.index_copy_(1, self.step_index, tokens[:, None])
         rows.out_logprobs.index_copy_(1, self.step_index, logprobs[:, None])
-        rows.finished.logical_or_(torch.isin(tokens, self.stop_ids))
+        rows.finished.logical_or_((tokens[:, None] == self.stop_ids).any(-1))
 
     def step(self, rows: DecodeRows) -> None:
         """Choose, then feed the chosen tokens: the cache and the logits advance one position."""
