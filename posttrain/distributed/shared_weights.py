@@ -108,7 +108,12 @@ class SharedWeightsWriter:
 
     def write(self, weights: dict[str, torch.Tensor]) -> None:
         """One cast-and-copy of `weights` (the slots' names) into the buffer; returns once it is there."""
-        torch._foreach_copy_([self.views[name] for name in weights], list(weights.values()))
+        targets, sources = [self.views[name] for name in weights], list(weights.values())
+        if all(t.device == self.buffer.device for t in sources):
+            torch._foreach_copy_(targets, sources)
+        else:  # a GPU's weights into a host file: copies in flight together, then one wait
+            for target, source in zip(targets, sources):
+                target.copy_(source, non_blocking=True)
         if any(t.is_cuda for t in weights.values()) or self.buffer.is_cuda:
             torch.cuda.synchronize()  # the readers are other processes: the copy must be done
 
