@@ -73,28 +73,28 @@ class StaticDecoder:
     ) -> DecodeRows:
         """Prefill the prompts [B, T] into a static cache of T + max_new_tokens columns."""
         num_rows, width = left_ids.shape
+        dtype, num_new = next(self.model.parameters()).dtype, self.cfg.max_new_tokens
+        mask = torch.full((num_rows, 1, 1, width + num_new), torch.finfo(dtype).min, dtype=dtype)
+        mask[:, 0, 0, :width].masked_fill_(attention_mask.bool().cpu(), 0.0)  # built on the host, sent once
         attention_mask = attention_mask.to(self.device)
         dynamic, logits = prefill(self.model, left_ids.to(self.device), attention_mask)
-        self.cache = StaticCache(config=self.model.config, max_cache_len=width + self.cfg.max_new_tokens)
+        self.cache = StaticCache(config=self.model.config, max_cache_len=width + num_new)
         for layer, filled in zip(self.cache.layers, dynamic.layers, strict=True):
             assert type(layer) is StaticLayer, type(layer)
             layer.update(filled.keys, filled.values)
         self.column.fill_(width)
-        dtype = next(self.model.parameters()).dtype
-        num_columns = width + self.cfg.max_new_tokens
-        mask = torch.full(
-            (num_rows, 1, 1, num_columns), torch.finfo(dtype).min, dtype=dtype, device=self.device
-        )
-        mask[:, 0, 0, :width].masked_fill_(attention_mask.bool(), 0.0)
-        num_new = self.cfg.max_new_tokens
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
         return DecodeRows(
-            tokens=torch.zeros(num_rows, dtype=torch.long, device=self.device),
+            tokens=zeros(num_rows),
             positions=attention_mask.sum(-1, keepdim=True),
-            mask=mask,
+            mask=mask.to(self.device),
             uniforms=uniforms.to(self.device),
-            out_tokens=torch.zeros(num_rows, num_new, dtype=torch.long, device=self.device),
-            out_logprobs=torch.zeros(num_rows, num_new, dtype=torch.float32, device=self.device),
-            finished=torch.zeros(num_rows, dtype=torch.bool, device=self.device),
+            out_tokens=zeros(num_rows, num_new),
+            out_logprobs=zeros(num_rows, num_new, dtype=torch.float32),
+            finished=zeros(num_rows, dtype=torch.bool),
             logits=logits,
         )
 
