@@ -143,13 +143,18 @@ def profile_steps(
 
 
 def measure(
-    size: str, device: str, prompt_len: int, repeats: int, model: ModelFromConfig | None = None
+    size: str,
+    device: str,
+    prompt_len: int,
+    repeats: int,
+    model: ModelFromConfig | None = None,
+    shape: tuple[int, int] | None = None,
 ) -> dict:
     """Both loops on `grpo_step.py`'s workload `size` (its samples per step and max_new_tokens, no stop
     token: equal work): tokens/s and a 16-step profile each, as one JSON-ready dict. `model` replaces the
-    workload's model (a toy one for a dry run)."""
+    workload's model (a toy one for a dry run), `shape` its (rows, new tokens)."""
     workload = grpo_step.WORKLOADS[size]
-    num_rows, new_tokens = workload.num_prompts * workload.num_generations, workload.max_new_tokens
+    num_rows, new_tokens = shape or (workload.num_prompts * workload.num_generations, workload.max_new_tokens)
     work = Path(tempfile.mkdtemp(prefix="decode_profile_"))
     model_dir = build_model_dir(model or workload_model(size), work / size)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -177,9 +182,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", choices=["tiny", "0.5b"], default="tiny", help="grpo_step.py's workload")
     parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt (the shortest: half)")
     parser.add_argument("--repeats", type=int, default=5, help="timed decodes of each loop")
+    parser.add_argument("--rows", type=int, default=None, help="rows decoded (default: the workload's)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=None, help="tokens per row (default: the workload's)"
+    )
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args(argv)
-    result = measure(args.size, args.device, args.prompt_len, args.repeats)
+    workload = grpo_step.WORKLOADS[args.size]
+    shape = (
+        args.rows or workload.num_prompts * workload.num_generations,
+        args.new_tokens or workload.max_new_tokens,
+    )
+    result = measure(args.size, args.device, args.prompt_len, args.repeats, shape=shape)
     print(json.dumps(result, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
