@@ -83,18 +83,18 @@ class HFGenerationWorker:
                 uniforms,
                 cfg.decode_sync_every,
             )
-            return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
-        state = decode_batch(
-            self.model,
-            self.tokenizer,
-            left_ids,
-            attention_mask,
-            cfg,
-            greedy,
-            uniforms,
-            stop_strings,
-            images,
-        )
+        else:
+            state = decode_batch(
+                self.model,
+                self.tokenizer,
+                left_ids,
+                attention_mask,
+                cfg,
+                greedy,
+                uniforms,
+                stop_strings,
+                images,
+            )
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
 
     def static_decode(self, stop_strings: list[list[str]], images: dict[str, Any]) -> bool:

@@ -176,6 +176,13 @@ def static_decode_batch(
     rows = decoder.start(left_ids, attention_mask, uniforms)
     samples = list(range(left_ids.shape[0]))  # the sample of each row
     results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sample -> its tokens and logprobs [N]
+
+    def take(rows: DecodeRows, indices: list[int]) -> None:  # rows `indices` to the host
+        for j, ids, logprobs in zip(
+            indices, rows.out_tokens[indices].cpu(), rows.out_logprobs[indices].cpu()
+        ):
+            results[samples[j]] = (ids, logprobs)
+
     for step in range(cfg.max_new_tokens - 1):
         decoder.run_step(rows)
         if (step + 1) % sync_every:
@@ -185,19 +192,13 @@ def static_decode_batch(
         size = compacted_size(len(samples), len(running), decoder.device.type == "cuda")
         if not running or size is not None:
             kept = running + [j for j, done in enumerate(finished) if done][: (size or 0) - len(running)]
-            leaving = [j for j in range(len(samples)) if j not in kept]
-            for j, ids, logprobs in zip(
-                leaving, rows.out_tokens[leaving].cpu(), rows.out_logprobs[leaving].cpu()
-            ):
-                results[samples[j]] = (ids, logprobs)
+            take(rows, [j for j in range(len(samples)) if j not in kept])
             if not running:
-                samples = []
                 break
             rows, samples = decoder.compact(rows, kept), [samples[j] for j in kept]
-    if samples:
+    else:
         decoder.choose(rows)  # the last token: nothing is fed after it
-        for j, ids, logprobs in zip(range(len(samples)), rows.out_tokens.cpu(), rows.out_logprobs.cpu()):
-            results[samples[j]] = (ids, logprobs)
+        take(rows, list(range(len(samples))))
     return state_from_tokens([results[i] for i in range(len(results))], set(stop_ids), cfg.max_new_tokens)
 
 
