@@ -103,7 +103,8 @@ lint: install
 	$(VENV)/bin/ruff format --check posttrain tests benchmarks
 
 # train_generate.py runs in the vLLM environment so that both generation backends are measured.
-# One GPU: GRPO steps, bf16 training MFU at 1B, MoE; one table, benchmarks/reference/gpu_check_<gpu>.json.
+# One GPU: decode loops (profiled), GRPO steps, bf16 training MFU at 1B, MoE; one table,
+# benchmarks/reference/gpu_check_<gpu>.json.
 gpu-check: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py
 

@@ -83,7 +83,7 @@ from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 from posttrain.workers.generation import RayGeneration, make_generation
 from posttrain.workers.policy import Policy
-from posttrain.workers.refit import Refit, uses_shared_memory
+from posttrain.workers.refit import Refit, shared_memory_kind
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +134,12 @@ class GRPORun:
 def make_refit(cfg: GRPOConfig, policy: Policy, generation: RayGeneration, stale: bool) -> Refit:
     """The refit between `policy` and `generation` as the config places them."""
     colocated = cfg.generation.colocated
-    shared_memory = uses_shared_memory(
+    shared_memory = shared_memory_kind(
         colocated,
         cfg.policy.lora.enabled,
         generation.backend_name,
         cfg.cluster.num_nodes,
+        cfg.cluster.num_nodes * cfg.cluster.workers_per_node,
         cfg.cluster.num_gpus_per_worker,
         shared_memory_supported(),
     )
