@@ -42,8 +42,8 @@ def list_items(reply: str, separator: str) -> list[str]:
 
 def constraints_met(reply: str, asked: ListConstraints) -> list[bool]:
     """The four checks, in order: exactly `n` items, each words of letters; the case; the separator (used,
-    and no other separator or line break); the rule, on items that are words. `bamboo, flute, guitar, violin` meets all four of
-    (4, lower, ",", distinct); `1. Violin\\n2. Violin` meets none."""
+    and no other separator or line break); the rule, on items that are words. `bamboo, flute, guitar,
+    violin` meets all four of (4, lower, ",", distinct); `1. Violin\\n2. Violin` meets none."""
     text = strip_end_markers(reply).strip()
     items = list_items(reply, asked.separator)
     are_words = all(_ITEM.fullmatch(item) for item in items)
