@@ -73,10 +73,17 @@ SEPARATORS = {",": "commas", ";": "semicolons"}
 RULES = ("distinct", "max_letters", "include", "exclude")
 
 
-def constraint_row(topic: str, n: int, rng: random.Random, cases: tuple[str, ...] = tuple(CASES)) -> dict:
+def constraint_row(
+    topic: str,
+    n: int,
+    rng: random.Random,
+    cases: tuple[str, ...] = tuple(CASES),
+    separators: tuple[str, ...] = tuple(SEPARATORS),
+    rules: tuple[str, ...] = RULES,
+) -> dict:
     """One row: a prompt asking for `n` items of `topic` with a case, a separator and a rule drawn by
-    `rng`, and the columns the reward reads; no answer."""
-    case, separator, rule = rng.choice(cases), rng.choice(list(SEPARATORS)), rng.choice(RULES)
+    `rng` (from `cases`, `separators`, `rules`), and the columns the reward reads; no answer."""
+    case, separator, rule = rng.choice(cases), rng.choice(separators), rng.choice(rules)
     value = ""
     if rule == "max_letters":
         value = str(rng.randint(5, 8))
