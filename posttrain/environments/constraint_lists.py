@@ -64,13 +64,13 @@ def constraints_met(reply: str, asked: ListConstraints) -> list[bool]:
     elif asked.rule == "include":
         rule = asked.rule_value in words
     else:
-        rule = asked.rule_value not in text.lower()
+        rule = asked.rule_value not in words
     return [count, case, separator, rule and are_words]
 
 
 def constraint_share(reply: str, n: int, case: str, separator: str, rule: str, rule_value: str) -> float:
-    """The task's reward: the share of the four constraints the reply meets (0, 0.25, ..., 1). A reward
-    function of the row's columns (`env.<task>.reward: posttrain.data.constraint_lists:constraint_share`)."""
+    """The task's reward: the share of the four constraints the reply meets (0, 0.25, ..., 1), a reward
+    function of the row's columns."""
     met = constraints_met(reply, ListConstraints(int(n), case, separator, rule, str(rule_value or "")))
     return sum(met) / len(met)
 
@@ -83,16 +83,9 @@ def parse_prompt(prompt: str) -> tuple[ListConstraints, str] | None:
     n, topic, case_text, separator_text, _, max_letters, include, exclude = match.groups()
     case = next(name for name, text in CASES.items() if text == case_text)
     separator = next(s for s, name in SEPARATORS.items() if name == separator_text)
-    rule, value = next(
-        (r, v or "")
-        for r, v, hit in (
-            ("max_letters", max_letters, max_letters),
-            ("include", include, include),
-            ("exclude", exclude, exclude),
-            ("distinct", "", True),
-        )
-        if hit
-    )
+    rule, value = "distinct", ""
+    for name, found in (("max_letters", max_letters), ("include", include), ("exclude", exclude)):
+        rule, value = (name, found) if found else (rule, value)
     return ListConstraints(int(n), case, separator, rule, value), topic
 
 
