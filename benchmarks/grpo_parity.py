@@ -94,7 +94,7 @@ def posttrain_overrides(args, seed: int, log_dir: Path) -> list[str]:
         f"policy.optimizer.kwargs.betas={s['adam_betas']}",
         f"policy.optimizer.kwargs.eps={s['adam_eps']}",
         f"policy.optimizer.kwargs.weight_decay={s['weight_decay']}",
-        "policy.scheduler=[]",
+        "+policy.scheduler=[]",  # constant: no scheduler
         f"policy.max_grad_norm={s['max_grad_norm']}",
         f"grpo.num_prompts_per_step={s['prompts_per_step']}",
         f"grpo.num_generations_per_prompt={s['samples_per_prompt']}",
@@ -106,7 +106,7 @@ def posttrain_overrides(args, seed: int, log_dir: Path) -> list[str]:
         "loss.use_importance_sampling_correction=false",
         "grpo.overlong_filtering=false",
         "env.math.cls=reward_function",
-        f"env.math.reward={ROOT / s['reward'].split(':')[0]}:{s['reward'].split(':')[1]}",
+        f"+env.math.reward={ROOT / s['reward'].split(':')[0]}:{s['reward'].split(':')[1]}",
     ]
 
 

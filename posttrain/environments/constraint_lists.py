@@ -48,10 +48,10 @@ def constraints_met(reply: str, asked: ListConstraints) -> list[bool]:
     items = list_items(reply, asked.separator)
     are_words = all(_ITEM.fullmatch(item) for item in items)
     count = len(items) == asked.n and are_words
-    if asked.case == "lower":
-        case = all(item == item.lower() and item for item in items)
+    if asked.case == "lower":  # str.islower: some letters, none upper case
+        case = all(item.islower() for item in items)
     elif asked.case == "upper":
-        case = all(item == item.upper() and item for item in items)
+        case = all(item.isupper() for item in items)
     else:
         case = all(item[:1].isupper() for item in items)
     others = [s for s in (*SEPARATORS, "\n") if s != asked.separator]
