@@ -118,6 +118,7 @@ def run_arm(args, arm: str, seed: int, log_dir: Path) -> dict:
         f"data.num_val={args.val}",
         f"logger.log_dir={log_dir}",
         "checkpointing.enabled=false",
+        "grpo.health.kl_to_start_period=0",  # no reference forwards in either arm's time (KL: measured below)
         *args.override,
     ]
     command = [posttrain_bin(), "grpo", "--config", CONFIGS[arm], *overrides]
