@@ -1,7 +1,10 @@
 """GRPO where only a verifier exists, on a tiny model: rows of the constrained_lists generator with no
 answer, rewarded by the task's verifier (the share of the four constraints met, from the rows' columns),
-graded strictly (all four) on held-out topics. The tiny variant asks for what a character-level model
-can learn from scratch in a few steps: two items, lowercase, separated by commas, none repeated."""
+graded strictly (all four, on 4 samples per prompt) on held-out topics. The tiny variant asks for what a
+character-level model can learn from scratch in a few steps: two items, lowercase, separated by commas,
+none repeated. Measured: the strict grade went from 0 to 1.0 greedily in 80 steps (the greedy reply,
+`x,xzzzzz`, was the same for every prompt), ~30 s on 2 cores; the items are no words of the topic, which
+the reward cannot see and the on-topic grade does."""
 
 import json
 import random
@@ -13,6 +16,7 @@ from run_logs import run_to_end
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
 from posttrain.data.constraint_lists import HELD_OUT_TOPICS, TOPICS, constraint_row
+from posttrain.environments.constraint_lists import on_topic_share
 
 pytestmark = pytest.mark.slow  # a learning run: make test, not make test-fast
 
@@ -42,8 +46,10 @@ def test_grpo_raises_the_strict_held_out_grade_of_a_verifier_only_task(ray_sessi
         "policy.optimizer.kwargs.lr": 0.01,
         "grpo.num_prompts_per_step": 16,
         "grpo.num_generations_per_prompt": 8,
-        "grpo.max_num_steps": 80,
-        "grpo.val_period": 40,
+        "grpo.max_num_steps": 100,
+        "grpo.val_period": 50,
+        "grpo.val_greedy": "false",
+        "grpo.val_num_generations": 4,
         "grpo.max_val_samples": 64,
         "grpo.max_seq_len": 160,
         "grpo.val_grader": "posttrain.environments.constraint_lists:all_constraints_met",
@@ -57,7 +63,13 @@ def test_grpo_raises_the_strict_held_out_grade_of_a_verifier_only_task(ray_sessi
     }
     overrides = [k if v is None else f"{k}={v}" for k, v in values.items()]
     steps = run_to_end(load_typed_config(grpo.GRPOConfig, CONFIG, overrides), grpo.setup, grpo.grpo_train)
-    start, end = steps[0]["val/strict_accuracy"], steps[80]["val/strict_accuracy"]
-    rewards = [steps[s]["train/reward_mean"] for s in (1, 80)]
-    print(f"strict held-out {start:.3f} -> {end:.3f}; reward {rewards[0]:.3f} -> {rewards[1]:.3f}")
+    start, end = steps[0]["val/strict_accuracy"], steps[100]["val/strict_accuracy"]
+    rewards = [steps[s]["train/reward_mean"] for s in (1, 100)]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "val_samples" / "step_100.jsonl").open()]
+    on_topic = sum(on_topic_share(s) for s in samples) / len(samples)
+    print(
+        f"strict held-out {start:.3f} -> {end:.3f}; reward {rewards[0]:.3f} -> {rewards[1]:.3f}; "
+        f"on topic {on_topic:.3f}"
+    )
     assert end >= start + 0.25
+    assert on_topic < 0.1  # the grade the reward never reads: the tiny model learned the form alone
