@@ -3,10 +3,11 @@ without RL would run, on the built-in `constrained_lists` task, from the release
 
 Arms: `posttrain grpo --config configs/grpo_lists_smollm2.yaml` and `--config configs/rft_lists_smollm2.yaml`
 (the same loop, rollouts and settings; RFT keeps the replies meeting all four constraints and takes SFT's
-step on them), and `rft_075`, RFT keeping the replies that meet three of the four or more. Each seed sets the sampling seed and the training order. Every `--val-period` steps each
-arm is graded by its validation on held-out topics and counts never trained on, greedy: the strict grade
-(all four constraints), and what the reward cannot see, from the same replies: the share of items that
-belong to the topic (its word list) and the strict grade with every item on topic.
+step on them), and `rft_075`, RFT keeping the replies that meet three of the four or more. Each seed
+sets the sampling seed and the training order. Every `--val-period` steps each arm is graded by its
+validation on held-out topics and counts never trained on, greedy: the strict grade (all four
+constraints), and what the reward cannot see, from the same replies: the share of items that belong to
+the topic (its word list) and the strict grade with every item on topic.
 
 After each run, forgetting: the exported model's strict accuracy on `math_words` (`posttrain eval --config
 configs/eval_smollm2.yaml`, beside the start's), and its KL to the start, KL(trained || start) per reply
