@@ -58,13 +58,14 @@ def uses_shared_memory(
     num_gpus_per_worker: float,
     supported: bool,
 ) -> bool:
-    """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
-    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy. With
-    LoRA the adapter alone travels instead (it is smaller still)."""
+    """Refit through shared memory: colocated (generation and training take turns) Hugging Face or vLLM
+    generation on the CPUs of one machine maps the policy's weights (HF: once, each refit is one in-place
+    copy; vLLM reloads its engine from them). With LoRA the adapter alone travels instead (it is smaller
+    still)."""
     return (
         colocated
         and not lora
-        and backend_name == "hf"
+        and backend_name in ("hf", "vllm")
         and num_nodes == 1
         and num_gpus_per_worker == 0
         and supported

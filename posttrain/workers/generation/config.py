@@ -84,10 +84,9 @@ class GenerationConfig:
     vllm_refit: Literal["memory", "disk"] = field(
         default="memory",
         metadata={
-            "help": "vLLM only: memory: the engine runs in the actor's process and a refit hands it the "
-            "tensors (vLLM's reload_weights with a weights iterator); disk: the engine in a process of "
-            "its own, and a refit writes the model as safetensors for it to reload (for vLLM builds "
-            "without an in-memory reload)."
+            "help": "vLLM only (the engine runs in the actor's process): memory: a refit hands it the "
+            "tensors (vLLM's reload_weights with a weights iterator); disk: a refit writes the model as "
+            "safetensors for it to reload (for vLLM builds without an in-memory reload)."
         },
     )
     vllm_lora_max_rank: int | None = field(
