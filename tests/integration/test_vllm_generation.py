@@ -144,6 +144,33 @@ def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_refit_from_shared_memory_decodes_the_new_weights(vllm_generation, prompts, tmp_path, tokenizer):
+    """Colocated CPU refit: the weights written into a shared-memory file (as the policy's rank 0 does) and
+    only its handle sent; rewritten in place, a second refit from the same handle loads the new values."""
+    import ray
+
+    from posttrain.distributed.shared_weights import SharedWeightsWriter
+
+    models = [
+        load_model(build_model_dir(ModelFromConfig(**TINY, seed=seed), tmp_path / str(seed))).eval()
+        for seed in (4, 5)
+    ]
+    state_dict = models[0].state_dict()
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in state_dict.items()}
+    writer = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
+    try:
+        for model in models:
+            for name, tensor in model.state_dict().items():
+                writer.views[name].copy_(tensor)
+            vllm_generation.update_weights(writer.handle)
+            outputs = vllm_generation.generate(prompts, greedy=True)
+            assert unpadded_outputs(outputs) == expected_greedy(model, prompts, tokenizer)
+    finally:
+        writer.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_vllm_refit_does_not_reuse_prefix_cached_blocks_of_the_old_weights(
     vllm_generation, ray_session, prompts, tmp_path, tokenizer
 ):
