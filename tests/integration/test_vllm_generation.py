@@ -155,16 +155,17 @@ def test_vllm_refit_from_shared_memory_decodes_the_new_weights(vllm_generation, 
         load_model(build_model_dir(ModelFromConfig(**TINY, seed=seed), tmp_path / str(seed))).eval()
         for seed in (4, 5)
     ]
+    expected = [expected_greedy(model, prompts, tokenizer) for model in models]
+    assert expected[0] != expected[1]  # the second refit shows
     state_dict = models[0].state_dict()
     layout = {name: (tuple(t.shape), t.dtype) for name, t in state_dict.items()}
     writer = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
     try:
-        for model in models:
+        for model, model_greedy in zip(models, expected):
             for name, tensor in model.state_dict().items():
                 writer.views[name].copy_(tensor)
             vllm_generation.update_weights(writer.handle)
-            outputs = vllm_generation.generate(prompts, greedy=True)
-            assert unpadded_outputs(outputs) == expected_greedy(model, prompts, tokenizer)
+            assert unpadded_outputs(vllm_generation.generate(prompts, greedy=True)) == model_greedy
     finally:
         writer.close()
 
