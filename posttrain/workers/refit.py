@@ -59,12 +59,17 @@ def shared_memory_kind(
     num_gpus_per_worker: float,
     supported: bool,
 ) -> str | None:
-    """How refit shares memory, if it does: colocated (generation and training take turns) Hugging Face
-    generation on one machine maps the policy's weights once, and each refit is one in-place cast-and-copy.
+    """How refit shares memory, if it does (colocated: generation and training take turns; one machine).
+    Hugging Face generation maps the policy's weights once, and each refit is one in-place cast-and-copy:
     "device": one policy rank and its generation worker on one GPU share a buffer in its memory (CUDA IPC);
     "host": a shared-memory file (the CPU, or several GPUs: each generation worker copies it to its own in
-    one copy); None: the object store. With LoRA the adapter alone travels instead (it is smaller still)."""
-    if not colocated or lora or backend_name != "hf" or num_nodes != 1 or not supported:
+    one copy). vLLM on CPUs reloads its engine from the "host" file. None: the object store. With LoRA the
+    adapter alone travels instead (it is smaller still)."""
+    if not colocated or lora or num_nodes != 1 or not supported:
+        return None
+    if backend_name == "vllm":
+        return "host" if num_gpus_per_worker == 0 else None
+    if backend_name != "hf":
         return None
     return "device" if num_gpus_per_worker > 0 and num_ranks == 1 else "host"
 

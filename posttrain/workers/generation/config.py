@@ -55,9 +55,9 @@ class GenerationConfig:
     vllm_max_model_len: int | None = None
     """vLLM only: context length of the engine (None: the model's)."""
     vllm_refit: Literal["memory", "disk"] = "memory"
-    """vLLM only: memory: the engine runs in the actor's process and a refit hands it the tensors (vLLM's
-    reload_weights with a weights iterator); disk: the engine in a process of its own, and a refit writes
-    the model as safetensors for it to reload (for vLLM builds without an in-memory reload)."""
+    """vLLM only (the engine runs in the actor's process): memory: a refit hands it the tensors (vLLM's
+    reload_weights with a weights iterator); disk: a refit writes the model as safetensors for it to reload
+    (for vLLM builds without an in-memory reload)."""
     vllm_lora_max_rank: int | None = None
     """vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads the adapter
     only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into the weights and reload them."""
