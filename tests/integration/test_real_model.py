@@ -29,8 +29,15 @@ IM_END = "<|im_end|>"
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """The GGUF dequantized to a plain fp32 directory, once per test session."""
-    return convert_gguf(GGUF_FILE, tmp_path_factory.mktemp("smollm2") / "model")
+    """The GGUF dequantized to a plain fp32 directory, once per test run (shared by the pytest processes,
+    rebuilt when the GGUF file or the posttrain sources change)."""
+    from built_once import build_key, built_once, shared_dir
+
+    key = build_key([str(GGUF_FILE), GGUF_FILE.stat().st_size])
+    out = built_once(
+        shared_dir(tmp_path_factory), "smollm2", key, lambda d: convert_gguf(GGUF_FILE, d / "model")
+    )
+    return out / "model"
 
 
 def overrides(values: dict) -> list[str]:
