@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
 
 from posttrain import cli
 from posttrain.algorithms import grpo, sft
@@ -97,8 +97,7 @@ def grpo_overrides(log_dir, **extra):
         "data.num_val": 8,
         "cluster.num_cpus_per_worker": 0.5,
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 def test_grpo_on_a_reward_function_in_a_user_file_learns(ray_session, tmp_path):

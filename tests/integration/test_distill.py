@@ -12,7 +12,7 @@ so the test asserts a rise of the accuracy, not a share of the gap."""
 from pathlib import Path
 
 import pytest
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
 
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
@@ -45,9 +45,7 @@ def distill_run(log_dir, student, teacher, num_steps: int, **extra) -> dict[int,
         "cluster.num_cpus_per_worker": 0.5,
         **extra,
     }
-    cfg = load_typed_config(
-        grpo.GRPOConfig, str(CONFIGS / "distill_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
-    )
+    cfg = load_typed_config(grpo.GRPOConfig, str(CONFIGS / "distill_tiny.yaml"), as_overrides(values))
     run = grpo.setup(cfg)
     try:
         grpo.grpo_train(run)
@@ -66,9 +64,7 @@ def teacher_accuracy(log_dir, teacher) -> float:
         "grpo.max_val_samples": 200,
         "cluster.num_cpus_per_worker": 0.5,
     }
-    cfg = load_typed_config(
-        grpo.GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
-    )
+    cfg = load_typed_config(grpo.GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), as_overrides(values))
     run = grpo.setup(cfg)
     try:
         return grpo.validate(run, 0)["strict_accuracy"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import as_overrides
 
 from posttrain.algorithms import grpo, sft
 from posttrain.cli import main as posttrain_main
@@ -40,10 +41,6 @@ def smollm2_dir(tmp_path_factory):
     return out / "model"
 
 
-def overrides(values: dict) -> list[str]:
-    return [f"{k}={v}" for k, v in values.items()]
-
-
 def test_the_plain_directory_holds_the_chat_model_and_is_reused(smollm2_dir):
     """(The greedy rollout test below shows the weights answer like an instruct model.)"""
     from transformers import AutoConfig, AutoTokenizer
@@ -73,7 +70,7 @@ def grpo_run(ray_session, smollm2_dir, tmp_path_factory):
     cfg = load_typed_config(
         grpo.GRPOConfig,
         str(REPO / "configs" / "grpo_smollm2.yaml"),
-        overrides(
+        as_overrides(
             {
                 "policy.model_name": smollm2_dir,
                 "logger.log_dir": log_dir,
@@ -176,7 +173,7 @@ def sft_losses(smollm2_dir, log_dir, workers: int) -> dict[int, float]:
     cfg = load_typed_config(
         sft.SFTConfig,
         str(REPO / "configs" / "sft_smollm2.yaml"),
-        overrides(
+        as_overrides(
             {
                 "policy.model_name": smollm2_dir,
                 "logger.log_dir": log_dir,
@@ -223,7 +220,7 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(
         cfg = load_typed_config(
             grpo.GRPOConfig,
             str(REPO / "configs" / "grpo_smollm2.yaml"),
-            overrides(
+            as_overrides(
                 {
                     "policy.model_name": smollm2_dir,
                     "logger.log_dir": tmp_path / name,

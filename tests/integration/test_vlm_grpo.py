@@ -5,7 +5,7 @@ resumed from its step-2 checkpoint equals the uninterrupted run."""
 from pathlib import Path
 
 import pytest
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
 
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
@@ -40,8 +40,7 @@ def overrides(log_dir, **extra):
         "cluster.num_cpus_per_worker": 0.5,
         "checkpointing.save_period": 2,
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 def run_grpo(log_dir, **extra) -> dict[int, dict]:
