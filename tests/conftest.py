@@ -107,21 +107,17 @@ def train_arithmetic_sft(out_dir: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def arithmetic_sft_models(request, tmp_path_factory) -> ArithmeticSFTModels:
+def arithmetic_sft_models(ray_session, tmp_path_factory) -> ArithmeticSFTModels:
     """A small model SFT'd for FINAL_SFT_STEPS steps on the built-in 2-digit addition (it takes off after
     ~250 steps, ~25 s), and the same run's model at step WEAK_SFT_STEPS. Trained once per test run: the
-    first pytest process that asks trains it (on its Ray instance), the others reuse its directories
-    (`built_once`, keyed by the posttrain sources, the config and the overrides). The final model is the
-    starting point of the DPO, reward-model and RLHF tests and the distillation teacher; the weak one is
-    the on-policy distillation student."""
+    first pytest process that asks trains it (on its Ray instance, which every user of the models needs
+    too), the others reuse its directories (`built_once`, keyed by the posttrain sources, the config and
+    the overrides). The final model is the starting point of the DPO, reward-model and RLHF tests and the
+    distillation teacher; the weak one is the on-policy distillation student."""
     from built_once import build_key, built_once, shared_dir
 
-    def build(out_dir: Path) -> None:
-        request.getfixturevalue("ray_session")
-        train_arithmetic_sft(out_dir)
-
     key = build_key([SFT_OVERRIDES, WEAK_SFT_STEPS], files=[SFT_CONFIG])
-    models_dir = built_once(shared_dir(tmp_path_factory), "arithmetic_sft", key, build)
+    models_dir = built_once(shared_dir(tmp_path_factory), "arithmetic_sft", key, train_arithmetic_sft)
     return ArithmeticSFTModels(final=models_dir / "hf_model", weak=models_dir / "weak_hf_model")
 
 
