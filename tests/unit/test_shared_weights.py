@@ -134,7 +134,11 @@ def test_generation_after_a_shared_refit_equals_the_object_store_refit(tied_mode
     )
     policy = load_model(str(tied_model_dir))
     params = dict(policy.named_parameters())
-    writer = SharedWeightsWriter({name: (tuple(p.shape), p.dtype) for name, p in params.items()}, "n1")
+    import ray
+
+    # the worker reads its node from Ray when this process runs one (other tests of the session started it)
+    node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "n1"
+    writer = SharedWeightsWriter({name: (tuple(p.shape), p.dtype) for name, p in params.items()}, node_id)
     before = shared.generate(data, greedy=True)["output_ids"]
     try:
         for seed in (0, 1):
