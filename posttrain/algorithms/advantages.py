@@ -214,8 +214,6 @@ def kl_estimate(
 
 
 # -- DAPO ---------------------------------------------------------------------------------------------
-
-
 def groups_with_signal(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """DAPO dynamic sampling: bool [G], True for groups whose rewards are not all equal (they have a
     non-zero advantage somewhere). Rows to keep: `groups_with_signal(...).repeat_interleave(n)` [N]."""

@@ -35,8 +35,6 @@ LossOutput = tuple[torch.Tensor, dict[str, float]]
 
 
 # -- the contract: what a loss reads and what the worker asks it ---------------------------------------
-
-
 class Loss:
     """Base of the losses: the attributes the training worker reads (`workers/policy/base.LossFn`)."""
 
@@ -110,8 +108,6 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 # -- NLL ------------------------------------------------------------------------------------------
-
-
 class NLLLoss(Loss):
     """Supervised fine-tuning: -sum(logprobs * mask) / global_valid_toks.
 
@@ -193,8 +189,6 @@ class KDLoss(Loss):
 
 
 # -- clipped policy gradient ----------------------------------------------------------------------
-
-
 @dataclass
 class ClippedPGLossConfig:
     """Options of the clipped policy-gradient loss (PPO/GRPO, with DAPO and GSPO variants)."""
@@ -432,8 +426,6 @@ def token_mult_prob_error(
 
 
 # -- value loss (PPO critic) ------------------------------------------------------------------------
-
-
 @dataclass
 class ValueLossConfig:
     """Options of PPO's value (critic) loss."""

@@ -43,9 +43,8 @@ from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
 from posttrain.workers.generation import GenerationConfig, make_generation
 
+
 # ------------------------------------------------------------------------------------------------ config
-
-
 @dataclass
 class EvalSettings:
     """What is measured and where the results go (section `eval`)."""
@@ -149,8 +148,6 @@ class EvalConfig:
 
 
 # ------------------------------------------------------------------------------------------------- model
-
-
 def find_policy_checkpoint(path: str | Path) -> Path | None:
     """The policy checkpoint inside a posttrain run's `step_N/` (its `policy/`), or `path` itself when it is
     one (holds a DCP `model/`); None for anything else (a Hugging Face directory, a hub name)."""
@@ -206,8 +203,6 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ scoring
-
-
 def load_eval_records(cfg: EvalConfig, tokenizer: Any, processor: Any = None) -> list[dict]:
     """The records `eval.records` picks from `cfg.data` (all, or the validation slice; the first
     `eval.max_samples`), checked against `cfg.env`; `processor`: a vision-language model's, for rows with
@@ -293,8 +288,6 @@ def compute_score(cfg: EvalSettings, rewards: list[float], answers: list[str | N
 
 
 # ------------------------------------------------------------------------------------------------- output
-
-
 def sample_rows(samples: list[dict], num_tests_per_prompt: int) -> list[dict]:
     """The per-sample lines of samples.jsonl."""
     return [
@@ -390,8 +383,6 @@ def write_outputs(save_path: Path, summary: dict[str, Any], rows: list[dict]) ->
 
 
 # ---------------------------------------------------------------------------------------------------- run
-
-
 @dataclass
 class EvalResult:
     """What `run_eval` produced (also written under `save_path`)."""

@@ -56,8 +56,6 @@ class CheckpointLoadError(RuntimeError):
 
 
 # -- process-group helpers -----------------------------------------------------------------------------
-
-
 def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -138,8 +136,6 @@ def _write_json(data: Any, path: Path) -> None:
 
 
 # -- save / load -----------------------------------------------------------------------------------
-
-
 def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -234,8 +230,6 @@ def _read_json(path: Path) -> Any:
 
 
 # -- RNG state of every rank -------------------------------------------------------------------------
-
-
 def _rng_file(path: str | Path, rank: int) -> Path:
     return Path(path) / RNG_DIR / f"rank_{rank}.safetensors"
 
@@ -311,8 +305,6 @@ def load_rng_state_if_saved(path: str | Path, rank: int) -> bool:
 
 
 # -- Hugging Face export ----------------------------------------------------------------------------
-
-
 def is_sequence_classifier(model_config: Any) -> bool:
     """True when an HF config's architecture is a sequence classifier (a reward model)."""
     architectures = getattr(model_config, "architectures", None) or [""]

@@ -194,7 +194,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return model
 
     # -- forward ---------------------------------------------------------------------------------------
-
     def _forward(self, microbatch: MicroBatch, logprobs_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model, values [b, T_mb] for a value
         model (fp32). With `logprobs_at` ([b, T_mb, k] token ids, a distillation loss's candidates): the
@@ -363,7 +362,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return out
 
     # -- training --------------------------------------------------------------------------------------
-
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr
         used)."""
@@ -407,7 +405,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return step
 
     # -- checkpoints, export, refit ----------------------------------------------------------------------
-
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (when `save_optimizer`) + scheduler state (DCP) under `path`, and this
         rank's RNG states (collective)."""
@@ -477,7 +474,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return weights if self.rank == 0 else {}
 
     # -- memory --------------------------------------------------------------------------------------------
-
     def _move_training_state(self, device: torch.device) -> None:
         self.model.to(device)
         for state in self.optimizer.state.values():

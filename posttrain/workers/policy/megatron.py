@@ -249,7 +249,6 @@ class MegatronPolicyWorker(PolicyWorker):
                 group["lr"] = lr
 
     # -- micro-batches through Megatron's schedule -------------------------------------------------------
-
     def _microbatch_shape(self, batch_size: int, seq_len: int) -> tuple[int, int] | None:
         """Pipeline stages exchange fixed-shape activations, and the allgather token dispatcher gathers
         equal token counts from the expert-parallel ranks: then every micro-batch is padded to [rows, T]
@@ -340,7 +339,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return holder[0]
 
     # -- logprobs ----------------------------------------------------------------------------------------
-
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch (forward only), on every
         stage."""
@@ -362,7 +360,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return self._from_last_stage(out)
 
     # -- training ----------------------------------------------------------------------------------------
-
     def _run_global_batch(
         self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
     ) -> StepMetrics:
@@ -428,7 +425,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return float(grad_norm or 0.0), lr
 
     # -- full weights: refit, export -----------------------------------------------------------------------
-
     def _full_hf_weights(self) -> dict[str, torch.Tensor]:
         """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective)."""
         stage: dict[str, torch.Tensor] = {}
@@ -508,7 +504,6 @@ class MegatronPolicyWorker(PolicyWorker):
         dist.barrier()
 
     # -- native checkpoints ----------------------------------------------------------------------------------
-
     def _sharded_model_state(self) -> dict[str, Any]:
         return self.model.module.sharded_state_dict()
 
@@ -564,7 +559,6 @@ class MegatronPolicyWorker(PolicyWorker):
         self.versions.bump()
 
     # -- memory, description --------------------------------------------------------------------------------
-
     def offload(self) -> None:
         """No-op: Megatron's contiguous parameter/gradient buffers stay where they are."""
 

@@ -309,7 +309,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
             return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
 
     # -- the adapter in PEFT format: refit, export, loading one ---------------------------------------------
-
     def _gather_adapter(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
         """Collective: the full adapter in PEFT names on rank 0 (AdapterWeights), {} elsewhere."""
         tensors: dict[str, torch.Tensor] = {}
@@ -367,7 +366,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         self._write_hf_dir(weights, out_dir)
 
     # -- checkpoints: adapter (+ optimizer) through dist_checkpointing, and a PEFT directory -----------------
-
     def _sharded_model_state(self) -> dict[str, Any]:
         """The adapter factors as ShardedTensors keyed by PEFT name (global layer index: reshardable
         across tp/pp/dp)."""
