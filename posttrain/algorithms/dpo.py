@@ -18,8 +18,7 @@ term on the chosen response is RPO's (arXiv:2404.19733).
 `loss.preference_loss` swaps the pair loss for IPO's squared one or SimPO's reference-free one (formulas in
 `loss.DPOLoss`); SimPO computes no reference logprobs and keeps no reference weights.
 
-Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain dpo --config configs/dpo_tiny.yaml
-"""
+Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain dpo --config configs/dpo_tiny.yaml"""
 
 from __future__ import annotations
 

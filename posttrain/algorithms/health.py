@@ -16,8 +16,7 @@ the signal, when: most groups give no gradient for several steps in a row (stall
 fallen below a fraction of its first step's value (collapsed); the replies run away (their mean
 length grew past a multiple of the first step's and most of them hit the budget); or the training reward
 fell (its mean over the last `reward_window` steps is below a fraction of its mean over the first
-`reward_window`: the policy is getting worse, typically a learning rate too high for the batch).
-"""
+`reward_window`: the policy is getting worse, typically a learning rate too high for the batch)."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ Contract: `loss_fn(logprobs, data, global_valid_seqs, global_valid_toks) -> (los
 - What the training worker asks a loss is the `Loss` base's attributes: `metric_reductions` (another
   reduction per metric, {"name": "mean" | "max" | "min" | "sum"}), `rows_independent` (a micro-batch's
   loss is a sum of its rows' own terms, so the worker may put any rows together, `policy.length_bucketing`;
-  DPO and Bradley-Terry read rows in pairs and keep the order) and `candidate_ids_key`.
-"""
+  DPO and Bradley-Terry read rows in pairs and keep the order) and `candidate_ids_key`."""
 
 from __future__ import annotations
 
@@ -272,8 +271,7 @@ class ClippedPGLoss(Loss):
 
     `prev_is_current`: the batch is trained in a single optimizer step, so pi_prev is the policy being
     trained, before its update: prev_logprobs are this forward's logprobs with the gradient stopped,
-    and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch).
-    """
+    and the data need no `prev_logprobs` (the trainer skips a forward pass over the batch)."""
 
     rows_independent = True
 

@@ -88,8 +88,7 @@ class DPOLoss(Loss):
     where global pairs = global_valid_seqs / 2. SimPO always uses the mean logprob (its length
     normalisation) and ignores reference_policy_logprobs. The reported rewards are r (for IPO, DPO's r).
     Metrics (sums): loss, preference_loss, sft_loss, accuracy (fraction of pairs with r_c > r_r),
-    rewards_chosen_mean, rewards_rejected_mean.
-    """
+    rewards_chosen_mean, rewards_rejected_mean."""
 
     def __init__(self, cfg: DPOLossConfig | None = None) -> None:
         self.cfg = cfg or DPOLossConfig()
@@ -162,8 +161,7 @@ class BradleyTerryLoss(Loss):
         loss = sum over pairs of -log sigmoid(s_c - s_r) / global pairs, global pairs = global_valid_seqs / 2
 
     The first argument is `scores [B]` (or [B, 1]), not logprobs. Metrics (sums): loss, accuracy (fraction
-    of pairs with s_c > s_r), rewards_chosen_mean, rewards_rejected_mean.
-    """
+    of pairs with s_c > s_r), rewards_chosen_mean, rewards_rejected_mean."""
 
     def __call__(
         self,

@@ -11,8 +11,7 @@ always share a micro-batch. Validation every `rm.val_period` steps: loss, accura
 pairs with r_c > r_r) and mean scores. Checkpoints, exact resume and logging as in SFT; the final model is
 exported to `<log_dir>/hf_model`, which the `reward_model` environment loads to score GRPO rollouts.
 
-Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain rm --config configs/rm_tiny.yaml
-"""
+Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain rm --config configs/rm_tiny.yaml"""
 
 from __future__ import annotations
 

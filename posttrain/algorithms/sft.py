@@ -15,8 +15,7 @@ teacher's renormalised top-k to the student (`loss.KDLoss`), optionally beside t
 reports `kd_loss` (the student's KL to the teacher on held-out data) and `nll_loss`.
 
 Run: posttrain sft --config configs/sft_tiny.yaml
-     posttrain sft --config configs/kd_tiny.yaml      (distillation from the SFT model)
-"""
+     posttrain sft --config configs/kd_tiny.yaml      (distillation from the SFT model)"""
 
 from __future__ import annotations
 

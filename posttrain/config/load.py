@@ -211,7 +211,6 @@ def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence
     The schema's defaults sit under the file, so `a.b=v` may set any key the schema knows even when the
     file does not mention it, and a file's `optimizer.kwargs: {lr: ...}` keeps the other default keyword
     arguments, as the override `policy.optimizer.kwargs.lr=...` does (mappings holding sections, such as
-    `env`, and lists are not filled in: a file's `env` replaces the default one).
-    """
+    `env`, and lists are not filled in: a file's `env` replaces the default one)."""
     loaded = load_config(path, overrides, defaults=lambda tree: schema_defaults(schema_cls, tree))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)

@@ -10,8 +10,7 @@ are uneven in length (31 to 141 tokens, 79 on average, in SmolLM2's tokenizer):
 - long: each partial product on its own line, then the sum split at c's hundreds.
 The terse style asks for a two-digit product in one go, which a small model gets wrong more often than
 the split ones: reinforcement learning on this task can raise accuracy by choosing the longer styles.
-Rewards (`task_name` `math`) grade only the final answer.
-"""
+Rewards (`task_name` `math`) grade only the final answer."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ A message with images carries `pixel_values [P, D]` (the patches of its images, 
 `image_grid_thw [N, 3]` next to its `token_ids`, whose image pad token is repeated once per merged patch.
 A batch carries them per row as lists (`pixel_values[i]` is row i's patches, `[0, 0]` for a row without
 images), so that every row operation of `BatchedDataDict` (shard, select, micro-batch) keeps a row's
-patches with its tokens; the model's forward concatenates them in row order.
-"""
+patches with its tokens; the model's forward concatenates them in row order."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 A local Ray instance listens on 127.0.0.1 only (GCS, raylet, object manager, workers, agents), keeps
 Ray's token authentication on, and runs neither the dashboard nor the dashboard agent's HTTP server
 unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`). Its workers compute at the
-niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides).
-"""
+niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides)."""
 
 from __future__ import annotations
 

@@ -61,8 +61,7 @@ def assigned_device() -> Any:
     """The torch device this process computes on: its GPU when it was given one, else the CPU.
 
     Inside a Ray actor that is what Ray assigned (a GPU share in its bundle): an actor without one stays
-    on the CPU even on a GPU machine, where CUDA is still visible to it. Outside Ray: CUDA if available.
-    """
+    on the CPU even on a GPU machine, where CUDA is still visible to it. Outside Ray: CUDA if available."""
     import torch
 
     if not torch.cuda.is_available():

@@ -29,8 +29,7 @@ A judge can be gamed as surely as a verifier: the delimiters and the final-line 
 forging the rubric or the score's text, but not from persuading the judge (length, confident tone, the
 rubric's own words, "this answer deserves a 10"). Keep a strict grader on validation
 (`grpo.val_grader`) wherever the task has a checkable answer, read the validation samples, and watch the
-gap between reward and strict grade that the run warns about.
-"""
+gap between reward and strict grade that the run warns about."""
 
 from __future__ import annotations
 

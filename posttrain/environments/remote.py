@@ -22,8 +22,7 @@ Each call has a total deadline (`timeout_s`, connect to last byte) and an answer
 passed deadline is not. A call that still fails ends each of its episodes with reward 0 and an error
 observation, counted in `num_errors`. Each result is checked on its own: a reward that is not a finite
 number in [`min_reward`, `max_reward`], a `terminated` that is not a JSON boolean, or any field of the
-wrong type costs that episode alone (reward 0, counted), never its neighbours.
-"""
+wrong type costs that episode alone (reward 0, counted), never its neighbours."""
 
 from __future__ import annotations
 

@@ -12,8 +12,7 @@ Limits that hold for the sandbox as a whole, however its code forks:
   pages they write: a cgroup per run, v2 where this process may create one with the memory and pids
   controllers, v1 (as root) where those hierarchies are mounted. Where neither can be used (an
   unprivileged user on a v1 machine, or a v2 tree without delegation), that is logged once and only the
-  per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes.
-"""
+  per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ if uid >= 0 and os.getuid() == 0:
 for limit, value in ((resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_AS, memory),
                      (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
-os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[6]])
-"""
+os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[6]])"""
 
 
 class SandboxUnavailableError(RuntimeError):

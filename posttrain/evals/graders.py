@@ -5,8 +5,7 @@ A grader is a plain function `grader(sample) -> 1.0 | 0.0 | None` of one validat
 `run_validation` makes: `prompt`, `response`, `reward`, `answer`, `ground_truth`, ...); None means "cannot
 grade this sample" (it is left out of the strict accuracy). `resolve_grader` takes a built-in name or a
 user's function as `path/to/file.py:function` or `package.module:function`, or a name given to
-`register_grader` from Python.
-"""
+`register_grader` from Python."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ a from-config model) on every row of a dataset (or its validation slice, `eval.r
 with pass@k or cons@k. Rollouts and scoring go
 through `run_validation`, the code GRPO validates with, so both report the same accuracy.
 
-Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-eval
-"""
+Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-eval"""
 
 from __future__ import annotations
 
@@ -243,8 +242,7 @@ def roll_out(
     """All records, n samples each, batch by batch with a progress display.
 
     Batch b seeds its sampling with `seed + b * batch_size`, as one `run_validation` call over all records
-    would, so the result does not depend on being split here.
-    """
+    would, so the result does not depend on being split here."""
     parts: list[ValidationResult] = []
     starts = range(0, len(records), cfg.batch_size)
     grader = resolve_grader(cfg.grader)

@@ -11,8 +11,7 @@ that chunk: per token, the weights that made it.
 
 Departures from one uninterrupted decode: chunk c > 0 samples with its own seed (derived from the call's
 seed and c) and a stop string that spans a chunk boundary is not seen (stop tokens always are). With
-one chunk (`chunk_tokens >= max_new_tokens`) the output equals the wrapped backend's.
-"""
+one chunk (`chunk_tokens >= max_new_tokens`) the output equals the wrapped backend's."""
 
 from __future__ import annotations
 

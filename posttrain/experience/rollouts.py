@@ -4,8 +4,7 @@ or would exceed `max_seq_len`.
 
 A message in a message log is `{"role", "content", "token_ids"}`; assistant messages also carry
 `generation_logprobs` (one per token id) and, from partial rollouts, `generation_weight_versions` (the
-policy version that generated each token). The concatenated token ids of a log are the conversation.
-"""
+policy version that generated each token). The concatenated token ids of a log are the conversation."""
 
 from __future__ import annotations
 
@@ -113,8 +112,7 @@ def _step_environments(task_to_env, message_logs, metadata, task_names, indices,
     """Call each task's environment once for its samples (each message as `role`, `content` and its
     `num_tokens`); the environments' `counts` are added to `counts`.
 
-    Returns ({sample index: (EnvironmentReturn, position in it)}, number of reward-function errors).
-    """
+    Returns ({sample index: (EnvironmentReturn, position in it)}, number of reward-function errors)."""
     answers, num_errors = {}, 0
     for task in sorted({task_names[i] for i in indices}):
         if task not in task_to_env:
@@ -153,8 +151,7 @@ def run_multi_turn_rollout(
     `truncated [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics (the
     environments' `counts`, summed over the turns, as `env/<name>`).
     With `seed`, turn t samples with seed `seed + t`, so a resumed run regenerates the same rollouts.
-    With a `timer`, the environments' steps are timed as "rewards".
-    """
+    With a `timer`, the environments' steps are timed as "rewards"."""
     batch_size = len(batch["message_log"])
     message_logs = [list(log) for log in batch["message_log"]]
     metadata = [dict(m) for m in batch["extra_env_info"]]
@@ -246,8 +243,7 @@ def records_to_rollout_batch(records: list[dict], num_generations: int = 1) -> B
     """A rollout batch from prompt records, each repeated `num_generations` times (contiguously).
 
     A record has `message_log` (the prompt, its last message ending with the generation prompt),
-    `extra_env_info`, `task_name` and optionally `idx` and `stop_strings`.
-    """
+    `extra_env_info`, `task_name` and optionally `idx` and `stop_strings`."""
     repeated = [record for record in records for _ in range(num_generations)]
     return BatchedDataDict(
         message_log=[[dict(m) for m in r["message_log"]] for r in repeated],

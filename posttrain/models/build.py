@@ -1,7 +1,6 @@
 """Model and tokenizer loading for every backend, and tiny seeded models built from an architecture config.
 
-`build_model_dir` is the documented way to create an offline Hugging Face model directory to start from.
-"""
+`build_model_dir` is the documented way to create an offline Hugging Face model directory to start from."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ def moe_config_fields(cfg: ModelFromConfig) -> dict[str, Any]:
 def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     """Write a Hugging Face directory (safetensors weights, config, tokenizer) of a seeded random model.
 
-    The same `cfg` (seed included) always gives identical weights. Returns the directory.
-    """
+    The same `cfg` (seed included) always gives identical weights. Returns the directory."""
     if cfg.architecture in VISION_ARCHITECTURES:
         return build_vlm_dir(cfg, out_dir)
     out_dir = Path(out_dir)

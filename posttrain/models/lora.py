@@ -3,8 +3,7 @@ policy model, the adapter-only payload that refit sends (`AdapterWeights`), appl
 model (HF generation) or merging it into full weights (vLLM), adapter-only checkpoint files and exports.
 
 Only the adapter (and `modules_to_save`) trains: the optimizer is built over trainable parameters, so it
-holds their state only. The reference policy of DPO/GRPO is the same model with the adapter disabled.
-"""
+holds their state only. The reference policy of DPO/GRPO is the same model with the adapter disabled."""
 
 from __future__ import annotations
 

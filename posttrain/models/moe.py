@@ -11,8 +11,7 @@ What router replay replays: the top-k expert *indices* only. The router still co
 the current hidden states; the weights of the replayed experts are recomputed from them exactly as the router
 computes its own (softmax over all experts in fp32, the k chosen probabilities, renormalised to sum to 1
 where the router renormalises), so the router's weights get gradients through the replayed experts. A
-position with no recorded choice (index -1) keeps the router's own.
-"""
+position with no recorded choice (index -1) keeps the router's own."""
 
 from __future__ import annotations
 

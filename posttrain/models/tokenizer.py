@@ -84,8 +84,7 @@ def build_byte_tokenizer(vocab_size: int = BYTE_VOCAB_SIZE) -> PreTrainedTokeniz
     `byte_tokenizer_corpus`), with the special tokens and chat template of the character tokenizer.
 
     Any text round-trips (every byte has a token). Training is deterministic: the same call gives the
-    same vocabulary and merges.
-    """
+    same vocabulary and merges."""
     backend = Tokenizer(models.BPE(unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

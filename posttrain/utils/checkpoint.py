@@ -167,8 +167,7 @@ class CheckpointManager:
         `step_N` without mixing files; then prune to `keep_top_k`.
 
         Replacing goes: step_N -> replaced_step_N, tmp_step_N -> step_N, delete replaced_step_N. A crash
-        between the first two renames is repaired by `clean_partial_checkpoints` (it renames it back).
-        """
+        between the first two renames is repaired by `clean_partial_checkpoints` (it renames it back)."""
         tmp_path = Path(checkpoint_path)
         if not tmp_path.name.startswith(_TMP_PREFIX):
             raise ValueError(f"finalize_checkpoint expects a {_TMP_PREFIX}N directory, got {tmp_path}")

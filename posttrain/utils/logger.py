@@ -300,8 +300,7 @@ class WandbLogger(LoggerInterface):
     """A W&B run under `<log_dir>/wandb`, offline unless an API key is present and WANDB_MODE allows.
 
     W&B drops rows whose step goes backwards, so namespaces with their own step counter (`system/`, the
-    system monitor's) are logged against their own x-axis `<ns>/step`, attached to the current row.
-    """
+    system monitor's) are logged against their own x-axis `<ns>/step`, attached to the current row."""
 
     OWN_STEP_NAMESPACES = ("system",)
 

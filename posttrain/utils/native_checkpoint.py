@@ -6,8 +6,7 @@ other entry is read with `torch.load(weights_only=True)` (`safe_dcp.py`); RNG st
 the rest is JSON.
 
 Layout of a checkpoint directory: `model/` and `optim/` (DCP), `scheduler.json`, `extra_state.json`,
-`hf_config/` (the model's config.json), `tokenizer/`, `rng/rank_N.safetensors`.
-"""
+`hf_config/` (the model's config.json), `tokenizer/`, `rng/rank_N.safetensors`."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ def save_checkpoint(
 
     Collective over the default process group (or a plain single process). Rank 0 also writes the
     scheduler state, `extra_state` (JSON), the model's HF config and the tokenizer. `trainable_only`
-    (LoRA) saves only the parameters that train, not the frozen base weights.
-    """
+    (LoRA) saves only the parameters that train, not the frozen base weights."""
     path = Path(path)
     _on_rank0(
         lambda: path.mkdir(parents=True, exist_ok=True), f"could not create checkpoint directory {path}"
@@ -199,8 +197,7 @@ def load_checkpoint(
 
     The number of ranks may differ from the save (DCP reshards). Returns the saved `extra_state` or None.
     `trainable_only` (LoRA): the checkpoint holds only the trainable parameters; the others keep their
-    values (the frozen base model).
-    """
+    values (the frozen base model)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
@@ -378,8 +375,7 @@ def export_checkpoint_to_hf(
     """`posttrain export`: a Hugging Face directory from a checkpoint's DCP model weights (one process).
 
     The model config and tokenizer come from the checkpoint (`hf_config/`, `tokenizer/`), else from
-    `base_model_dir`.
-    """
+    `base_model_dir`."""
     from transformers import AutoConfig, AutoTokenizer
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)

@@ -7,8 +7,7 @@ losses and global
 normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
 (`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
 
-On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`.
-"""
+On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`."""
 
 from __future__ import annotations
 

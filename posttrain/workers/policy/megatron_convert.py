@@ -9,8 +9,7 @@ Megatron layout of one layer (TP shards along the first dim unless noted):
   linear_fc2   [H, FFN]                                                  (TP shards along dim 1)
   q_layernorm, k_layernorm [head_dim]  (Qwen3-MoE's q_norm / k_norm; replicated)
 The vocabulary is padded to a multiple of the TP size (rows of zeros); logits past it are cut off. A reward
-model (a HF `*ForSequenceClassification`) has `ScoreHead` ([1, H], replicated over TP) as its output layer.
-"""
+model (a HF `*ForSequenceClassification`) has `ScoreHead` ([1, H], replicated over TP) as its output layer."""
 
 from __future__ import annotations
 

@@ -20,8 +20,7 @@ q/k/v (one A for all three, a different parametrisation from HF's), sets `params
 TransformerConfig, and does not mark replicated factors for sequence-parallel gradient reduction.
 
 The adapter is applied by a forward hook on the base linear (the base's parameter names stay as they are);
-`adapters_disabled` turns every hook off (the reference policy, no copy of weights).
-"""
+`adapters_disabled` turns every hook off (the reference policy, no copy of weights)."""
 
 from __future__ import annotations
 
