@@ -231,8 +231,6 @@ class ClippedPGLossConfig:
             )
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
             raise ValueError(f"ratio_clip_c={self.ratio_clip_c} must be > 1 (or None to turn dual clip off)")
-        if self.kl_type not in ("k1", "k2", "k3"):
-            raise ValueError(f"kl_type must be 'k1', 'k2' or 'k3', got {self.kl_type!r}")
         if self.sequence_level_importance_ratios and self.token_level_loss:
             raise ValueError("sequence_level_importance_ratios (GSPO) needs token_level_loss=False")
         if self.constant_length_normalizer is not None:
