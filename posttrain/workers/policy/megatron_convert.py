@@ -84,8 +84,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
     if num_heads % tp_size or num_kv_heads % tp_size:
         raise ValueError(
             f"policy.megatron.tensor_model_parallel_size={tp_size} must divide "
-            f"num_attention_heads={num_heads} "
-            f"and num_key_value_heads={num_kv_heads}"
+            f"num_attention_heads={num_heads} and num_key_value_heads={num_kv_heads}"
         )
     moe = moe_layout(hf_config)
     if moe is not None and tp_size > 1:
@@ -100,6 +99,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     vocab_size = hf_config.vocab_size
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
     return GPTLayout(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -111,9 +111,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         padded_vocab_size=-(-vocab_size // tp_size) * tp_size,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        reward_model=(getattr(hf_config, "architectures", None) or [""])[0].endswith(
-            "ForSequenceClassification"
-        ),
+        reward_model=architecture.endswith("ForSequenceClassification"),
         qk_norm=model_type == "qwen3_moe",
         moe=moe,
     )
@@ -123,16 +121,8 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER_PARTS = {
     "input_layernorm.weight": ["input_layernorm.weight"],
-    "self_attention.linear_qkv.weight": [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ],
-    "self_attention.linear_qkv.bias": [
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-    ],
+    "self_attention.linear_qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+    "self_attention.linear_qkv.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
     "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
     "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
@@ -381,10 +371,8 @@ def block_spec(config: Any) -> Any:
     if config.qk_layernorm:
         layer_spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
         layer_spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
-    num_layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm
-    )
+    layer_specs = [layer_spec] * get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(hf_config: Any, config: Any, pre_process: bool, post_process: bool) -> Any:
