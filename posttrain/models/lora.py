@@ -95,13 +95,8 @@ def wrap_with_lora(
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return peft.get_peft_model(model, peft_config(cfg, model_kind, base_model))
     except ValueError as error:
-        linear = sorted(
-            {
-                name.rsplit(".", 1)[-1]
-                for name, module in model.named_modules()
-                if isinstance(module, torch.nn.Linear)
-            }
-        )
+        names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+        linear = sorted({name.rsplit(".", 1)[-1] for name in names})
         raise ConfigError(
             "policy.lora.target_modules",
             f"{cfg.target_modules} do not fit {type(model).__name__} ({error}); its linear "
@@ -286,8 +281,8 @@ def export_lora_checkpoint(
     base = str(base_model_dir or base_model_of(policy_dir))
     if not Path(base).exists():
         raise FileNotFoundError(
-            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
-            "here; pass the base model directory"
+            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist here; pass the "
+            "base model directory"
         )
     model_config = AutoConfig.from_pretrained(policy_dir / native_checkpoint.HF_CONFIG_DIR)
     reward_model = native_checkpoint.is_sequence_classifier(model_config)
