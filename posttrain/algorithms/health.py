@@ -54,12 +54,8 @@ class HealthConfig:
     when loss.reference_policy_kl_penalty > 0, on every step)"""
 
     def validate(self) -> None:
-        for name in (
-            "stall_zero_signal_share",
-            "entropy_collapse_ratio",
-            "runaway_truncation_rate",
-            "reward_drop_ratio",
-        ):
+        shares = ("stall_zero_signal_share", "entropy_collapse_ratio", "runaway_truncation_rate")
+        for name in (*shares, "reward_drop_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
         if self.stall_steps < 1 or self.reward_window < 1:
