@@ -108,15 +108,9 @@ def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
 
 def setup(cfg: DPOConfig) -> DPORun:
     """Data, policy with its reference, logger and checkpoints; resumes from the latest checkpoint if any."""
-    return supervised.setup_run(
-        cfg,
-        "dpo",
-        "dpo",
-        cfg.policy.train_global_batch_size // 2,
-        val_batches,
-        hyperparams={"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data},
-        init_reference_model=uses_reference(cfg),
-    )
+    hyperparams = {"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data}
+    num_pairs = cfg.policy.train_global_batch_size // 2
+    return supervised.setup_run(cfg, "dpo", "dpo", num_pairs, val_batches, hyperparams, uses_reference(cfg))
 
 
 def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:

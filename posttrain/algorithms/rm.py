@@ -98,13 +98,9 @@ def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
 
 def setup(cfg: RMConfig) -> RMRun:
     """Data, reward model workers, logger and checkpoints; resumes from the latest checkpoint if any."""
+    hyperparams = {"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data}
     return supervised.setup_run(
-        cfg,
-        "rm",
-        "rm",
-        cfg.policy.train_global_batch_size // 2,
-        val_batches,
-        hyperparams={"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
+        cfg, "rm", "rm", cfg.policy.train_global_batch_size // 2, val_batches, hyperparams
     )
 
 
