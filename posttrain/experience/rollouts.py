@@ -33,11 +33,9 @@ def build_generation_input(
     input_ids = torch.full((len(sequences), int(lengths.max())), pad_token_id, dtype=torch.long)
     for i, sequence in enumerate(sequences):
         input_ids[i, : len(sequence)] = sequence
+    vision = batch_vision_inputs(message_logs)
     return BatchedDataDict(
-        input_ids=input_ids,
-        input_lengths=lengths,
-        stop_strings=list(stop_strings),
-        **batch_vision_inputs(message_logs),
+        input_ids=input_ids, input_lengths=lengths, stop_strings=list(stop_strings), **vision
     )
 
 
@@ -89,20 +87,18 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         length = int(generated["generation_lengths"][j])
         room = max_seq_len - start
         keep = max(0, min(length, room))
-        token_ids = generated["output_ids"][j, start : start + keep]
-        logprobs = generated["logprobs"][j, start : start + keep]
+        window = slice(start, start + keep)
+        token_ids = generated["output_ids"][j, window]
         message = {
             "role": "assistant",
             "content": tokenizer.decode(token_ids, skip_special_tokens=False),
             "token_ids": token_ids.clone(),
-            "generation_logprobs": logprobs.clone(),
+            "generation_logprobs": generated["logprobs"][j, window].clone(),
         }
-        if "generation_weight_versions" in generated:  # partial rollouts: the version of each token
-            message["generation_weight_versions"] = generated["generation_weight_versions"][
-                j, start : start + keep
-            ].clone()
-        if "routed_experts" in generated:  # an MoE generator's experts per token, [keep, L, k]
-            message["routed_experts"] = generated["routed_experts"][j, start : start + keep].clone()
+        # partial rollouts: the version of each token; an MoE generator: its experts per token [keep, L, k]
+        for key in ("generation_weight_versions", "routed_experts"):
+            if key in generated:
+                message[key] = generated[key][j, window].clone()
         message_logs[i].append(message)
         cut.append(keep < length)
     return cut
@@ -183,11 +179,8 @@ def run_multi_turn_rollout(
         for j, i in enumerate(active):
             result, k = env_answers[i]
             total_reward[i] += result.rewards[k]
-            metadata[i], answers[i], stop_strings[i] = (
-                result.metadata[k],
-                result.answers[k],
-                result.next_stop_strings[k],
-            )
+            metadata[i], answers[i] = result.metadata[k], result.answers[k]
+            stop_strings[i] = result.next_stop_strings[k]
             if cut[j]:
                 truncated[i] = done[i] = True
             elif bool(result.terminateds[k]):
@@ -198,14 +191,8 @@ def run_multi_turn_rollout(
                 )
 
     out = BatchedDataDict(batch)
-    out.update(
-        message_log=message_logs,
-        extra_env_info=metadata,
-        total_reward=total_reward,
-        truncated=truncated,
-        num_turns=num_turns,
-        answer=answers,
-    )
+    out.update(message_log=message_logs, extra_env_info=metadata, total_reward=total_reward, answer=answers)
+    out.update(truncated=truncated, num_turns=num_turns)
     metrics = rollout_metrics(message_logs, total_reward, truncated, num_turns, done, num_env_errors)
     metrics.update({f"env/{name}": value for name, value in env_counts.items()})
     return out, metrics
