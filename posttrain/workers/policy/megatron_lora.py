@@ -267,10 +267,8 @@ def write_peft_dir(adapter: lora.AdapterWeights, out_dir: str | Path, base_model
     if Path(base_model).exists():  # a checkpoint read from another directory still finds it
         base_model = str(Path(base_model).resolve())
     lora.peft_config(adapter.cfg, adapter.model_kind, base_model).save_pretrained(str(out_dir))
-    save_file(
-        {name: t.contiguous() for name, t in adapter.tensors.items()},
-        str(out_dir / "adapter_model.safetensors"),
-    )
+    tensors = {name: t.contiguous() for name, t in adapter.tensors.items()}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out_dir
 
 
@@ -279,18 +277,14 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     trainable parameters only), refit and checkpoint; the reference policy is the adapters switched off."""
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        dtype = self.transformer_config.params_dtype
-        add_adapters(
-            model,
-            self.cfg.lora,
+        placement = (
             self.layout,
             self.layer_offset,
             self.tp_rank,
             self.tp_size,
             self.cfg.megatron.sequence_parallel,
-            self.cfg.seed,
-            dtype,
         )
+        add_adapters(model, self.cfg.lora, *placement, self.cfg.seed, self.transformer_config.params_dtype)
         return model
 
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
