@@ -277,14 +277,9 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     trainable parameters only), refit and checkpoint; the reference policy is the adapters switched off."""
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        placement = (
-            self.layout,
-            self.layer_offset,
-            self.tp_rank,
-            self.tp_size,
-            self.cfg.megatron.sequence_parallel,
-        )
-        add_adapters(model, self.cfg.lora, *placement, self.cfg.seed, self.transformer_config.params_dtype)
+        tp = (self.tp_rank, self.tp_size, self.cfg.megatron.sequence_parallel)
+        dtype = self.transformer_config.params_dtype
+        add_adapters(model, self.cfg.lora, self.layout, self.layer_offset, *tp, self.cfg.seed, dtype)
         return model
 
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
