@@ -31,6 +31,7 @@ from posttrain.config import ConfigError
 
 Count = torch.Tensor | float | int
 LossOutput = tuple[torch.Tensor, dict[str, float]]
+Data = Mapping[str, Any]  # a micro-batch: data key -> tensor
 
 
 # -- the contract: what a loss reads and what the worker asks it ---------------------------------------
@@ -115,11 +116,7 @@ class NLLLoss(Loss):
     rows_independent = True
 
     def __call__(
-        self,
-        logprobs: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, logprobs: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         mask = TokenInputs.read(data, logprobs, "NLLLoss").valid_tokens()  # [B, T]
         loss = -_masked_sum(logprobs.float(), mask) / _count(global_valid_toks, logprobs)
@@ -162,11 +159,7 @@ class KDLoss(Loss):
         self.cfg = cfg or KDLossConfig()
 
     def __call__(
-        self,
-        outputs: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, outputs: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         logprobs, student = outputs[..., 0].float(), outputs[..., 1:].float()  # [B, T], [B, T, k]
         inputs = KDInputs.read(data, logprobs, "KDLoss")
@@ -280,11 +273,7 @@ class ClippedPGLoss(Loss):
         self.prev_is_current = prev_is_current
 
     def __call__(
-        self,
-        logprobs: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, logprobs: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         logprobs = logprobs.float()  # [B, T]
         inputs = PGInputs.read(data, logprobs, "ClippedPGLoss", self.needs())
@@ -453,11 +442,7 @@ class ValueLoss(Loss):
         self.cfg = cfg or ValueLossConfig()
 
     def __call__(
-        self,
-        values: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, values: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         values = values.float()  # [B, T]
         inputs = ValueInputs.read(data, values, "ValueLoss")

@@ -5,12 +5,12 @@ order, so these losses are not `rows_independent`. The contract is `loss.py`'s."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from posttrain.algorithms.loss import Count, Loss, LossInputs, LossOutput, TokenInputs, _count
+from posttrain.algorithms.loss import Count, Data, Loss, LossInputs, LossOutput, TokenInputs, _count
 from posttrain.config import ConfigError
 
 
@@ -94,11 +94,7 @@ class DPOLoss(Loss):
         self.cfg = cfg or DPOLossConfig()
 
     def __call__(
-        self,
-        logprobs: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, logprobs: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         logprobs = logprobs.float()  # [B, T]
         needs = () if self.cfg.preference_loss == "simpo" else ("reference_policy_logprobs",)
@@ -164,11 +160,7 @@ class BradleyTerryLoss(Loss):
     of pairs with s_c > s_r), rewards_chosen_mean, rewards_rejected_mean."""
 
     def __call__(
-        self,
-        scores: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, scores: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         scores = scores.float().reshape(scores.shape[0])  # [B]
         pair_mask = _pair_mask(LossInputs.read(data, scores, "BradleyTerryLoss"), scores, "BradleyTerryLoss")
