@@ -293,11 +293,17 @@ class ClippedPGLoss(Loss):
         token_loss = is_weight * (pg_loss + self.cfg.reference_policy_kl_penalty * kl)  # [B, T]
         loss = self._reduce(token_loss, mask, inputs, global_valid_seqs, global_valid_toks)
         num_toks = _count(global_valid_toks, logprobs)
+
+        def token_mean(values: torch.Tensor) -> float:  # over the global batch's valid tokens
+            return float(_masked_sum(values, mask) / num_toks)
+
         metrics = self._ratio_metrics(ratio.detach(), mask, num_toks)
-        metrics.update(
-            self._other_metrics(
-                logprobs.detach(), prev_logprobs, kl.detach(), is_weight, inputs, mask, num_toks
-            )
+        metrics["kl"] = token_mean(kl.detach())
+        metrics["kl_penalty"] = self.cfg.reference_policy_kl_penalty * metrics["kl"]
+        metrics["approx_entropy"] = -token_mean(logprobs.detach())
+        metrics["is_weight_mean"] = token_mean(is_weight)
+        metrics["token_mult_prob_error"] = token_mean(
+            token_mult_prob_error(prev_logprobs, inputs.generation_logprobs)
         )
         metrics["loss"] = float(loss.detach())
         return loss, metrics
@@ -325,13 +331,8 @@ class ClippedPGLoss(Loss):
         """Per-token KL estimate to the reference policy [B, T]; zeros without reference logprobs."""
         if ref_logprobs is None:
             return torch.zeros_like(logprobs)
-        return kl_estimate(
-            logprobs,
-            ref_logprobs,
-            self.cfg.kl_type,
-            self.cfg.kl_input_clamp_value,
-            self.cfg.kl_output_clamp_value,
-        )
+        clamps = (self.cfg.kl_input_clamp_value, self.cfg.kl_output_clamp_value)
+        return kl_estimate(logprobs, ref_logprobs, self.cfg.kl_type, *clamps)
 
     def _importance_weight(
         self, generation_logprobs: torch.Tensor | None, prev_logprobs: torch.Tensor
@@ -376,27 +377,6 @@ class ClippedPGLoss(Loss):
             "probs_ratio_min": float(ratio[valid].min()) if has_tokens else float("inf"),
             "probs_ratio_max": float(ratio[valid].max()) if has_tokens else float("-inf"),
             "clip_fraction": float(_masked_sum(outside.float(), mask) / num_toks),
-        }
-
-    def _other_metrics(
-        self,
-        logprobs: torch.Tensor,
-        prev_logprobs: torch.Tensor,
-        kl: torch.Tensor,
-        is_weight: torch.Tensor,
-        inputs: PGInputs,
-        mask: torch.Tensor,
-        num_toks: torch.Tensor,
-    ) -> dict[str, float]:
-        kl_mean = float(_masked_sum(kl, mask) / num_toks)
-        return {
-            "kl": kl_mean,
-            "kl_penalty": self.cfg.reference_policy_kl_penalty * kl_mean,
-            "approx_entropy": float(-_masked_sum(logprobs, mask) / num_toks),
-            "is_weight_mean": float(_masked_sum(is_weight, mask) / num_toks),
-            "token_mult_prob_error": float(
-                _masked_sum(token_mult_prob_error(prev_logprobs, inputs.generation_logprobs), mask) / num_toks
-            ),
         }
 
 
