@@ -73,13 +73,9 @@ def math_steps_rows(num_train: int, num_val: int, seed: int) -> tuple[list[dict]
             if (a, b, c) in seen:
                 continue
             seen.add((a, b, c))
+            prompt, response = question_text(a, b, c), worked_solution(a, b, c, style)
             rows.append(
-                {
-                    "prompt": question_text(a, b, c),
-                    "response": worked_solution(a, b, c, style),
-                    "answer": str(a * b + c),
-                    "task_name": "math",
-                }
+                {"prompt": prompt, "response": response, "answer": str(a * b + c), "task_name": "math"}
             )
         return rows
 

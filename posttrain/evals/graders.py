@@ -117,10 +117,8 @@ def reward_hacking_warning(
     gap = metrics.get("reward_gap")
     if gap is None or gap <= max_gap:
         return None
-    sample = max(
-        (s for s in samples if s.get("strict_grade") is not None),
-        key=lambda s: s["reward"] - s["strict_grade"],
-    )
+    graded = [s for s in samples if s.get("strict_grade") is not None]
+    sample = max(graded, key=lambda s: s["reward"] - s["strict_grade"])
     return (
         f"validation reward {metrics['strict_accuracy'] + gap:.3f} runs ahead of the strict grade "
         f"{metrics['strict_accuracy']:.3f} by {gap:.3f} (> {max_gap}): the policy may be gaming its reward. "
