@@ -26,14 +26,6 @@ DEFAULTS_KEY = "defaults"
 T = typing.TypeVar("T")
 
 
-def _add(*values: Any) -> Any:
-    return sum(values)
-
-
-def _mul(*values: Any) -> Any:
-    return math.prod(values)
-
-
 def _div(numerator: Any, denominator: Any) -> Any:
     """Exact integer division stays an int (`${div:64,8}` -> 8); anything else is a float."""
     if isinstance(numerator, int) and isinstance(denominator, int) and numerator % denominator == 0:
@@ -41,14 +33,16 @@ def _div(numerator: Any, denominator: Any) -> Any:
     return numerator / denominator
 
 
-def _max(*values: Any) -> Any:
-    return max(values)
-
-
 def register_resolvers() -> None:
     """Register `${add:..}`, `${mul:..}`, `${div:a,b}` and `${max:..}` (replacing earlier registrations)."""
     register = getattr(OmegaConf, "register_resolver", None)  # OmegaConf >= 2.4; 2.3 has only the old name
-    for name, function in (("add", _add), ("mul", _mul), ("div", _div), ("max", _max)):
+    resolvers = {
+        "add": lambda *values: sum(values),
+        "mul": lambda *values: math.prod(values),
+        "div": _div,
+        "max": lambda *values: max(values),
+    }
+    for name, function in resolvers.items():
         if register is not None:
             register(name, function, replace=True, annotation_validation="off")
         else:

@@ -309,12 +309,9 @@ class WandbLogger(LoggerInterface):
 
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.mode = wandb_mode()
+        name = cfg.name or Path(log_dir).name
         self._run = wandb.init(
-            project=cfg.project,
-            name=cfg.name or Path(log_dir).name,
-            dir=str(log_dir),
-            mode=self.mode,
-            reinit="create_new",
+            project=cfg.project, name=name, dir=str(log_dir), mode=self.mode, reinit="create_new"
         )
         for namespace in self.OWN_STEP_NAMESPACES:
             self._run.define_metric(f"{namespace}/*", step_metric=f"{namespace}/step")
