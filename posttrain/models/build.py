@@ -159,9 +159,8 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir, safe_serialization=True)
