@@ -206,13 +206,18 @@ def _append_observation(message_logs, i, observation, tokenizer, max_seq_len, tr
     message_logs[i].append({**observation, "token_ids": torch.tensor(token_ids, dtype=torch.long)})
 
 
+def generated_lengths(message_logs: list[list[dict]]) -> torch.Tensor:
+    """Generated (assistant) tokens of each conversation. [B] float"""
+    return torch.tensor(
+        [float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs]
+    )
+
+
 def rollout_metrics(
     message_logs, total_reward, truncated, num_turns, done, num_env_errors
 ) -> dict[str, float]:
     lengths = torch.tensor([float(len(flat_token_ids(log))) for log in message_logs])
-    generated = torch.tensor(
-        [float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs]
-    )
+    generated = generated_lengths(message_logs)
     return {
         "mean_reward": float(total_reward.mean()),
         "mean_turns": float(num_turns.float().mean()),
