@@ -97,15 +97,9 @@ class RolloutCollector:
         for round_index in range(rounds):
             batch = records_to_rollout_batch(self.loader.next_batch(), n)
             seed = cfg.seed * 1_000_003 + step * 1_000 + round_index * 100
+            limits = (cfg.max_seq_len, cfg.max_rollout_turns)
             rollouts, metrics_round = run_multi_turn_rollout(
-                self.generation,
-                batch,
-                self.tokenizer,
-                self.envs,
-                cfg.max_seq_len,
-                cfg.max_rollout_turns,
-                seed=seed,
-                timer=timer,
+                self.generation, batch, self.tokenizer, self.envs, *limits, seed=seed, timer=timer
             )
             rollouts["rewards"] = shaped_rewards(cfg, rollouts, self.max_new_tokens)
             metrics = metrics or metrics_round  # the first round describes the policy's samples
