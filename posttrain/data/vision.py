@@ -79,9 +79,8 @@ def strip_image_payloads(content: Any) -> Any:
     for part in content:
         if isinstance(part, dict) and part.get("type") == "image":
             source = part.get("image")
-            stripped.append(
-                {"type": "image", **({"image": str(source)} if isinstance(source, (str, Path)) else {})}
-            )
+            path = {"image": str(source)} if isinstance(source, (str, Path)) else {}
+            stripped.append({"type": "image", **path})
         else:
             stripped.append(part)
     return stripped
@@ -99,10 +98,8 @@ def row_vision_inputs(message_log: list[dict]) -> tuple[torch.Tensor, torch.Tens
     with_images = [m for m in message_log if "pixel_values" in m]
     if not with_images:
         return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
-    return (
-        torch.cat([m["pixel_values"] for m in with_images]),
-        torch.cat([m["image_grid_thw"] for m in with_images]).long(),
-    )
+    pixel_values = torch.cat([m["pixel_values"] for m in with_images])
+    return pixel_values, torch.cat([m["image_grid_thw"] for m in with_images]).long()
 
 
 def batch_vision_inputs(message_logs: list[list[dict]]) -> dict[str, list[torch.Tensor]]:
