@@ -331,8 +331,10 @@ class ClippedPGLoss(Loss):
         """Per-token KL estimate to the reference policy [B, T]; zeros without reference logprobs."""
         if ref_logprobs is None:
             return torch.zeros_like(logprobs)
-        clamps = (self.cfg.kl_input_clamp_value, self.cfg.kl_output_clamp_value)
-        return kl_estimate(logprobs, ref_logprobs, self.cfg.kl_type, *clamps)
+        cfg = self.cfg
+        return kl_estimate(
+            logprobs, ref_logprobs, cfg.kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
+        )
 
     def _importance_weight(
         self, generation_logprobs: torch.Tensor | None, prev_logprobs: torch.Tensor

@@ -143,10 +143,22 @@ def setup_run(
             teacher_policy = Policy(cluster, teacher, name_prefix="teacher")
         val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
         val_data = val_batches(cfg, policy, tokenizer, val_records)
-        workers = (tokenizer, policy, cluster, loader, val_data)
-        bookkeeping = (Logger(cfg.logger), CheckpointManager(cfg.checkpointing), total_steps)
-        run = SupervisedRun(cfg, name, loop, log_dir, *workers, *bookkeeping, data_stats=data_stats)
-        run.teacher = teacher_policy
+        run = SupervisedRun(
+            cfg,
+            name,
+            loop,
+            log_dir,
+            tokenizer,
+            policy,
+            cluster,
+            loader,
+            val_data,
+            Logger(cfg.logger),
+            CheckpointManager(cfg.checkpointing),
+            total_steps,
+            data_stats=data_stats,
+            teacher=teacher_policy,
+        )
         restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
         if restored is not None:
             run.step = int(restored.training_info["step"])
