@@ -104,8 +104,8 @@ def eval_cons_k(
         )
     rng = random.Random(seed)
     n = num_tests_per_prompt
+    answers = [extracted_answers[i * n : (i + 1) * n] for i in range(len(groups))]
     scores = [
-        _cons_at_k_one_prompt(group, extracted_answers[i * n : (i + 1) * n], k, max_subsets, rng)
-        for i, group in enumerate(groups)
+        _cons_at_k_one_prompt(group, votes, k, max_subsets, rng) for group, votes in zip(groups, answers)
     ]
     return sum(scores) / len(scores)
