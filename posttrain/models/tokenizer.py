@@ -50,15 +50,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 def wrap_tokenizer(backend: Tokenizer, **kwargs: object) -> PreTrainedTokenizerFast:
     """A `tokenizers` backend as a Hugging Face tokenizer with the special tokens and chat template."""
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="right",
-        **kwargs,
-    )
+    special = {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="right", **special, **kwargs)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
