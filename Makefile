@@ -67,16 +67,19 @@ test: test-main test-vllm
 # processes on 2 cores take ~0.6 of the time of one. Each process starts its own local Ray instance.
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
+# Every run ends with its slowest tests (pytest's durations) and its slowest files (tests/conftest.py): the
+# suite's budget is in docs/development.md.
+PYTEST_DURATIONS = --durations=25 --durations-min=5
 
 test-main: install install-chromium $(VENV)/.smollm2
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) tests
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) tests
 
 test-vllm: install-vllm
-	$(VLLM_VENV)/bin/python -m pytest -q tests/integration/test_vllm_generation.py
+	$(VLLM_VENV)/bin/python -m pytest -q $(PYTEST_DURATIONS) tests/integration/test_vllm_generation.py
 
 # The quick check while working (under 5 minutes on 2 cores): everything but the `slow` learning runs.
 test-fast: install
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not slow" tests
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) -m "not slow" tests
 
 # The documentation site, into site/, with warnings as errors (the docs tests build it too).
 docs: install
@@ -103,7 +106,8 @@ lint: install
 	$(VENV)/bin/ruff format --check posttrain tests benchmarks
 
 # train_generate.py runs in the vLLM environment so that both generation backends are measured.
-# One GPU: GRPO steps, bf16 training MFU at 1B, MoE; one table, benchmarks/reference/gpu_check_<gpu>.json.
+# One GPU: decode loops (profiled), GRPO steps, bf16 training MFU at 1B, MoE; one table,
+# benchmarks/reference/gpu_check_<gpu>.json.
 gpu-check: $(VENV)/.installed
 	$(PY) benchmarks/gpu_check.py
 

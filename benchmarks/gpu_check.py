@@ -12,6 +12,13 @@ Rows:
 - `moe_ep`: training tokens/s of a tiny `qwen3_moe` model with `policy.expert_parallel_size` = 1 (one
   GPU holds every expert); skipped, saying why, where this tree's model builder or policy config lacks
   them.
+- `decode_tiny`, `decode_0.5b`: the HF backend's decode loops on those workloads' models and batch shapes
+  (`decode_profile.py`): tokens/s of the eager and the static loop (CUDA graphs), and a torch.profiler
+  profile of a decode step of each (host-side vs kernel ms per step, host syncs per step counted under
+  torch.cuda.set_sync_debug_mode), kept in the row's `profile`; the value is the static loop's ms a step.
+The GRPO rows run with the defaults, that is on a GPU the static decode loop and the refit through a flat
+buffer in the GPU's memory shared by CUDA IPC; their note gives the refit seconds and the generation
+seconds per token position (generation / max_new_tokens).
 Each row shows the same workload's CPU figure where `benchmarks/reference/` holds one (GRPO steps: the
 `grpo_step` JSON of that workload measured on a CPU; training: `train_generate_cpu.json` at that size).
 
@@ -40,6 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmarks, imported by name
 
+import decode_profile  # noqa: E402
 import grpo_step  # noqa: E402
 import torch  # noqa: E402
 import train_generate  # noqa: E402
@@ -50,7 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE_DIR = ROOT / "benchmarks" / "reference"
 # Dense bf16 peaks (no sparsity) by a substring of torch.cuda.get_device_name(); first match wins.
 PEAK_BF16_FLOPS = (("H200", 989e12), ("H100", 989e12), ("A100", 312e12))
-ROWS = ("grpo_tiny", "grpo_0.5b", "train_mfu_1b", "moe_ep")
+ROWS = ("decode_tiny", "decode_0.5b", "grpo_tiny", "grpo_0.5b", "train_mfu_1b", "moe_ep")
 
 TOY_MODEL = ModelFromConfig(
     hidden_size=64, num_layers=2, num_attention_heads=2, intermediate_size=128, tokenizer="byte", seed=0
@@ -80,6 +88,7 @@ class Row:
     note: str = ""
     seconds: float = 0.0  # wall time of the row
     stages: dict[str, float] = dataclasses.field(default_factory=dict)  # GRPO rows: median seconds per stage
+    profile: dict = dataclasses.field(default_factory=dict)  # decode rows: decode_profile.measure's result
 
 
 @dataclass
@@ -165,8 +174,29 @@ def grpo_row(plan: Plan, name: str, work_dir: Path) -> Row:
     )
     busiest = ", ".join(f"{k} {v:.2f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])[:3])
     row = Row(f"grpo_{name}", f"GRPO step ({shape}; median s: {busiest})", step_s, "s/step", None, reference)
-    row.note, row.stages = source, stages
+    per_position_ms = 1e3 * stages.get("generation", 0.0) / workload.max_new_tokens
+    row.note = (
+        f"refit {stages.get('refit', 0.0):.3f} s, generation {per_position_ms:.1f} ms/position; {source}"
+    )
+    row.stages = stages
     return row
+
+
+def decode_row(plan: Plan, name: str) -> Row:
+    """The eager and static decode loops on workload `name` (`decode_profile.measure`)."""
+    model = None if not plan.dry_run else TOY_MODEL
+    result = decode_profile.measure(name, plan.device, 32, 1 if plan.dry_run else 3, model)
+    eager, static = result["profile"]["eager"], result["profile"]["static"]
+    what = (
+        f"decode {result['rows']} rows x {result['new_tokens']} tokens: static loop "
+        f"{result['static_over_eager']:.2f}x the eager tokens/s"
+    )
+    note = (
+        f"eager {eager['wall_ms_per_step']:.2f} ms/step ({eager['kernel_ms_per_step']:.2f} in kernels, "
+        f"{eager['host_syncs_per_step']} syncs), static {static['kernel_ms_per_step']:.2f} ms in kernels, "
+        f"{static['host_syncs_per_step']} syncs"
+    )
+    return Row(f"decode_{name}", what, static["wall_ms_per_step"], "ms/step", note=note, profile=result)
 
 
 def train_row(plan: Plan, name: str, model: ModelFromConfig, work_dir: Path, peak: float | None) -> Row:
@@ -231,6 +261,8 @@ def run_rows(plan: Plan, names: list[str], work_dir: Path, on_row: Callable[[lis
     keeps what it measured). A row that raises is recorded with its error and the next row runs."""
     peak = peak_bf16_flops(torch.cuda.get_device_name(0)) if plan.device == "cuda" else None
     makers: dict[str, Callable[[], Row]] = {
+        "decode_tiny": lambda: decode_row(plan, "tiny"),
+        "decode_0.5b": lambda: decode_row(plan, "0.5b"),
         "grpo_tiny": lambda: grpo_row(plan, "tiny", work_dir),
         "grpo_0.5b": lambda: grpo_row(plan, "0.5b", work_dir),
         "train_mfu_1b": lambda: train_row(plan, "train_mfu_1b", plan.train_model, work_dir, peak),

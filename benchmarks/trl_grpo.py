@@ -16,7 +16,7 @@ logprobs are the current ones) and no refit (one model generates and trains).
 from __future__ import annotations
 
 import json
-import re
+import os
 import resource
 import sys
 import time
@@ -28,6 +28,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras import profiling
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from parity_reward import last_number_matches  # noqa: E402
+
 
 def exact_match(completions: list, answer: list[str], **kwargs) -> list[float]:
     """1.0 when the response, stripped, equals the answer (the posttrain `exact_match` environment)."""
@@ -38,13 +41,12 @@ def exact_match(completions: list, answer: list[str], **kwargs) -> list[float]:
 
 
 def numeric_match(completions: list, answer: list[str], **kwargs) -> list[float]:
-    """1.0 when the last number in the response equals the answer (posttrain's `math` environment grades
-    the answer the reply commits to, a stricter rule; the reward's cost is negligible on both sides)."""
-    rewards = []
-    for completion, truth in zip(completions, answer):
-        numbers = re.findall(r"-?\d+", completion[0]["content"])
-        rewards.append(float(bool(numbers) and numbers[-1] == str(truth).strip()))
-    return rewards
+    """1.0 when the last number in the response equals the answer (`parity_reward.last_number_matches`, the
+    reward of grpo_parity.py's posttrain arm; posttrain's `math` environment grades the answer the reply
+    commits to, a stricter rule)."""
+    return [
+        last_number_matches(completion[0]["content"], truth) for completion, truth in zip(completions, answer)
+    ]
 
 
 class StepTimes(TrainerCallback):
@@ -114,8 +116,13 @@ def main(job_file: str, out_file: str) -> int:
         temperature=job["temperature"],
         top_p=1.0,
         top_k=0,
-        beta=0.0,
+        beta=job.get("beta", 0.0),
         epsilon=job["epsilon"],
+        epsilon_high=job.get("epsilon_high", job["epsilon"]),
+        loss_type=job.get("loss_type", "dapo"),  # TRL's default: token mean over the global batch
+        scale_rewards=job.get("scale_rewards", "group"),  # TRL's default: (r - group mean) / group std
+        mask_truncated_completions=False,
+        importance_sampling_level="token",
         num_iterations=1,
         shuffle_dataset=False,
         use_vllm=False,
@@ -125,8 +132,8 @@ def main(job_file: str, out_file: str) -> int:
         adam_beta2=optimizer["betas"][1],
         adam_epsilon=optimizer["eps"],
         optim="adamw_torch",
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type=job.get("lr_scheduler_type", "constant"),
+        warmup_steps=job.get("warmup_steps", 0),
         max_grad_norm=job["max_grad_norm"],
         max_steps=job["warmup"] + job["steps"],
         logging_steps=1,

@@ -3,10 +3,12 @@ weights handed to the engine in memory (`generation.vllm_refit: memory`, the def
 safetensors file for it to reload (`disk`), and the decode speed of the engine in each set-up (in the
 actor's process for `memory`, in a process of its own for `disk`).
 
-Each refit sends every weight of the model, changed by a small seeded perturbation, through Ray's object
-store to one generation actor (as GRPO's refit does); the time is the driver's wall time of
-`update_weights`. Decode: 8 prompts of 16 random tokens, every sample running to 64 new tokens.
-The two modes alternate (`--runs`), so a change of machine load hits both.
+Each refit sends every weight of the model, changed by a small seeded perturbation, to one generation
+actor: through Ray's object store (`memory`, `disk`; as GRPO's refit does apart or across nodes) or, in
+`shared` (`memory` fed as colocated GRPO on one machine's CPUs feeds it), copied into a shared-memory file
+the actor maps. The time is the driver's wall time of that copy (shared) and of `update_weights`.
+Decode: 8 prompts of 16 random tokens, every sample running to 64 new tokens.
+The modes alternate (`--runs`), so a change of machine load hits both.
 
 Run (in the vLLM environment, `make install-vllm`; needs `make real-model` for the default model):
     .venv-vllm/bin/python benchmarks/vllm_refit.py [--model-dir DIR] [--runs 2] [--refits 3]
@@ -28,6 +30,7 @@ from pathlib import Path
 import torch
 
 from posttrain.distributed import BatchedDataDict
+from posttrain.distributed.shared_weights import SharedWeightsWriter
 from posttrain.distributed.virtual_cluster import start_local_ray
 from posttrain.models.build import load_model
 from posttrain.workers.generation import GenerationConfig, VllmGeneration
@@ -46,8 +49,19 @@ def perturbed(state_dict: dict[str, torch.Tensor], seed: int) -> dict[str, torch
     return {name: t + 1e-4 * torch.randn(t.shape, generator=generator) for name, t in state_dict.items()}
 
 
+def shared_refit(generation: VllmGeneration, writer: SharedWeightsWriter, weights: dict) -> float:
+    """Seconds of one refit through shared memory: the copy into the file, then the engine's reload."""
+    start = time.perf_counter()
+    for name, tensor in weights.items():
+        writer.views[name].copy_(tensor)
+    generation.update_weights(writer.handle)
+    return time.perf_counter() - start
+
+
 def measure(mode: str, model_dir: str, state_dict: dict, prompts: BatchedDataDict, refits: int) -> dict:
     """Refit seconds (each refit) and decode tokens/s (after a warm-up call) of one engine in `mode`."""
+    import ray
+
     cfg = GenerationConfig(
         backend="vllm",
         max_new_tokens=NEW_TOKENS,
@@ -55,18 +69,28 @@ def measure(mode: str, model_dir: str, state_dict: dict, prompts: BatchedDataDic
         colocated=False,
         num_cpus_per_worker=float(os.cpu_count() or 2),
         vllm_gpu_memory_utilization=0.2,
-        vllm_refit=mode,
+        vllm_refit="memory" if mode == "shared" else mode,
     )
     generation = VllmGeneration(None, cfg, model_dir)
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in state_dict.items()}
+    node_id = ray.get_runtime_context().get_node_id()
+    writer = SharedWeightsWriter(layout, node_id) if mode == "shared" else None
     try:
         generation.generate(prompts, seed=0)
         start = time.perf_counter()
         out = generation.generate(prompts, seed=1)
         decode_s = time.perf_counter() - start
         assert int(out["generation_lengths"].sum()) == NUM_PROMPTS * NEW_TOKENS
-        refit_s = [generation.update_weights(perturbed(state_dict, seed)) for seed in range(refits)]
+        refit_s = [
+            shared_refit(generation, writer, perturbed(state_dict, seed))
+            if writer
+            else generation.update_weights(perturbed(state_dict, seed))
+            for seed in range(refits)
+        ]
     finally:
         generation.shutdown()
+        if writer:
+            writer.close()
     return {"refit_s": refit_s, "decode_tokens_per_s": NUM_PROMPTS * NEW_TOKENS / decode_s}
 
 
@@ -84,7 +108,7 @@ def main() -> int:
     weight_bytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     start_local_ray(os.cpu_count() or 2, log_to_driver=False)
     prompts = random_prompts(vocab_size)
-    runs: dict[str, list[dict]] = {"disk": [], "memory": []}
+    runs: dict[str, list[dict]] = {"disk": [], "memory": [], "shared": []}
     for run in range(args.runs):
         for mode in runs:
             runs[mode].append(measure(mode, args.model_dir, state_dict, prompts, args.refits))

@@ -19,7 +19,10 @@ std division, with the loss's constant length normaliser), `reinforce_pp` and `r
 (REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
 formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives per-token GAE
 advantages and trains beside the policy. `on_policy_distillation`: a frozen teacher (`teacher.py`) scores
-the sampled tokens, and each token's advantage is log pi_teacher - log pi_student.
+the sampled tokens, and each token's advantage is log pi_teacher - log pi_student. `rejection_sampling`
+(rejection-sampling fine-tuning, expert iteration): the replies whose reward reaches
+`grpo.rejection_sampling_min_reward` are kept, the others masked out, and the step is SFT's (`NLLLoss`) on
+the kept ones; the next step samples from the updated policy.
 
 Asynchronous GRPO (`grpo.async_grpo.enabled`): generation runs ahead on workers of its own, at most
 `max_trajectory_age_steps` optimizer steps behind (schedule: experience/async_rollouts.py; partial
@@ -31,6 +34,7 @@ Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/reinforce_pp_tiny.yaml     (REINFORCE++-baseline)
      posttrain ppo --config configs/ppo_tiny.yaml               (PPO with a value model)
      posttrain distill --config configs/distill_tiny.yaml       (on-policy distillation)
+     posttrain grpo --config configs/rft_lists_smollm2.yaml     (rejection-sampling fine-tuning)
      posttrain grpo --config configs/grpo_tiny.yaml grpo.async_grpo.enabled=true generation.colocated=false
 """
 
@@ -52,7 +56,7 @@ from posttrain.algorithms.critic import Critic
 from posttrain.algorithms.grpo_async import AsyncRollouts
 from posttrain.algorithms.grpo_config import GRPOConfig, GRPOLoopConfig
 from posttrain.algorithms.grpo_rollouts import RolloutCollector, RolloutSource, SyncRollouts
-from posttrain.algorithms.loss import ClippedPGLoss, KDLoss
+from posttrain.algorithms.loss import ClippedPGLoss, KDLoss, NLLLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.run import (
     check_run_directories,
@@ -83,7 +87,7 @@ from posttrain.utils.progress import StepProgress
 from posttrain.utils.timer import Timer
 from posttrain.workers.generation import RayGeneration, make_generation
 from posttrain.workers.policy import Policy
-from posttrain.workers.refit import Refit, uses_shared_memory
+from posttrain.workers.refit import Refit, shared_memory_kind
 
 log = logging.getLogger(__name__)
 
@@ -134,11 +138,12 @@ class GRPORun:
 def make_refit(cfg: GRPOConfig, policy: Policy, generation: RayGeneration, stale: bool) -> Refit:
     """The refit between `policy` and `generation` as the config places them."""
     colocated = cfg.generation.colocated
-    shared_memory = uses_shared_memory(
+    shared_memory = shared_memory_kind(
         colocated,
         cfg.policy.lora.enabled,
         generation.backend_name,
         cfg.cluster.num_nodes,
+        cfg.cluster.num_nodes * cfg.cluster.workers_per_node,
         cfg.cluster.num_gpus_per_worker,
         shared_memory_supported(),
     )
@@ -328,6 +333,8 @@ def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor, token_mask: t
         return adv.reinforce_pp_advantages(rewards, token_mask)
     if cfg.advantage_estimator == "reinforce_pp_baseline":
         return adv.reinforce_pp_advantages(rewards, token_mask, num_generations)
+    if cfg.advantage_estimator == "rejection_sampling":  # 1 on the accepted replies (the loss is SFT's)
+        return adv.broadcast_advantages((rewards >= cfg.rejection_sampling_min_reward).float(), token_mask)
     if cfg.advantage_estimator == "dr_grpo":
         advantages = adv.dr_grpo_advantages(rewards, num_generations)  # [B]
     else:
@@ -391,7 +398,11 @@ def add_advantages(
     if run.teacher is None:
         with timer.time("advantages"):
             train_data["advantages"] = compute_advantages(cfg, rewards, token_mask)
-        return {}
+        if cfg.advantage_estimator != "rejection_sampling":
+            return {}
+        accepted = (rewards >= cfg.rejection_sampling_min_reward).float()  # [B]
+        train_data["sample_mask"] = train_data["sample_mask"] * accepted  # the rejected replies train nothing
+        return {"rejection_sampling/accepted_share": float(accepted.mean())}
     if run.teacher.cfg.top_k:  # supervised on the student's samples: the teacher's top-k as targets
         with timer.time("teacher_topk"):
             train_data.update(run.teacher.topk_targets(train_data))
@@ -428,7 +439,8 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     # generated the data is the loss's importance weight against generation_logprobs.
     single_update = train_data.size == run.cfg.policy.train_global_batch_size
     supervised = "teacher_topk_ids" in train_data  # on-policy distillation on the teacher's top-k
-    if not (single_update or supervised):
+    rejection_sampling = cfg.advantage_estimator == "rejection_sampling"  # SFT on the accepted replies
+    if not (single_update or supervised or rejection_sampling):
         with timer.time("logprobs"):
             train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
     kl_measured = reference_due(run.cfg, run.step + 1)
@@ -437,7 +449,8 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             reference = run.policy.get_reference_policy_logprobs(train_data)
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
-        loss_fn = KDLoss() if supervised else ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
+        loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
+        loss_fn = KDLoss() if supervised else NLLLoss() if rejection_sampling else loss_fn
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
     computed = metrics.get("num_computed_tokens", 0.0)  # positions the training forwards computed
     metrics["padding_share"] = 1.0 - metrics.get("num_real_tokens", 0.0) / computed if computed else 0.0

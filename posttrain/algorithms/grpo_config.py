@@ -31,7 +31,13 @@ from posttrain.workers.policy.config import policy_with_lr
 GRPO_LR = 1e-6
 
 AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline", "gae", "on_policy_distillation"
+    "grpo",
+    "dr_grpo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "gae",
+    "on_policy_distillation",
+    "rejection_sampling",
 ]
 
 
@@ -88,7 +94,10 @@ class GRPOLoopConfig:
     no std (needs loss.constant_length_normalizer); reinforce_pp: rewards whitened over the batch's tokens
     (REINFORCE++); reinforce_pp_baseline: R - group mean, then whitened over the batch's tokens; gae: PPO,
     per-token GAE from the value model of the critic section; on_policy_distillation: log pi_teacher - log
-    pi_student per token (teacher section)"""
+    pi_student per token (teacher section); rejection_sampling: SFT's loss on the replies with reward >=
+    rejection_sampling_min_reward"""
+    rejection_sampling_min_reward: float = 1.0
+    """advantage_estimator rejection_sampling: the least reward kept"""
     normalize_rewards: bool = True
     """divide advantages by the group std (advantage_estimator grpo)"""
     use_leave_one_out_baseline: bool = False

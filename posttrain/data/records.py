@@ -35,10 +35,16 @@ def detect_format(row: dict, cfg: DataConfig) -> str:
     return "rl"
 
 
+def _value(row: dict, key: str) -> Any:
+    """`row[key]`, None when absent, null or NaN (an empty CSV or Parquet cell)."""
+    value = row.get(key)
+    return None if isinstance(value, float) and value != value else value
+
+
 def _require(row: dict, key: str, fmt: str) -> Any:
     """`row[key]`; a missing value is a ValueError naming the field, the format (`fmt`, which says when it
     was guessed) and the keys the row has."""
-    if key not in row or row[key] is None or (isinstance(row[key], float) and row[key] != row[key]):
+    if _value(row, key) is None:
         raise ValueError(f"missing field {key!r} (format {fmt}; row keys: {sorted(row)})")
     return row[key]
 
@@ -128,9 +134,7 @@ def row_to_record(
             prompt, template_kwargs = add_tool_prompt(prompt, tool_prompt, tokenizer)
             record["stop_strings"] = list(tool_prompt.stop_strings) or None
         record["message_log"] = tokenize(prompt, tokenizer, add_generation_prompt=True, **template_kwargs)
-        answer = row.get(cfg.answer_key)
-        if answer is None and record["task_name"] != "sliding_puzzle":
-            _require(row, cfg.answer_key, shown)
+        answer = _value(row, cfg.answer_key)  # optional: the environments say whether they need it
         record["extra_env_info"] = {
             **other_columns(row, cfg),
             "ground_truth": None if answer is None else str(answer),
@@ -214,6 +218,7 @@ def rows_to_records(
                 raise DataError(f"{row.where}: {error}") from None
             counter.invalid += 1
             continue
+        record["where"] = row.where  # named by errors about the row found later (`check_record_tasks`)
         record = fit_length(record, cfg, counter)
         if record is not None:
             records.append(record)

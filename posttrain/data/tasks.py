@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+from posttrain.data.constraint_lists import constrained_list_rows
 from posttrain.data.math_steps import math_steps_rows
 from posttrain.data.sliding_puzzle import puzzle_prompt, scrambled_board, solved_board
 from posttrain.data.visual_tasks import red_squares_rows
@@ -16,6 +17,7 @@ BUILTIN_TASKS = (
     "math_steps",
     "multiplication",
     "red_squares",
+    "constrained_lists",
 )
 
 
@@ -143,6 +145,8 @@ def builtin_rows(
         return red_squares_rows(num_train, num_val, seed)
     if name == "multiplication":
         return multiplication_rows(num_digits, num_train, num_val, seed)
+    if name == "constrained_lists":  # no answers: rewarded by a verifier of the columns
+        return constrained_list_rows(num_train, num_val, seed)
     if name == "math_steps":
         return math_steps_rows(num_train, num_val, seed)
     if name == "math_words":

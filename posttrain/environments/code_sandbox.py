@@ -32,6 +32,8 @@ class CodeToolEnvironment(EnvironmentInterface):
     `max_turns` tool calls end the episode with reward 0.
     """
 
+    ground_truth_kwarg = "ground_truth_key"
+
     def __init__(
         self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4
     ):

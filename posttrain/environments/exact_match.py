@@ -18,6 +18,8 @@ class ExactMatchEnvironment(EnvironmentInterface):
     equal `metadata["ground_truth"]` (stripped) character for character: `092` against 092 scores 1;
     `92`, `092.`, `0 92`, `The answer is 092` score 0."""
 
+    ground_truth_kwarg = "ground_truth_key"
+
     def __init__(self, ground_truth_key: str = "ground_truth"):
         self.ground_truth_key = ground_truth_key
 

@@ -55,6 +55,17 @@ class EnvironmentInterface(abc.ABC):
     # The rewards this environment may give, inclusive: a reward outside (or NaN/inf) scores 0 and counts
     # as an environment error (`reward_check.checked_return`). Environments declare tighter ranges.
     reward_range: tuple[float, float] = (-1e6, 1e6)
+    # An environment that grades against the row's answer names its keyword argument for the answer's
+    # metadata key (default "ground_truth"): every row of its tasks must then have an answer.
+    ground_truth_kwarg: str | None = None
+
+    @classmethod
+    def required_columns(cls, kwargs: dict[str, Any]) -> set[str]:
+        """The metadata keys (row columns; `ground_truth` is the answer column) that every row of a task of
+        this environment, built with `kwargs`, must have; checked before a run starts."""
+        if cls.ground_truth_kwarg is None:
+            return set()
+        return {kwargs.get(cls.ground_truth_kwarg, "ground_truth")}
 
     @classmethod
     def tool_prompt(cls, kwargs: dict[str, Any]) -> ToolPrompt | None:

@@ -26,6 +26,8 @@ class MathEnvironment(EnvironmentInterface):
     A verifier exception or timeout scores 0 and is counted in `num_errors`; it never crashes the run.
     """
 
+    ground_truth_kwarg = "ground_truth_key"
+
     def __init__(self, ground_truth_key: str = "ground_truth", timeout_seconds: int | None = 5):
         self.ground_truth_key = ground_truth_key
         self.timeout_seconds = timeout_seconds

@@ -16,6 +16,7 @@ from typing import Any
 
 from posttrain.config import ConfigError
 from posttrain.data.config import DataConfig
+from posttrain.data.sources import DataError
 from posttrain.data.tool_calls import ToolPrompt
 from posttrain.environments.code_sandbox import CodeToolEnvironment
 from posttrain.environments.exact_match import ExactMatchEnvironment
@@ -139,7 +140,9 @@ def match_task_to_environments(data_cfg: DataConfig, env_cfgs: dict[str, Environ
 def check_record_tasks(
     records: list[dict], env_cfgs: dict[str, EnvironmentConfig], data_cfg: DataConfig
 ) -> None:
-    """Every record's task must have an environment; the error names the data and the keys to change."""
+    """Every record's task must have an environment, and every column its environment requires
+    (`required_columns`: the answer, for those that grade against it); the error names the data, the row
+    and the keys to change."""
     tasks = {record["task_name"] for record in records}
     if None in tasks:
         raise ConfigError(
@@ -154,6 +157,21 @@ def check_record_tasks(
             f"rows of {data_cfg.dataset} name task(s) {missing} (column {data_cfg.task_key!r}) but env "
             f"configures {sorted(env_cfgs)}: add " + ", ".join(f"env.{task}" for task in missing),
         )
+    for task in sorted(tasks):
+        cls, kwargs = resolve_environment(env_cfgs[task])
+        required = sorted(cls.required_columns(kwargs))
+        for record in (r for r in records if r["task_name"] == task and required):
+            missing = [key for key in required if record["extra_env_info"].get(key) is None]
+            if missing:
+                where = record.get("where", f"{data_cfg.dataset} row {record.get('idx')}")
+                column = repr(missing[0])
+                if missing[0] == "ground_truth":
+                    column = f"{data_cfg.answer_key!r} (data.answer_key)"
+                raise DataError(
+                    f"{where}: no {column}, which env.{task} "
+                    f"({env_cfgs[task].environment}) needs: give every row of task {task!r} one, or use a "
+                    "reward that does not read it"
+                )
 
 
 def environment_file_problems(env_cfgs: dict[str, EnvironmentConfig]) -> list[ConfigError]:

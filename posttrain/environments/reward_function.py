@@ -7,7 +7,9 @@ to `register_reward`). The function sees the reply text and the row's columns an
 `reply` is the last assistant message without end-of-turn markers (`<|im_end|>`, `<eos>`, ...) and
 surrounding whitespace. The row's columns arrive as keyword arguments: `ground_truth` (the answer column,
 `data.answer_key`), the keys of its `metadata` column and its other columns (prompt, images, task and tools
-columns excepted). A function without `**columns` receives only the columns it names. With
+columns excepted). A function without `**columns` receives only the columns it names; the ones it names
+without a default must be in every row (checked before the run starts, naming the row). A row needs an
+answer only for a reward that names `ground_truth` so. With
 `env.<task>.reward_batched: true` it is called once per batch as `fn(replies, **columns)`, each column a
 list, and returns a list of floats.
 
@@ -83,6 +85,17 @@ def accepted_columns(function: RewardFunction) -> set[str] | None:
     return {p.name for p in parameters[1:] if p.kind in keyword_kinds}
 
 
+def required_columns(function: RewardFunction) -> set[str]:
+    """The keyword arguments `function` takes besides the reply that have no default: the columns every
+    row must have (`ground_truth` is the answer column)."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())[1:]
+    except (TypeError, ValueError):  # a builtin without a signature: nothing is known to be needed
+        return set()
+    keyword_kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {p.name for p in parameters if p.kind in keyword_kinds and p.default is inspect.Parameter.empty}
+
+
 @contextmanager
 def time_limit(seconds: float | None):
     """Raise RewardTimeout in the block after `seconds` (SIGALRM: on a main thread only, as in plain Ray
@@ -121,6 +134,11 @@ class RewardFunctionEnvironment(EnvironmentInterface):
         self.name = getattr(self.function, "__name__", repr(self.function))
         self.batched, self.timeout_seconds = batched, timeout_seconds
         self.columns = accepted_columns(self.function)
+
+    @classmethod
+    def required_columns(cls, kwargs: dict[str, Any]) -> set[str]:
+        reward = kwargs["reward"]
+        return required_columns(resolve_reward(reward) if isinstance(reward, str) else reward)
 
     def _kwargs(self, metadata: dict[str, Any]) -> dict[str, Any]:
         if self.columns is None:

@@ -110,6 +110,8 @@ class ToolEnvironment(EnvironmentInterface):
     turns: `num_tool_turns`, `tool_time_s`. Messages carry `num_tokens` (their token count). Counts
     summed over a step (EnvironmentReturn.counts): tool calls, tool errors, episodes ended per limit."""
 
+    ground_truth_kwarg = "ground_truth_key"
+
     def __init__(self, **kwargs: Any):
         self.cfg = ToolEnvironmentConfig.from_kwargs(kwargs)
         self.call_format = tool_call_format(self.cfg.format)

@@ -50,25 +50,28 @@ def cast_floating(weights: dict[str, torch.Tensor], dtype: str | None) -> dict[s
     return {name: t.to(target) if t.is_floating_point() else t for name, t in weights.items()}
 
 
-def uses_shared_memory(
+def shared_memory_kind(
     colocated: bool,
     lora: bool,
     backend_name: str,
     num_nodes: int,
+    num_ranks: int,
     num_gpus_per_worker: float,
     supported: bool,
-) -> bool:
-    """Refit through shared memory: colocated (generation and training take turns) Hugging Face generation
-    on the CPUs of one machine maps the policy's weights once, and each refit is one in-place copy. With
-    LoRA the adapter alone travels instead (it is smaller still)."""
-    return (
-        colocated
-        and not lora
-        and backend_name == "hf"
-        and num_nodes == 1
-        and num_gpus_per_worker == 0
-        and supported
-    )
+) -> str | None:
+    """How refit shares memory, if it does (colocated: generation and training take turns; one machine).
+    Hugging Face generation maps the policy's weights once, and each refit is one in-place cast-and-copy:
+    "device": one policy rank and its generation worker on one GPU share a buffer in its memory (CUDA IPC);
+    "host": a shared-memory file (the CPU, or several GPUs: each generation worker copies it to its own in
+    one copy). vLLM on CPUs reloads its engine from the "host" file. None: the object store. With LoRA the
+    adapter alone travels instead (it is smaller still)."""
+    if not colocated or lora or num_nodes != 1 or not supported:
+        return None
+    if backend_name == "vllm":
+        return "host" if num_gpus_per_worker == 0 else None
+    if backend_name != "hf":
+        return None
+    return "device" if num_gpus_per_worker > 0 and num_ranks == 1 else "host"
 
 
 def policy_must_leave(param_bytes: int, device_total_bytes: int, generation_precision: str) -> bool:
@@ -90,14 +93,14 @@ class Refit:
         policy: Any,
         generation: Any,
         precision: str,
-        shared_memory: bool,
+        shared_memory: str | None,
         move_memory: bool,
         colocated_offload: bool | str = "auto",
         stale: bool = False,
     ) -> None:
         self.policy, self.generation = policy, generation
         self.precision = precision  # the generation workers' dtype: weights travel in it
-        self.shared_memory = shared_memory  # see uses_shared_memory
+        self.shared_memory = shared_memory  # "device", "host" or None: see shared_memory_kind
         self.move_memory = move_memory  # colocated on accelerators: the two take turns on the device
         self.colocated_offload = colocated_offload  # True / False / "auto" (see offload_needed)
         self.stale = stale  # the policy has trained since the generation workers' last refit
@@ -117,7 +120,7 @@ class Refit:
         """What the generation workers load: a shared-memory handle, or the gathered weights in the object
         store, in the generation precision."""
         if self.shared_memory:
-            return self.policy.share_weights(dtype=self.precision)
+            return self.policy.share_weights(dtype=self.precision, on_device=self.shared_memory == "device")
         return self.policy.get_weights(dtype=self.precision)
 
     def publish_all(self) -> Any:

@@ -1,7 +1,16 @@
-"""Running a config to its end and reading its run directory's `metrics.jsonl` back in tests."""
+"""Running a config to its end and reading its run directory's `metrics.jsonl` back in tests; the
+`key=value` overrides that the tests give a config."""
 
 import json
 from pathlib import Path
+
+
+def as_overrides(*values: dict) -> list[str]:
+    """Command-line overrides `key=value` from the dicts `values`, a later dict's keys winning."""
+    merged: dict = {}
+    for more in values:
+        merged.update(more)
+    return [f"{key}={value}" for key, value in merged.items()]
 
 
 def metrics_by_step(log_dir) -> dict[int, dict]:
@@ -13,12 +22,19 @@ def metrics_by_step(log_dir) -> dict[int, dict]:
     return steps
 
 
-def run_to_end(cfg, setup, train) -> dict[int, dict]:
-    """`setup(cfg)`, then `train(run)` to the end with the run shut down whatever happens; the metrics its
-    run directory (`cfg.logger.log_dir`) holds, by step."""
+def finished_run(cfg, setup, train):
+    """`setup(cfg)`, then `train(run)` to the end with the run shut down whatever happens; the run (its
+    logger's backends stay readable)."""
     run = setup(cfg)
     try:
         train(run)
     finally:
         run.shutdown()
+    return run
+
+
+def run_to_end(cfg, setup, train) -> dict[int, dict]:
+    """`finished_run(cfg, setup, train)`; the metrics its run directory (`cfg.logger.log_dir`) holds, by
+    step."""
+    finished_run(cfg, setup, train)
     return metrics_by_step(cfg.logger.log_dir)

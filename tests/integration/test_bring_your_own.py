@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
+from tiny_model import tiny_from_config
 
 from posttrain import cli
 from posttrain.algorithms import grpo, sft
@@ -81,8 +82,7 @@ def grpo_overrides(log_dir, **extra):
         "logger.tensorboard_enabled": "false",
         "checkpointing.enabled": "false",
         "policy.model_name": "null",
-        "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
-        "intermediate_size: 64, tie_word_embeddings: false, seed: 3}",
+        "policy.model.from_config": tiny_from_config(tie_word_embeddings=False, seed=3),
         "grpo.num_prompts_per_step": 8,
         "grpo.num_generations_per_prompt": 8,
         "grpo.val_period": 0,
@@ -97,8 +97,7 @@ def grpo_overrides(log_dir, **extra):
         "data.num_val": 8,
         "cluster.num_cpus_per_worker": 0.5,
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 def test_grpo_on_a_reward_function_in_a_user_file_learns(ray_session, tmp_path):

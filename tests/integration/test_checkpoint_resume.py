@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from run_logs import as_overrides
 
 from posttrain.algorithms import sft
 from posttrain.config import load_typed_config
@@ -41,8 +42,7 @@ def overrides(log_dir: Path, **extra) -> list[str]:
         "checkpointing.save_period": 2,
         "sft.export_final_model": "false",
     }
-    values.update(extra)
-    return [f"{key}={value}" for key, value in values.items()]
+    return as_overrides(values, extra)
 
 
 def train(log_dir: Path, num_steps: int | None = None, **extra) -> None:

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
 
 from posttrain.algorithms import dpo
 from posttrain.config import ConfigError, load_typed_config
@@ -33,8 +33,7 @@ def overrides(log_dir, model_dir, **extra):
         "checkpointing.keep_top_k": "null",
         "dpo.export_final_model": "false",
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 def run_dpo(log_dir, model_dir, **extra) -> dict[int, dict]:

@@ -4,6 +4,8 @@ precision trains, checkpoints round-trip on the device, and a short GRPO run wor
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from test_grpo import run_grpo
@@ -153,3 +155,107 @@ def test_memory_saving_options_train_like_the_default(ray_session, model_dir, op
     _, reference_losses, _ = train_losses(model_dir, num_gpus=1.0)
     _, losses, _ = train_losses(model_dir, num_gpus=1.0, **{option: True})
     assert losses == pytest.approx(reference_losses, rel=1e-5)
+
+
+def decode_both_loops(model, tokenizer, cfg: GenerationConfig, greedy: bool):
+    """The eager and the static loop on PROMPTS x 3 samples, left-padded on the model's device."""
+    from posttrain.workers.generation import decode
+    from posttrain.workers.generation.static_decode import static_decode_batch
+
+    prompts = make_prompt_batch(tokenizer, [p for p in PROMPTS for _ in range(3)])
+    left_ids, mask = decode.right_to_left_padded(
+        prompts["input_ids"], prompts["input_lengths"], tokenizer.pad_token_id
+    )
+    uniforms = decode.per_sample_uniforms(5, list(range(len(left_ids))), cfg.max_new_tokens)
+    eager = decode.decode_batch(model, tokenizer, left_ids, mask, cfg, greedy, uniforms, [[]] * len(left_ids))
+    static = static_decode_batch(model, tokenizer, left_ids, mask, cfg, greedy, uniforms, 2)
+    return eager, static
+
+
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy", "sampled"])
+def test_static_decode_with_cuda_graphs_decodes_what_the_eager_loop_decodes(model_dir, greedy):
+    """On the GPU (fp32) the static loop, its steps replayed as CUDA graphs (a new one each time finished
+    rows leave), gives the eager loop's tokens and stop flags and logprobs within 1e-4; with the second
+    token most samples draw as a stop token, some samples end early."""
+    model, tokenizer = load_model(model_dir).cuda().eval(), load_tokenizer(model_dir)
+    probe, _ = decode_both_loops(
+        model, tokenizer, GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[]), greedy
+    )
+    first = Counter(ids[1] for ids in probe.generated_ids)
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[first.most_common(1)[0][0]])
+    eager, static = decode_both_loops(model, tokenizer, cfg, greedy)
+    assert (
+        any(eager.stopped) and static.generated_ids == eager.generated_ids and static.stopped == eager.stopped
+    )
+    for got, expected in zip(static.generated_logprobs, eager.generated_logprobs):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_replayed_static_steps_make_no_host_sync(model_dir):
+    """Under torch.cuda.set_sync_debug_mode("error") a step that waits for the device raises: the static
+    loop's replayed steps run through, the eager loop's first step (its tokens to the host) raises."""
+    from posttrain.workers.generation import decode
+    from posttrain.workers.generation.static_decode import StaticDecoder
+
+    model, tokenizer = load_model(model_dir).cuda().eval(), load_tokenizer(model_dir)
+    prompts = make_prompt_batch(tokenizer, PROMPTS)
+    left_ids, mask = decode.right_to_left_padded(
+        prompts["input_ids"], prompts["input_lengths"], tokenizer.pad_token_id
+    )
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[1])
+    uniforms = decode.per_sample_uniforms(0, list(range(len(PROMPTS))), MAX_NEW_TOKENS)
+    decoder = StaticDecoder(model, cfg, False, [1])
+    rows = decoder.start(left_ids, mask, uniforms)
+    decoder.run_step(rows)  # eager warm-up and capture
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(5):
+            decoder.run_step(rows)
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            decode.decode_batch(model, tokenizer, left_ids, mask, cfg, False, uniforms, [[]] * len(PROMPTS))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(decoder.step_index) == 6
+
+
+def test_colocated_device_refit_is_the_next_generation(ray_session, model_dir, tmp_path):
+    """One policy rank and its generation worker on one GPU: the policy's weights go into a flat buffer in the
+    GPU's memory that the generation worker opens through CUDA IPC (the handle carries no file). Sampled
+    logprobs of the static loop agree with the trainer's (mean exp|delta| <= 1.01); after a training step and
+    the same buffer rewritten, greedy decoding equals the trained weights exported and decoded on the CPU."""
+    from posttrain.distributed.shared_weights import SharedWeights
+
+    cluster, policy = make_policy(model_dir, num_gpus=1.0)
+    gen_cfg = GenerationConfig(max_new_tokens=MAX_NEW_TOKENS, colocated=True, decode_loop="static")
+    generation = HFGeneration(cluster, gen_cfg, str(model_dir))
+    try:
+        tokenizer = load_tokenizer(model_dir)
+        prompts = make_prompt_batch(tokenizer, PROMPTS)
+        handle = policy.share_weights(on_device=True)
+        assert isinstance(handle, SharedWeights) and handle.cuda_ipc is not None and handle.path == ""
+        generation.update_weights(handle)
+        out = generation.generate(prompts, seed=0)
+        rows = BatchedDataDict(input_ids=out["output_ids"], input_lengths=out["unpadded_sequence_lengths"])
+        positions = torch.arange(out["output_ids"].shape[1])[None]
+        generated = (positions >= prompts["input_lengths"][:, None]) & (
+            positions < rows["input_lengths"][:, None]
+        )
+        error = torch.exp((policy.get_logprobs(rows)["logprobs"] - out["logprobs"]).abs())[generated].mean()
+        assert 1.0 <= float(error) <= 1.01
+
+        policy.train(make_train_data(), NLLLoss())
+        assert policy.share_weights(on_device=True) == handle  # the same buffer, rewritten in place
+        generation.update_weights(handle)
+        greedy = generation.generate(prompts, greedy=True)
+        policy.export_hf(tmp_path / "trained")
+        model = load_model(tmp_path / "trained").eval()
+        expected = [
+            reference_greedy(model, prompt_ids(prompts, i), MAX_NEW_TOKENS, tokenizer.eos_token_id)
+            for i in range(len(PROMPTS))
+        ]
+        assert unpadded_outputs(greedy) == expected
+    finally:
+        generation.shutdown()
+        policy.shutdown()
+        cluster.shutdown()

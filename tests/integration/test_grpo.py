@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step, run_to_end
+from run_logs import as_overrides, metrics_by_step, run_to_end
+from tiny_model import tiny_from_config
 
 from posttrain.algorithms import grpo
 from posttrain.config import load_typed_config
@@ -42,9 +43,7 @@ def overrides(log_dir, **extra):
         "logger.log_dir": str(log_dir),
         "logger.tensorboard_enabled": "false",
         "policy.model_name": "null",
-        "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
-        "intermediate_size: 64, "
-        "tie_word_embeddings: false, seed: 3}",
+        "policy.model.from_config": tiny_from_config(tie_word_embeddings=False, seed=3),
         "grpo.num_prompts_per_step": 4,
         "grpo.num_generations_per_prompt": 4,
         "grpo.max_val_samples": 8,
@@ -60,8 +59,7 @@ def overrides(log_dir, **extra):
         "cluster.num_cpus_per_worker": 0.5,
         "checkpointing.save_period": 2,
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 def run_grpo(log_dir, **extra) -> dict[int, dict]:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tiny_model import TINY
 
 from posttrain.distributed import BatchedDataDict, ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_model, load_tokenizer
@@ -19,7 +20,6 @@ from posttrain.workers.generation.decode import (
 
 MAX_NEW_TOKENS = 12
 PROMPTS = ["hello", "ab", "the quick brown", "2+2=", "xyz", "Once upon", "k", "(1, 2)"]
-TINY = dict(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
 
 # ------------------------------------------------------------------------------------------------
 # Pure functions (no Ray)

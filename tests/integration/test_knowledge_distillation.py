@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
 
 from posttrain.algorithms import sft
 from posttrain.config import ConfigError, load_typed_config
@@ -63,7 +63,7 @@ def run_kd(log_dir, teacher_dir, **extra) -> dict[int, dict]:
         "cluster.num_cpus_per_worker": 0.5,
         **extra,
     }
-    cfg = load_typed_config(sft.SFTConfig, CONFIG, [f"{k}={v}" for k, v in values.items()])
+    cfg = load_typed_config(sft.SFTConfig, CONFIG, as_overrides(values))
     run = sft.setup(cfg)
     try:
         sft.sft_train(run)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from peft import PeftModel
 from test_policy import make_train_data as policy_train_data
+from tiny_model import TINY
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from posttrain.algorithms.loss import NLLLoss
@@ -80,7 +81,7 @@ def train_losses_of(policy: Policy, data: BatchedDataDict, loss_fn, num_steps: i
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = ModelFromConfig(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
+    cfg = ModelFromConfig(**TINY)
     return build_model_dir(cfg, tmp_path_factory.mktemp("lora_base"))
 
 

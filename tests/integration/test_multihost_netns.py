@@ -24,6 +24,7 @@ import pytest
 from run_logs import metrics_by_step
 from test_sft import run_sft
 from test_sft import tiny_overrides as sft_overrides
+from tiny_model import tiny_from_config
 
 pytestmark = pytest.mark.slow
 
@@ -244,8 +245,7 @@ def test_async_grpo_across_hosts_survives_the_loss_of_one(hosts, tmp_path):
         "logger.log_dir": log_dir,
         "logger.tensorboard_enabled": "false",
         "policy.model_name": "null",
-        "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
-        "intermediate_size: 64, seed: 3}",
+        "policy.model.from_config": tiny_from_config(seed=3),
         "grpo.max_num_steps": 5,
         "grpo.num_prompts_per_step": 4,
         "grpo.num_generations_per_prompt": 4,

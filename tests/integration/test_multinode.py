@@ -13,6 +13,7 @@ import pytest
 import ray
 from test_grpo import overrides as grpo_overrides
 from test_sft import tiny_overrides as sft_overrides
+from tiny_model import tiny_from_config
 
 from posttrain.algorithms import grpo, sft
 from posttrain.algorithms.recovery import train_with_restarts
@@ -174,8 +175,7 @@ def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path)
             "logger.log_dir": log_dir,
             "logger.tensorboard_enabled": "false",
             "policy.model_name": "null",
-            "policy.model.from_config": "{hidden_size: 32, num_layers: 2, num_attention_heads: 2, "
-            "intermediate_size: 64, seed: 3}",
+            "policy.model.from_config": tiny_from_config(seed=3),
             "policy.train_global_batch_size": 16,
             "policy.train_micro_batch_size": 8,
             "data.num_train": 64,

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from tiny_model import TINY
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -32,7 +33,6 @@ from posttrain.utils.native_checkpoint import (
     save_rng_state,
 )
 
-TINY = dict(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
 WORLD_SIZE = 2
 FULL = StateDictOptions(full_state_dict=True)  # the full tensors on every rank
 

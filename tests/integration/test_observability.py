@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from run_logs import finished_run
 
 from posttrain.algorithms import rm, sft
 from posttrain.config import load_typed_config
@@ -17,15 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def records(log_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines()]
-
-
-def run_to_end(module, cfg, train):
-    run = module.setup(cfg)
-    try:
-        train(run)
-    finally:
-        run.shutdown()
-    return run
 
 
 def test_sft_logs_worker_timing_prints_greedy_samples_and_keeps_mlflow_artifacts(ray_session, tmp_path):
@@ -57,7 +49,7 @@ def test_sft_logs_worker_timing_prints_greedy_samples_and_keeps_mlflow_artifacts
             "checkpointing.save_period=2",
         ],
     )
-    run = run_to_end(sft, cfg, sft.sft_train)
+    run = finished_run(cfg, sft.setup, sft.sft_train)
     timing = {r["step"]: r for r in records(tmp_path) if "timing/policy_worker/train" in r}
     assert sorted(timing) == [1, 2]
     assert all(0 < r["timing/policy_worker/train"] <= r["timing/train"] for r in timing.values())
@@ -102,7 +94,7 @@ def test_reward_model_prints_prompt_chosen_rejected_and_its_scores(arithmetic_sf
             "policy.train_micro_batch_size=16",
         ],
     )
-    run_to_end(rm, cfg, rm.rm_train)
+    finished_run(cfg, rm.setup, rm.rm_train)
     samples = [
         json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()
     ]

@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from tiny_model import TINY
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from posttrain.algorithms.loss import NLLLoss, ValueLoss, ValueLossConfig
@@ -152,7 +153,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = ModelFromConfig(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
+    cfg = ModelFromConfig(**TINY)
     return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_qwen2"))
 
 

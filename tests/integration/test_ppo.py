@@ -5,7 +5,7 @@ PPO reaches GRPO's held-out accuracy on the tiny task at equal samples."""
 from pathlib import Path
 
 import pytest
-from run_logs import run_to_end
+from run_logs import as_overrides, run_to_end
 from test_grpo import overrides
 
 from posttrain.algorithms import grpo
@@ -70,9 +70,7 @@ def learning_run(log_dir, sft_model, estimator: str, num_steps: int, **extra) ->
         **batch,
         **extra,
     }
-    cfg = load_typed_config(
-        grpo.GRPOConfig, str(CONFIGS / "ppo_tiny.yaml"), [f"{k}={v}" for k, v in values.items()]
-    )
+    cfg = load_typed_config(grpo.GRPOConfig, str(CONFIGS / "ppo_tiny.yaml"), as_overrides(values))
     return run_to_end(cfg, grpo.setup, grpo.grpo_train)
 
 

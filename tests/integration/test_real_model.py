@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from run_logs import as_overrides
 
 from posttrain.algorithms import grpo, sft
 from posttrain.cli import main as posttrain_main
@@ -29,12 +30,15 @@ IM_END = "<|im_end|>"
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
-    """The GGUF dequantized to a plain fp32 directory, once per test session."""
-    return convert_gguf(GGUF_FILE, tmp_path_factory.mktemp("smollm2") / "model")
+    """The GGUF dequantized to a plain fp32 directory, once per test run (shared by the pytest processes,
+    rebuilt when the GGUF file or the posttrain sources change)."""
+    from built_once import build_key, built_once, shared_dir
 
-
-def overrides(values: dict) -> list[str]:
-    return [f"{k}={v}" for k, v in values.items()]
+    key = build_key([str(GGUF_FILE), GGUF_FILE.stat().st_size])
+    out = built_once(
+        shared_dir(tmp_path_factory), "smollm2", key, lambda d: convert_gguf(GGUF_FILE, d / "model")
+    )
+    return out / "model"
 
 
 def test_the_plain_directory_holds_the_chat_model_and_is_reused(smollm2_dir):
@@ -66,7 +70,7 @@ def grpo_run(ray_session, smollm2_dir, tmp_path_factory):
     cfg = load_typed_config(
         grpo.GRPOConfig,
         str(REPO / "configs" / "grpo_smollm2.yaml"),
-        overrides(
+        as_overrides(
             {
                 "policy.model_name": smollm2_dir,
                 "logger.log_dir": log_dir,
@@ -169,7 +173,7 @@ def sft_losses(smollm2_dir, log_dir, workers: int) -> dict[int, float]:
     cfg = load_typed_config(
         sft.SFTConfig,
         str(REPO / "configs" / "sft_smollm2.yaml"),
-        overrides(
+        as_overrides(
             {
                 "policy.model_name": smollm2_dir,
                 "logger.log_dir": log_dir,
@@ -216,7 +220,7 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(
         cfg = load_typed_config(
             grpo.GRPOConfig,
             str(REPO / "configs" / "grpo_smollm2.yaml"),
-            overrides(
+            as_overrides(
                 {
                     "policy.model_name": smollm2_dir,
                     "logger.log_dir": tmp_path / name,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_logs import metrics_by_step
+from run_logs import as_overrides, metrics_by_step
 from transformers import AutoModelForSequenceClassification
 
 from posttrain.algorithms import grpo, rm
@@ -37,8 +37,7 @@ def overrides(log_dir, model_dir, **extra):
         "policy.train_global_batch_size": 512,
         "policy.train_micro_batch_size": 512,
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +112,7 @@ def test_grpo_with_the_reward_model_environment_is_rewarded_with_its_scores(
         "checkpointing.enabled": "false",
     }
     grpo_config = str(REPO / "configs" / "grpo_tiny.yaml")
-    cfg = load_typed_config(grpo.GRPOConfig, grpo_config, [f"{k}={v}" for k, v in values.items()])
+    cfg = load_typed_config(grpo.GRPOConfig, grpo_config, as_overrides(values))
     run = grpo.setup(cfg)
     try:
         grpo.grpo_train(run)

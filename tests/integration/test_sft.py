@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from run_logs import as_overrides
 
 from posttrain.algorithms import sft
 from posttrain.config import load_typed_config
@@ -36,8 +37,7 @@ def tiny_overrides(log_dir, **extra):
         "data.num_train": 400,
         "data.num_val": 32,
     }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
+    return as_overrides(values, extra)
 
 
 def losses(log_dir) -> dict[int, float]:

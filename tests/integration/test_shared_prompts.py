@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_policy import policy_config
+from tiny_model import TINY
 
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -23,7 +24,7 @@ NUM_STEPS = 3
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    cfg = ModelFromConfig(hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64)
+    cfg = ModelFromConfig(**TINY)
     return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_qwen2"))
 
 

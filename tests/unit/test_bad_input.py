@@ -174,7 +174,7 @@ def test_missing_model_of_a_tiny_config_names_the_key_and_the_command_that_makes
 def test_dataset_name_typo_is_a_config_error_not_a_hub_lookup():
     assert config_error(sft.SFTConfig, SFT_TINY, "data.dataset=arithmetc") == (
         "data.dataset: 'arithmetc' is not a built-in task (arithmetic, arithmetic_preference, "
-        "sliding_puzzle, math_words, math_steps, multiplication, red_squares), a "
+        "sliding_puzzle, math_words, math_steps, multiplication, red_squares, constrained_lists), a "
         ".jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name (org/name); did you mean "
         "'arithmetic'? "
         "(from command line)"

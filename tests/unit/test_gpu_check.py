@@ -21,8 +21,8 @@ def test_unknown_rows_and_a_missing_gpu_are_refused_with_the_fix(capsys):
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--dry-run", "--rows", "grpo_tiny,mfu"])
     assert (
-        "--rows: unknown ['mfu']; choose from grpo_tiny, grpo_0.5b, train_mfu_1b, moe_ep"
-        in capsys.readouterr().err
+        "--rows: unknown ['mfu']; choose from decode_tiny, decode_0.5b, grpo_tiny, grpo_0.5b, train_mfu_1b, "
+        "moe_ep" in capsys.readouterr().err
     )
     with pytest.raises(SystemExit):
         gpu_check.parse_args(["--dry-run", "--steps", "0"])
@@ -68,6 +68,19 @@ def test_cpu_references_come_from_the_reference_files():
     assert gpu_check.cpu_reference_step_time("0.5b") == (None, "no CPU reference for workload 0.5b")
 
 
+def test_the_decode_row_profiles_both_loops_on_the_workload_shape():
+    """A dry-run decode row: the tiny workload's 2 x 8 rows x 64 tokens (no stop token: every row runs to the
+    end) with the toy model, both loops timed and profiled; no host sync count on a CPU."""
+    plan = gpu_check.make_plan(gpu_check.argparse.Namespace(dry_run=True, steps=1))
+    row = gpu_check.decode_row(plan, "tiny")
+    assert (row.name, row.unit) == ("decode_tiny", "ms/step") and row.value > 0
+    result = row.profile
+    assert (result["rows"], result["new_tokens"]) == (16, 64)
+    for loop in ("eager", "static"):
+        assert result["tokens_per_s"][loop] > 0 and result["profile"][loop]["host_syncs_per_step"] is None
+        assert result["profile"][loop]["cpu_op_ms_per_step"] > 0
+
+
 @pytest.mark.slow  # a Ray instance, two GRPO setups and a policy: ~200 s on 2 loaded cores, 19 s of CPU
 def test_dry_run_runs_every_row_on_the_cpu_and_writes_the_table(tmp_path):
     out = tmp_path / "check.json"
@@ -86,6 +99,10 @@ def test_dry_run_runs_every_row_on_the_cpu_and_writes_the_table(tmp_path):
     assert list(rows) == list(gpu_check.ROWS)
     for name in ("grpo_tiny", "grpo_0.5b"):
         assert rows[name]["unit"] == "s/step" and rows[name]["value"] > 0
+        assert rows[name]["note"].startswith("refit ")
+    for name in ("decode_tiny", "decode_0.5b"):
+        assert rows[name]["unit"] == "ms/step" and rows[name]["value"] > 0
+        assert set(rows[name]["profile"]["tokens_per_s"]) == {"eager", "static"}
     assert rows["grpo_tiny"]["cpu_reference"] == gpu_check.cpu_reference_step_time("tiny")[0]
     assert rows["train_mfu_1b"]["value"] > 0 and rows["train_mfu_1b"]["mfu"] is None
     missing = gpu_check.moe_available()

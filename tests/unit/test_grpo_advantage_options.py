@@ -154,3 +154,31 @@ def test_posttrain_distill_refuses_a_config_without_the_teacher(capsys):
     )
     assert main(["distill", "--config", str(CONFIGS / "grpo_tiny.yaml"), hub_model]) == 2
     assert "on_policy_distillation" in capsys.readouterr().err
+
+
+def test_rejection_sampling_trains_sfts_loss_on_the_accepted_replies_alone():
+    """Rewards [1, 0, 1, 1] with the bound 1: samples 0, 2, 3 are kept (advantage 1 on their tokens; 2 and
+    3 would be a group where GRPO learns nothing). Sample 1 is masked out, so SFT's loss is the mean over
+    the 4 kept tokens: -(-1 - 2 - 3 - 4) / 4 = 2.5 (sample 1's -10 does not count)."""
+    from types import SimpleNamespace
+
+    from posttrain.algorithms.grpo import add_advantages
+    from posttrain.algorithms.loss import NLLLoss
+    from posttrain.utils.timer import Timer
+
+    cfg = load_typed_config(
+        GRPOConfig,
+        str(CONFIGS / "grpo_tiny.yaml"),
+        ["grpo.advantage_estimator=rejection_sampling", "grpo.num_generations_per_prompt=8"],
+    )
+    expected = torch.tensor([[0, 1, 1], [0, 0, 0], [0, 1, 0], [0, 1, 0]]).float()
+    torch.testing.assert_close(compute_advantages(cfg.grpo, REWARDS, TOKEN_MASK), expected)
+    train_data = {"token_mask": TOKEN_MASK, "sample_mask": torch.ones(4)}
+    run = SimpleNamespace(cfg=cfg, critic=None, teacher=None)
+    metrics = add_advantages(run, train_data, REWARDS, TOKEN_MASK, Timer())
+    assert metrics == {"rejection_sampling/accepted_share": 0.75}
+    assert train_data["sample_mask"].tolist() == [1.0, 0.0, 1.0, 1.0]
+    logprobs = torch.tensor([[0, -1, -2], [0, -10, 0], [0, -3, 0], [0, -4, 0]]).float()
+    kept_tokens = (TOKEN_MASK * train_data["sample_mask"].unsqueeze(1)).sum()
+    loss, _ = NLLLoss()(logprobs, train_data, 3, kept_tokens)
+    assert float(loss) == 2.5 and float(kept_tokens) == 4.0

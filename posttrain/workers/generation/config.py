@@ -41,6 +41,13 @@ class GenerationConfig:
     """hf backend, fp32 on a CPU: every linear layer computes with a copy of its weight laid out once for
     oneDNN, repacked after each refit (decoding ~1.4x faster at SmolLM2's size, for a second copy of the
     weights in memory); False: torch's own linear."""
+    decode_loop: Literal["auto", "static", "eager"] = "auto"
+    """hf backend: static: a static KV cache and mask, sampling and stop flags on the device, the host
+    reading them every decode_sync_every steps, each step a CUDA graph on a GPU (dense text models without
+    stop strings); eager: the host in every step (any model); auto: static on a GPU where it applies, else
+    eager."""
+    decode_sync_every: int = 8
+    """hf backend, static decode loop: steps between reads of the stop flags."""
     seed: int = 0
     """Base seed; a call without seed uses seed + call index."""
     vllm_gpu_memory_utilization: float = 0.5
@@ -48,9 +55,9 @@ class GenerationConfig:
     vllm_max_model_len: int | None = None
     """vLLM only: context length of the engine (None: the model's)."""
     vllm_refit: Literal["memory", "disk"] = "memory"
-    """vLLM only: memory: the engine runs in the actor's process and a refit hands it the tensors (vLLM's
-    reload_weights with a weights iterator); disk: the engine in a process of its own, and a refit writes
-    the model as safetensors for it to reload (for vLLM builds without an in-memory reload)."""
+    """vLLM only (the engine runs in the actor's process): memory: a refit hands it the tensors (vLLM's
+    reload_weights with a weights iterator); disk: a refit writes the model as safetensors for it to reload
+    (for vLLM builds without an in-memory reload)."""
     vllm_lora_max_rank: int | None = None
     """vLLM only, with policy.lora: serve the adapter with vLLM's LoRA support (a refit loads the adapter
     only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into the weights and reload them."""
@@ -78,6 +85,12 @@ def validate_generation_config(cfg: GenerationConfig) -> None:
         raise ValueError(f"generation.top_p: must be in (0, 1], got {cfg.top_p}")
     if cfg.top_k is not None and cfg.top_k < 1:
         raise ValueError(f"generation.top_k: must be >= 1 or None (keep all tokens), got {cfg.top_k}")
+    if cfg.decode_loop not in ("auto", "static", "eager"):
+        raise ValueError(
+            f"generation.decode_loop: expected 'auto', 'static' or 'eager', got {cfg.decode_loop!r}"
+        )
+    if cfg.decode_sync_every < 1:
+        raise ValueError(f"generation.decode_sync_every: must be >= 1, got {cfg.decode_sync_every}")
     if cfg.num_workers < 1:
         raise ValueError(f"generation.num_workers: must be >= 1, got {cfg.num_workers}")
     if cfg.num_cpus_per_worker < 0:

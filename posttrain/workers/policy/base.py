@@ -326,9 +326,10 @@ class PolicyWorker:
     # -- refit -----------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def share_weights(self, dtype: str | None = None) -> SharedWeights | None:
-        """Full weights written into a shared-memory file that generation workers on this machine map once
-        (see distributed/shared_weights.py); rank 0 returns its handle, other ranks None (collective).
+    def share_weights(self, dtype: str | None = None, on_device: bool = False) -> SharedWeights | None:
+        """Full weights written into a flat buffer that generation workers on this machine map once (see
+        distributed/shared_weights.py): a shared-memory file, or with `on_device` this rank's GPU memory
+        shared through CUDA IPC; rank 0 returns its handle, other ranks None (collective).
         Nothing is copied when no optimizer step or checkpoint load changed the weights since the last
         call."""
         import ray
@@ -340,9 +341,10 @@ class PolicyWorker:
                 if self.shared_weights is None:
                     target = getattr(torch, dtype) if dtype is not None else None
                     layout = {name: (tuple(t.shape), target or t.dtype) for name, t in weights.items()}
-                    self.shared_weights = SharedWeightsWriter(layout, ray.get_runtime_context().get_node_id())
-                for name, tensor in weights.items():
-                    self.shared_weights.views[name].copy_(tensor)
+                    device = self.device if on_device else torch.device("cpu")
+                    node_id = ray.get_runtime_context().get_node_id()
+                    self.shared_weights = SharedWeightsWriter(layout, node_id, device)
+                self.shared_weights.write(weights)
                 self.sent_bytes = sum(view.nbytes for view in self.shared_weights.views.values())
         return self.shared_weights.handle if self.rank == 0 else None
 

@@ -229,10 +229,11 @@ class Policy:
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
         return refs[0]
 
-    def share_weights(self, dtype: str | None = None) -> Any:
-        """Rank 0's handle of its full weights in shared memory (`SharedWeights`), refreshed when an optimizer
-        step or checkpoint load changed them: generation workers on its machine map it once."""
-        return self.worker_group.run_all("share_weights", dtype=dtype)[0]
+    def share_weights(self, dtype: str | None = None, on_device: bool = False) -> Any:
+        """Rank 0's handle of its full weights in shared memory (`SharedWeights`; `on_device`: in its GPU's
+        memory), refreshed when an optimizer step or checkpoint load changed them: generation workers on its
+        machine map it once."""
+        return self.worker_group.run_all("share_weights", dtype=dtype, on_device=on_device)[0]
 
     def last_weights_bytes(self) -> int:
         """Bytes of the tensors the last get_weights or share_weights sent (the adapter only with LoRA; 0 when
