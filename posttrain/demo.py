@@ -14,8 +14,7 @@ This is the setting RL is for: a verifier for many prompts, labels for few. With
 prompt, more SFT beats GRPO here (docs/real-model.md has the measurements).
 Writes a run directory with the runs (config, metrics.jsonl, TensorBoard, checkpoints, validation
 samples), `curves.png` (reward and accuracy over steps) and `summary.json` (validation accuracy of the
-untrained model, after SFT, after GRPO and of the control, and the time of each stage).
-"""
+untrained model, after SFT, after GRPO and of the control, and the time of each stage)."""
 
 from __future__ import annotations
 

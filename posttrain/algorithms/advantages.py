@@ -1,8 +1,7 @@
 """Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO) and leave-one-out (RLOO) advantages,
 REINFORCE++'s batch-whitened advantages, PPO's generalised advantage estimation (GAE), on-policy
 distillation's per-token advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
-filter, overlong penalty and filter, scaling).
-"""
+filter, overlong penalty and filter, scaling)."""
 
 from __future__ import annotations
 
@@ -58,8 +57,7 @@ def group_relative_advantages(
     baseline "mean": A_i = r_i - mean(group) (GRPO); "leave_one_out": A_i = r_i - mean of the other
     samples of the group (RLOO). With normalize_std, A_i is divided by (std + eps), the group's sample
     standard deviation (Bessel-corrected), only where that std is > 0. A group whose rewards are all equal
-    gets exactly 0, whatever rounding the mean would leave.
-    """
+    gets exactly 0, whatever rounding the mean would leave."""
     grouped = _grouped(rewards, num_generations)  # [G, n]
     group_sum = grouped.sum(dim=1, keepdim=True)  # [G, 1]
     if baseline == "mean":
@@ -195,8 +193,7 @@ def kl_estimate(
 
     With x = logprobs - ref_logprobs (clamped to [-input_clamp_value, input_clamp_value] if given):
     k1 = x, k2 = x^2 / 2, k3 = exp(-x) + x - 1. The estimate is then clamped to
-    [-output_clamp_value, output_clamp_value] if given. Shapes: [B, T], [B, T] -> [B, T].
-    """
+    [-output_clamp_value, output_clamp_value] if given. Shapes: [B, T], [B, T] -> [B, T]."""
     log_ratio = logprobs.float() - ref_logprobs.float()  # [B, T]
     if input_clamp_value is not None:
         log_ratio = log_ratio.clamp(-input_clamp_value, input_clamp_value)
@@ -214,8 +211,6 @@ def kl_estimate(
 
 
 # -- DAPO ---------------------------------------------------------------------------------------------
-
-
 def groups_with_signal(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """DAPO dynamic sampling: bool [G], True for groups whose rewards are not all equal (they have a
     non-zero advantage somewhere). Rows to keep: `groups_with_signal(...).repeat_interleave(n)` [N]."""
@@ -229,8 +224,7 @@ def overlong_reward_penalty(
     """DAPO soft overlong punishment, to be added to the rewards: [N] lengths -> [N] penalties <= 0.
 
     0 for lengths <= max_len - buffer_len; then falls linearly, ((max_len - buffer_len) - length) /
-    buffer_len * penalty_factor, reaching -penalty_factor at max_len; -penalty_factor beyond max_len.
-    """
+    buffer_len * penalty_factor, reaching -penalty_factor at max_len; -penalty_factor beyond max_len."""
     if not 0 < buffer_len <= max_len:
         raise ValueError(f"overlong buffer_len={buffer_len} must be in (0, max_len={max_len}]")
     excess = lengths.float() - (max_len - buffer_len)  # [N]

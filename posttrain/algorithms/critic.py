@@ -11,8 +11,7 @@ then takes its clipped policy-gradient step on A_t, and the critic one step of t
 R_t. Departures from the paper: no per-token KL penalty in the reward (the KL penalty, if any, is the
 loss's), and one epoch over each batch, as in GRPO's loop.
 
-Run: posttrain ppo --config configs/ppo_tiny.yaml
-"""
+Run: posttrain ppo --config configs/ppo_tiny.yaml"""
 
 from __future__ import annotations
 

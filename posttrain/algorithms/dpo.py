@@ -18,8 +18,7 @@ term on the chosen response is RPO's (arXiv:2404.19733).
 `loss.preference_loss` swaps the pair loss for IPO's squared one or SimPO's reference-free one (formulas in
 `loss.DPOLoss`); SimPO computes no reference logprobs and keeps no reference weights.
 
-Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain dpo --config configs/dpo_tiny.yaml
-"""
+Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain dpo --config configs/dpo_tiny.yaml"""
 
 from __future__ import annotations
 
@@ -109,15 +108,9 @@ def train_step(run: DPORun, timer: Timer) -> dict[str, float]:
 
 def setup(cfg: DPOConfig) -> DPORun:
     """Data, policy with its reference, logger and checkpoints; resumes from the latest checkpoint if any."""
-    return supervised.setup_run(
-        cfg,
-        "dpo",
-        "dpo",
-        cfg.policy.train_global_batch_size // 2,
-        val_batches,
-        hyperparams={"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data},
-        init_reference_model=uses_reference(cfg),
-    )
+    hyperparams = {"dpo": cfg.dpo, "loss": cfg.loss, "policy": cfg.policy, "data": cfg.data}
+    num_pairs = cfg.policy.train_global_batch_size // 2
+    return supervised.setup_run(cfg, "dpo", "dpo", num_pairs, val_batches, hyperparams, uses_reference(cfg))
 
 
 def dpo_train(run: DPORun, num_steps: int | None = None) -> dict[str, float]:

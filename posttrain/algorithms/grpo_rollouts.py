@@ -14,7 +14,7 @@ import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
+from posttrain.experience.rollouts import generated_lengths, records_to_rollout_batch, run_multi_turn_rollout
 from posttrain.experience.trajectory_buffer import TrajectoryBatch
 from posttrain.utils.timer import Timer
 from posttrain.workers.refit import Refit
@@ -62,14 +62,10 @@ def shaped_rewards(cfg: Any, rollouts: BatchedDataDict, max_new_tokens: int) -> 
     applied. [N]"""
     rewards = rollouts["total_reward"].float()
     if cfg.overlong_shaping.enabled:
-        lengths = torch.tensor(
-            [
-                float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant"))
-                for log in rollouts["message_log"]
-            ]
-        )
+        shaping = cfg.overlong_shaping
+        lengths = generated_lengths(rollouts["message_log"])
         rewards = rewards + adv.overlong_reward_penalty(
-            lengths, max_new_tokens, cfg.overlong_shaping.buffer_length, cfg.overlong_shaping.penalty_factor
+            lengths, max_new_tokens, shaping.buffer_length, shaping.penalty_factor
         )
     if cfg.reward_scaling.enabled:
         rewards = adv.scale_rewards(rewards, cfg.reward_scaling.scale, cfg.reward_scaling.shift)
@@ -100,15 +96,10 @@ class RolloutCollector:
         kept, set_aside, metrics = [], [], {}
         for round_index in range(rounds):
             batch = records_to_rollout_batch(self.loader.next_batch(), n)
+            seed = cfg.seed * 1_000_003 + step * 1_000 + round_index * 100
+            limits = (cfg.max_seq_len, cfg.max_rollout_turns)
             rollouts, metrics_round = run_multi_turn_rollout(
-                self.generation,
-                batch,
-                self.tokenizer,
-                self.envs,
-                cfg.max_seq_len,
-                cfg.max_rollout_turns,
-                seed=cfg.seed * 1_000_003 + step * 1_000 + round_index * 100,
-                timer=timer,
+                self.generation, batch, self.tokenizer, self.envs, *limits, seed=seed, timer=timer
             )
             rollouts["rewards"] = shaped_rewards(cfg, rollouts, self.max_new_tokens)
             metrics = metrics or metrics_round  # the first round describes the policy's samples

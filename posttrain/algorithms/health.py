@@ -16,8 +16,7 @@ the signal, when: most groups give no gradient for several steps in a row (stall
 fallen below a fraction of its first step's value (collapsed); the replies run away (their mean
 length grew past a multiple of the first step's and most of them hit the budget); or the training reward
 fell (its mean over the last `reward_window` steps is below a fraction of its mean over the first
-`reward_window`: the policy is getting worse, typically a learning rate too high for the batch).
-"""
+`reward_window`: the policy is getting worse, typically a learning rate too high for the batch)."""
 
 from __future__ import annotations
 
@@ -55,12 +54,8 @@ class HealthConfig:
     when loss.reference_policy_kl_penalty > 0, on every step)"""
 
     def validate(self) -> None:
-        for name in (
-            "stall_zero_signal_share",
-            "entropy_collapse_ratio",
-            "runaway_truncation_rate",
-            "reward_drop_ratio",
-        ):
+        shares = ("stall_zero_signal_share", "entropy_collapse_ratio", "runaway_truncation_rate")
+        for name in (*shares, "reward_drop_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
         if self.stall_steps < 1 or self.reward_window < 1:

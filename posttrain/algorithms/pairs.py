@@ -80,9 +80,8 @@ def pair_batches(
 
 def with_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
     """`reference_policy_logprobs [B, T]` from the frozen initial policy, added to `data`."""
-    data["reference_policy_logprobs"] = policy.get_reference_policy_logprobs(data)[
-        "reference_policy_logprobs"
-    ]
+    reference = policy.get_reference_policy_logprobs(data)
+    data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     return data
 
 

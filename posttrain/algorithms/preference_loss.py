@@ -5,12 +5,12 @@ order, so these losses are not `rows_independent`. The contract is `loss.py`'s."
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-from posttrain.algorithms.loss import Count, Loss, LossInputs, LossOutput, TokenInputs, _count
+from posttrain.algorithms.loss import Count, Data, Loss, LossInputs, LossOutput, TokenInputs, _count
 from posttrain.config import ConfigError
 
 
@@ -88,18 +88,13 @@ class DPOLoss(Loss):
     where global pairs = global_valid_seqs / 2. SimPO always uses the mean logprob (its length
     normalisation) and ignores reference_policy_logprobs. The reported rewards are r (for IPO, DPO's r).
     Metrics (sums): loss, preference_loss, sft_loss, accuracy (fraction of pairs with r_c > r_r),
-    rewards_chosen_mean, rewards_rejected_mean.
-    """
+    rewards_chosen_mean, rewards_rejected_mean."""
 
     def __init__(self, cfg: DPOLossConfig | None = None) -> None:
         self.cfg = cfg or DPOLossConfig()
 
     def __call__(
-        self,
-        logprobs: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, logprobs: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         logprobs = logprobs.float()  # [B, T]
         needs = () if self.cfg.preference_loss == "simpo" else ("reference_policy_logprobs",)
@@ -162,15 +157,10 @@ class BradleyTerryLoss(Loss):
         loss = sum over pairs of -log sigmoid(s_c - s_r) / global pairs, global pairs = global_valid_seqs / 2
 
     The first argument is `scores [B]` (or [B, 1]), not logprobs. Metrics (sums): loss, accuracy (fraction
-    of pairs with s_c > s_r), rewards_chosen_mean, rewards_rejected_mean.
-    """
+    of pairs with s_c > s_r), rewards_chosen_mean, rewards_rejected_mean."""
 
     def __call__(
-        self,
-        scores: torch.Tensor,
-        data: Mapping[str, Any],
-        global_valid_seqs: Count,
-        global_valid_toks: Count,
+        self, scores: torch.Tensor, data: Data, global_valid_seqs: Count, global_valid_toks: Count
     ) -> LossOutput:
         scores = scores.float().reshape(scores.shape[0])  # [B]
         pair_mask = _pair_mask(LossInputs.read(data, scores, "BradleyTerryLoss"), scores, "BradleyTerryLoss")

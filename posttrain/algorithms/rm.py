@@ -11,8 +11,7 @@ always share a micro-batch. Validation every `rm.val_period` steps: loss, accura
 pairs with r_c > r_r) and mean scores. Checkpoints, exact resume and logging as in SFT; the final model is
 exported to `<log_dir>/hf_model`, which the `reward_model` environment loads to score GRPO rollouts.
 
-Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain rm --config configs/rm_tiny.yaml
-"""
+Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain rm --config configs/rm_tiny.yaml"""
 
 from __future__ import annotations
 
@@ -99,13 +98,9 @@ def train_step(run: RMRun, timer: Timer) -> dict[str, float]:
 
 def setup(cfg: RMConfig) -> RMRun:
     """Data, reward model workers, logger and checkpoints; resumes from the latest checkpoint if any."""
+    hyperparams = {"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data}
     return supervised.setup_run(
-        cfg,
-        "rm",
-        "rm",
-        cfg.policy.train_global_batch_size // 2,
-        val_batches,
-        hyperparams={"rm": cfg.rm, "policy": cfg.policy, "data": cfg.data},
+        cfg, "rm", "rm", cfg.policy.train_global_batch_size // 2, val_batches, hyperparams
     )
 
 

@@ -54,11 +54,8 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
         metric_name=metric[0] if chosen.metric_name == "auto" else chosen.metric_name,
         higher_is_better=metric[1] if chosen.higher_is_better is None else chosen.higher_is_better,
     )
-    run_cfg = dataclasses.replace(
-        cfg,
-        logger=dataclasses.replace(cfg.logger, log_dir=log_dir_text),
-        checkpointing=checkpointing,
-    )
+    logger = dataclasses.replace(cfg.logger, log_dir=log_dir_text)
+    run_cfg = dataclasses.replace(cfg, logger=logger, checkpointing=checkpointing)
     log_dir.mkdir(parents=True, exist_ok=True)
     save_config(run_cfg, log_dir / "config.yaml")
     return dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
@@ -98,7 +95,7 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
             check_model_exists("policy.tokenizer_name", policy_cfg.tokenizer_name)
         return dataclasses.replace(
             policy_cfg, model_name=gguf_model_dir(policy_cfg.model_name)
-        )  # .gguf: plain dir
+        )  # .gguf: plain
 
     model_dir = log_dir / "initial_model"
     if not (model_dir / "config.json").exists():

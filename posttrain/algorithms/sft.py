@@ -15,8 +15,7 @@ teacher's renormalised top-k to the student (`loss.KDLoss`), optionally beside t
 reports `kd_loss` (the student's KL to the teacher on held-out data) and `nll_loss`.
 
 Run: posttrain sft --config configs/sft_tiny.yaml
-     posttrain sft --config configs/kd_tiny.yaml      (distillation from the SFT model)
-"""
+     posttrain sft --config configs/kd_tiny.yaml      (distillation from the SFT model)"""
 
 from __future__ import annotations
 
@@ -141,11 +140,9 @@ def validate(run: SFTRun) -> dict[str, float]:
     total_tokens = 0.0
     for batch in run.val_data:
         num_tokens = float((batch["token_mask"] * batch["sample_mask"].unsqueeze(-1)).sum())
+        micro_batch_size = run.cfg.policy.train_micro_batch_size
         metrics = run.policy.evaluate(
-            batch,
-            loss_fn,
-            global_batch_size=batch.size,
-            micro_batch_size=run.cfg.policy.train_micro_batch_size,
+            batch, loss_fn, global_batch_size=batch.size, micro_batch_size=micro_batch_size
         )
         for key in ("loss", "kd_loss", "nll_loss"):
             if key in metrics:
@@ -175,20 +172,10 @@ def setup(cfg: SFTConfig) -> SFTRun:
     """Data, model, workers (and the teacher's, with distillation), logger and checkpoints; resumes from the
     latest checkpoint if there is one."""
     distilling = cfg.distillation.enabled
-    run = supervised.setup_run(
-        cfg,
-        "sft",
-        "sft",
-        cfg.policy.train_global_batch_size,
-        val_batches,
-        hyperparams={
-            "sft": cfg.sft,
-            "policy": cfg.policy,
-            "data": cfg.data,
-            "distillation": cfg.distillation,
-        },
-        teacher=cfg.distillation.teacher if distilling else None,
-    )
+    hyperparams = {"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data, "distillation": cfg.distillation}
+    teacher = cfg.distillation.teacher if distilling else None
+    batch_size = cfg.policy.train_global_batch_size
+    run = supervised.setup_run(cfg, "sft", "sft", batch_size, val_batches, hyperparams, teacher=teacher)
     if run.teacher is not None:  # the validation targets, once
         for batch in run.val_data:
             add_teacher_targets(run.teacher, batch, cfg.distillation.top_k)

@@ -193,14 +193,9 @@ def end_of_step(
     info = {"step": run.step, "epoch": run.train_loader.epoch}
     if val_metrics is not None:
         info["val_loss"] = val_metrics["loss"]  # the default ranking metric
+    force = run.step == last_step == run.total_steps
     checkpoint_if_due(
-        run.checkpoints,
-        run.policy,
-        run.step,
-        info,
-        run.train_loader.state_dict(),
-        run.cfg,
-        force=run.step == last_step == run.total_steps,
+        run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg, force
     )
     return val_metrics
 

@@ -12,8 +12,7 @@ on-policy data, no advantage). The teacher must share the
 student's tokenizer (checked at setup, an error names `teacher.model.model_name` otherwise). Departures:
 per-token credit only (discount 0), and the teacher is any Hugging Face causal LM (it may be larger).
 
-Run: posttrain distill --config configs/distill_tiny.yaml
-"""
+Run: posttrain distill --config configs/distill_tiny.yaml"""
 
 from __future__ import annotations
 

@@ -26,14 +26,6 @@ DEFAULTS_KEY = "defaults"
 T = typing.TypeVar("T")
 
 
-def _add(*values: Any) -> Any:
-    return sum(values)
-
-
-def _mul(*values: Any) -> Any:
-    return math.prod(values)
-
-
 def _div(numerator: Any, denominator: Any) -> Any:
     """Exact integer division stays an int (`${div:64,8}` -> 8); anything else is a float."""
     if isinstance(numerator, int) and isinstance(denominator, int) and numerator % denominator == 0:
@@ -41,14 +33,16 @@ def _div(numerator: Any, denominator: Any) -> Any:
     return numerator / denominator
 
 
-def _max(*values: Any) -> Any:
-    return max(values)
-
-
 def register_resolvers() -> None:
     """Register `${add:..}`, `${mul:..}`, `${div:a,b}` and `${max:..}` (replacing earlier registrations)."""
     register = getattr(OmegaConf, "register_resolver", None)  # OmegaConf >= 2.4; 2.3 has only the old name
-    for name, function in (("add", _add), ("mul", _mul), ("div", _div), ("max", _max)):
+    resolvers = {
+        "add": lambda *values: sum(values),
+        "mul": lambda *values: math.prod(values),
+        "div": _div,
+        "max": lambda *values: max(values),
+    }
+    for name, function in resolvers.items():
         if register is not None:
             register(name, function, replace=True, annotation_validation="off")
         else:
@@ -211,7 +205,6 @@ def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence
     The schema's defaults sit under the file, so `a.b=v` may set any key the schema knows even when the
     file does not mention it, and a file's `optimizer.kwargs: {lr: ...}` keeps the other default keyword
     arguments, as the override `policy.optimizer.kwargs.lr=...` does (mappings holding sections, such as
-    `env`, and lists are not filled in: a file's `env` replaces the default one).
-    """
+    `env`, and lists are not filled in: a file's `env` replaces the default one)."""
     loaded = load_config(path, overrides, defaults=lambda tree: schema_defaults(schema_cls, tree))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)

@@ -62,8 +62,7 @@ def _parse_value(key: str, text: str) -> Any:
 
 def parse_override(text: str) -> Override:
     """Parse one override with the Hydra grammar; values are YAML (`1` int, `[1,2]` list, `null`)."""
-    kind = "set"
-    body = text
+    kind, body = "set", text
     for prefix, prefix_kind in (("++", "force"), ("+", "add"), ("~", "delete")):
         if text.startswith(prefix):
             kind, body = prefix_kind, text[len(prefix) :]
@@ -71,11 +70,8 @@ def parse_override(text: str) -> Override:
     key, has_value, value_text = body.partition("=")
     key = key.strip()
     if not _KEY_PATTERN.match(key):
-        raise ConfigError(
-            key or text,
-            f"invalid override {text!r}: expected key=value, +key=value, ++key=value or ~key",
-            COMMAND_LINE,
-        )
+        expected = "expected key=value, +key=value, ++key=value or ~key"
+        raise ConfigError(key or text, f"invalid override {text!r}: {expected}", COMMAND_LINE)
     if kind == "delete":
         if has_value:
             raise ConfigError(key, f"a delete takes no value: write '~{key}'", COMMAND_LINE)
@@ -105,20 +101,12 @@ def _apply_override(cfg: DictConfig, override: Override, sources: dict[str, str]
     if override.kind in ("set", "delete") and not exists:
         verb = "set" if override.kind == "set" else "delete"
         hint = f"; use '+{key}=...' to add it" if override.kind == "set" else ""
-        raise ConfigError(
-            key,
-            f"cannot {verb} a key that does not exist{hint}",
-            COMMAND_LINE,
-            closest(key, list(iter_keys(plain))),
-        )
+        suggestion = closest(key, list(iter_keys(plain)))
+        raise ConfigError(key, f"cannot {verb} a key that does not exist{hint}", COMMAND_LINE, suggestion)
     if override.kind == "add" and exists:
         where = source_of(key, sources) or "the config"
-        raise ConfigError(
-            key,
-            f"cannot add a key that already exists (set in {where}); "
-            f"use '{key}=...' to change it or '++{key}=...' to add or change",
-            COMMAND_LINE,
-        )
+        use = f"use '{key}=...' to change it or '++{key}=...' to add or change"
+        raise ConfigError(key, f"cannot add a key that already exists (set in {where}); {use}", COMMAND_LINE)
     _check_container_above(plain, key)
     pop_override_marks(override.value, COMMAND_LINE, key)  # a set always replaces: the marker is moot
     try:

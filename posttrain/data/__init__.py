@@ -3,8 +3,7 @@ into training batches; a seeded, resumable data loader.
 
 A record (`DatumSpec`) has `message_log` (messages with `token_ids`; for `rl` the prompt only, ending with
 the assistant generation prompt), `length`, `extra_env_info` (`ground_truth` and task metadata),
-`task_name`, `idx`, and for preferences `chosen_message_log` / `rejected_message_log`.
-"""
+`task_name`, `idx`, and for preferences `chosen_message_log` / `rejected_message_log`."""
 
 from posttrain.data.config import DataConfig
 from posttrain.data.loader import StatefulDataLoader

@@ -91,12 +91,9 @@ class DataConfig:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-        if (
-            self.prompt_template
-            and not self.prompt_template.startswith("@")
-            and "{prompt}" not in self.prompt_template
-        ):
-            raise ValueError(f"prompt_template must contain {{prompt}}, got {self.prompt_template!r}")
+        template = self.prompt_template
+        if template and not template.startswith("@") and "{prompt}" not in template:
+            raise ValueError(f"prompt_template must contain {{prompt}}, got {template!r}")
 
     def missing_files(self) -> list[ConfigError]:
         """One error per data file named here that does not exist (checked before a run starts, and by

@@ -10,8 +10,7 @@ are uneven in length (31 to 141 tokens, 79 on average, in SmolLM2's tokenizer):
 - long: each partial product on its own line, then the sum split at c's hundreds.
 The terse style asks for a two-digit product in one go, which a small model gets wrong more often than
 the split ones: reinforcement learning on this task can raise accuracy by choosing the longer styles.
-Rewards (`task_name` `math`) grade only the final answer.
-"""
+Rewards (`task_name` `math`) grade only the final answer."""
 
 from __future__ import annotations
 
@@ -74,13 +73,9 @@ def math_steps_rows(num_train: int, num_val: int, seed: int) -> tuple[list[dict]
             if (a, b, c) in seen:
                 continue
             seen.add((a, b, c))
+            prompt, response = question_text(a, b, c), worked_solution(a, b, c, style)
             rows.append(
-                {
-                    "prompt": question_text(a, b, c),
-                    "response": worked_solution(a, b, c, style),
-                    "answer": str(a * b + c),
-                    "task_name": "math",
-                }
+                {"prompt": prompt, "response": response, "answer": str(a * b + c), "task_name": "math"}
             )
         return rows
 

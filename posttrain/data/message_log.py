@@ -42,8 +42,8 @@ def tokenize_message_log(
     `tools` (OpenAI function schemas) go to the chat template's own `tools=` argument.
 
     A message with image parts also gets `pixel_values` and `image_grid_thw` from `processor` (a
-    vision-language
-    model's, see posttrain.data.vision), and its image pad token is repeated once per merged patch."""
+    vision-language model's, see posttrain.data.vision), and its image pad token is repeated once per merged
+    patch."""
     if processor is None and has_images(messages):
         raise ValueError(
             "the row has images but the model is text-only (its directory has no vision tower and "
@@ -62,13 +62,9 @@ def tokenize_message_log(
         ids = tokenizer(delta, add_special_tokens=False)["input_ids"]
         if processor is not None:
             check_image_tokens(ids, processor, vision)
+        content = strip_image_payloads(message["content"])
         result.append(
-            {
-                **message,
-                "content": strip_image_payloads(message["content"]),
-                "token_ids": torch.tensor(ids, dtype=torch.long),
-                **vision,
-            }
+            {**message, "content": content, "token_ids": torch.tensor(ids, dtype=torch.long), **vision}
         )
         previous = text
     return result
@@ -123,10 +119,8 @@ def message_log_to_flat(
                 token_mask[row, position : position + n] = 1.0
             position += n
     token_mask[:, 0] = 0.0  # position 0 has no logprob (nothing precedes it)
+    masks = {"token_mask": token_mask, "sample_mask": torch.ones(len(message_logs), dtype=torch.float32)}
+    lengths = torch.tensor(lengths, dtype=torch.long)
     return BatchedDataDict(
-        input_ids=input_ids,
-        input_lengths=torch.tensor(lengths, dtype=torch.long),
-        token_mask=token_mask,
-        sample_mask=torch.ones(len(message_logs), dtype=torch.float32),
-        **batch_vision_inputs(message_logs),
+        input_ids=input_ids, input_lengths=lengths, **masks, **batch_vision_inputs(message_logs)
     )

@@ -55,9 +55,9 @@ def _text_lines(path: Path, skip_invalid: bool, counter: SkipCounter) -> Iterato
                 yield line_number, raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 if not skip_invalid:
+                    where = f"{path}:{line_number}"
                     raise DataError(
-                        f"{path}:{line_number}: not UTF-8 text ({error.reason} at byte "
-                        f"{error.start} of the line)"
+                        f"{where}: not UTF-8 text ({error.reason} at byte {error.start} of the line)"
                     ) from None
                 counter.invalid += 1
 
@@ -99,11 +99,9 @@ def read_csv(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
         except csv.Error as error:
             fields, problem = None, f"malformed CSV: {error}"
         else:
-            problem = (
-                None
-                if len(fields) == len(header) or not any(fields)
-                else (f"expected {len(header)} fields ({', '.join(header)}), got {len(fields)}")
-            )
+            problem = None
+            if len(fields) != len(header) and any(fields):
+                problem = f"expected {len(header)} fields ({', '.join(header)}), got {len(fields)}"
         if fields is not None and not any(fields):
             continue  # a blank line
         if problem:
@@ -137,10 +135,8 @@ def read_table(path: Path) -> list[Row]:
         ]
     import pandas
 
-    frame = pandas.read_parquet(path)
-    return [
-        Row(_plain(record), f"{path} row {i}") for i, record in enumerate(frame.to_dict(orient="records"))
-    ]
+    records = pandas.read_parquet(path).to_dict(orient="records")
+    return [Row(_plain(record), f"{path} row {i}") for i, record in enumerate(records)]
 
 
 def _plain(record: dict) -> dict:

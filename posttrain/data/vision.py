@@ -6,8 +6,7 @@ A message with images carries `pixel_values [P, D]` (the patches of its images, 
 `image_grid_thw [N, 3]` next to its `token_ids`, whose image pad token is repeated once per merged patch.
 A batch carries them per row as lists (`pixel_values[i]` is row i's patches, `[0, 0]` for a row without
 images), so that every row operation of `BatchedDataDict` (shard, select, micro-batch) keeps a row's
-patches with its tokens; the model's forward concatenates them in row order.
-"""
+patches with its tokens; the model's forward concatenates them in row order."""
 
 from __future__ import annotations
 
@@ -80,9 +79,8 @@ def strip_image_payloads(content: Any) -> Any:
     for part in content:
         if isinstance(part, dict) and part.get("type") == "image":
             source = part.get("image")
-            stripped.append(
-                {"type": "image", **({"image": str(source)} if isinstance(source, (str, Path)) else {})}
-            )
+            path = {"image": str(source)} if isinstance(source, (str, Path)) else {}
+            stripped.append({"type": "image", **path})
         else:
             stripped.append(part)
     return stripped
@@ -100,10 +98,8 @@ def row_vision_inputs(message_log: list[dict]) -> tuple[torch.Tensor, torch.Tens
     with_images = [m for m in message_log if "pixel_values" in m]
     if not with_images:
         return torch.zeros(0, 0), torch.zeros(0, 3, dtype=torch.long)
-    return (
-        torch.cat([m["pixel_values"] for m in with_images]),
-        torch.cat([m["image_grid_thw"] for m in with_images]).long(),
-    )
+    pixel_values = torch.cat([m["pixel_values"] for m in with_images])
+    return pixel_values, torch.cat([m["image_grid_thw"] for m in with_images]).long()
 
 
 def batch_vision_inputs(message_logs: list[list[dict]]) -> dict[str, list[torch.Tensor]]:

@@ -10,8 +10,7 @@ intra-op threads to its own count, plus the lent ones while its side holds the l
 
 Departure from a fixed split: the thread counts follow timing, and a float reduction's result can
 depend on the thread count, so a run that lends cores is not bitwise reproducible; lending is opt-in
-(`grpo.async_grpo.lend_idle_cores`).
-"""
+(`grpo.async_grpo.lend_idle_cores`)."""
 
 from __future__ import annotations
 

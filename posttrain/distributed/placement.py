@@ -36,15 +36,9 @@ def live_nodes() -> list[dict]:
     from ray._private import state
 
     free, total = state.available_resources_per_node(), state.total_resources_per_node()
+    alive = [(node["NodeID"], node["NodeManagerAddress"]) for node in ray.nodes() if node["Alive"]]
     return [
-        {
-            "id": node["NodeID"],
-            "ip": node["NodeManagerAddress"],
-            "free": dict(free.get(node["NodeID"], {})),
-            "total": dict(total.get(node["NodeID"], {})),
-        }
-        for node in ray.nodes()
-        if node["Alive"]
+        {"id": i, "ip": ip, "free": dict(free.get(i, {})), "total": dict(total.get(i, {}))} for i, ip in alive
     ]
 
 

@@ -3,8 +3,7 @@
 A local Ray instance listens on 127.0.0.1 only (GCS, raylet, object manager, workers, agents), keeps
 Ray's token authentication on, and runs neither the dashboard nor the dashboard agent's HTTP server
 unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`). Its workers compute at the
-niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides).
-"""
+niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides)."""
 
 from __future__ import annotations
 
@@ -188,19 +187,15 @@ def start_local_ray(
     _restrict_token_file()
 
 
-class _DropTokenNotice(logging.Filter):
-    """Drops Ray's "Token authentication is enabled" notice: posttrain turns it on itself (and says so
-    in docs/security.md), so the notice is not news to the user."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Token authentication is enabled")
-
-
 @contextlib.contextmanager
 def _token_notice_off():
-    """Ray's token-authentication notice silenced while posttrain starts its own local instance."""
+    """Ray's "Token authentication is enabled" notice silenced while posttrain starts its own local
+    instance: posttrain turns it on itself (and says so in docs/security.md), so it is not news."""
     token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-    notice_filter = _DropTokenNotice()
+
+    def notice_filter(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
     token_logger.addFilter(notice_filter)
     try:
         yield
@@ -214,10 +209,8 @@ def _loopback_only():
     thinks multi-node clusters are off; this is that switch, held while the local instance starts."""
     from ray._private import ray_constants
 
-    saved_env, saved_flag = (
-        os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR),
-        ray_constants.ENABLE_RAY_CLUSTER,
-    )
+    saved_env = os.environ.get(ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR)
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"  # for the processes ray.init spawns
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
@@ -314,8 +307,7 @@ class RayVirtualCluster:
         asked_gpus = self.cfg.num_gpus_per_worker * self.world_size
         return (
             f"could not reserve {self.world_size} bundles of {self.bundles[0]} ({strategy}; {asked_cpus:g} "
-            "CPUs, "
-            f"{asked_gpus:g} GPUs in all) within {self.cfg.resource_timeout_s:g}s: the cluster has "
+            f"CPUs, {asked_gpus:g} GPUs in all) within {self.cfg.resource_timeout_s:g}s: the cluster has "
             f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs on {len(ray.nodes())} node(s), "
             f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs available"
         )

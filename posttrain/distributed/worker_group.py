@@ -61,8 +61,7 @@ def assigned_device() -> Any:
     """The torch device this process computes on: its GPU when it was given one, else the CPU.
 
     Inside a Ray actor that is what Ray assigned (a GPU share in its bundle): an actor without one stays
-    on the CPU even on a GPU machine, where CUDA is still visible to it. Outside Ray: CUDA if available.
-    """
+    on the CPU even on a GPU machine, where CUDA is still visible to it. Outside Ray: CUDA if available."""
     import torch
 
     if not torch.cuda.is_available():
@@ -125,14 +124,12 @@ def loopback_rendezvous_env() -> dict[str, str]:
     NCCL's sockets on the loopback interface."""
     import psutil
 
-    loopback = next(
-        (
-            name
-            for name, addresses in psutil.net_if_addrs().items()
-            if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
-        ),
-        "lo",
-    )
+    loopbacks = [
+        name
+        for name, addresses in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
+    ]
+    loopback = loopbacks[0] if loopbacks else "lo"
     path = os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
     return {RENDEZVOUS_FILE_ENV: path, "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
@@ -232,26 +229,18 @@ class RayWorkerGroup:
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
         threads = max(1, int(cluster.num_cpus_per_worker))
-        self.env_vars = [
-            rank_env_vars(
-                rank,
-                self.world_size,
-                cluster.cfg.workers_per_node,
-                node_ips[0],
-                port,
-                threads,
-                {**rendezvous, NODE_IP_ENV: node_ips[rank], **(env_vars or {})},
+        self.env_vars = []
+        for rank in range(self.world_size):
+            extra = {**rendezvous, NODE_IP_ENV: node_ips[rank], **(env_vars or {})}
+            per_node = cluster.cfg.workers_per_node
+            self.env_vars.append(
+                rank_env_vars(rank, self.world_size, per_node, node_ips[0], port, threads, extra)
             )
-            for rank in range(self.world_size)
-        ]
         self.workers = [self._start_actor(rank) for rank in range(self.world_size)]
         self.info = self.get([w.group_worker_info.remote() for w in self.workers])
         if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
             places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
-            print(
-                f"{name_prefix}: {self.world_size} workers on {num_nodes} nodes: {places}",
-                flush=True,
-            )
+            print(f"{name_prefix}: {self.world_size} workers on {num_nodes} nodes: {places}", flush=True)
 
     def _start_actor(self, rank: int) -> Any:
         """An actor of the worker class for `rank`, in bundle `rank` of the cluster's placement group."""
@@ -396,8 +385,7 @@ class RayWorkerGroup:
             if not any(coords[a] for a in output_is_replicated):
                 outputs.append((index, ref))
         self.get(calls)  # surface errors of replicas too
-        results = self.get([ref for _, ref in sorted(outputs, key=lambda pair: pair[0])])
-        return results
+        return self.get([ref for _, ref in sorted(outputs, key=lambda pair: pair[0])])
 
     def shutdown(self) -> None:
         for worker in self.workers:

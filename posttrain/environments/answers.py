@@ -18,8 +18,7 @@
 
 Examples with ground truth 122: `122`, `59 + 63 = 122`, `The answer is **122**.`, `\\boxed{122}` -> 1;
 `59 + 63 = ?`, `What is 59 plus 63?`, `59 + 63 = 122, minus 1 is 121`, `122 or 123`,
-`59 + 63 is not 122`, `\\boxed{59+63}`, `\\boxed{122} or \\boxed{123}` -> 0.
-"""
+`59 + 63 is not 122`, `\\boxed{59+63}`, `\\boxed{122} or \\boxed{123}` -> 0."""
 
 from __future__ import annotations
 
@@ -106,8 +105,7 @@ def grade_answer(answer: str | None, ground_truth: str, timeout_seconds: int | N
     """1.0 when the committed answer equals the ground truth (module docstring), else 0.0.
 
     math-verify (non-numeric ground truths only) raises on failures, which callers count; its timeouts use
-    signals and work on a main thread only: pass `timeout_seconds=None` from threaded or async actors.
-    """
+    signals and work on a main thread only: pass `timeout_seconds=None` from threaded or async actors."""
     if answer is None:
         return 0.0
     gold_number = parse_number(_clean(ground_truth))

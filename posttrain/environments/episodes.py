@@ -110,13 +110,11 @@ def _check_step_episode(episode: dict[str, Any], position: int) -> None:
     if not isinstance(episode.get("episode_id"), str):
         raise BadRequest(f"/step: episodes[{position}].episode_id must be a string")
     messages = episode.get("message_log")
-    if not (
-        isinstance(messages, list)
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
+
+    def is_message(m: Any) -> bool:
+        return isinstance(m, dict) and all(isinstance(m.get(key), str) for key in ("role", "content"))
+
+    if not (isinstance(messages, list) and all(is_message(m) for m in messages)):
         raise BadRequest(
             f"/step: episodes[{position}].message_log must be a list of {{role, content}} strings"
         )

@@ -7,6 +7,7 @@ retry (e.g. 429/503, which say the request was not served)."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -118,10 +119,8 @@ def _exchange(
 
     def cut() -> None:
         expired.set()
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     watchdog = threading.Timer(max(0.0, deadline - time.monotonic()), cut)
     watchdog.daemon = True

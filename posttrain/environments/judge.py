@@ -29,8 +29,7 @@ A judge can be gamed as surely as a verifier: the delimiters and the final-line 
 forging the rubric or the score's text, but not from persuading the judge (length, confident tone, the
 rubric's own words, "this answer deserves a 10"). Keep a strict grader on validation
 (`grpo.val_grader`) wherever the task has a checkable answer, read the validation samples, and watch the
-gap between reward and strict grade that the run warns about.
-"""
+gap between reward and strict grade that the run warns about."""
 
 from __future__ import annotations
 
@@ -226,16 +225,9 @@ class JudgeEnvironment(EnvironmentInterface):
         self.ground_truth_key, self.max_concurrency = ground_truth_key, max_concurrency
         self.counts = {"scored": 0, "parse_failures": 0, "unavailable": 0}
         if url is not None:
-            self.judge: HTTPJudge | LocalJudge = HTTPJudge(
-                url,
-                model,
-                timeout_s,
-                retries,
-                backoff_s,
-                max_response_bytes,
-                max_tokens=max_new_tokens,
-                temperature=temperature,
-            )
+            sampling = {"max_tokens": max_new_tokens, "temperature": temperature}
+            http = HTTPJudge(url, model, timeout_s, retries, backoff_s, max_response_bytes, **sampling)
+            self.judge: HTTPJudge | LocalJudge = http
             self.judge.use_key(os.environ.get(api_key_env))
         else:
             self.judge = LocalJudge(model_dir, max_new_tokens, batch_size, device)

@@ -96,14 +96,8 @@ class EnvironmentPool:
                 return failed_return(meta)
             except ray.exceptions.RayActorError as error:  # the process died (ActorDiedError, ...)
                 then = "scoring them again on a new actor" if attempt == 1 else "scoring them 0"
-                logger.warning(
-                    "environment %r actor %d died on %d samples; %s: %s",
-                    self.task_name,
-                    index,
-                    len(logs),
-                    then,
-                    error,
-                )
+                what = "environment %r actor %d died on %d samples; %s: %s"
+                logger.warning(what, self.task_name, index, len(logs), then, error)
                 self._restart(index)
                 ref = self.actors[index].step.remote(logs, meta) if attempt == 1 else None
         return failed_return(meta)

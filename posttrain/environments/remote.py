@@ -22,8 +22,7 @@ Each call has a total deadline (`timeout_s`, connect to last byte) and an answer
 passed deadline is not. A call that still fails ends each of its episodes with reward 0 and an error
 observation, counted in `num_errors`. Each result is checked on its own: a reward that is not a finite
 number in [`min_reward`, `max_reward`], a `terminated` that is not a JSON boolean, or any field of the
-wrong type costs that episode alone (reward 0, counted), never its neighbours.
-"""
+wrong type costs that episode alone (reward 0, counted), never its neighbours."""
 
 from __future__ import annotations
 
@@ -97,15 +96,9 @@ class RemoteEnvironment(EnvironmentInterface):
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
-            reply = post_json(
-                f"{self.url}{path}",
-                body,
-                deadline_s=self.timeout_s,
-                max_response_bytes=self.max_response_bytes,
-                headers=headers,
-                retries=self.retries,
-                backoff_s=self.backoff_s,
-            )
+            limits = {"deadline_s": self.timeout_s, "max_response_bytes": self.max_response_bytes}
+            retry = {"retries": self.retries, "backoff_s": self.backoff_s}
+            reply = post_json(f"{self.url}{path}", body, headers=headers, **limits, **retry)
         except HTTPCallError as error:
             raise EnvironmentServiceError(f"{error} (deadline {self.timeout_s} s)") from error
         if reply.status != 200:
@@ -130,9 +123,8 @@ class RemoteEnvironment(EnvironmentInterface):
         ]
         outcomes: list[_Outcome | None] = [None] * len(metadata)
         for client_id, indices in _by_client(new_metadata).items():
-            for index, outcome in zip(
-                indices, self._step_group(message_logs, new_metadata, indices, client_id)
-            ):
+            group = self._step_group(message_logs, new_metadata, indices, client_id)
+            for index, outcome in zip(indices, group):
                 outcomes[index] = outcome
         ended = [
             (meta[CLIENT_KEY], meta[EPISODE_KEY])
@@ -246,11 +238,9 @@ def parse_result(result: Any, source: str, sample: str, reward_range: tuple[floa
     if error is not None:
         return failed_outcome(f"environment service error: {str(error)[:500]}")
     observation = result.get("observation")
-    if not (
-        isinstance(observation, dict)
-        and isinstance(observation.get("role"), str)
-        and isinstance(observation.get("content"), str)
-    ):
+    observation = observation if isinstance(observation, dict) else {}
+    role, content = observation.get("role"), observation.get("content")
+    if not (isinstance(role, str) and isinstance(content, str)):
         raise ValueError(f"{source}, {sample}: observation must be {{role: str, content: str}}")
     stops = result.get("next_stop_strings")
     if stops is not None and not (isinstance(stops, list) and all(isinstance(s, str) for s in stops)):
@@ -260,9 +250,7 @@ def parse_result(result: Any, source: str, sample: str, reward_range: tuple[floa
         raise ValueError(f"{source}, {sample}: answer must be a string or null")
     reward = check_reward(result.get("reward"), source, sample, reward_range)
     terminated = parse_flag(result.get("terminated"), "terminated", source, sample)
-    return _Outcome(
-        {"role": observation["role"], "content": observation["content"]}, stops, reward, terminated, answer
-    )
+    return _Outcome({"role": role, "content": content}, stops, reward, terminated, answer)
 
 
 def failed_outcome(reason: str) -> _Outcome:

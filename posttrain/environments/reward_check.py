@@ -82,12 +82,9 @@ def checked_return(
             bad += 1
     if not bad:
         return answer
+    extra = {**answer.extra, FAILED_KEY: failed}
     return dataclasses.replace(
-        answer,
-        rewards=fixed,
-        terminateds=terminateds,
-        num_errors=answer.num_errors + bad,
-        extra={**answer.extra, FAILED_KEY: failed},
+        answer, rewards=fixed, terminateds=terminateds, num_errors=answer.num_errors + bad, extra=extra
     )
 
 

@@ -41,18 +41,13 @@ class RewardModelEnvironment(EnvironmentInterface):
     score at its last token is the reward. Loaded once, inside the environment's Ray actor."""
 
     def __init__(
-        self,
-        model_dir: str,
-        batch_size: int = 32,
-        max_length: int | None = None,
-        device: str = "auto",
+        self, model_dir: str, batch_size: int = 32, max_length: int | None = None, device: str = "auto"
     ) -> None:
         from transformers import AutoModelForSequenceClassification
 
         if batch_size < 1:
             raise ValueError(f"reward_model environment: batch_size must be >= 1, got {batch_size}")
-        self.batch_size = batch_size
-        self.max_length = max_length
+        self.batch_size, self.max_length = batch_size, max_length
         self.device = pick_device(device)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = AutoModelForSequenceClassification.from_pretrained(
@@ -69,15 +64,10 @@ class RewardModelEnvironment(EnvironmentInterface):
 
     def tokenize(self, message_log: list[Message]) -> list[int]:
         """The conversation as the reward model saw it in training: its chat template, then its tokenizer."""
-        messages = [
-            {
-                "role": m["role"],
-                "content": strip_end_markers(m["content"], self.end_markers)
-                if m["role"] == "assistant"
-                else m["content"],
-            }
-            for m in message_log
-        ]
+        messages = [{"role": m["role"], "content": m["content"]} for m in message_log]
+        for message in messages:
+            if message["role"] == "assistant":
+                message["content"] = strip_end_markers(message["content"], self.end_markers)
         text = self.tokenizer.apply_chat_template(messages, tokenize=False)
         token_ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if self.max_length is not None:
@@ -88,10 +78,8 @@ class RewardModelEnvironment(EnvironmentInterface):
     def score(self, message_logs: list[list[Message]]) -> torch.Tensor:
         """Scalar scores [B] (fp32, on CPU), computed `batch_size` conversations at a time."""
         sequences = [self.tokenize(log) for log in message_logs]
-        scores = [
-            self._score_batch(sequences[i : i + self.batch_size])
-            for i in range(0, len(sequences), self.batch_size)
-        ]
+        starts = range(0, len(sequences), self.batch_size)
+        scores = [self._score_batch(sequences[i : i + self.batch_size]) for i in starts]
         return torch.cat(scores) if scores else torch.zeros(0)
 
     def _score_batch(self, sequences: list[list[int]]) -> torch.Tensor:
@@ -103,9 +91,8 @@ class RewardModelEnvironment(EnvironmentInterface):
         attention_mask = (
             torch.arange(input_ids.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
         ).long()  # [b, T]
-        logits = self.model(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
-        ).logits  # [b, 1]
+        inputs = {"input_ids": input_ids.to(self.device), "attention_mask": attention_mask.to(self.device)}
+        logits = self.model(**inputs).logits  # [b, 1]
         return logits.float().squeeze(-1).cpu()  # [b]
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:

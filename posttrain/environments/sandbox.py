@@ -12,8 +12,7 @@ Limits that hold for the sandbox as a whole, however its code forks:
   pages they write: a cgroup per run, v2 where this process may create one with the memory and pids
   controllers, v1 (as root) where those hierarchies are mounted. Where neither can be used (an
   unprivileged user on a v1 machine, or a v2 tree without delegation), that is logged once and only the
-  per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes.
-"""
+  per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ if uid >= 0 and os.getuid() == 0:
 for limit, value in ((resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_AS, memory),
                      (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize), (resource.RLIMIT_CORE, 0)):
     resource.setrlimit(limit, (value, value))
-os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[6]])
-"""
+os.execv(sys.executable, [sys.executable, "-I", "-B", sys.argv[6]])"""
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -80,34 +78,11 @@ class SandboxResult:
 
 # --------------------------------------------------------------------------------------------- seccomp
 CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
-REFUSED_SYSCALLS = (
-    "unshare",
-    "setns",
-    "mount",
-    "umount2",
-    "pivot_root",
-    "chroot",
-    "open_tree",
-    "move_mount",
-    "fsopen",
-    "fsconfig",
-    "fsmount",
-    "fspick",
-    "mount_setattr",
-    "keyctl",
-    "add_key",
-    "request_key",
-    "bpf",
-    "perf_event_open",
-    "userfaultfd",
-    "kexec_load",
-    "init_module",
-    "finit_module",
-    "swapon",
-    "swapoff",
-    "io_uring_setup",  # io_uring performs syscalls this filter would not see
-    "io_uring_enter",
-    "io_uring_register",
+# io_uring performs syscalls this filter would not see.
+REFUSED_SYSCALLS = tuple(
+    "unshare setns mount umount2 pivot_root chroot open_tree move_mount fsopen fsconfig fsmount fspick "
+    "mount_setattr keyctl add_key request_key bpf perf_event_open userfaultfd kexec_load init_module "
+    "finit_module swapon swapoff io_uring_setup io_uring_enter io_uring_register".split()
 )
 
 
@@ -292,52 +267,24 @@ def _command(
         identity = ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         identity = ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY), "--disable-userns"]
-    environment = [
-        "--clearenv",
-        "--setenv",
-        "PATH",
-        "/usr/bin:/bin",
-        "--setenv",
-        "HOME",
-        SCRATCH_DIR,
-        "--setenv",
-        "LANG",
-        "C.UTF-8",
-    ]
-    cpu_s = int(limits.timeout_s) + 1
-    launch = [
-        sys.executable,
-        "-I",
-        "-S",
-        "-c",
-        LAUNCHER,
-        str(NOBODY if mode == "root" else -1),
-        str(limits.max_processes),
-        str(limits.memory_mb * 1024 * 1024),
-        str(cpu_s),
-        str(limits.max_file_mb * 1024 * 1024),
-        f"{CODE_DIR}/main.py",
-    ]
+    environment = ["--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", SCRATCH_DIR]
+    environment += ["--setenv", "LANG", "C.UTF-8"]
+    limit_args = (
+        NOBODY if mode == "root" else -1,
+        limits.max_processes,
+        limits.memory_mb * 1024 * 1024,
+        int(limits.timeout_s) + 1,  # CPU seconds
+        limits.max_file_mb * 1024 * 1024,
+    )
+    launch = [sys.executable, "-I", "-S", "-c", LAUNCHER, *map(str, limit_args), f"{CODE_DIR}/main.py"]
     enter = []
     if cgroup is not None:
         moves = " && ".join(f'echo $$ > "{procs}"' for procs in cgroup.procs_files())
         enter = ["/bin/sh", "-c", moves + ' && exec "$@"', "sh"]
-    return [
-        *enter,
-        bwrap,
-        *namespaces,
-        *identity,
-        *(["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []),
-        "--die-with-parent",
-        "--new-session",
-        *environment,
-        *_mount_args(code_path, limits.scratch_mb),
-        "--remount-ro",
-        "/",
-        "--chdir",
-        SCRATCH_DIR,
-        *launch,
-    ]
+    seccomp = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
+    command = [*enter, bwrap, *namespaces, *identity, *seccomp, "--die-with-parent", "--new-session"]
+    command += [*environment, *_mount_args(code_path, limits.scratch_mb), "--remount-ro", "/"]
+    return command + ["--chdir", SCRATCH_DIR, *launch]
 
 
 @functools.cache
@@ -450,13 +397,8 @@ def _collect(process: subprocess.Popen, limits: SandboxLimits) -> SandboxResult:
     if timed_out or truncated:
         _kill_group(process)
     returncode = None if timed_out or truncated else process.returncode
-    return SandboxResult(
-        buffers["stdout"].decode(errors="replace"),
-        buffers["stderr"].decode(errors="replace"),
-        returncode,
-        timed_out,
-        truncated,
-    )
+    stdout, stderr = (buffers[name].decode(errors="replace") for name in ("stdout", "stderr"))
+    return SandboxResult(stdout, stderr, returncode, timed_out, truncated)
 
 
 def _kill_group(process: subprocess.Popen) -> None:

@@ -9,8 +9,7 @@ an idle TTL (429 when full); a socket timeout on every connection; a bounded poo
 a real listen backlog; only `Content-Type: application/json` POSTs, and on loopback only loopback `Host`
 names (so a web page in a local browser cannot drive it). A sample whose scoring raises costs that sample
 alone (`reward_check.step_isolated`); an environment that raises anyway is an HTTP 500, not a dropped
-connection.
-"""
+connection."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The board rules (shared with the built-in task) are in `posttrain.data.sliding_puzzle`. A valid move
 returns the new board; an invalid one returns an error observation; solving gives reward 1 and ends the
-episode; `max_moves` turns end it with reward 0.
-"""
+episode; `max_moves` turns end it with reward 0."""
 
 from __future__ import annotations
 

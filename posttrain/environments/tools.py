@@ -21,15 +21,8 @@ from posttrain.environments.sandbox import SandboxLimits, run_python
 from posttrain.utils.imports import import_attribute
 
 # ------------------------------------------------------------------------------------------- built-ins
-_BINARY = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+_BINARY |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 MAX_EXPONENT = 100
 MAX_EXPRESSION_CHARS = 200
@@ -158,11 +151,8 @@ def make_tool(name: str, function: Callable[..., Any], parameters: dict[str, Any
             f"tool {name!r}: its parameters are not a valid JSON schema: {error.message}"
         ) from None
     description = (inspect.getdoc(function) or name).strip().splitlines()[0]
-    schema = {
-        "type": "function",
-        "function": {"name": name, "description": description, "parameters": parameters},
-    }
-    return Tool(schema, function)
+    function_schema = {"name": name, "description": description, "parameters": parameters}
+    return Tool({"type": "function", "function": function_schema}, function)
 
 
 def resolve_tool(spec: str, parameters: dict[str, Any] | None, python_limits: dict[str, Any]) -> Tool:

@@ -5,8 +5,7 @@ A grader is a plain function `grader(sample) -> 1.0 | 0.0 | None` of one validat
 `run_validation` makes: `prompt`, `response`, `reward`, `answer`, `ground_truth`, ...); None means "cannot
 grade this sample" (it is left out of the strict accuracy). `resolve_grader` takes a built-in name or a
 user's function as `path/to/file.py:function` or `package.module:function`, or a name given to
-`register_grader` from Python.
-"""
+`register_grader` from Python."""
 
 from __future__ import annotations
 
@@ -118,10 +117,8 @@ def reward_hacking_warning(
     gap = metrics.get("reward_gap")
     if gap is None or gap <= max_gap:
         return None
-    sample = max(
-        (s for s in samples if s.get("strict_grade") is not None),
-        key=lambda s: s["reward"] - s["strict_grade"],
-    )
+    graded = [s for s in samples if s.get("strict_grade") is not None]
+    sample = max(graded, key=lambda s: s["reward"] - s["strict_grade"])
     return (
         f"validation reward {metrics['strict_accuracy'] + gap:.3f} runs ahead of the strict grade "
         f"{metrics['strict_accuracy']:.3f} by {gap:.3f} (> {max_gap}): the policy may be gaming its reward. "

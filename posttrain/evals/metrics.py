@@ -37,8 +37,7 @@ def eval_pass_k(rewards: Rewards, num_tests_per_prompt: int, k: int) -> float:
     """Mean over prompts of the unbiased pass@k; a sample is correct when its reward is > 0.
 
     rewards: flat [num_prompts * n], each prompt's n = num_tests_per_prompt samples contiguous.
-    Raises ValueError for k < 1, n < k, or a length not divisible by n.
-    """
+    Raises ValueError for k < 1, n < k, or a length not divisible by n."""
     groups = _per_prompt_rewards(rewards, num_tests_per_prompt, k)
     scores = [pass_at_k(len(group), sum(r > 0 for r in group), k) for group in groups]
     return sum(scores) / len(scores)
@@ -47,8 +46,7 @@ def eval_pass_k(rewards: Rewards, num_tests_per_prompt: int, k: int) -> float:
 def majority_answer(answers: Sequence[Hashable | None]) -> int | None:
     """Index (into answers) of the first sample carrying the majority answer; None if nothing votes.
 
-    None answers (nothing extracted) do not vote. Ties go to the answer that appears first in sample order.
-    """
+    None answers (nothing extracted) do not vote. Ties go to the answer that appears first in sample order."""
     counts: dict[Hashable, int] = {}
     first_index: dict[Hashable, int] = {}
     for index, answer in enumerate(answers):
@@ -98,8 +96,7 @@ def eval_cons_k(
     the reward of the first sample in the subset carrying the winning answer is > 0. Answers are compared
     with == as given (normalise them first). All C(n, k) subsets are enumerated when there are at most
     max_subsets of them; otherwise max_subsets subsets are drawn uniformly (with replacement among subsets)
-    from random.Random(seed), so the result is an unbiased, reproducible estimate.
-    """
+    from random.Random(seed), so the result is an unbiased, reproducible estimate."""
     groups = _per_prompt_rewards(rewards, num_tests_per_prompt, k)
     if len(extracted_answers) != len(groups) * num_tests_per_prompt:
         raise ValueError(
@@ -107,8 +104,8 @@ def eval_cons_k(
         )
     rng = random.Random(seed)
     n = num_tests_per_prompt
+    answers = [extracted_answers[i * n : (i + 1) * n] for i in range(len(groups))]
     scores = [
-        _cons_at_k_one_prompt(group, extracted_answers[i * n : (i + 1) * n], k, max_subsets, rng)
-        for i, group in enumerate(groups)
+        _cons_at_k_one_prompt(group, votes, k, max_subsets, rng) for group, votes in zip(groups, answers)
     ]
     return sum(scores) / len(scores)

@@ -3,8 +3,7 @@ a from-config model) on every row of a dataset (or its validation slice, `eval.r
 with pass@k or cons@k. Rollouts and scoring go
 through `run_validation`, the code GRPO validates with, so both report the same accuracy.
 
-Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-eval
-"""
+Run: posttrain eval --config configs/eval_tiny.yaml eval.save_path=results/my-eval"""
 
 from __future__ import annotations
 
@@ -43,9 +42,8 @@ from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
 from posttrain.workers.generation import GenerationConfig, make_generation
 
+
 # ------------------------------------------------------------------------------------------------ config
-
-
 @dataclass
 class EvalSettings:
     """What is measured and where the results go (section `eval`)."""
@@ -149,8 +147,6 @@ class EvalConfig:
 
 
 # ------------------------------------------------------------------------------------------------- model
-
-
 def find_policy_checkpoint(path: str | Path) -> Path | None:
     """The policy checkpoint inside a posttrain run's `step_N/` (its `policy/`), or `path` itself when it is
     one (holds a DCP `model/`); None for anything else (a Hugging Face directory, a hub name)."""
@@ -206,8 +202,6 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ scoring
-
-
 def load_eval_records(cfg: EvalConfig, tokenizer: Any, processor: Any = None) -> list[dict]:
     """The records `eval.records` picks from `cfg.data` (all, or the validation slice; the first
     `eval.max_samples`), checked against `cfg.env`; `processor`: a vision-language model's, for rows with
@@ -248,8 +242,7 @@ def roll_out(
     """All records, n samples each, batch by batch with a progress display.
 
     Batch b seeds its sampling with `seed + b * batch_size`, as one `run_validation` call over all records
-    would, so the result does not depend on being split here.
-    """
+    would, so the result does not depend on being split here."""
     parts: list[ValidationResult] = []
     starts = range(0, len(records), cfg.batch_size)
     grader = resolve_grader(cfg.grader)
@@ -293,8 +286,6 @@ def compute_score(cfg: EvalSettings, rewards: list[float], answers: list[str | N
 
 
 # ------------------------------------------------------------------------------------------------- output
-
-
 def sample_rows(samples: list[dict], num_tests_per_prompt: int) -> list[dict]:
     """The per-sample lines of samples.jsonl."""
     return [
@@ -390,8 +381,6 @@ def write_outputs(save_path: Path, summary: dict[str, Any], rows: list[dict]) ->
 
 
 # ---------------------------------------------------------------------------------------------------- run
-
-
 @dataclass
 class EvalResult:
     """What `run_eval` produced (also written under `save_path`)."""

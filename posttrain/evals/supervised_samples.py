@@ -87,16 +87,10 @@ def causal_lm_samples(
     for cut, answer_ids in zip(cuts, answers):
         reference = tokenizer.decode(cut.reference_ids, skip_special_tokens=True).strip()
         answer = tokenizer.decode(answer_ids, skip_special_tokens=True).strip()
-        samples.append(
-            {
-                "message_log": [
-                    {"role": "user", "content": tokenizer.decode(cut.prompt_ids, skip_special_tokens=True)},
-                    {"role": "reference", "content": reference},
-                    {"role": "assistant", "content": answer},
-                ],
-                "reward": float(answer == reference),
-            }
-        )
+        prompt = tokenizer.decode(cut.prompt_ids, skip_special_tokens=True)
+        turns = [("user", prompt), ("reference", reference), ("assistant", answer)]
+        message_log = [{"role": role, "content": content} for role, content in turns]
+        samples.append({"message_log": message_log, "reward": float(answer == reference)})
     return samples
 
 
@@ -116,27 +110,14 @@ def reward_model_samples(
             row["rejected_input_ids"], row["rejected_token_mask"], int(row["rejected_input_lengths"])
         )
         chosen_score, rejected_score = scores[2 * i], scores[2 * i + 1]
-        samples.append(
-            {
-                "message_log": [
-                    {
-                        "role": "user",
-                        "content": tokenizer.decode(chosen.prompt_ids, skip_special_tokens=True),
-                    },
-                    {
-                        "role": "reference",
-                        "content": f"(score {chosen_score:.4g}) "
-                        + tokenizer.decode(chosen.reference_ids, skip_special_tokens=True),
-                    },
-                    {
-                        "role": "rejected",
-                        "content": f"(score {rejected_score:.4g}) "
-                        + tokenizer.decode(rejected.reference_ids, skip_special_tokens=True),
-                    },
-                ],
-                "reward": chosen_score - rejected_score,
-            }
-        )
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        turns = [
+            ("user", decode(chosen.prompt_ids)),
+            ("reference", f"(score {chosen_score:.4g}) {decode(chosen.reference_ids)}"),
+            ("rejected", f"(score {rejected_score:.4g}) {decode(rejected.reference_ids)}"),
+        ]
+        message_log = [{"role": role, "content": content} for role, content in turns]
+        samples.append({"message_log": message_log, "reward": chosen_score - rejected_score})
     return samples
 
 

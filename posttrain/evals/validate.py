@@ -28,15 +28,14 @@ def sample_records(rollouts: Any) -> list[dict[str, Any]]:
     samples = []
     for i, log in enumerate(rollouts["message_log"]):
         first_assistant = next((j for j, m in enumerate(log) if m["role"] == "assistant"), len(log))
+        replies = [content_text(m["content"]) for m in log if m["role"] == "assistant"]
         samples.append(
             {
                 "idx": rollouts["idx"][i],
                 "task_name": rollouts["task_name"][i],
                 "prompt": "".join(content_text(m["content"]) for m in log[:first_assistant]),
                 "response": "".join(content_text(m["content"]) for m in log[first_assistant:]),
-                "final_response": next(
-                    (content_text(m["content"]) for m in reversed(log) if m["role"] == "assistant"), ""
-                ),
+                "final_response": replies[-1] if replies else "",
                 "message_log": [{"role": m["role"], "content": m["content"]} for m in log],
                 "reward": float(rollouts["total_reward"][i]),
                 "answer": rollouts["answer"][i],
@@ -65,20 +64,13 @@ def run_validation(
 
     `accuracy` is the mean reward (the fraction correct for 0/1 rewards); `pass@k` is the unbiased
     estimator over each prompt's samples. With a `grader`, each sample also gets a `strict_grade` and the
-    metrics `strict_accuracy` and `reward_gap` (`graders.strict_grades`).
-    """
+    metrics `strict_accuracy` and `reward_gap` (`graders.strict_grades`)."""
     rewards, samples, lengths = [], [], []
     for start in range(0, len(records), batch_size):
         batch = records_to_rollout_batch(records[start : start + batch_size], num_generations)
+        limits = (max_seq_len, max_rollout_turns)
         rollouts, metrics = run_multi_turn_rollout(
-            generation,
-            batch,
-            tokenizer,
-            task_to_env,
-            max_seq_len,
-            max_rollout_turns,
-            greedy=greedy,
-            seed=seed + start,
+            generation, batch, tokenizer, task_to_env, *limits, greedy=greedy, seed=seed + start
         )
         rewards.append(rollouts["total_reward"])
         samples.extend(sample_records(rollouts))

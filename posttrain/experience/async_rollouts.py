@@ -19,8 +19,7 @@ the trainer saves the loader position recorded with the last batch it took, not 
 
 Core lease (optional `lease` callback, distributed/core_lease.py): the producer names the side that may
 borrow the other's cores whenever its state changes: the generator while paused (validation), nobody
-while a batch is generated or its turn has come, the trainer while it waits for weights.
-"""
+while a batch is generated or its turn has come, the trainer while it waits for weights."""
 
 from __future__ import annotations
 

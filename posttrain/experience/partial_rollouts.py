@@ -11,8 +11,7 @@ that chunk: per token, the weights that made it.
 
 Departures from one uninterrupted decode: chunk c > 0 samples with its own seed (derived from the call's
 seed and c) and a stop string that spans a chunk boundary is not seen (stop tokens always are). With
-one chunk (`chunk_tokens >= max_new_tokens`) the output equals the wrapped backend's.
-"""
+one chunk (`chunk_tokens >= max_new_tokens`) the output equals the wrapped backend's."""
 
 from __future__ import annotations
 
@@ -112,17 +111,13 @@ def assemble_replies(data: Any, replies: PartialReplies, pad_id: int) -> Batched
 def token_versions(message_logs: list[list[dict]]) -> torch.Tensor:
     """`generation_weight_versions` [B, T] of a batch's conversations, aligned with their concatenated
     token ids and right-padded: each generated token's policy version, -1 on other positions."""
-    rows = [
-        torch.cat(
-            [
-                torch.as_tensor(m["generation_weight_versions"], dtype=torch.long)
-                if "generation_weight_versions" in m
-                else torch.full((len(m["token_ids"]),), -1, dtype=torch.long)
-                for m in log
-            ]
-        )
-        for log in message_logs
-    ]
+
+    def message_versions(m: dict) -> torch.Tensor:
+        if "generation_weight_versions" in m:
+            return torch.as_tensor(m["generation_weight_versions"], dtype=torch.long)
+        return torch.full((len(m["token_ids"]),), -1, dtype=torch.long)
+
+    rows = [torch.cat([message_versions(m) for m in log]) for log in message_logs]
     versions = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.long)  # [B, T]
     for i, row in enumerate(rows):
         versions[i, : len(row)] = row

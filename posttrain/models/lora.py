@@ -3,8 +3,7 @@ policy model, the adapter-only payload that refit sends (`AdapterWeights`), appl
 model (HF generation) or merging it into full weights (vLLM), adapter-only checkpoint files and exports.
 
 Only the adapter (and `modules_to_save`) trains: the optimizer is built over trainable parameters, so it
-holds their state only. The reference policy of DPO/GRPO is the same model with the adapter disabled.
-"""
+holds their state only. The reference policy of DPO/GRPO is the same model with the adapter disabled."""
 
 from __future__ import annotations
 
@@ -96,13 +95,8 @@ def wrap_with_lora(
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             return peft.get_peft_model(model, peft_config(cfg, model_kind, base_model))
     except ValueError as error:
-        linear = sorted(
-            {
-                name.rsplit(".", 1)[-1]
-                for name, module in model.named_modules()
-                if isinstance(module, torch.nn.Linear)
-            }
-        )
+        names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+        linear = sorted({name.rsplit(".", 1)[-1] for name in names})
         raise ConfigError(
             "policy.lora.target_modules",
             f"{cfg.target_modules} do not fit {type(model).__name__} ({error}); its linear "
@@ -116,8 +110,6 @@ def adapter_disabled(model: torch.nn.Module) -> Any:
 
 
 # -- The refit payload: adapter tensors only ---------------------------------------------------------
-
-
 @dataclass
 class AdapterWeights:
     """What a LoRA policy sends to generation workers: its adapter tensors in the PEFT file format
@@ -208,8 +200,6 @@ def merge_adapter(base: dict[str, torch.Tensor], adapter: AdapterWeights) -> dic
 
 
 # -- Checkpoints and exports -------------------------------------------------------------------------
-
-
 def save_adapter_config(model: torch.nn.Module, path: str | Path) -> None:
     """`<path>/lora/adapter_config.json`: base model and LoRA settings, what an export needs (rank 0)."""
     model.peft_config["default"].save_pretrained(str(Path(path) / LORA_DIR))
@@ -291,8 +281,8 @@ def export_lora_checkpoint(
     base = str(base_model_dir or base_model_of(policy_dir))
     if not Path(base).exists():
         raise FileNotFoundError(
-            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist "
-            "here; pass the base model directory"
+            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist here; pass the "
+            "base model directory"
         )
     model_config = AutoConfig.from_pretrained(policy_dir / native_checkpoint.HF_CONFIG_DIR)
     reward_model = native_checkpoint.is_sequence_classifier(model_config)

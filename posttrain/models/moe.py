@@ -11,8 +11,7 @@ What router replay replays: the top-k expert *indices* only. The router still co
 the current hidden states; the weights of the replayed experts are recomputed from them exactly as the router
 computes its own (softmax over all experts in fp32, the k chosen probabilities, renormalised to sum to 1
 where the router renormalises), so the router's weights get gradients through the replayed experts. A
-position with no recorded choice (index -1) keeps the router's own.
-"""
+position with no recorded choice (index -1) keeps the router's own."""
 
 from __future__ import annotations
 
@@ -103,8 +102,6 @@ class RouterTap:
 
 
 # -- router losses and expert load (tensors in, tensors out) ------------------------------------------------
-
-
 def expert_counts(indices: torch.Tensor, token_mask: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert of each layer, [L, E] float, from the experts used [N, L, k] at the
     positions with token_mask [N] = 1 (each of a token's k experts counts it once)."""

@@ -50,15 +50,8 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 def wrap_tokenizer(backend: Tokenizer, **kwargs: object) -> PreTrainedTokenizerFast:
     """A `tokenizers` backend as a Hugging Face tokenizer with the special tokens and chat template."""
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token=PAD,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        padding_side="right",
-        **kwargs,
-    )
+    special = {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS, "unk_token": UNK}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="right", **special, **kwargs)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
@@ -84,8 +77,7 @@ def build_byte_tokenizer(vocab_size: int = BYTE_VOCAB_SIZE) -> PreTrainedTokeniz
     `byte_tokenizer_corpus`), with the special tokens and chat template of the character tokenizer.
 
     Any text round-trips (every byte has a token). Training is deterministic: the same call gives the
-    same vocabulary and merges.
-    """
+    same vocabulary and merges."""
     backend = Tokenizer(models.BPE(unk_token=None))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()

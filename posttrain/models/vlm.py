@@ -14,13 +14,8 @@ from tokenizers import AddedToken
 from posttrain.models.cache_api import returned_cache
 from posttrain.models.tokenizer import TOKENIZERS, load_tokenizer
 
-VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
-VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = VISION_TOKENS
 
 # Like the text template (posttrain.models.tokenizer), but a message's content may be a list of parts:
 # {"type": "image"} renders as <|vision_start|><|image_pad|><|vision_end|> (the processor repeats the pad once
@@ -205,18 +200,13 @@ def load_processor(path_or_name: str | Path) -> VisionProcessor:
 
 
 # -- The forward pass of a vision-language model in the policy worker --------------------------------
-
-
 def concat_row_images(
     data: dict[str, Any], device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(`pixel_values [P, D]`, `image_grid_thw [N, 3]`) of a micro-batch's rows, in row order, or (None, None)
     when none of its rows has an image."""
-    rows = [
-        (p, g)
-        for p, g in zip(data.get("pixel_values") or [], data.get("image_grid_thw") or [])
-        if g.shape[0] > 0
-    ]
+    pairs = zip(data.get("pixel_values") or [], data.get("image_grid_thw") or [])
+    rows = [(p, g) for p, g in pairs if g.shape[0] > 0]
     if not rows:
         return None, None
     return torch.cat([p for p, _ in rows]).to(device), torch.cat([g for _, g in rows]).long().to(device)
@@ -278,14 +268,8 @@ def vision_prefill(
     pixel_values, image_grid_thw = concat_row_images(data, left_ids.device)
     position_ids, offsets = mrope_position_ids(model, left_ids, attention_mask, image_grid_thw)
     images = {} if pixel_values is None else {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw}
-    out = model(
-        input_ids=left_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=True,
-        logits_to_keep=1,
-        **images,
-    )
+    inputs = {"input_ids": left_ids, "attention_mask": attention_mask, "position_ids": position_ids, **images}
+    out = model(**inputs, use_cache=True, logits_to_keep=1)
     return returned_cache(out), out.logits[:, -1, :], offsets.to(left_ids.device)
 
 
@@ -303,6 +287,4 @@ def vision_token_ids(model: torch.nn.Module) -> list[int]:
     if not is_vision_language_model(model):
         return []
     names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-    return [
-        int(getattr(model.config, name)) for name in names if getattr(model.config, name, None) is not None
-    ]
+    return [int(getattr(model.config, n)) for n in names if getattr(model.config, n, None) is not None]

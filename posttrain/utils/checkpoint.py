@@ -7,6 +7,7 @@ Layout (the document's): checkpoint_dir/step_N/{training_info.json, config.yaml,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -84,12 +85,9 @@ def _fsync_dir(directory: Path) -> None:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
         return
-    try:
+    with contextlib.suppress(OSError):
         os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    os.close(fd)
 
 
 class CheckpointManager:
@@ -143,13 +141,9 @@ class CheckpointManager:
         info_text = json.dumps(training_info, default=_json_default, indent=2, sort_keys=True)
         self._write_text(tmp_path / TRAINING_INFO_FILE, info_text)
         if run_config is not None:
-            plain = (
-                run_config.model_dump(mode="json")
-                if hasattr(run_config, "model_dump")
-                else config_to_dict(run_config)
-            )
-            config_text = yaml.safe_dump(plain, sort_keys=False)
-            self._write_text(tmp_path / CONFIG_FILE, config_text)
+            dump = getattr(run_config, "model_dump", None)  # a pydantic model's
+            plain = dump(mode="json") if dump is not None else config_to_dict(run_config)
+            self._write_text(tmp_path / CONFIG_FILE, yaml.safe_dump(plain, sort_keys=False))
         return tmp_path
 
     @staticmethod
@@ -167,8 +161,7 @@ class CheckpointManager:
         `step_N` without mixing files; then prune to `keep_top_k`.
 
         Replacing goes: step_N -> replaced_step_N, tmp_step_N -> step_N, delete replaced_step_N. A crash
-        between the first two renames is repaired by `clean_partial_checkpoints` (it renames it back).
-        """
+        between the first two renames is repaired by `clean_partial_checkpoints` (it renames it back)."""
         tmp_path = Path(checkpoint_path)
         if not tmp_path.name.startswith(_TMP_PREFIX):
             raise ValueError(f"finalize_checkpoint expects a {_TMP_PREFIX}N directory, got {tmp_path}")
@@ -256,11 +249,8 @@ class CheckpointManager:
             return self.get_latest_checkpoint_path()
         missing = [str(path) for _, path, metric in ranked if metric is None]
         if len(missing) == len(ranked):
-            logger.warning(
-                "no checkpoint in %s has metric %r; using the latest",
-                self.checkpoint_dir,
-                self.config.metric_name,
-            )
+            metric = self.config.metric_name
+            logger.warning("no checkpoint in %s has metric %r; using the latest", self.checkpoint_dir, metric)
             return self.get_latest_checkpoint_path()
         if missing:
             logger.warning(
@@ -333,10 +323,8 @@ def _read_training_info(checkpoint_path: Path) -> dict[str, Any] | None:
 def _load_checkpoint_history(checkpoint_dir: str | Path) -> list[tuple[int, str, dict[str, Any]]]:
     """Load the history of checkpoints and their metrics: (step_number, checkpoint_path, info) for each
     finalized checkpoint, by step; an unreadable training_info.json gives {}."""
-    return [
-        (step, str(path), _read_training_info(path) or {})
-        for step, path in _list_step_dirs(Path(checkpoint_dir))
-    ]
+    steps = _list_step_dirs(Path(checkpoint_dir))
+    return [(step, str(path), _read_training_info(path) or {}) for step, path in steps]
 
 
 def _remove_path(path: Path) -> None:

@@ -300,8 +300,7 @@ class WandbLogger(LoggerInterface):
     """A W&B run under `<log_dir>/wandb`, offline unless an API key is present and WANDB_MODE allows.
 
     W&B drops rows whose step goes backwards, so namespaces with their own step counter (`system/`, the
-    system monitor's) are logged against their own x-axis `<ns>/step`, attached to the current row.
-    """
+    system monitor's) are logged against their own x-axis `<ns>/step`, attached to the current row."""
 
     OWN_STEP_NAMESPACES = ("system",)
 
@@ -310,12 +309,9 @@ class WandbLogger(LoggerInterface):
 
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.mode = wandb_mode()
+        name = cfg.name or Path(log_dir).name
         self._run = wandb.init(
-            project=cfg.project,
-            name=cfg.name or Path(log_dir).name,
-            dir=str(log_dir),
-            mode=self.mode,
-            reinit="create_new",
+            project=cfg.project, name=name, dir=str(log_dir), mode=self.mode, reinit="create_new"
         )
         for namespace in self.OWN_STEP_NAMESPACES:
             self._run.define_metric(f"{namespace}/*", step_metric=f"{namespace}/step")

@@ -6,8 +6,7 @@ other entry is read with `torch.load(weights_only=True)` (`safe_dcp.py`); RNG st
 the rest is JSON.
 
 Layout of a checkpoint directory: `model/` and `optim/` (DCP), `scheduler.json`, `extra_state.json`,
-`hf_config/` (the model's config.json), `tokenizer/`, `rng/rank_N.safetensors`.
-"""
+`hf_config/` (the model's config.json), `tokenizer/`, `rng/rank_N.safetensors`."""
 
 from __future__ import annotations
 
@@ -56,8 +55,6 @@ class CheckpointLoadError(RuntimeError):
 
 
 # -- process-group helpers -----------------------------------------------------------------------------
-
-
 def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -66,7 +63,7 @@ def _rank() -> int:
     return dist.get_rank() if _is_distributed() else 0
 
 
-def _on_rank0(action: Callable[[], None], what: str) -> None:
+def on_rank0(action: Callable[[], None], what: str) -> None:
     """Run `action` on rank 0 only; every rank raises if it failed there (so no rank waits forever)."""
     failure: Exception | None = None
     error = None
@@ -108,16 +105,12 @@ def _require_dcp(path: Path) -> Path:
     return path
 
 
-def _dcp_load(state_dict: dict[str, Any], path: Path) -> None:
+def load_dcp_into(state_dict: dict[str, Any], path: Path) -> None:
     _require_dcp(path)
     try:
         with _quiet_single_process():
-            dcp.load(
-                state_dict,
-                storage_reader=SafeFileSystemReader(path),
-                planner=SafeLoadPlanner(),
-                no_dist=not _is_distributed(),
-            )
+            reader, no_dist = SafeFileSystemReader(path), not _is_distributed()
+            dcp.load(state_dict, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=no_dist)
     except CheckpointException as exc:  # a BaseException: turn it into an ordinary, readable error
         causes = [failure[0] for failure in exc.failures.values()]
         unsafe = [cause for cause in causes if isinstance(cause, UnsafeCheckpointError)]
@@ -138,8 +131,6 @@ def _write_json(data: Any, path: Path) -> None:
 
 
 # -- save / load -----------------------------------------------------------------------------------
-
-
 def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -153,16 +144,13 @@ def save_checkpoint(
 
     Collective over the default process group (or a plain single process). Rank 0 also writes the
     scheduler state, `extra_state` (JSON), the model's HF config and the tokenizer. `trainable_only`
-    (LoRA) saves only the parameters that train, not the frozen base weights.
-    """
+    (LoRA) saves only the parameters that train, not the frozen base weights."""
     path = Path(path)
-    _on_rank0(
-        lambda: path.mkdir(parents=True, exist_ok=True), f"could not create checkpoint directory {path}"
-    )
+    on_rank0(lambda: path.mkdir(parents=True, exist_ok=True), f"could not create checkpoint directory {path}")
     _dcp_save(_model_state(model, trainable_only), path / MODEL_DIR)
     if optimizer is not None:
         _dcp_save(get_optimizer_state_dict(model, optimizer), path / OPTIM_DIR)
-    _on_rank0(
+    on_rank0(
         lambda: _write_rank0_files(model, scheduler, path, tokenizer, extra_state),
         f"could not write checkpoint files under {path}",
     )
@@ -203,13 +191,12 @@ def load_checkpoint(
 
     The number of ranks may differ from the save (DCP reshards). Returns the saved `extra_state` or None.
     `trainable_only` (LoRA): the checkpoint holds only the trainable parameters; the others keep their
-    values (the frozen base model).
-    """
+    values (the frozen base model)."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     model_state = _model_state(model, trainable_only)
-    _dcp_load(model_state, path / MODEL_DIR)
+    load_dcp_into(model_state, path / MODEL_DIR)
     set_model_state_dict(model, model_state, options=StateDictOptions(strict=not trainable_only))
     if optimizer is not None and not (path / OPTIM_DIR).is_dir():
         warnings.warn(
@@ -219,7 +206,7 @@ def load_checkpoint(
     elif optimizer is not None:
         # A fresh optimizer gets its state initialised here, so the loaded state has somewhere to go.
         optim_state = get_optimizer_state_dict(model, optimizer)
-        _dcp_load(optim_state, path / OPTIM_DIR)
+        load_dcp_into(optim_state, path / OPTIM_DIR)
         set_optimizer_state_dict(model, optimizer, optim_state)
     if scheduler is not None:
         scheduler.load_state_dict(_read_json(path / SCHEDULER_FILE))
@@ -234,8 +221,6 @@ def _read_json(path: Path) -> Any:
 
 
 # -- RNG state of every rank -------------------------------------------------------------------------
-
-
 def _rng_file(path: str | Path, rank: int) -> Path:
     return Path(path) / RNG_DIR / f"rank_{rank}.safetensors"
 
@@ -280,15 +265,9 @@ def load_rng_state(path: str | Path, rank: int) -> None:
         header_size = int.from_bytes(handle.read(8), "little")
         scalars = json.loads(json.loads(handle.read(header_size))["__metadata__"]["scalars"])
     random.setstate((scalars["python_version"], tuple(tensors["python"].tolist()), scalars["python_gauss"]))
-    np.random.set_state(
-        (
-            scalars["numpy_kind"],
-            tensors["numpy"].numpy().astype(np.uint32),
-            scalars["numpy_pos"],
-            scalars["numpy_has_gauss"],
-            scalars["numpy_gauss"],
-        )
-    )
+    numpy_keys = tensors["numpy"].numpy().astype(np.uint32)
+    numpy_rest = (scalars["numpy_pos"], scalars["numpy_has_gauss"], scalars["numpy_gauss"])
+    np.random.set_state((scalars["numpy_kind"], numpy_keys, *numpy_rest))
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
@@ -311,15 +290,13 @@ def load_rng_state_if_saved(path: str | Path, rank: int) -> bool:
 
 
 # -- Hugging Face export ----------------------------------------------------------------------------
-
-
 def is_sequence_classifier(model_config: Any) -> bool:
     """True when an HF config's architecture is a sequence classifier (a reward model)."""
     architectures = getattr(model_config, "architectures", None) or [""]
     return architectures[0].endswith("ForSequenceClassification")
 
 
-def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
+def empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
     """An HF model of `model_config` with uninitialised CPU weights in `dtype` (no random init cost): a
     sequence classifier when the config's architecture names one (a reward model), a token classifier
     likewise (a value model), an image-text-to-text model when it has a vision tower, else a causal LM."""
@@ -344,13 +321,13 @@ def _empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
     return model
 
 
-def _weights_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+def weights_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     """The dtype the weights were trained in: that of the first floating-point tensor."""
     return next((dtype for dtype in dtypes if dtype.is_floating_point), torch.float32)
 
 
 def _model_with_weights(full_state: dict[str, torch.Tensor], model_config: Any) -> torch.nn.Module:
-    model = _empty_model(model_config, _weights_dtype([t.dtype for t in full_state.values()]))
+    model = empty_model(model_config, weights_dtype([t.dtype for t in full_state.values()]))
     missing, unexpected = model.load_state_dict(full_state, strict=False)
     tied = {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set()
     if set(missing) - tied or unexpected:
@@ -361,7 +338,7 @@ def _model_with_weights(full_state: dict[str, torch.Tensor], model_config: Any) 
     return model
 
 
-def _write_hf_dir(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
+def write_hf_dir(model: torch.nn.Module, tokenizer: Any, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     if tokenizer is not None:
@@ -373,8 +350,8 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, model
     out_dir = Path(out_dir)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_state = get_model_state_dict(model, options=options)  # full on rank 0, empty on the others
-    _on_rank0(
-        lambda: _write_hf_dir(_model_with_weights(full_state, model_config), tokenizer, out_dir),
+    on_rank0(
+        lambda: write_hf_dir(_model_with_weights(full_state, model_config), tokenizer, out_dir),
         f"could not export the Hugging Face directory {out_dir}",
     )
     return out_dir
@@ -386,8 +363,7 @@ def export_checkpoint_to_hf(
     """`posttrain export`: a Hugging Face directory from a checkpoint's DCP model weights (one process).
 
     The model config and tokenizer come from the checkpoint (`hf_config/`, `tokenizer/`), else from
-    `base_model_dir`.
-    """
+    `base_model_dir`."""
     from transformers import AutoConfig, AutoTokenizer
 
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
@@ -396,13 +372,13 @@ def export_checkpoint_to_hf(
     tokenizer_dir = _pick_dir(checkpoint_dir / TOKENIZER_DIR, base_model_dir, "tokenizer")
     saved = SafeFileSystemReader(model_dir).read_metadata().state_dict_metadata
     dtypes = [entry.properties.dtype for entry in saved.values() if hasattr(entry, "properties")]
-    model = _empty_model(AutoConfig.from_pretrained(config_dir), _weights_dtype(dtypes))
+    model = empty_model(AutoConfig.from_pretrained(config_dir), weights_dtype(dtypes))
     state = model.state_dict()  # tied weights appear under both names, sharing one tensor
-    _dcp_load(state, model_dir)
+    load_dcp_into(state, model_dir)
     model.load_state_dict(state)
     model.tie_weights()
     try:
-        _write_hf_dir(model, AutoTokenizer.from_pretrained(tokenizer_dir), out_dir)
+        write_hf_dir(model, AutoTokenizer.from_pretrained(tokenizer_dir), out_dir)
         if (Path(tokenizer_dir) / "preprocessor_config.json").is_file():  # a vision-language model's images
             shutil.copy(
                 Path(tokenizer_dir) / "preprocessor_config.json", out_dir / "preprocessor_config.json"
@@ -410,14 +386,6 @@ def export_checkpoint_to_hf(
     except OSError as exc:
         raise CheckpointWriteError(f"could not export the Hugging Face directory {out_dir}: {exc}") from exc
     return out_dir
-
-
-# Public names of the helpers the LoRA export (models/lora.py) reuses.
-on_rank0 = _on_rank0
-empty_model = _empty_model
-weights_dtype = _weights_dtype
-write_hf_dir = _write_hf_dir
-load_dcp_into = _dcp_load
 
 
 def _pick_dir(saved: Path, base_model_dir: str | Path | None, what: str) -> str:

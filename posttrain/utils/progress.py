@@ -37,15 +37,9 @@ class StepProgress:
     def __enter__(self) -> StepProgress:
         self._t0 = time.monotonic()
         if self.interactive:
-            self._progress = Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=self.console,
-            )
+            columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
+            columns += (TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+            self._progress = Progress(*columns, console=self.console)
             self._progress.start()
             self._task = self._progress.add_task(
                 self.description, total=self.total, completed=self.start, info=""

@@ -4,8 +4,7 @@ DCP's own reader unpickles `.metadata` with plain `pickle` and its default plann
 entries (optimizer hyper-parameters) with `torch.load(weights_only=False)`: a crafted checkpoint runs
 arbitrary code. Here `.metadata` goes through an unpickler that only builds DCP's metadata classes,
 torch sizes/dtypes/layouts and plain paths, and non-tensor entries through `torch.load(weights_only=True)`.
-Tensors were already read with `weights_only=True` by DCP itself.
-"""
+Tensors were already read with `weights_only=True` by DCP itself."""
 
 from __future__ import annotations
 

@@ -92,10 +92,9 @@ class SamplePrinter:
 
     def panel(self, samples: Sequence[Mapping[str, Any]], step: int) -> Panel:
         stats = reward_stats(samples)
-        header = Text(
-            f"reward mean {stats['mean']:.4g}  min {stats['min']:.4g}  max {stats['max']:.4g}  n "
-            f"{stats['n']}",
-            style="bold",
+        summary = (
+            f"reward mean {stats['mean']:.4g}  min {stats['min']:.4g}  max {stats['max']:.4g}  n {stats['n']}"
         )
+        header = Text(summary, style="bold")
         chosen = [render_sample(sample) for sample in choose_samples(samples, self.num_to_print)]
         return Panel(Group(header, *chosen), title=f"validation samples, step {step}")

@@ -34,14 +34,9 @@ def metrics_endpoints() -> list[tuple[str, str]]:
     """(node ip, metrics URL) of every alive Ray node, from `ray.nodes()`."""
     import ray
 
-    return [
-        (
-            node["NodeManagerAddress"],
-            f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
-        )
-        for node in ray.nodes()
-        if node.get("Alive") and node.get("MetricsExportPort")
-    ]
+    nodes = [node for node in ray.nodes() if node.get("Alive") and node.get("MetricsExportPort")]
+    urls = [f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics" for node in nodes]
+    return [(node["NodeManagerAddress"], url) for node, url in zip(nodes, urls)]
 
 
 def parse_node_metrics(exposition: str) -> dict[str, float]:
@@ -97,11 +92,8 @@ class RaySystemMonitor:
                 f"gpu_monitoring intervals must be > 0, got collection_interval={collection_interval}, "
                 f"flush_interval={flush_interval}"
             )
-        self.parent_logger = parent_logger
-        self.collection_interval = collection_interval
-        self.flush_interval = flush_interval
-        self.timeout = timeout
-        self.step = 0
+        self.parent_logger, self.timeout, self.step = parent_logger, timeout, 0
+        self.collection_interval, self.flush_interval = collection_interval, flush_interval
         self._buffer: list[dict[str, float]] = []
         self._failing: set[str] = set()
         self._stop = threading.Event()

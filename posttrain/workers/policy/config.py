@@ -49,11 +49,9 @@ class SchedulerConfig:
         """Build the scheduler on a dummy optimizer: an unknown name, keyword or value fails here."""
         import torch
 
+        schedulers = torch.optim.lr_scheduler
         scheduler_cls = _torch_class(
-            torch.optim.lr_scheduler,
-            self.name,
-            torch.optim.lr_scheduler.LRScheduler,
-            "torch.optim.lr_scheduler",
+            schedulers, self.name, schedulers.LRScheduler, "torch.optim.lr_scheduler"
         )
         try:
             scheduler_cls(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **self.kwargs)
@@ -234,30 +232,16 @@ class PolicyConfig:
 
 
 def validate_policy_config(cfg: PolicyConfig) -> None:
-    """Raise ValueError naming the first impossible setting of the `policy` section."""
-    if cfg.model_kind not in ("causal_lm", "reward_model", "value_model"):
-        raise ValueError(
-            "policy.model_kind: expected 'causal_lm', 'reward_model' or 'value_model', "
-            f"got {cfg.model_kind!r}"
-        )
+    """Raise ValueError naming the first impossible setting of the `policy` section (the schema has checked
+    each field's type and allowed values)."""
     if cfg.model_kind == "value_model" and (cfg.backend != "dtensor" or cfg.lora.enabled):
         raise ValueError("policy.model_kind 'value_model' trains in full on the dtensor backend (no LoRA)")
-    if cfg.precision not in ("float32", "bfloat16"):
-        raise ValueError(f"policy.precision: expected 'float32' or 'bfloat16', got {cfg.precision!r}")
-    for key in (
-        "train_global_batch_size",
-        "train_micro_batch_size",
-        "logprob_batch_size",
-        "tensor_parallel_size",
-        "context_parallel_size",
-        "expert_parallel_size",
-    ):
+    batch_sizes = ("train_global_batch_size", "train_micro_batch_size", "logprob_batch_size")
+    for key in (*batch_sizes, "tensor_parallel_size", "context_parallel_size", "expert_parallel_size"):
         if getattr(cfg, key) < 1:
             raise ValueError(f"policy.{key}: must be >= 1, got {getattr(cfg, key)}")
     if cfg.logprob_temperature <= 0:
         raise ValueError(f"policy.logprob_temperature: must be > 0, got {cfg.logprob_temperature}")
-    if cfg.backend not in ("dtensor", "megatron"):
-        raise ValueError(f"policy.backend: expected 'dtensor' or 'megatron', got {cfg.backend!r}")
     if cfg.backend == "megatron":
         validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
@@ -331,16 +315,12 @@ def validate_expert_parallel(cfg: PolicyConfig) -> None:
     """What policy.expert_parallel_size combines with: data parallelism only (not tensor, pipeline or
     context parallelism, not LoRA)."""
     ep = cfg.expert_parallel_size
-    mcfg = cfg.megatron
+    tp, pp = cfg.megatron.tensor_model_parallel_size, cfg.megatron.pipeline_model_parallel_size
     conflict = None
-    if cfg.backend == "megatron" and mcfg.tensor_model_parallel_size > 1:
-        conflict = (
-            f"policy.megatron.tensor_model_parallel_size={mcfg.tensor_model_parallel_size} (set it to 1"
-        )
-    elif cfg.backend == "megatron" and mcfg.pipeline_model_parallel_size > 1:
-        conflict = (
-            f"policy.megatron.pipeline_model_parallel_size={mcfg.pipeline_model_parallel_size} (set it to 1"
-        )
+    if cfg.backend == "megatron" and tp > 1:
+        conflict = f"policy.megatron.tensor_model_parallel_size={tp} (set it to 1"
+    elif cfg.backend == "megatron" and pp > 1:
+        conflict = f"policy.megatron.pipeline_model_parallel_size={pp} (set it to 1"
     elif cfg.tensor_parallel_size > 1:
         conflict = f"policy.tensor_parallel_size={cfg.tensor_parallel_size} (set it to 1"
     elif cfg.lora.enabled:

@@ -60,12 +60,8 @@ class ContextParallelLayout:
 
     def global_order(self, device: torch.device | None = None) -> torch.Tensor:
         """index[g]: where global position g lies in the concatenation of every rank's local positions."""
-        gathered = torch.cat(
-            [
-                ContextParallelLayout(None, self.cp_size, r, self.chunk_len).local_positions()
-                for r in range(self.cp_size)
-            ]
-        )  # [T]: the global position of each gathered position
+        ranks = [ContextParallelLayout(None, self.cp_size, r, self.chunk_len) for r in range(self.cp_size)]
+        gathered = torch.cat([rank.local_positions() for rank in ranks])  # [T]: each gathered position's
         return torch.argsort(gathered).to(device)
 
 
@@ -143,22 +139,11 @@ class CausalChunkAttention(torch.autograd.Function):
     def backward(ctx, grad):
         flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
         query, key, value, out, lse = ctx.saved_tensors
-        grad_query, grad_key, grad_value = (
-            torch.zeros_like(query),
-            torch.zeros_like(key),
-            torch.zeros_like(value),
-        )
+        grad_query, grad_key, grad_value = (torch.zeros_like(t) for t in (query, key, value))
         for a, b, causal in ctx.blocks:
+            block = (key[:, :, a:b], value[:, :, a:b])
             dq, dk, dv = flash_backward(
-                grad.contiguous(),
-                query,
-                key[:, :, a:b],
-                value[:, :, a:b],
-                out,
-                lse,
-                0.0,
-                causal,
-                scale=ctx.scale,
+                grad.contiguous(), query, *block, out, lse, 0.0, causal, scale=ctx.scale
             )
             grad_query += dq
             grad_key[:, :, a:b] = dk
@@ -220,11 +205,10 @@ def context_parallel_attention(
     for j, chunk in enumerate(layout.chunks):
         end = (chunk + 1) * c
         mask = chunk_mask(layout, chunk, query.device) if layout.segment_ids is not None else None
+        chunk_query = query[:, :, j * c : (j + 1) * c]
         outputs.append(
-            attend_chunk(
-                query[:, :, j * c : (j + 1) * c], keys[:, :, :end], values[:, :, :end], mask, dropout, scaling
-            )
-        )  # [b, H, c, d]
+            attend_chunk(chunk_query, keys[:, :, :end], values[:, :, :end], mask, dropout, scaling)
+        )
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
@@ -270,16 +254,11 @@ def context_parallel_logprobs(
     segments = segment_ids_of(packed_lengths, total) if packed_lengths is not None else None
     layout = ContextParallelLayout(group, cp_size, cp_rank, total // (2 * cp_size), segments)
     padded_ids = torch.nn.functional.pad(input_ids, (0, total - seq_len))  # [b, T_pad]
-    padded_positions = torch.cat(
-        [position_ids, position_ids[:, -1:] + torch.arange(1, total - seq_len + 1, device=input_ids.device)],
-        dim=1,
-    )  # [b, T_pad]
+    extra_positions = position_ids[:, -1:] + torch.arange(1, total - seq_len + 1, device=input_ids.device)
+    padded_positions = torch.cat([position_ids, extra_positions], dim=1)  # [b, T_pad]
     local = layout.local_positions(input_ids.device)  # [2c]
-    logits = model(
-        input_ids=padded_ids[:, local],
-        position_ids=padded_positions[:, local],
-        context_parallel_layout=layout,
-    ).logits  # [b, 2c, V]
+    inputs = {"input_ids": padded_ids[:, local], "position_ids": padded_positions[:, local]}
+    logits = model(**inputs, context_parallel_layout=layout).logits  # [b, 2c, V]
     next_ids = torch.nn.functional.pad(padded_ids[:, 1:], (0, 1))[:, local]  # [b, 2c]: the token after each
     next_logprobs = TokenLogprobs.apply(
         logits.reshape(batch * local.numel(), -1), next_ids.reshape(-1), temperature

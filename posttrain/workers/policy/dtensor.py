@@ -194,7 +194,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return model
 
     # -- forward ---------------------------------------------------------------------------------------
-
     def _forward(self, microbatch: MicroBatch, logprobs_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model, values [b, T_mb] for a value
         model (fp32). With `logprobs_at` ([b, T_mb, k] token ids, a distillation loss's candidates): the
@@ -221,14 +220,8 @@ class DTensorPolicyWorker(PolicyWorker):
             return values * attention_mask
         text_only = not is_vision_language_model(self.model)  # equal VLM prompts may show different images
         if self.shares_prefixes(self.model) and text_only and "token_mask" in data:  # prompts computed once
-            logprobs = shared_prefix_logprobs(
-                self.model,
-                data["input_ids"],
-                row_lengths(data).tolist(),
-                data["token_mask"],
-                self.cfg.logprob_temperature,
-                self.device,
-            )
+            rows = (data["input_ids"], row_lengths(data).tolist(), data["token_mask"])
+            logprobs = shared_prefix_logprobs(self.model, *rows, self.cfg.logprob_temperature, self.device)
             if logprobs is not None:
                 return logprobs * attention_mask
         # Logits only from the position before the first trained token: a GRPO prompt's logits are never
@@ -259,14 +252,10 @@ class DTensorPolicyWorker(PolicyWorker):
                 self.model, input_ids, positions.expand_as(input_ids), self.cp_group, temperature
             )  # [b, T_mb]
             return logprobs * read
+        ids, positions = packed.input_ids.to(self.device), packed.position_ids.to(self.device)
         row_logprobs = context_parallel_logprobs(
-            self.model,
-            packed.input_ids.to(self.device),
-            packed.position_ids.to(self.device),
-            self.cp_group,
-            temperature,
-            packed.lengths,
-        )  # [1, L]
+            self.model, ids, positions, self.cp_group, temperature, packed.lengths
+        )
         return unpack_row_logprobs(row_logprobs, packed.lengths, input_ids.shape[1]) * read  # [n, T_mb]
 
     def _causal_logits(self, data: dict[str, Any], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -363,7 +352,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return out
 
     # -- training --------------------------------------------------------------------------------------
-
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr
         used)."""
@@ -407,18 +395,13 @@ class DTensorPolicyWorker(PolicyWorker):
         return step
 
     # -- checkpoints, export, refit ----------------------------------------------------------------------
-
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (when `save_optimizer`) + scheduler state (DCP) under `path`, and this
         rank's RNG states (collective)."""
         optimizer = self.optimizer if save_optimizer else None
+        lora_enabled = self.cfg.lora.enabled
         native_checkpoint.save_checkpoint(
-            self.model,
-            optimizer,
-            self.scheduler,
-            path,
-            tokenizer=self.tokenizer,
-            trainable_only=self.cfg.lora.enabled,
+            self.model, optimizer, self.scheduler, path, tokenizer=self.tokenizer, trainable_only=lora_enabled
         )
         if self.cfg.lora.enabled:  # adapter + optimizer only; the config names the base model
             native_checkpoint.on_rank0(
@@ -477,7 +460,6 @@ class DTensorPolicyWorker(PolicyWorker):
         return weights if self.rank == 0 else {}
 
     # -- memory --------------------------------------------------------------------------------------------
-
     def _move_training_state(self, device: torch.device) -> None:
         self.model.to(device)
         for state in self.optimizer.state.values():

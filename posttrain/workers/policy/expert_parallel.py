@@ -16,8 +16,7 @@ The all-to-all is differentiable (its backward is the reverse all-to-all), so an
 owner sums over the tokens of its whole EP group; `reduce_expert_gradients` then sums it over the edp group,
 giving the gradient of a single process (gloo has all_to_all_single with uneven splits since torch 2.x: no
 all-gather fallback is needed). Checkpoints (DCP) save each shard once; HF export, refit and full weights
-gather the experts back with the DTensor machinery (`full_tensor`).
-"""
+gather the experts back with the DTensor machinery (`full_tensor`)."""
 
 from __future__ import annotations
 

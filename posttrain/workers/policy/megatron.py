@@ -7,8 +7,7 @@ losses and global
 normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
 (`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
 
-On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`.
-"""
+On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`."""
 
 from __future__ import annotations
 
@@ -103,110 +102,93 @@ class MegatronPolicyWorker(PolicyWorker):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         with self._backend():
-            self._init_parallel_state()
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    def _init_parallel_state(self) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        mcfg = self.cfg.megatron
-        if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(
-                tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
-                pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
-                expert_model_parallel_size=self.cfg.expert_parallel_size,
-            )
-        if self.device.type == "cuda":
-            model_parallel_cuda_manual_seed(self.cfg.seed)
-        self.dp_group = parallel_state.get_data_parallel_group()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.dp_rank = parallel_state.get_data_parallel_rank()
-        self.tp_group = parallel_state.get_tensor_model_parallel_group()
-        self.tp_size = mcfg.tensor_model_parallel_size
-        self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.pp_size = mcfg.pipeline_model_parallel_size
-        self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-        self.is_first_stage = parallel_state.is_pipeline_first_stage()
-        self.is_last_stage = parallel_state.is_pipeline_last_stage()
-        self.ep_group = parallel_state.get_expert_model_parallel_group()
-        self.ep_size = self.cfg.expert_parallel_size
-        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
-        self.expert_counter: megatron_moe_step.ExpertCounter | None = None  # set while a global batch runs
+            mcfg = self.cfg.megatron
+            if not parallel_state.model_parallel_is_initialized():
+                parallel_state.initialize_model_parallel(
+                    tensor_model_parallel_size=mcfg.tensor_model_parallel_size,
+                    pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
+                    expert_model_parallel_size=self.cfg.expert_parallel_size,
+                )
+            if self.device.type == "cuda":
+                model_parallel_cuda_manual_seed(self.cfg.seed)
+            self.dp_group = parallel_state.get_data_parallel_group()
+            self.dp_size = parallel_state.get_data_parallel_world_size()
+            self.dp_rank = parallel_state.get_data_parallel_rank()
+            self.tp_group = parallel_state.get_tensor_model_parallel_group()
+            self.tp_size = mcfg.tensor_model_parallel_size
+            self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
+            self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+            self.pp_size = mcfg.pipeline_model_parallel_size
+            self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
+            self.is_first_stage = parallel_state.is_pipeline_first_stage()
+            self.is_last_stage = parallel_state.is_pipeline_last_stage()
+            self.ep_group = parallel_state.get_expert_model_parallel_group()
+            self.ep_size = self.cfg.expert_parallel_size
+            self.ep_rank = parallel_state.get_expert_model_parallel_rank()
+            self.expert_counter: megatron_moe_step.ExpertCounter | None = None  # set while a batch runs
 
     def _build_model_and_optimizer(self) -> None:
         with self._backend():
-            self._build_megatron_model_and_optimizer()
+            from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+            from megatron.core.optimizer import get_megatron_optimizer
 
-    def _build_megatron_model_and_optimizer(self) -> None:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-
-        mcfg, bf16 = self.cfg.megatron, self.cfg.precision == "bfloat16"
-        hf_model = load_hf_model(self.cfg)
-        self.hf_config = hf_model.config
-        parallel = {
-            "tensor_model_parallel_size": mcfg.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": mcfg.pipeline_model_parallel_size,
-            "sequence_parallel": mcfg.sequence_parallel,
-            "expert_model_parallel_size": self.ep_size,
-        }
-        self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
-        moe = self.layout.moe
-        megatron_moe_convert.check_moe_parallelism(moe, self.ep_size, self.pp_size)
-        if moe is not None and self.cfg.lora.enabled:
-            raise ValueError(
-                "policy.lora.enabled=true with a mixture-of-experts model: policy.backend=megatron puts "
-                "adapters on dense models only (use policy.backend=dtensor)"
+            mcfg, bf16 = self.cfg.megatron, self.cfg.precision == "bfloat16"
+            hf_model = load_hf_model(self.cfg)
+            self.hf_config = hf_model.config
+            parallel = {
+                "tensor_model_parallel_size": mcfg.tensor_model_parallel_size,
+                "pipeline_model_parallel_size": mcfg.pipeline_model_parallel_size,
+                "sequence_parallel": mcfg.sequence_parallel,
+                "expert_model_parallel_size": self.ep_size,
+            }
+            self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
+            moe = self.layout.moe
+            megatron_moe_convert.check_moe_parallelism(moe, self.ep_size, self.pp_size)
+            if moe is not None and self.cfg.lora.enabled:
+                raise ValueError(
+                    "policy.lora.enabled=true with a mixture-of-experts model: policy.backend=megatron puts "
+                    "adapters on dense models only (use policy.backend=dtensor)"
+                )
+            coefs = (self.cfg.moe.load_balancing_coef, self.cfg.moe.z_loss_coef)
+            layers, dispatcher = self.layout.num_layers, self._token_dispatcher()
+            moe_training = megatron_moe_convert.moe_training_fields(moe, layers, *coefs, dispatcher)
+            self.transformer_config = megatron_convert.transformer_config(
+                self.hf_config, parallel, bf16, moe_training
             )
-        moe_training = megatron_moe_convert.moe_training_fields(
-            moe,
-            self.layout.num_layers,
-            self.cfg.moe.load_balancing_coef,
-            self.cfg.moe.z_loss_coef,
-            self._token_dispatcher(),
-        )
-        self.transformer_config = megatron_convert.transformer_config(
-            self.hf_config, parallel, bf16, moe_training
-        )
-        model = megatron_convert.build_gpt_model(
-            self.hf_config, self.transformer_config, self.is_first_stage, self.is_last_stage
-        )
-        self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
-        names = [name for name, _ in model.named_parameters()]
-        self.expert_offset = megatron_moe_convert.local_expert_offset(moe, self.ep_rank, self.ep_size)
-        local = megatron_convert.hf_to_megatron(
-            hf_model.state_dict(),
-            names,
-            self.layer_offset,
-            self.layout,
-            self.tp_rank,
-            self.tp_size,
-            self.expert_offset,
-        )
-        del hf_model
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                param.copy_(local[name])
-        model = self._prepare_model(model.to(self.device))
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
-            use_distributed_optimizer=mcfg.distributed_optimizer,
-            check_for_nan_in_grad=False,
-        )
-        self.model = DistributedDataParallel(self.transformer_config, ddp_config, model)
-        self.transformer_config.finalize_model_grads_func = self._finalize_grads
-        # An empty override dict: every parameter gets the configured weight decay, as in the DTensor
-        # backend (Megatron's default skips biases and norms).
-        self.optimizer = get_megatron_optimizer(
-            megatron_optimizer_config(self.cfg, bf16), [self.model], config_overrides={}
-        )
-        for optimizer in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
-            optimizer.init_state_fn = optimizer.init_state_fn or init_sgd_state  # Megatron gives SGD none
-        self.scheduler = build_scheduler(self._torch_optimizer(), self.cfg)
-        self._sync_lr()
+            model = megatron_convert.build_gpt_model(
+                self.hf_config, self.transformer_config, self.is_first_stage, self.is_last_stage
+            )
+            self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
+            names = [name for name, _ in model.named_parameters()]
+            self.expert_offset = megatron_moe_convert.local_expert_offset(moe, self.ep_rank, self.ep_size)
+            shard = (self.layer_offset, self.layout, self.tp_rank, self.tp_size, self.expert_offset)
+            local = megatron_convert.hf_to_megatron(hf_model.state_dict(), names, *shard)
+            del hf_model
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    param.copy_(local[name])
+            model = self._prepare_model(model.to(self.device))
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=False,
+                overlap_param_gather=False,
+                use_distributed_optimizer=mcfg.distributed_optimizer,
+                check_for_nan_in_grad=False,
+            )
+            self.model = DistributedDataParallel(self.transformer_config, ddp_config, model)
+            self.transformer_config.finalize_model_grads_func = self._finalize_grads
+            # An empty override dict: every parameter gets the configured weight decay, as in the DTensor
+            # backend (Megatron's default skips biases and norms).
+            self.optimizer = get_megatron_optimizer(
+                megatron_optimizer_config(self.cfg, bf16), [self.model], config_overrides={}
+            )
+            for optimizer in getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]:
+                optimizer.init_state_fn = optimizer.init_state_fn or init_sgd_state  # Megatron gives SGD none
+            self.scheduler = build_scheduler(self._torch_optimizer(), self.cfg)
+            self._sync_lr()
 
     def _token_dispatcher(self) -> str:
         """policy.megatron.moe_token_dispatcher; alltoall needs NCCL (gloo cannot exchange its uneven
@@ -249,7 +231,6 @@ class MegatronPolicyWorker(PolicyWorker):
                 group["lr"] = lr
 
     # -- micro-batches through Megatron's schedule -------------------------------------------------------
-
     def _microbatch_shape(self, batch_size: int, seq_len: int) -> tuple[int, int] | None:
         """Pipeline stages exchange fixed-shape activations, and the allgather token dispatcher gathers
         equal token counts from the expert-parallel ranks: then every micro-batch is padded to [rows, T]
@@ -340,7 +321,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return holder[0]
 
     # -- logprobs ----------------------------------------------------------------------------------------
-
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch (forward only), on every
         stage."""
@@ -362,7 +342,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return self._from_last_stage(out)
 
     # -- training ----------------------------------------------------------------------------------------
-
     def _run_global_batch(
         self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
     ) -> StepMetrics:
@@ -428,7 +407,6 @@ class MegatronPolicyWorker(PolicyWorker):
         return float(grad_norm or 0.0), lr
 
     # -- full weights: refit, export -----------------------------------------------------------------------
-
     def _full_hf_weights(self) -> dict[str, torch.Tensor]:
         """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective)."""
         stage: dict[str, torch.Tensor] = {}
@@ -508,7 +486,6 @@ class MegatronPolicyWorker(PolicyWorker):
         dist.barrier()
 
     # -- native checkpoints ----------------------------------------------------------------------------------
-
     def _sharded_model_state(self) -> dict[str, Any]:
         return self.model.module.sharded_state_dict()
 
@@ -564,7 +541,6 @@ class MegatronPolicyWorker(PolicyWorker):
         self.versions.bump()
 
     # -- memory, description --------------------------------------------------------------------------------
-
     def offload(self) -> None:
         """No-op: Megatron's contiguous parameter/gradient buffers stay where they are."""
 
@@ -579,13 +555,5 @@ class MegatronPolicyWorker(PolicyWorker):
         return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
 
     def describe(self) -> dict[str, Any]:
-        info = super().describe()
-        info.update(
-            backend_name="megatron",
-            tp=self.tp_size,
-            pp=self.pp_size,
-            dp=self.dp_size,
-            ep=self.ep_size,
-            pid=os.getpid(),
-        )
-        return info
+        parallel = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size}
+        return {**super().describe(), "backend_name": "megatron", **parallel, "pid": os.getpid()}

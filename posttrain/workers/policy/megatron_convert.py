@@ -9,8 +9,7 @@ Megatron layout of one layer (TP shards along the first dim unless noted):
   linear_fc2   [H, FFN]                                                  (TP shards along dim 1)
   q_layernorm, k_layernorm [head_dim]  (Qwen3-MoE's q_norm / k_norm; replicated)
 The vocabulary is padded to a multiple of the TP size (rows of zeros); logits past it are cut off. A reward
-model (a HF `*ForSequenceClassification`) has `ScoreHead` ([1, H], replicated over TP) as its output layer.
-"""
+model (a HF `*ForSequenceClassification`) has `ScoreHead` ([1, H], replicated over TP) as its output layer."""
 
 from __future__ import annotations
 
@@ -85,8 +84,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
     if num_heads % tp_size or num_kv_heads % tp_size:
         raise ValueError(
             f"policy.megatron.tensor_model_parallel_size={tp_size} must divide "
-            f"num_attention_heads={num_heads} "
-            f"and num_key_value_heads={num_kv_heads}"
+            f"num_attention_heads={num_heads} and num_key_value_heads={num_kv_heads}"
         )
     moe = moe_layout(hf_config)
     if moe is not None and tp_size > 1:
@@ -101,6 +99,7 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         )
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
     vocab_size = hf_config.vocab_size
+    architecture = (getattr(hf_config, "architectures", None) or [""])[0]
     return GPTLayout(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
@@ -112,29 +111,18 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
         padded_vocab_size=-(-vocab_size // tp_size) * tp_size,
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        reward_model=(getattr(hf_config, "architectures", None) or [""])[0].endswith(
-            "ForSequenceClassification"
-        ),
+        reward_model=architecture.endswith("ForSequenceClassification"),
         qk_norm=model_type == "qwen3_moe",
         moe=moe,
     )
 
 
 # -- Names: Megatron (local layer index) <-> HF (global layer index) ---------------------------------
-
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER_PARTS = {
     "input_layernorm.weight": ["input_layernorm.weight"],
-    "self_attention.linear_qkv.weight": [
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ],
-    "self_attention.linear_qkv.bias": [
-        "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias",
-    ],
+    "self_attention.linear_qkv.weight": [f"self_attn.{p}_proj.weight" for p in "qkv"],
+    "self_attention.linear_qkv.bias": [f"self_attn.{p}_proj.bias" for p in "qkv"],
     "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
     "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
     "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
@@ -169,8 +157,6 @@ def tp_dim(name: str, layout: GPTLayout) -> int | None:
 
 
 # -- Tensor transforms -------------------------------------------------------------------------------
-
-
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
     """HF q [nq*d, ...], k/v [nkv*d, ...] -> Megatron's per-group [q of the group, k, v] rows."""
     heads_per_group = layout.num_heads // layout.num_kv_heads
@@ -195,8 +181,6 @@ def pad_vocab(weight: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
 
 
 # -- HF -> Megatron (this rank's shards) -------------------------------------------------------------
-
-
 def hf_to_megatron(
     hf_weights: dict[str, torch.Tensor],
     megatron_names: list[str],
@@ -250,8 +234,6 @@ def full_megatron_tensor(
 
 
 # -- Megatron -> HF (from every TP rank's shards of one stage) ---------------------------------------
-
-
 def merge_tp_shards(name: str, shards: list[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
     """The unsharded Megatron tensor `name` from its TP shards (in TP rank order)."""
     if name.endswith("mlp.linear_fc1.weight"):
@@ -297,8 +279,6 @@ def megatron_to_hf(
 
 
 # -- The Megatron model of a HF config ---------------------------------------------------------------
-
-
 def transformer_config(
     hf_config: Any, parallel: dict[str, Any], bf16: bool, moe_training: dict[str, Any] | None = None
 ) -> Any:
@@ -391,10 +371,8 @@ def block_spec(config: Any) -> Any:
     if config.qk_layernorm:
         layer_spec.submodules.self_attention.submodules.q_layernorm = SequenceParallelRMSNorm
         layer_spec.submodules.self_attention.submodules.k_layernorm = SequenceParallelRMSNorm
-    num_layers = get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelRMSNorm
-    )
+    layer_specs = [layer_spec] * get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_gpt_model(hf_config: Any, config: Any, pre_process: bool, post_process: bool) -> Any:

@@ -9,8 +9,7 @@ returns "cpu", also in backward passes, where the mode is not active) and `synch
 for the whole process; the RNG tracker becomes Megatron's own no-op (inference) tracker, so
 dropout uses torch's CPU generator. The model is given an explicit causal mask (Megatron builds its
 default one on CUDA). Only used when the worker has no CUDA device; checked against the one
-megatron-core version it was written and tested for.
-"""
+megatron-core version it was written and tested for."""
 
 from __future__ import annotations
 

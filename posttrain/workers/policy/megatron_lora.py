@@ -20,8 +20,7 @@ q/k/v (one A for all three, a different parametrisation from HF's), sets `params
 TransformerConfig, and does not mark replicated factors for sequence-parallel gradient reduction.
 
 The adapter is applied by a forward hook on the base linear (the base's parameter names stay as they are);
-`adapters_disabled` turns every hook off (the reference policy, no copy of weights).
-"""
+`adapters_disabled` turns every hook off (the reference policy, no copy of weights)."""
 
 from __future__ import annotations
 
@@ -268,10 +267,8 @@ def write_peft_dir(adapter: lora.AdapterWeights, out_dir: str | Path, base_model
     if Path(base_model).exists():  # a checkpoint read from another directory still finds it
         base_model = str(Path(base_model).resolve())
     lora.peft_config(adapter.cfg, adapter.model_kind, base_model).save_pretrained(str(out_dir))
-    save_file(
-        {name: t.contiguous() for name, t in adapter.tensors.items()},
-        str(out_dir / "adapter_model.safetensors"),
-    )
+    tensors = {name: t.contiguous() for name, t in adapter.tensors.items()}
+    save_file(tensors, str(out_dir / "adapter_model.safetensors"))
     return out_dir
 
 
@@ -280,18 +277,9 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     trainable parameters only), refit and checkpoint; the reference policy is the adapters switched off."""
 
     def _prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        tp = (self.tp_rank, self.tp_size, self.cfg.megatron.sequence_parallel)
         dtype = self.transformer_config.params_dtype
-        add_adapters(
-            model,
-            self.cfg.lora,
-            self.layout,
-            self.layer_offset,
-            self.tp_rank,
-            self.tp_size,
-            self.cfg.megatron.sequence_parallel,
-            self.cfg.seed,
-            dtype,
-        )
+        add_adapters(model, self.cfg.lora, self.layout, self.layer_offset, *tp, self.cfg.seed, dtype)
         return model
 
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -309,7 +297,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
             return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
 
     # -- the adapter in PEFT format: refit, export, loading one ---------------------------------------------
-
     def _gather_adapter(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
         """Collective: the full adapter in PEFT names on rank 0 (AdapterWeights), {} elsewhere."""
         tensors: dict[str, torch.Tensor] = {}
@@ -367,7 +354,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         self._write_hf_dir(weights, out_dir)
 
     # -- checkpoints: adapter (+ optimizer) through dist_checkpointing, and a PEFT directory -----------------
-
     def _sharded_model_state(self) -> dict[str, Any]:
         """The adapter factors as ShardedTensors keyed by PEFT name (global layer index: reshardable
         across tp/pp/dp)."""

@@ -9,8 +9,7 @@ Megatron layer:             mlp.router.weight [E, H]; mlp.experts.local_experts.
                             rank's E/ep experts, which is global expert ep_rank x E/ep + j.
 Routing: softmax over all experts in fp32, the top k, renormalised to sum to 1 (HF `norm_topk_prob`,
 always for Mixtral) = Megatron's top-k of the logits then softmax over those k (`moe_router_pre_softmax`
-false); without renormalisation = softmax first, then top-k (`moe_router_pre_softmax` true).
-"""
+false); without renormalisation = softmax first, then top-k (`moe_router_pre_softmax` true)."""
 
 from __future__ import annotations
 

@@ -53,9 +53,8 @@ def build_packed_row(input_ids: torch.Tensor, lengths: list[int]) -> PackedRow:
     pieces = [input_ids[i, :length] for i, length in enumerate(lengths)]
     row_ids = torch.cat(pieces).unsqueeze(0)  # [1, L]
     position_ids = torch.cat([torch.arange(length) for length in lengths]).unsqueeze(0).to(input_ids.device)
-    segment_ids = torch.cat([torch.full((length,), i) for i, length in enumerate(lengths)]).to(
-        input_ids.device
-    )
+    segment_ids = torch.cat([torch.full((length,), i) for i, length in enumerate(lengths)])
+    segment_ids = segment_ids.to(input_ids.device)
     same_segment = segment_ids.unsqueeze(0) == segment_ids.unsqueeze(1)  # [L, L]
     causal = torch.ones_like(same_segment).tril()  # [L, L]
     attention_mask = (same_segment & causal).view(1, 1, *same_segment.shape)  # [1, 1, L, L]
@@ -116,12 +115,11 @@ class ForwardCost:
         width = max(own)
         if self.share_prefixes and "token_mask" in data:
             index = torch.tensor(indices, dtype=torch.long)
-            shared = shared_prefix_cost(
-                data["input_ids"].index_select(0, index)[:, :width],
-                own,
-                data["token_mask"].index_select(0, index.to(data["token_mask"].device))[:, :width].cpu(),
-                self.attention_ratio,
+            input_ids = data["input_ids"].index_select(0, index)[:, :width]
+            token_mask = (
+                data["token_mask"].index_select(0, index.to(data["token_mask"].device))[:, :width].cpu()
             )
+            shared = shared_prefix_cost(input_ids, own, token_mask, self.attention_ratio)
             if shared is not None:
                 return shared
         return rows_cost(len(own), width, self.attention_ratio), len(own) * width, sum(own)
@@ -187,7 +185,5 @@ def pad_microbatches(microbatches: list[MicroBatch], count: int, rank: int) -> l
     if not microbatches and count > 0:
         raise ValueError(f"rank {rank}: got no data while other ranks did; send at least one row per rank")
     first = microbatches[0]
-    padding = [
-        MicroBatch(first.data, [], first.packed, is_padding=True, computed_tokens=first.computed_tokens)
-    ] * (count - len(microbatches))
-    return microbatches + padding
+    padding = MicroBatch(first.data, [], first.packed, is_padding=True, computed_tokens=first.computed_tokens)
+    return microbatches + [padding] * (count - len(microbatches))

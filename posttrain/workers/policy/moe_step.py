@@ -66,13 +66,13 @@ def add_router_losses(
     metrics: dict[str, Any],
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`loss` plus the weighted router losses of this micro-batch, and the tokens per expert [L, E] of its
-        real tokens (None for a dense model); writes `moe_load_balancing_loss`, `moe_z_loss` and, when it
+    real tokens (None for a dense model); writes `moe_load_balancing_loss`, `moe_z_loss` and, when it
     replays, `moe_replayed_tokens` (positions routed to recorded experts) into `metrics`.
 
-        Each micro-batch's router losses are computed over its own tokens (prompt and response, not padding)
-        and weighted by its share of the global batch's trained tokens, so that summed over micro-batches and
-        ranks they are a token-weighted mean of per-micro-batch losses (a batch statistic like the Switch loss
-        is not additive; this is how per-micro-batch MoE training computes it)."""
+    Each micro-batch's router losses are computed over its own tokens (prompt and response, not padding)
+    and weighted by its share of the global batch's trained tokens, so that summed over micro-batches and
+    ranks they are a token-weighted mean of per-micro-batch losses (a batch statistic like the Switch loss
+    is not additive; this is how per-micro-batch MoE training computes it)."""
     if tap is None:
         return loss, None
     device = loss.device

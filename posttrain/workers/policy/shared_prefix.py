@@ -188,13 +188,9 @@ def build_shared_prefix_rows(
     else:  # a 2D mask of ones: no padding to mask, so HF builds no mask (and detects no packed rows)
         mask = torch.ones(num_rows, width, dtype=torch.long)
     continuations = [(p.tree_row, p.start, p.length - p.prefix_length) for p in placements]
-    return SharedPrefixRows(
-        row_ids,
-        row_positions.to(input_ids.device),
-        mask.to(input_ids.device),
-        placements,
-        build_layout(num_rows, width, prompts, continuations),
-    )
+    layout = build_layout(num_rows, width, prompts, continuations)
+    device = input_ids.device
+    return SharedPrefixRows(row_ids, row_positions.to(device), mask.to(device), placements, layout)
 
 
 def unpack_shared_prefix_logprobs(
@@ -222,26 +218,17 @@ def shared_prefix_logprobs(
 ) -> torch.Tensor | None:
     """Logprobs [b, T] of a causal LM at every trained position, each shared prompt computed once (zeros up
     to each row's prompt end, as no loss reads them); None when no two rows share a prompt."""
-    rows = build_shared_prefix_rows(
-        input_ids,
-        lengths,
-        token_mask,
-        attention_cost_ratio(model.config),
-        dense_mask=not layout_replaces_mask(model),
-    )
+    ratio, dense_mask = attention_cost_ratio(model.config), not layout_replaces_mask(model)
+    rows = build_shared_prefix_rows(input_ids, lengths, token_mask, ratio, dense_mask=dense_mask)
     if rows is None:
         return None
     width = rows.input_ids.shape[1]  # N
     num_kept = width - rows.first_kept_position  # K: no trained token reads an earlier position's logits
-    logits = model(
-        input_ids=rows.input_ids.to(device),
-        position_ids=rows.position_ids.to(device),
-        attention_mask=rows.attention_mask.to(device),
-        logits_to_keep=num_kept,
-        shared_prefix_layout=rows.layout,  # read by shared_prefix_attention (tree_attention.py)
-    ).logits  # [R, K, V]
-    row_logprobs = compute_token_logprobs(
-        logits, rows.input_ids[:, -num_kept:].to(device), temperature
-    )  # [R, K]
+    inputs = {
+        name: getattr(rows, name).to(device) for name in ("input_ids", "position_ids", "attention_mask")
+    }
+    # shared_prefix_layout is read by shared_prefix_attention (tree_attention.py)
+    logits = model(**inputs, logits_to_keep=num_kept, shared_prefix_layout=rows.layout).logits  # [R, K, V]
+    row_logprobs = compute_token_logprobs(logits, inputs["input_ids"][:, -num_kept:], temperature)  # [R, K]
     row_logprobs = torch.nn.functional.pad(row_logprobs, (width - num_kept, 0))  # [R, N]
     return unpack_shared_prefix_logprobs(row_logprobs, rows, input_ids.shape[0], input_ids.shape[1])

@@ -60,9 +60,8 @@ def reduce_steps(
     for kind, names in columns.items():
         if not names:
             continue
-        values = torch.tensor(
-            [[step_value(step, name) for name in names] for step in steps], dtype=torch.float64
-        )  # [num_steps, num_names]
+        rows = [[step_value(step, name) for name in names] for step in steps]
+        values = torch.tensor(rows, dtype=torch.float64)  # [num_steps, num_names]
         if kind == "mean":  # each rank's micro-batch mean weighted by its micro-batch count
             values = all_reduce(values * counts[:, None], "sum")
             values = values / all_reduce(counts.clone(), "sum")[:, None].clamp(min=1)

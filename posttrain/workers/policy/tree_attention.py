@@ -53,9 +53,8 @@ def build_layout(
         if not prompt_done[row]:  # the row's prompt outputs: from its first continuation's attention
             source_index[row * width : row * width + prompt] = offset + torch.arange(prompt)
             prompt_done[row] = True
-        source_index[row * width + start : row * width + start + length] = (
-            offset + prompt + torch.arange(length)
-        )
+        first = row * width + start
+        source_index[first : first + length] = offset + prompt + torch.arange(length)
         offset += prompt + length
     return SharedPrefixLayout(sequences, source_index)
 
@@ -64,14 +63,9 @@ def _attend(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, scaling: float | None
 ) -> torch.Tensor:
     """Causal SDPA of [1, H, n, d] queries over [1, H_kv, n, d] keys and values (grouped heads)."""
+    gqa = query.shape[1] != key.shape[1]
     return torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=True,
-        enable_gqa=query.shape[1] != key.shape[1],
+        query, key, value, dropout_p=dropout, scale=scaling, is_causal=True, enable_gqa=gqa
     )
 
 
