@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from async_curves import run_stamped
 from curve_stats import area, bootstrap, mean_curve, time_to_reach
-from time_to_accuracy import posttrain_bin, training_seconds
+from time_to_accuracy import eval_samples, new_log_dir, posttrain_bin, read_jsonl, training_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-GRPO_CONFIG, EVAL_CONFIG = "configs/grpo_smollm2.yaml", "configs/eval_smollm2.yaml"
+GRPO_CONFIG = "configs/grpo_smollm2.yaml"
 DATA = {"num_digits": 2, "num_train": 4000, "seed": 0}
 
 SETTINGS = {
@@ -120,25 +120,13 @@ def loader_order_rows(args, seed: int) -> list[dict]:
     return [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
 
 
-def grades_of(samples_file: Path) -> list:
-    """Strict grades of a samples file, ordered by prompt (both arms' files hold the same questions)."""
-    rows = [json.loads(line) for line in samples_file.read_text().splitlines()]
+def strict_grades(rows: list[dict]) -> list:
+    """Strict grades of sample rows, ordered by prompt (both arms are graded on the same questions)."""
     return [r["strict_grade"] for r in sorted(rows, key=lambda r: r["prompt"])]
 
 
 def evaluate(model_dir: Path, out_dir: Path, num_val: int) -> list:
-    command = [
-        posttrain_bin(),
-        "eval",
-        "--config",
-        EVAL_CONFIG,
-        f"model.model_name={model_dir}",
-        f"eval.save_path={out_dir}",
-        f"eval.max_samples={num_val}",
-        f"data.num_val={num_val}",
-    ]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return grades_of(out_dir / "samples.jsonl")
+    return strict_grades(eval_samples(model_dir, out_dir, num_val))
 
 
 def run_posttrain(args, seed: int, log_dir: Path, start: list) -> list[dict]:
@@ -150,7 +138,7 @@ def run_posttrain(args, seed: int, log_dir: Path, start: list) -> list[dict]:
         {
             "step": step,
             "train_s": round(seconds[step], 1),
-            "grades": grades_of(log_dir / "val_samples" / f"step_{step}.jsonl"),
+            "grades": strict_grades(read_jsonl(log_dir / "val_samples" / f"step_{step}.jsonl")),
         }
         for step in steps
     ]
@@ -274,11 +262,7 @@ def main() -> int:
     }
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in args.arms.split(","):
-            log_dir = Path(args.log_root) / f"{arm}_seed{seed}"
-            if (log_dir / "console.log").exists():
-                raise SystemExit(f"{log_dir} holds an earlier run: remove it first")
-            log_dir.mkdir(parents=True, exist_ok=True)
-            print(f"{arm}, seed {seed}", flush=True)
+            log_dir = new_log_dir(args.log_root, arm, seed)
             result["curves"].setdefault(arm, []).append(runs[arm](args, seed, log_dir, start))
             result["summary"] = summarize(result["curves"], args.margin)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

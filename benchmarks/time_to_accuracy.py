@@ -64,8 +64,9 @@ def training_seconds(records: list[dict]) -> dict[int, float]:
     return out
 
 
-def evaluate(model_dir: Path, out_dir: Path, num_val: int) -> dict:
-    """`posttrain eval` of one model directory or checkpoint: strict accuracy and three replies."""
+def eval_samples(model_dir: Path, out_dir: Path, num_val: int) -> list[dict]:
+    """`posttrain eval` of one model directory or checkpoint on the held-out questions: its sample rows
+    (its summary.json is beside them in out_dir)."""
     command = [
         posttrain_bin(),
         "eval",
@@ -77,9 +78,28 @@ def evaluate(model_dir: Path, out_dir: Path, num_val: int) -> dict:
         f"data.num_val={num_val}",
     ]
     subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return read_jsonl(out_dir / "samples.jsonl")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def evaluate(model_dir: Path, out_dir: Path, num_val: int) -> dict:
+    """Strict accuracy and three replies of one model directory or checkpoint."""
+    rows = eval_samples(model_dir, out_dir, num_val)
     summary = json.loads((out_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()[:3]]
-    return {"strict_accuracy": summary["strict_accuracy"], "samples": rows}
+    return {"strict_accuracy": summary["strict_accuracy"], "samples": rows[:3]}
+
+
+def new_log_dir(log_root: str, arm: str, seed: int) -> Path:
+    """The run directory of one arm and seed, refused if it holds an earlier run."""
+    log_dir = Path(log_root) / f"{arm}_seed{seed}"
+    if (log_dir / "console.log").exists():
+        raise SystemExit(f"{log_dir} holds an earlier run: remove it first")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{arm}, seed {seed}", flush=True)
+    return log_dir
 
 
 def run_grpo(args, seed: int, log_dir: Path) -> dict:
@@ -250,11 +270,7 @@ def main() -> int:
     print(f"start: strict accuracy {result['start']['strict_accuracy']:.3f}", flush=True)
     for seed in [int(s) for s in args.seeds.split(",")]:  # arms alternate within a seed
         for arm in args.arms.split(","):
-            log_dir = Path(args.log_root) / f"{arm}_seed{seed}"
-            if (log_dir / "console.log").exists():
-                raise SystemExit(f"{log_dir} holds an earlier run: remove it first")
-            log_dir.mkdir(parents=True, exist_ok=True)
-            print(f"{arm}, seed {seed}", flush=True)
+            log_dir = new_log_dir(args.log_root, arm, seed)
             result["arms"].setdefault(arm, {})[str(seed)] = ARMS[arm](args, seed, log_dir)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every run: nothing lost

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from async_curves import run_stamped
 from curve_stats import accuracy, bootstrap, mean_curve
-from time_to_accuracy import posttrain_bin, training_seconds
+from time_to_accuracy import new_log_dir, posttrain_bin, training_seconds
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -211,11 +211,7 @@ def main() -> int:
     }
     for seed in [int(s) for s in args.seeds.split(",")]:
         for arm in args.arms.split(","):
-            log_dir = Path(args.log_root) / f"{arm}_seed{seed}"
-            if (log_dir / "console.log").exists():
-                raise SystemExit(f"{log_dir} holds an earlier run: remove it first")
-            log_dir.mkdir(parents=True, exist_ok=True)
-            print(f"{arm}, seed {seed}", flush=True)
+            log_dir = new_log_dir(args.log_root, arm, seed)
             result["runs"].setdefault(arm, []).append(run_arm(args, arm, seed, log_dir))
             curves = {arm: [run["points"] for run in runs] for arm, runs in result["runs"].items()}
             result["equal_time"] = equal_time(curves)
