@@ -72,29 +72,11 @@ class HFGenerationWorker:
             seed, list(range(sample_offset, sample_offset + num_samples)), cfg.max_new_tokens
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
+        args = (self.model, self.tokenizer, left_ids, attention_mask, cfg, greedy, uniforms)
         if self.static_decode(stop_strings, images):
-            state = static_decode_batch(
-                self.model,
-                self.tokenizer,
-                left_ids,
-                attention_mask,
-                cfg,
-                greedy,
-                uniforms,
-                cfg.decode_sync_every,
-            )
+            state = static_decode_batch(*args, cfg.decode_sync_every)
         else:
-            state = decode_batch(
-                self.model,
-                self.tokenizer,
-                left_ids,
-                attention_mask,
-                cfg,
-                greedy,
-                uniforms,
-                stop_strings,
-                images,
-            )
+            state = decode_batch(*args, stop_strings, images)
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
 
     def static_decode(self, stop_strings: list[list[str]], images: dict[str, Any]) -> bool:
