@@ -202,6 +202,19 @@ def run_trl(args, seed: int, log_dir: Path, start: list) -> list[dict]:
     return points
 
 
+def quote_replies(log_root: Path, seed: int, step: int, count: int = 4) -> dict[str, list[dict]]:
+    """The first `count` held-out replies at the start and of each arm's seed-`seed` run at `step`."""
+    files = {
+        "start": log_root / "start_eval" / "samples.jsonl",
+        "posttrain": log_root / f"posttrain_seed{seed}" / "val_samples" / f"step_{step}.jsonl",
+        "trl": log_root / f"trl_seed{seed}" / f"eval_{step}" / "samples.jsonl",
+    }
+    keys = ("prompt", "response", "ground_truth", "strict_grade")
+    return {
+        arm: [{k: row[k] for k in keys} for row in read_jsonl(path)[:count]] for arm, path in files.items()
+    }
+
+
 def summarize(curves: dict[str, list[list[dict]]], margin: float) -> dict:
     """Per-step accuracy and difference with intervals, area and final value, time to a shared level."""
     arms = list(curves)
@@ -267,6 +280,8 @@ def main() -> int:
             result["summary"] = summarize(result["curves"], args.margin)
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every run: nothing lost
+    result["samples"] = quote_replies(Path(args.log_root), int(args.seeds.split(",")[0]), args.steps)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result["summary"].items() if k != "accuracy_by_step"}, indent=1))
     print(f"wrote {args.out}")
     return 0

@@ -337,6 +337,71 @@ def plot_time_to_accuracy(name: str, data: dict) -> str:
     return f"{name}.png"
 
 
+def interval(value: dict) -> str:
+    """`+1.2 points [-0.5, +3.0]` from a bootstrap dict of accuracies (value, low, high)."""
+    return f"{value['value'] * 100:+.1f} points [{value['low'] * 100:+.1f}, {value['high'] * 100:+.1f}]"
+
+
+def grpo_parity_section(name: str, data: dict) -> list[str]:
+    """posttrain's GRPO beside TRL's, seed for seed (`benchmarks/grpo_parity.py`): accuracy by step with
+    95% bootstrap intervals, the curves' differences, and the time each takes to the level both reach."""
+    summary, seeds = data["summary"], len(next(iter(data["curves"].values())))
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}.* From `{Path(data['model']).name}`, "
+             f"{seeds} seeds per arm, every setting pinned alike (below); greedy on {data['held_out_questions']} "
+             "held-out questions, a reply counting when its last number equals the answer; time is each arm's "
+             "own training time (`benchmarks/grpo_parity.py`).", ""]
+    lines += [f"![strict accuracy by step and by training time]({plot_grpo_parity(name, summary)})", ""]
+    arms = list(summary["accuracy_by_step"])
+    lines += ["| step | " + " | ".join(arms) + " | difference |", "|---|" + "---|" * (len(arms) + 1)]
+    for index, diff in enumerate(summary["difference_by_step"]):
+        cells = [summary["accuracy_by_step"][arm][index] for arm in arms]
+        lines.append(f"| {diff['step']} | " + " | ".join(
+            f"{c['value']:.1%} [{c['low']:.1%}, {c['high']:.1%}]" for c in cells) + f" | {interval(diff)} |")
+    margin = summary["margin"] * 100
+    for key, what in (("area_difference", "area under the curve (mean accuracy over the steps)"),
+                      ("final_difference", "final value")):
+        inside = "within" if summary[key]["within_margin"] else "**not** within"
+        lines.append(f"\n{what}, {arms[0]} - {arms[1]}: {interval(summary[key])}, {inside} +-{margin:.0f} points.")
+    both = summary["highest_level_both_reach"]
+    lines.append(f"\nThe highest mean accuracy both reach, {both['accuracy']:.1%}: " + ", ".join(
+        f"{arm} after {both[f'{arm}_train_s']:.0f} s" for arm in arms) + " of training.")
+    lines += ["", "| setting | value |", "|---|---|"] + [f"| {k} | {cell(str(v))} |" for k, v in data["settings"].items()]
+    if data.get("samples"):
+        lines += ["", "Held-out replies of seed 0, at the start and at the last step (the answer after each):", ""] + [
+            f"- {arm}: `{s['prompt']}` -> `{json.dumps(s['response'])[1:-1]}` ({s['ground_truth']})"
+            for arm, samples in data["samples"].items() for s in samples]
+    if data.get("notes"):
+        lines += [""] + [f"- {note}" for note in data["notes"]]
+    return lines + [""]
+
+
+def plot_grpo_parity(name: str, summary: dict) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
+    for index, (arm, points) in enumerate(summary["accuracy_by_step"].items()):
+        steps = [p["step"] for p in points]
+        by_step.plot(steps, [p["value"] for p in points], marker="o", color=f"C{index}", label=arm)
+        by_step.fill_between(steps, [p["low"] for p in points], [p["high"] for p in points], color=f"C{index}",
+                             alpha=0.2)
+        mean = summary["mean_curves"][arm]
+        by_time.plot([p["train_s"] / 60 for p in mean], [p["accuracy"] for p in mean], marker="o", color=f"C{index}",
+                     label=arm)
+    by_step.set_xlabel("step")
+    by_step.set_ylabel("strict held-out accuracy")
+    by_time.set_xlabel("training time (min, mean over seeds)")
+    for axis in (by_step, by_time):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(OUT / f"{name}.png", dpi=110)
+    plt.close(figure)
+    return f"{name}.png"
+
+
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
     """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
     import matplotlib
@@ -387,6 +452,8 @@ def write_benchmarks() -> None:
             lines += context_parallel_section(name, data)
         elif name.startswith("async_curves"):
             lines += async_curves_section(name, data)
+        elif name.startswith("grpo_parity"):
+            lines += grpo_parity_section(name, data)
         elif name.startswith("time_to_accuracy"):
             lines += time_to_accuracy_section(name, data)
         elif name.startswith("compare"):
