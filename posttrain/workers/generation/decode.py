@@ -55,11 +55,6 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
     return logits
 
 
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one token per row of probs [B, V] from uniforms [B] in [0, 1)."""
-    return sample_from_weights(probs, uniforms)[0]
-
-
 def sample_from_weights(
     weights: torch.Tensor, uniforms: torch.Tensor, block: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +132,7 @@ def choose_tokens(
         log_total = peak + totals.log().float()
     else:
         probs = filter_logits(tempered, cfg.top_k, cfg.top_p).softmax(dim=-1)
-        tokens = sample_from_probs(probs, uniforms)
+        tokens = sample_from_weights(probs, uniforms)[0]
     if log_total is None:
         log_total = unfiltered.logsumexp(dim=-1)  # [B]
     return tokens, unfiltered.gather(1, tokens[:, None]).squeeze(1) - log_total

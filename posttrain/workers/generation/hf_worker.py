@@ -11,6 +11,8 @@ import torch
 
 from posttrain.distributed.core_lease import LeasedThreads
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader, use_as_parameters
+from posttrain.distributed.worker_group import assigned_device
+from posttrain.models.build import load_model, load_tokenizer
 from posttrain.models.lora import AdapterWeights, apply_adapter
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.decode import (
@@ -35,11 +37,7 @@ class HFGenerationWorker:
     """Holds one copy of the model and tokenizer and decodes shards of batches."""
 
     def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
-        from posttrain.models.build import load_model, load_tokenizer
-
         self.cfg = cfg
-        from posttrain.distributed.worker_group import assigned_device
-
         self.device = assigned_device()
         dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
         self.model = load_model(model_name, dtype=dtype).to(self.device).eval()
@@ -65,7 +63,12 @@ class HFGenerationWorker:
             cfg = dataclasses.replace(
                 cfg, max_new_tokens=min(cfg.max_new_tokens, int(data["max_new_tokens"].max()))
             )
-        self.check_context_fits(int(input_lengths.max()), cfg.max_new_tokens)
+        longest = int(input_lengths.max())
+        if self.max_positions is not None and longest + cfg.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"generation.max_new_tokens={cfg.max_new_tokens} plus the longest prompt ({longest} tokens) "
+                f"exceeds the model's max_position_embeddings={self.max_positions}"
+            )
         stop_strings = merge_stop_strings(cfg, data.get("stop_strings"), num_samples)
         left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
         uniforms = per_sample_uniforms(
@@ -91,15 +94,6 @@ class HFGenerationWorker:
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
         self.leased_threads = LeasedThreads(lease, side, lent)
-
-    def check_context_fits(self, longest_prompt: int, max_new_tokens: int) -> None:
-        """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""
-        if self.max_positions is not None and longest_prompt + max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"generation.max_new_tokens={max_new_tokens} plus the longest prompt "
-                f"({longest_prompt}"
-                f" tokens) exceeds the model's max_position_embeddings={self.max_positions}"
-            )
 
     def update_weights(self, weights: Any) -> float:
         """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an

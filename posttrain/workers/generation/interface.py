@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from posttrain.distributed import (
     BatchedDataDict,
@@ -22,6 +21,7 @@ from posttrain.distributed import (
 )
 from posttrain.distributed.worker_group import wait_until_marked_dead
 from posttrain.models.build import load_tokenizer
+from posttrain.models.moe import NOT_RECORDED
 
 logger = logging.getLogger(__name__)
 
@@ -41,13 +41,6 @@ logger = logging.getLogger(__name__)
 #   unpadded_sequence_lengths [B]         input_lengths + generation_lengths
 #   truncated                 [B] bool    hit max_new_tokens without a stop token or stop string
 GENERATION_INPUT_KEYS = ("input_ids", "input_lengths")
-GENERATION_OUTPUT_KEYS = (
-    "output_ids",
-    "logprobs",
-    "generation_lengths",
-    "unpadded_sequence_lengths",
-    "truncated",
-)
 ROUTED_EXPERTS_KEY = "routed_experts"  # MoE models (HF backend): [B, T, L, k] experts per generated token
 
 
@@ -79,27 +72,6 @@ def slice_batch(data: Mapping[str, Any], start: int, end: int) -> dict[str, Any]
     optional = ("stop_strings", "pixel_values", "image_grid_thw", "max_new_tokens")
     keys = [key for key in GENERATION_INPUT_KEYS + optional if data.get(key) is not None]
     return {key: data[key][start:end] for key in keys}
-
-
-def concat_padded(outputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Concatenate worker outputs in order, right-padding the [B, T] keys to the longest T."""
-    num_cols = max(o["output_ids"].shape[1] for o in outputs)
-    pad_values = {"output_ids": pad_id, "logprobs": 0.0}
-    merged = {}
-    for key in GENERATION_OUTPUT_KEYS:
-        parts = [o[key] for o in outputs]
-        if key in pad_values:
-            parts = [
-                torch.nn.functional.pad(p, (0, num_cols - p.shape[1]), value=pad_values[key]) for p in parts
-            ]
-        merged[key] = torch.cat(parts, dim=0)
-    if all(ROUTED_EXPERTS_KEY in o for o in outputs):  # -1: not recorded
-        parts = [o[ROUTED_EXPERTS_KEY] for o in outputs]
-        pads = [(0, 0, 0, 0, 0, num_cols - p.shape[1]) for p in parts]
-        merged[ROUTED_EXPERTS_KEY] = torch.cat(
-            [torch.nn.functional.pad(p, pad, value=-1) for p, pad in zip(parts, pads)]
-        )
-    return merged
 
 
 class RayGeneration:
@@ -135,7 +107,9 @@ class RayGeneration:
         self.owned_cluster = cluster is None
         # Colocated: one worker per bundle of the policy's cluster; separate: num_workers bundles of its own.
         self.cluster = make_generation_cluster(cfg) if cluster is None else cluster
-        self.pad_id = int(load_tokenizer(tokenizer_name or model_name).pad_token_id)
+        pad_id = int(load_tokenizer(tokenizer_name or model_name).pad_token_id)
+        # The shards' outputs are right-padded to the longest: the pad id, logprob 0, experts not recorded.
+        self.output_pad_values = {"output_ids": pad_id, ROUTED_EXPERTS_KEY: NOT_RECORDED}
         self.num_calls = 0
         replaces = self.owned_cluster and self.replaces_lost_workers
         self.max_worker_restarts = max_worker_restarts if replaces else 0
@@ -182,7 +156,7 @@ class RayGeneration:
         while True:
             try:
                 outputs = self.worker_group.get([refs[rank] for rank in ranks])
-                return BatchedDataDict(concat_padded(outputs, self.pad_id))
+                return BatchedDataDict.from_batches(outputs, self.output_pad_values)
             except WorkerDiedError as error:
                 redo = [rank for rank in self.replace_lost_workers(error) if rank in refs]
                 where = ", ".join(f"[{shards[rank][0]}, {shards[rank][1]}) on rank {rank}" for rank in redo)
@@ -250,11 +224,8 @@ class RayGeneration:
         self.worker_group.run_all("finish_generation")
 
     def shutdown(self) -> None:
+        """Stop the workers, and the cluster if this handle started it."""
         self.worker_group.shutdown()
-        self.shutdown_cluster()
-
-    def shutdown_cluster(self) -> None:
-        """Remove the cluster only if this handle started it."""
         if self.owned_cluster:
             self.cluster.shutdown()
 

@@ -63,12 +63,3 @@ def pack_linears(model: torch.nn.Module, force: bool = False) -> int:
             module.forward = MethodType(packed_forward, module)
             count += 1
     return count
-
-
-def unpack_linears(model: torch.nn.Module) -> None:
-    """Back to torch's own linear (drops the packed copies)."""
-    for module in model.modules():
-        if hasattr(module, PACKED_ATTR):
-            delattr(module, PACKED_ATTR)
-            delattr(module, PACKED_FROM_ATTR)
-            del module.forward  # the instance attribute: nn.Linear.forward again

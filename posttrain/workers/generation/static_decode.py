@@ -17,7 +17,13 @@ from posttrain.models.cache_api import cache_argument
 from posttrain.models.moe import is_moe_model
 from posttrain.models.vlm import is_vision_language_model
 from posttrain.workers.generation.config import GenerationConfig
-from posttrain.workers.generation.decode import DecodeState, choose_tokens, prefill, resolve_stop_token_ids
+from posttrain.workers.generation.decode import (
+    DecodeState,
+    choose_tokens,
+    prefill,
+    resolve_stop_token_ids,
+    update_decode_state,
+)
 
 
 def static_decode_applies(model: torch.nn.Module, stop_strings: list[list[str]]) -> str | None:
@@ -174,14 +180,14 @@ def static_decode_batch(
     stop_ids = resolve_stop_token_ids(cfg, tokenizer)
     decoder = StaticDecoder(model, cfg, greedy, stop_ids)
     rows = decoder.start(left_ids, attention_mask, uniforms)
-    samples = list(range(left_ids.shape[0]))  # the sample of each row
-    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sample -> its tokens and logprobs [N]
+    num_samples = left_ids.shape[0]
+    samples = list(range(num_samples))  # the sample of each row
+    chosen_ids = torch.zeros(num_samples, cfg.max_new_tokens, dtype=torch.long)  # [B, N] on the host
+    chosen_logprobs = torch.zeros(num_samples, cfg.max_new_tokens)  # [B, N]
 
     def take(rows: DecodeRows, indices: list[int]) -> None:  # rows `indices` to the host
-        for j, ids, logprobs in zip(
-            indices, rows.out_tokens[indices].cpu(), rows.out_logprobs[indices].cpu()
-        ):
-            results[samples[j]] = (ids, logprobs)
+        chosen_ids[[samples[j] for j in indices]] = rows.out_tokens[indices].cpu()
+        chosen_logprobs[[samples[j] for j in indices]] = rows.out_logprobs[indices].cpu()
 
     for step in range(cfg.max_new_tokens - 1):
         decoder.run_step(rows)
@@ -199,21 +205,13 @@ def static_decode_batch(
     else:
         decoder.choose(rows)  # the last token: nothing is fed after it
         take(rows, list(range(len(samples))))
-    return state_from_tokens([results[i] for i in range(len(results))], set(stop_ids), cfg.max_new_tokens)
-
-
-def state_from_tokens(
-    per_sample: list[tuple[torch.Tensor, torch.Tensor]], stop_ids: set[int], max_new_tokens: int
-) -> DecodeState:
-    """Each sample's tokens up to its first stop token (kept), the DecodeState decode.decode_batch returns;
-    `per_sample` holds each one's chosen tokens and logprobs [N], of which those after a stop are dropped."""
-    state = DecodeState([], [], [], [])
-    for ids, logprobs in per_sample:
-        ids_list = ids.tolist()
-        stop_at = next((k for k, token in enumerate(ids_list) if token in stop_ids), None)
-        length = max_new_tokens if stop_at is None else stop_at + 1
-        state.generated_ids.append(ids_list[:length])
-        state.generated_logprobs.append(logprobs[:length].tolist())
-        state.finished.append(True)
-        state.stopped.append(stop_at is not None)
+    every = range(num_samples)
+    state = DecodeState(
+        [[] for _ in every], [[] for _ in every], [False for _ in every], [False for _ in every]
+    )
+    for step in range(cfg.max_new_tokens):  # each sample's tokens up to its first stop token (kept)
+        step_ids, step_logprobs = chosen_ids[:, step], chosen_logprobs[:, step]
+        update_decode_state(
+            state, list(every), step_ids, step_logprobs, set(stop_ids), [[]] * num_samples, tokenizer
+        )
     return state

@@ -24,7 +24,6 @@ the engine reloads them, with the cost logged.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import tempfile
@@ -35,9 +34,10 @@ from typing import Any
 import torch
 
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader
+from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
 from posttrain.workers.generation.config import GenerationConfig
-from posttrain.workers.generation.decode import merge_stop_strings
+from posttrain.workers.generation.decode import DecodeState, assemble_outputs, merge_stop_strings
 from posttrain.workers.generation.hf_worker import resolve_weights
 from posttrain.workers.generation.interface import sample_seed
 
@@ -52,12 +52,6 @@ VLLM_INSTALL_HINT = (
 
 class VllmNotInstalledError(RuntimeError):
     """vLLM is not importable in this environment."""
-
-
-def require_vllm() -> None:
-    """Raise VllmNotInstalledError (with the install hint) when vLLM cannot be imported."""
-    if importlib.util.find_spec("vllm") is None:
-        raise VllmNotInstalledError(VLLM_INSTALL_HINT)
 
 
 def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -96,44 +90,14 @@ def make_sampling_params(cfg: GenerationConfig, greedy: bool, stop_strings: list
     )
 
 
-def assemble_request_outputs(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, request_outputs: list[Any], pad_id: int
-) -> dict[str, torch.Tensor]:
-    """vLLM RequestOutputs -> the interface's output keys (prompt + generation, right-padded)."""
-    completions = [r.outputs[0] for r in request_outputs]
-    generation_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)  # [B]
-    sequence_lengths = input_lengths.long() + generation_lengths  # [B]
-    num_cols = int(sequence_lengths.max())
-    output_ids = torch.full((len(completions), num_cols), pad_id, dtype=torch.long)  # [B, T_out]
-    logprobs = torch.zeros(len(completions), num_cols, dtype=torch.float32)  # [B, T_out]
-    for i, completion in enumerate(completions):
-        prompt_len, total_len = int(input_lengths[i]), int(sequence_lengths[i])
-        output_ids[i, :prompt_len] = input_ids[i, :prompt_len]
-        output_ids[i, prompt_len:total_len] = torch.tensor(list(completion.token_ids), dtype=torch.long)
-        token_logprobs = [
-            step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)
-        ]
-        logprobs[i, prompt_len:total_len] = torch.tensor(token_logprobs, dtype=torch.float32)
-    return {
-        "output_ids": output_ids,
-        "logprobs": logprobs,
-        "generation_lengths": generation_lengths,
-        "unpadded_sequence_lengths": sequence_lengths,
-        "truncated": torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
-    }
-
-
 class VllmGenerationWorker:
     """Holds one vLLM engine; refits by reloading a safetensors directory of the merged weights."""
 
     def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
-        require_vllm()
         from transformers import AutoConfig
         from vllm import LLM
 
         self.cfg = cfg
-        from posttrain.distributed.worker_group import assigned_device
-
         self.on_gpu = assigned_device().type == "cuda"
         # On CPU vLLM reads gpu_memory_utilization as the share of CPU memory it reserves.
         engine_kwargs: dict[str, Any] = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
@@ -191,7 +155,15 @@ class VllmGenerationWorker:
         request_outputs = self.llm.generate(
             prompts, sampling_params=params, use_tqdm=False, lora_request=self.lora_request
         )
-        return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
+        completions = [r.outputs[0] for r in request_outputs]
+        stopped = [c.finish_reason != "length" for c in completions]  # else truncated at max_new_tokens
+        state = DecodeState(
+            [list(c.token_ids) for c in completions],
+            [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)] for c in completions],
+            stopped,
+            stopped,
+        )
+        return assemble_outputs(input_ids, input_lengths, state, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
         """Merge the given tensors (a state dict, an adapter, or a shared-memory handle) into the full state
@@ -216,9 +188,7 @@ class VllmGenerationWorker:
             self.load_lora(state_dict)
             return
         if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
-            self.full_weights = dict(
-                self.base_weights
-            )  # base + this adapter, whatever an earlier refit loaded
+            self.full_weights = dict(self.base_weights)  # base + this adapter, not an earlier refit's
             state_dict = self.merge_adapter(state_dict)
         state_dict = dict(state_dict)
         if self.tied_embeddings:
@@ -235,12 +205,8 @@ class VllmGenerationWorker:
             to_load["lm_head.weight"] = to_load["model.embed_tokens.weight"]
         if self.cfg.vllm_refit == "memory":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(to_load.items())})
-        else:
-            self.reload_from_disk(to_load)
-
-    def reload_from_disk(self, to_load: dict[str, torch.Tensor]) -> None:
-        """Write the weights as safetensors and have the engine reload its directory."""
-        from safetensors.torch import save_file
+            return
+        from safetensors.torch import save_file  # disk: a safetensors file, the engine reloads its directory
 
         to_save = {name: t.clone() if name == "lm_head.weight" else t for name, t in to_load.items()}
         save_file(to_save, str(self.refit_dir / "model.safetensors"))
