@@ -80,8 +80,7 @@ def gpu_uuid(device: torch.device) -> str:
 
 
 class SharedWeightsWriter:
-    """Owns the flat buffer: a memfd, or (`device` a GPU) device memory shared through CUDA IPC; `write`
-    copies new weights into it."""
+    """Owns the flat buffer (a memfd, or on a GPU `device` its memory); `write` copies new weights in."""
 
     def __init__(
         self,
@@ -124,9 +123,7 @@ class SharedWeightsWriter:
 
 
 class SharedWeightsReader:
-    """A reader's flat buffer and `views` of it: the writer's own buffer (its file mapped, or its device
-    buffer opened through CUDA IPC), or, for a GPU reader of a file, a device copy of it that `refresh`
-    brings up to date."""
+    """A reader's flat buffer (the writer's, or a GPU reader's device copy of the file) and `views` of it."""
 
     def __init__(self, handle: SharedWeights, node_id: str, device: torch.device) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

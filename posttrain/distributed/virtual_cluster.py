@@ -3,7 +3,8 @@
 A local Ray instance listens on 127.0.0.1 only (GCS, raylet, object manager, workers, agents), keeps
 Ray's token authentication on, and runs neither the dashboard nor the dashboard agent's HTTP server
 unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`). Its workers compute at the
-niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides)."""
+niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides), which
+keeps Ray's daemons responsive but lets any normal process on the machine take the workers' cores."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class ClusterConfig:
 
     def validate(self) -> None:
         minimums = {"num_nodes": 1, "workers_per_node": 1, "max_restarts": 0}
-        for key, least in {**minimums, "num_cpus_per_worker": 0, "num_gpus_per_worker": 0}.items():
+        minimums.update(num_cpus_per_worker=0, num_gpus_per_worker=0)
+        for key, least in minimums.items():
             value = getattr(self, key)
             if value is not None and value < least:
                 raise ConfigError.at(key, f"must be >= {least}, got {value}")
@@ -87,12 +89,9 @@ class ClusterConfig:
             raise ConfigError.at(
                 "num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}"
             )
-        self._check_local_cpus()
         if len(self.master_port_range) != 2 or self.master_port_range[0] > self.master_port_range[1]:
             raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
-
-    def _check_local_cpus(self) -> None:
-        """A local start may not promise more CPUs than the machine has (set num_cpus to oversubscribe)."""
+        # A local start may not promise more CPUs than the machine has (set num_cpus to oversubscribe).
         local = self.address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
         needed = self.num_nodes * self.workers_per_node * cpus_per_worker(self)
         if local and self.num_cpus is None and needed > (os.cpu_count() or 1):
@@ -114,25 +113,23 @@ def cpus_per_worker(cfg: ClusterConfig) -> float:
     return float(max(1, (os.cpu_count() or 1) // cfg.workers_per_node))
 
 
-def init_ray(cfg: ClusterConfig, runtime_env: dict | None = None) -> bool:
+def init_ray(cfg: ClusterConfig) -> bool:
     """Join `cfg.address` / RAY_ADDRESS, or start a local instance; returns True if this call started Ray."""
     if ray.is_initialized():
         return False
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        join_ray(address, cfg.connect_timeout_s, runtime_env=runtime_env)
+        join_ray(address, cfg.connect_timeout_s)
         return True
     needed = cfg.num_nodes * cfg.workers_per_node * cpus_per_worker(cfg)
     # Two logical CPUs beyond the bundles: environment actors, and generation workers placed apart from the
     # policy (async GRPO), which would otherwise wait forever for a bundle. Threads follow the bundles.
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999)) + 2
-    start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host, runtime_env)
+    start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host)
     return True
 
 
-def join_ray(
-    address: str, timeout_s: float = 10.0, runtime_env: dict | None = None, log_to_driver: bool = True
-) -> None:
+def join_ray(address: str, timeout_s: float = 10.0, log_to_driver: bool = True) -> None:
     """Connect this driver to a running cluster; one on this machine's loopback (a local instance
     started by posttrain) is joined as a loopback node too, or the driver would wait for a raylet on the
     machine's outward IP."""
@@ -143,7 +140,7 @@ def join_ray(
     host = urlparse(f"tcp://{bootstrap}").hostname if bootstrap and "://" not in bootstrap else None
     local = host is not None and (host == "localhost" or host.startswith("127."))
     with _loopback_only() if local else contextlib.nullcontext():
-        ray.init(address=address, log_to_driver=log_to_driver, runtime_env=runtime_env)
+        ray.init(address=address, log_to_driver=log_to_driver)
 
 
 def start_local_ray(
@@ -157,25 +154,19 @@ def start_local_ray(
     """A Ray instance on this machine, reachable on 127.0.0.1 only, with token authentication."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         logger.warning("RAY_AUTH_MODE=disabled: this Ray instance accepts unauthenticated requests")
-    kwargs = {
-        "address": "local",  # a new instance: never join a cluster that happens to run on this machine
-        "num_cpus": num_cpus,
-        "include_dashboard": include_dashboard,
-        "log_to_driver": log_to_driver,
-        "runtime_env": runtime_env,
-    }  # GPUs: Ray detects them
-    if include_dashboard:
-        kwargs["dashboard_host"] = dashboard_host
     # Every worker would draw its own bars for loading and saving weights (transformers' tqdm); the
     # workers inherit this process's environment, and the run's own progress line says what happens.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # Ray renices its workers by 15 so that its daemons stay responsive; here the workers are the run
-    # itself, and at 15 any normal process on the machine (an editor's indexer, a second job) takes their
-    # cores almost entirely, where a peer's single process at niceness 0 keeps its share. The daemons need
-    # little CPU and still get their fair share at the same niceness.
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")  # the workers are the run (see the module docstring)
     with _loopback_only(), _agent_and_notice(minimal_agent=not (include_dashboard or dashboard_agent)):
-        ray.init(**kwargs)
+        ray.init(
+            address="local",  # a new instance: never join a cluster that happens to run on this machine
+            num_cpus=num_cpus,  # GPUs: Ray detects them
+            include_dashboard=include_dashboard,
+            dashboard_host=dashboard_host,
+            log_to_driver=log_to_driver,
+            runtime_env=runtime_env,
+        )
     _restrict_token_file()
 
 

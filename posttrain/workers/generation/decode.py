@@ -89,11 +89,8 @@ def sample_from_weights(
 
 
 def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) -> torch.Tensor:
-    """Uniforms [B, num_steps] drawn from one generator per sample, seeded by (seed, global index).
-
-    A sample's draws depend only on the seed and its index in the whole batch, so the result does not
-    depend on how the batch is split across workers.
-    """
+    """Uniforms [B, num_steps] drawn from one generator per sample, seeded by (seed, its index in the whole
+    batch): a sample's draws do not depend on how the batch is split across workers."""
     rows = []
     for index in sample_indices:
         generator = torch.Generator().manual_seed(sample_seed(seed, index))

@@ -32,6 +32,15 @@ def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
     return ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
 
 
+def check_known(names: Any, known: Any) -> None:
+    """Raise KeyError naming (up to 5 of) the `names` that are not among the generation model's `known`."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise KeyError(
+            f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
+        )
+
+
 class HFGenerationWorker:
     """Holds one copy of the model and tokenizer and decodes shards of batches."""
 
@@ -106,11 +115,7 @@ class HFGenerationWorker:
             self.model = apply_adapter(self.model, state_dict)
             return
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
-        unknown = sorted(set(state_dict) - set(targets))
-        if unknown:
-            raise KeyError(
-                f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
-            )
+        check_known(state_dict, targets)
         written = set()  # tied weights: one tensor under two names is copied once
         with torch.no_grad():
             for name, tensor in state_dict.items():

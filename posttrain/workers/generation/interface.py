@@ -60,13 +60,9 @@ def sample_seed(seed: int, sample_index: int) -> int:
 
 def split_contiguous(num_samples: int, num_shards: int) -> list[tuple[int, int]]:
     """[start, end) of num_shards contiguous shards whose sizes differ by at most one."""
-    base, extra = divmod(num_samples, num_shards)
-    bounds, start = [], 0
-    for shard in range(num_shards):
-        end = start + base + (1 if shard < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    base, extra = divmod(num_samples, num_shards)  # the first `extra` shards take one more
+    starts = [shard * base + min(shard, extra) for shard in range(num_shards + 1)]
+    return list(zip(starts, starts[1:]))
 
 
 def lost_ranks(dead_workers: Sequence[str], names: Sequence[str]) -> list[int]:

@@ -64,9 +64,6 @@ class DecodeRows:
     finished: torch.Tensor  # [B] a stop token was chosen
     logits: torch.Tensor  # [B, V] the last forward's logits
 
-    def select(self, keep: torch.Tensor) -> DecodeRows:
-        return DecodeRows(*(getattr(self, f.name).index_select(0, keep) for f in fields(self)))
-
 
 class StaticDecoder:
     """One call's decode: `step()` chooses token `step` of every row from the last logits, records it, and
@@ -159,7 +156,7 @@ class StaticDecoder:
         index = torch.tensor(keep, device=self.device)
         self.cache.reorder_cache(index)
         self.graph = None
-        return rows.select(index)
+        return DecodeRows(*(getattr(rows, f.name).index_select(0, index) for f in fields(rows)))
 
 
 @torch.inference_mode()

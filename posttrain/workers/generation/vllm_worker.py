@@ -33,7 +33,7 @@ from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.decode import DecodeState, assemble_outputs, merge_stop_strings
-from posttrain.workers.generation.hf_worker import resolve_weights
+from posttrain.workers.generation.hf_worker import check_known, resolve_weights
 from posttrain.workers.generation.interface import sample_seed
 
 logger = logging.getLogger(__name__)
@@ -180,11 +180,7 @@ class VllmGenerationWorker:
         state_dict = dict(state_dict)
         if self.tied_embeddings:
             state_dict.pop("lm_head.weight", None)  # an alias of the input embedding, not in the checkpoint
-        unknown = sorted(set(state_dict) - set(self.full_weights))
-        if unknown:
-            raise KeyError(
-                f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
-            )
+        check_known(state_dict, self.full_weights)
         for name, tensor in state_dict.items():
             self.full_weights[name] = tensor.detach().to("cpu", self.full_weights[name].dtype).contiguous()
         to_load = dict(self.full_weights)
