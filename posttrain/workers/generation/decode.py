@@ -91,11 +91,8 @@ def sample_from_weights(
 def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) -> torch.Tensor:
     """Uniforms [B, num_steps] drawn from one generator per sample, seeded by (seed, its index in the whole
     batch): a sample's draws do not depend on how the batch is split across workers."""
-    rows = []
-    for index in sample_indices:
-        generator = torch.Generator().manual_seed(sample_seed(seed, index))
-        rows.append(torch.rand(num_steps, generator=generator, dtype=torch.float64))
-    return torch.stack(rows)
+    generators = [torch.Generator().manual_seed(sample_seed(seed, index)) for index in sample_indices]
+    return torch.stack([torch.rand(num_steps, generator=g, dtype=torch.float64) for g in generators])
 
 
 def choose_tokens(
@@ -105,11 +102,9 @@ def choose_tokens(
     uniforms: torch.Tensor,
     banned_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B].
-
-    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter and
-    before `banned_ids` (tokens never drawn: a vision-language model's image placeholders) are removed.
-    """
+    """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B], those of
+    the unfiltered distribution (see the module docstring), also before `banned_ids` (tokens never drawn:
+    a vision-language model's image placeholders) are removed."""
     tempered = logits.float() if cfg.temperature == 1.0 else logits.float() / cfg.temperature  # [B, V]
     unfiltered = tempered
     log_total = None  # log of the tempered distribution's normaliser [B], once a path has it

@@ -41,14 +41,7 @@ logger = logging.getLogger(__name__)
 #   generation_lengths        [B]         generated tokens (a stop token is counted and kept)
 #   unpadded_sequence_lengths [B]         input_lengths + generation_lengths
 #   truncated                 [B] bool    hit max_new_tokens without a stop token or stop string
-INPUT_KEYS = (
-    "input_ids",
-    "input_lengths",
-    "stop_strings",
-    "pixel_values",
-    "image_grid_thw",
-    "max_new_tokens",
-)
+INPUTS = ("input_ids", "input_lengths", "stop_strings", "pixel_values", "image_grid_thw", "max_new_tokens")
 ROUTED_EXPERTS_KEY = "routed_experts"  # MoE models (HF backend): [B, T, L, k] experts per generated token
 
 
@@ -131,12 +124,10 @@ class RayGeneration:
         )
 
     def generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Any:
-        """Continue each prompt of `data` (a BatchedDataDict with the input keys above); returns the output
-        keys in the order of the input. `seed` makes sampling reproducible (None: the config's seed plus
-        the call count). The batch is split into contiguous shards decoded in parallel; a shard whose
-        worker died is decoded again on its replacement (see the class)."""
-        if seed is None:
-            seed = self.cfg.seed + self.num_calls
+        """Continue each prompt of `data` (a BatchedDataDict with the input keys above) in contiguous shards
+        decoded in parallel (a lost worker's again on its replacement: see the class); returns the output
+        keys in the input's order. `seed` (None: the config's seed plus the call count) seeds sampling."""
+        seed = self.cfg.seed + self.num_calls if seed is None else seed
         self.num_calls += 1
         num_samples = int(data["input_ids"].shape[0])
         if num_samples == 0:
@@ -146,7 +137,7 @@ class RayGeneration:
         def decode(rank: int) -> Any:
             start, end = shards[rank]
             worker = self.worker_group.workers[rank]
-            shard = {key: data[key][start:end] for key in INPUT_KEYS if data.get(key) is not None}
+            shard = {key: data[key][start:end] for key in INPUTS if data.get(key) is not None}
             return worker.generate.remote(shard, greedy=greedy, seed=seed, sample_offset=start)
 
         ranks = [rank for rank, (start, end) in enumerate(shards) if end > start]
@@ -163,10 +154,9 @@ class RayGeneration:
                 refs.update({rank: decode(rank) for rank in redo})
 
     def replace_lost_workers(self, error: WorkerDiedError) -> list[int]:
-        """Start a new actor for each worker that `error` names, holding the weights the others hold;
-        returns their ranks. Raises `error` itself when this handle replaces no workers, its restarts are
-        spent, it names no worker, the weights cannot be had again (refitted without a weights source) or a
-        replacement does not start."""
+        """Start a new actor, with the weights the others hold, for each worker `error` names; returns their
+        ranks. Raises `error` itself when it names none, this handle replaces no workers, its restarts are
+        spent, the weights cannot be had again (refitted, no weights source) or a replacement fails."""
         ranks = lost_ranks(error.dead_workers, self.worker_group.names)
         restarts_left = self.num_worker_restarts < self.max_worker_restarts
         weights_known = self.weights_source is not None or not self.refitted

@@ -176,7 +176,7 @@ def static_decode_batch(
     decoder = StaticDecoder(model, cfg, greedy, stop_ids)
     rows = decoder.start(left_ids, attention_mask, uniforms)
     num_samples = left_ids.shape[0]
-    samples = list(range(num_samples))  # the sample of each row
+    samples = everyone = list(range(num_samples))  # the sample of each row; every sample
     chosen_ids = torch.zeros(num_samples, cfg.max_new_tokens, dtype=torch.long)  # [B, N] on the host
     chosen_logprobs = torch.zeros(num_samples, cfg.max_new_tokens)  # [B, N]
 
@@ -190,23 +190,23 @@ def static_decode_batch(
             continue
         finished = rows.finished.tolist()
         running = [j for j, done in enumerate(finished) if not done]
+        if not running:  # every row has finished: all of them to the host
+            take(rows, list(range(len(samples))))
+            break
         size = compacted_size(len(samples), len(running), decoder.device.type == "cuda")
-        if not running or size is not None:
-            kept = running + [j for j, done in enumerate(finished) if done][: (size or 0) - len(running)]
+        if size is not None:
+            kept = running + [j for j, done in enumerate(finished) if done][: size - len(running)]
             take(rows, [j for j in range(len(samples)) if j not in kept])
-            if not running:
-                break
             rows, samples = decoder.compact(rows, kept), [samples[j] for j in kept]
     else:
         decoder.choose(rows)  # the last token: nothing is fed after it
         take(rows, list(range(len(samples))))
-    every = range(num_samples)
     state = DecodeState(
-        [[] for _ in every], [[] for _ in every], [False for _ in every], [False for _ in every]
+        [[] for _ in everyone], [[] for _ in everyone], [False] * num_samples, [False] * num_samples
     )
     for step in range(cfg.max_new_tokens):  # each sample's tokens up to its first stop token (kept)
         step_ids, step_logprobs = chosen_ids[:, step], chosen_logprobs[:, step]
         update_decode_state(
-            state, list(every), step_ids, step_logprobs, set(stop_ids), [[]] * num_samples, tokenizer
+            state, everyone, step_ids, step_logprobs, set(stop_ids), [[]] * num_samples, tokenizer
         )
     return state

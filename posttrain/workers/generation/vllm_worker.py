@@ -119,9 +119,8 @@ class VllmGenerationWorker:
         self.full_weights = load_safetensors_dir(model_name)
         self.base_weights = dict(self.full_weights)  # LoRA refits merge into these, never into a merged copy
         self.last_merged_bytes = 0
-        self.tied_embeddings = bool(
-            getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False)
-        )
+        model_config = AutoConfig.from_pretrained(model_name)
+        self.tied_embeddings = bool(getattr(model_config, "tie_word_embeddings", False))
         self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
         self.asleep = False
         self.lora_request: Any = None  # the adapter generate() uses (vllm_lora_max_rank set)
