@@ -79,7 +79,6 @@ def lend_cores(
         return None
     lease = CoreLease.remote()
     trainers, generators = trainer_group.world_size, generator_group.world_size
-    # Each worker of a group computes with its OMP_NUM_THREADS threads.
     to_trainer = lent_threads(trainers, generators, int(generator_group.env_vars[0]["OMP_NUM_THREADS"]))
     to_generator = lent_threads(generators, trainers, int(trainer_group.env_vars[0]["OMP_NUM_THREADS"]))
     trainer_group.run_all("set_core_lease", lease=lease, side=TRAINER, lent=to_trainer)

@@ -100,7 +100,6 @@ def check_placeable(requests: list[ResourceRequest], wait_s: float = CHECK_WAIT_
     )
 
 
-def _describe(request: ResourceRequest) -> str:
-    """`2 x {CPU: 1, GPU: 1} on one node`"""
+def _describe(request: ResourceRequest) -> str:  # "2 x {CPU: 1, GPU: 1} on one node"
     resources = ", ".join(f"{name}: {amount:g}" for name, amount in request.resources.items() if amount)
     return f"{request.count} x {{{resources}}}{' on one node' if request.one_node else ''}"

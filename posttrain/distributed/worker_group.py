@@ -200,10 +200,14 @@ def wait_until_marked_dead(node_ids: set[str], timeout_s: float = 120.0) -> bool
     return False
 
 
-def _group_worker_info(self: Any) -> dict[str, Any]:
-    """Where the actor runs (for error messages): a method every worker class of a group gets."""
-    node_id = ray.get_runtime_context().get_node_id()
-    return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": node_id}
+def _with_group_methods(worker_cls: type) -> type:
+    """The worker class plus a method that reports where the actor runs (for error messages)."""
+
+    def group_worker_info(self) -> dict[str, Any]:
+        node_id = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": node_id}
+
+    return type(worker_cls.__name__, (worker_cls,), {"group_worker_info": group_worker_info})
 
 
 def _log_tail(pid: int) -> str:
@@ -246,8 +250,7 @@ class RayWorkerGroup:
         port = find_free_port(*cluster.cfg.master_port_range)
         num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
         local = num_nodes == 1  # one machine: the file rendezvous
-        with_info = type(worker_cls.__name__, (worker_cls,), {"group_worker_info": _group_worker_info})
-        self.remote_cls = ray.remote(with_info)
+        self.remote_cls = ray.remote(_with_group_methods(worker_cls))
         self.init_kwargs = init_kwargs or {}
         self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
         rendezvous = loopback_rendezvous_env() if local else {}
