@@ -41,10 +41,6 @@ def _pad_cat(tensors: list[torch.Tensor], pad_value: float) -> torch.Tensor:
     return torch.cat(padded)
 
 
-def round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
 def dynamic_microbatch_indices(
     lengths: Sequence[int], max_tokens: int, length_round: int = 1
 ) -> list[list[int]]:
@@ -55,7 +51,7 @@ def dynamic_microbatch_indices(
     current: list[int] = []
     current_len = 0
     for i in order:
-        row_len = round_up(int(lengths[i]), length_round)
+        row_len = -(-int(lengths[i]) // length_round) * length_round  # rounded up
         if row_len > max_tokens:
             raise ValueError(
                 f"sample {i} has {lengths[i]} tokens (rounded {row_len}), over the budget {max_tokens}"

@@ -54,11 +54,6 @@ class LeasedThreads:
         return threads
 
 
-def group_threads(group: Any) -> int:
-    """Threads of each worker of a `RayWorkerGroup` (its OMP_NUM_THREADS)."""
-    return int(group.env_vars[0]["OMP_NUM_THREADS"])
-
-
 def lent_threads(borrowers: int, lenders: int, lender_threads: int) -> int:
     """Threads each of `borrowers` workers gets from `lenders` workers of `lender_threads` each (all the
     lenders' threads shared evenly, rounded down)."""
@@ -71,25 +66,21 @@ def lend_cores(
     """Connect both worker groups to a new `CoreLease` and return the setter of its holder; None (and a
     line saying why) when the generation backend is not hf, or the groups do not all run on one node,
     where there is nothing to lend."""
-    if generation_backend != "hf":
-        print(
-            f"grpo.async_grpo.lend_idle_cores: the {generation_backend} generation backend sets its own "
-            "threads: no cores are lent",
-            flush=True,
-        )
-        return None
     nodes = {info["node_id"] for group in (trainer_group, generator_group) for info in group.info}
-    if len(nodes) > 1:
-        print(
-            f"grpo.async_grpo.lend_idle_cores: trainer and generator run on {len(nodes)} nodes, not one: "
-            "no cores are lent",
-            flush=True,
-        )
+    not_lent = (
+        f"the {generation_backend} generation backend sets its own threads"
+        if generation_backend != "hf"
+        else f"trainer and generator run on {len(nodes)} nodes, not one"
+        if len(nodes) > 1
+        else None
+    )
+    if not_lent:
+        print(f"grpo.async_grpo.lend_idle_cores: {not_lent}: no cores are lent", flush=True)
         return None
     lease = CoreLease.remote()
     trainers, generators = trainer_group.world_size, generator_group.world_size
-    to_trainer = lent_threads(trainers, generators, group_threads(generator_group))
-    to_generator = lent_threads(generators, trainers, group_threads(trainer_group))
+    to_trainer = lent_threads(trainers, generators, int(generator_group.env_vars[0]["OMP_NUM_THREADS"]))
+    to_generator = lent_threads(generators, trainers, int(trainer_group.env_vars[0]["OMP_NUM_THREADS"]))
     trainer_group.run_all("set_core_lease", lease=lease, side=TRAINER, lent=to_trainer)
     generator_group.run_all("set_core_lease", lease=lease, side=GENERATOR, lent=to_generator)
     print(

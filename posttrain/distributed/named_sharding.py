@@ -28,20 +28,13 @@ class NamedSharding:
         return cls(np.arange(num_workers), ["dp"])
 
     @property
-    def shape(self) -> dict[str, int]:
-        return dict(zip(self.names, self.layout.shape))
-
-    @property
     def size(self) -> int:
         return int(self.layout.size)
 
     def get_axis_size(self, name: str) -> int:
-        return int(self.layout.shape[self._axis(name)])
-
-    def _axis(self, name: str) -> int:
         if name not in self.names:
             raise ValueError(f"unknown axis {name!r}; axes are {self.names}")
-        return self.names.index(name)
+        return int(self.layout.shape[self.names.index(name)])
 
     def get_worker_coords(self, rank: int) -> dict[str, int]:
         positions = np.argwhere(self.layout == rank)
@@ -52,4 +45,4 @@ class NamedSharding:
         return {name: int(value) for name, value in zip(self.names, positions[0])}
 
     def __repr__(self) -> str:
-        return f"NamedSharding(shape={self.shape}, layout={self.layout.tolist()})"
+        return f"NamedSharding({self.layout.tolist()}, {self.names})"

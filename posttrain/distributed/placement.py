@@ -70,12 +70,11 @@ def place(requests: list[ResourceRequest], nodes: list[dict], of: str = "free") 
 
 def describe_nodes(nodes: list[dict]) -> str:
     """One line per node: id (shortened), IP and free CPUs/GPUs."""
-    lines = []
-    for node in nodes:
-        free = node["free"]
-        cpus, gpus = free.get("CPU", 0), free.get("GPU", 0)
-        lines.append(f"  node {node['id'][:12]} ({node['ip']}): {cpus:g} CPUs, {gpus:g} GPUs free")
-    return "\n".join(lines)
+    return "\n".join(
+        f"  node {node['id'][:12]} ({node['ip']}): {node['free'].get('CPU', 0):g} CPUs, "
+        f"{node['free'].get('GPU', 0):g} GPUs free"
+        for node in nodes
+    )
 
 
 def check_placeable(requests: list[ResourceRequest], wait_s: float = CHECK_WAIT_S) -> None:
@@ -93,17 +92,14 @@ def check_placeable(requests: list[ResourceRequest], wait_s: float = CHECK_WAIT_
         if time.monotonic() > deadline or place(requests, nodes, of="total") is not None:
             break
         time.sleep(0.5)
-    asked = "\n".join(
-        f"  {r.key}: {r.count} x {_format(r.resources)}{' on one node' if r.one_node else ''}"
-        for r in requests
-    )
+    asked = "\n".join(f"  {r.key}: {_describe(r)}" for r in requests)
     raise UnplaceableError(
-        f"{misfit.key} asks for {misfit.count} x {_format(misfit.resources)}"
-        f"{' on one node' if misfit.one_node else ''}, which does not fit beside the rest of the run; the "
+        f"{misfit.key} asks for {_describe(misfit)}, which does not fit beside the rest of the run; the "
         f"run asks for:\n{asked}\nand the {len(nodes)} live node(s) have:\n{describe_nodes(nodes)}\n"
         "lower those keys, or add nodes"
     )
 
 
-def _format(resources: dict[str, float]) -> str:
-    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in resources.items() if amount) + "}"
+def _describe(request: ResourceRequest) -> str:  # "2 x {CPU: 1, GPU: 1} on one node"
+    resources = ", ".join(f"{name}: {amount:g}" for name, amount in request.resources.items() if amount)
+    return f"{request.count} x {{{resources}}}{' on one node' if request.one_node else ''}"

@@ -59,16 +59,14 @@ def check_shared_directories(directories: dict[str, str], node_ids: Sequence[str
     }
     try:
         found = dict(zip(refs, ray.get(list(refs.values()), timeout=CHECK_TIMEOUT_S)))
-        errors = []
-        for node in others:
-            for key, path in paths.items():
-                seen = (path / f".posttrain-shared-{token}-{node}").exists()
-                detail = "; ".join(p for p in found[node] if p.startswith(str(path))) or (
-                    "the node's marker file does not appear here"
-                )
-                if not seen:
-                    where = f"node {node[:12]} ({ips.get(node, '?')})"
-                    errors.append(f"{where} cannot share {key}={path}: {detail}")
+        missing = "the node's marker file does not appear here"
+        errors = [
+            f"node {node[:12]} ({ips.get(node, '?')}) cannot share {key}={path}: "
+            + ("; ".join(p for p in found[node] if p.startswith(str(path))) or missing)
+            for node in others
+            for key, path in paths.items()
+            if not (path / f".posttrain-shared-{token}-{node}").exists()
+        ]
         if errors:
             raise SharedDirectoryError(
                 "every node must see the run's directories at the same path (a shared file system):\n  "

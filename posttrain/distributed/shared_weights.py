@@ -31,6 +31,7 @@ class TensorSlot:
     offset: int  # bytes from the start of the file
     shape: tuple[int, ...]
     dtype: str  # torch dtype name, e.g. "float32"
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,8 @@ def plan_slots(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple
     """Aligned byte offsets for named (shape, dtype) pairs; returns the slots and the file size."""
     slots, offset = {}, 0
     for name, (shape, dtype) in tensors.items():
-        slots[name] = TensorSlot(offset, tuple(shape), str(dtype).removeprefix("torch."))
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        slots[name] = TensorSlot(offset, tuple(shape), str(dtype).removeprefix("torch."), nbytes)
         offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
     return slots, max(offset, ALIGNMENT)
 
@@ -63,9 +64,8 @@ def slot_views(buffer: torch.Tensor, slots: dict[str, TensorSlot]) -> dict[str, 
     """Typed, shaped views of a flat uint8 buffer."""
     views = {}
     for name, slot in slots.items():
-        dtype = getattr(torch, slot.dtype)
-        nbytes = math.prod(slot.shape) * torch.empty((), dtype=dtype).element_size()
-        views[name] = buffer[slot.offset : slot.offset + nbytes].view(dtype).view(slot.shape)
+        flat = buffer[slot.offset : slot.offset + slot.nbytes]
+        views[name] = flat.view(getattr(torch, slot.dtype)).view(slot.shape)
     return views
 
 
@@ -80,8 +80,7 @@ def gpu_uuid(device: torch.device) -> str:
 
 
 class SharedWeightsWriter:
-    """Owns the flat buffer: a memfd, or (`device` a GPU) device memory shared through CUDA IPC; `write`
-    copies new weights into it."""
+    """Owns the flat buffer (a memfd, or on a GPU `device` its memory); `write` copies new weights in."""
 
     def __init__(
         self,
@@ -124,9 +123,7 @@ class SharedWeightsWriter:
 
 
 class SharedWeightsReader:
-    """A reader's flat buffer and `views` of it: the writer's own buffer (its file mapped, or its device
-    buffer opened through CUDA IPC), or, for a GPU reader of a file, a device copy of it that `refresh`
-    brings up to date."""
+    """A reader's flat buffer (the writer's, or a GPU reader's device copy of the file) and `views` of it."""
 
     def __init__(self, handle: SharedWeights, node_id: str, device: torch.device) -> None:
         from torch.multiprocessing.reductions import rebuild_cuda_tensor

@@ -3,7 +3,8 @@
 A local Ray instance listens on 127.0.0.1 only (GCS, raylet, object manager, workers, agents), keeps
 Ray's token authentication on, and runs neither the dashboard nor the dashboard agent's HTTP server
 unless asked for (`cluster.include_dashboard`, `cluster.dashboard_agent`). Its workers compute at the
-niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides)."""
+niceness of the command that started it, not Ray's default of 15 (`RAY_worker_niceness` overrides), which
+keeps Ray's daemons responsive but lets any normal process on the machine take the workers' cores."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 from urllib.parse import urlparse
 
 import ray
@@ -27,6 +29,8 @@ from posttrain.distributed.placement import (
     ResourceRequest,
     UnplaceableError,
     check_placeable,
+    describe_nodes,
+    live_nodes,
 )
 
 logger = logging.getLogger(__name__)
@@ -53,7 +57,7 @@ class ClusterConfig:
     """GPUs in each worker bundle"""
     num_cpus: int | None = None
     """logical CPUs of a local Ray start (None: enough for the bundles)"""
-    placement_strategy: str | None = None
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] | None = None
     """STRICT_PACK, PACK, SPREAD or STRICT_SPREAD (None: STRICT_PACK on 1 node, else PACK)"""
     include_dashboard: bool = False
     """start Ray's dashboard with a local instance"""
@@ -75,28 +79,19 @@ class ClusterConfig:
     samples"""
 
     def validate(self) -> None:
-        if self.num_nodes < 1 or self.workers_per_node < 1:
-            raise ValueError(
-                f"num_nodes and workers_per_node must be >= 1, got {self.num_nodes}, {self.workers_per_node}"
-            )
-        for key in ("num_cpus_per_worker", "num_gpus_per_worker"):
+        minimums = {"num_nodes": 1, "workers_per_node": 1, "max_restarts": 0}
+        minimums.update(num_cpus_per_worker=0, num_gpus_per_worker=0)
+        for key, least in minimums.items():
             value = getattr(self, key)
-            if value is not None and value < 0:
-                raise ConfigError.at(key, f"must be >= 0, got {value}")
+            if value is not None and value < least:
+                raise ConfigError.at(key, f"must be >= {least}, got {value}")
         if self.num_cpus is not None and self.num_cpus < 1:
             raise ConfigError.at(
                 "num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}"
             )
-        self._check_local_cpus()
-        if self.placement_strategy not in (None, "STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy: unknown strategy {self.placement_strategy!r}")
-        if self.max_restarts < 0:
-            raise ConfigError.at("max_restarts", f"must be >= 0, got {self.max_restarts}")
         if len(self.master_port_range) != 2 or self.master_port_range[0] > self.master_port_range[1]:
             raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
-
-    def _check_local_cpus(self) -> None:
-        """A local start may not promise more CPUs than the machine has (set num_cpus to oversubscribe)."""
+        # A local start may not promise more CPUs than the machine has (set num_cpus to oversubscribe).
         local = self.address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
         needed = self.num_nodes * self.workers_per_node * cpus_per_worker(self)
         if local and self.num_cpus is None and needed > (os.cpu_count() or 1):
@@ -118,25 +113,23 @@ def cpus_per_worker(cfg: ClusterConfig) -> float:
     return float(max(1, (os.cpu_count() or 1) // cfg.workers_per_node))
 
 
-def init_ray(cfg: ClusterConfig, runtime_env: dict | None = None) -> bool:
+def init_ray(cfg: ClusterConfig) -> bool:
     """Join `cfg.address` / RAY_ADDRESS, or start a local instance; returns True if this call started Ray."""
     if ray.is_initialized():
         return False
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        join_ray(address, cfg.connect_timeout_s, runtime_env=runtime_env)
+        join_ray(address, cfg.connect_timeout_s)
         return True
     needed = cfg.num_nodes * cfg.workers_per_node * cpus_per_worker(cfg)
     # Two logical CPUs beyond the bundles: environment actors, and generation workers placed apart from the
     # policy (async GRPO), which would otherwise wait forever for a bundle. Threads follow the bundles.
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(needed + 0.999)) + 2
-    start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host, runtime_env)
+    start_local_ray(num_cpus, cfg.include_dashboard, cfg.dashboard_agent, cfg.dashboard_host)
     return True
 
 
-def join_ray(
-    address: str, timeout_s: float = 10.0, runtime_env: dict | None = None, log_to_driver: bool = True
-) -> None:
+def join_ray(address: str, timeout_s: float = 10.0, log_to_driver: bool = True) -> None:
     """Connect this driver to a running cluster; one on this machine's loopback (a local instance
     started by posttrain) is joined as a loopback node too, or the driver would wait for a raylet on the
     machine's outward IP."""
@@ -147,7 +140,7 @@ def join_ray(
     host = urlparse(f"tcp://{bootstrap}").hostname if bootstrap and "://" not in bootstrap else None
     local = host is not None and (host == "localhost" or host.startswith("127."))
     with _loopback_only() if local else contextlib.nullcontext():
-        ray.init(address=address, log_to_driver=log_to_driver, runtime_env=runtime_env)
+        ray.init(address=address, log_to_driver=log_to_driver)
 
 
 def start_local_ray(
@@ -161,46 +154,20 @@ def start_local_ray(
     """A Ray instance on this machine, reachable on 127.0.0.1 only, with token authentication."""
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
         logger.warning("RAY_AUTH_MODE=disabled: this Ray instance accepts unauthenticated requests")
-    kwargs = {
-        "address": "local",  # a new instance: never join a cluster that happens to run on this machine
-        "num_cpus": num_cpus,
-        "include_dashboard": include_dashboard,
-        "log_to_driver": log_to_driver,
-        "runtime_env": runtime_env,
-    }  # GPUs: Ray detects them
-    if include_dashboard:
-        kwargs["dashboard_host"] = dashboard_host
     # Every worker would draw its own bars for loading and saving weights (transformers' tqdm); the
     # workers inherit this process's environment, and the run's own progress line says what happens.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # Ray renices its workers by 15 so that its daemons stay responsive; here the workers are the run
-    # itself, and at 15 any normal process on the machine (an editor's indexer, a second job) takes their
-    # cores almost entirely, where a peer's single process at niceness 0 keeps its share. The daemons need
-    # little CPU and still get their fair share at the same niceness.
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    with (
-        _loopback_only(),
-        _minimal_dashboard_agent(not (include_dashboard or dashboard_agent)),
-        _token_notice_off(),
-    ):
-        ray.init(**kwargs)
+    os.environ.setdefault("RAY_worker_niceness", "0")  # the workers are the run (see the module docstring)
+    with _loopback_only(), _agent_and_notice(minimal_agent=not (include_dashboard or dashboard_agent)):
+        ray.init(
+            address="local",  # a new instance: never join a cluster that happens to run on this machine
+            num_cpus=num_cpus,  # GPUs: Ray detects them
+            include_dashboard=include_dashboard,
+            dashboard_host=dashboard_host,
+            log_to_driver=log_to_driver,
+            runtime_env=runtime_env,
+        )
     _restrict_token_file()
-
-
-@contextlib.contextmanager
-def _token_notice_off():
-    """Ray's "Token authentication is enabled" notice silenced while posttrain starts its own local
-    instance: posttrain turns it on itself (and says so in docs/security.md), so it is not news."""
-    token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
-
-    def notice_filter(record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("Token authentication is enabled")
-
-    token_logger.addFilter(notice_filter)
-    try:
-        yield
-    finally:
-        token_logger.removeFilter(notice_filter)
 
 
 @contextlib.contextmanager
@@ -224,17 +191,26 @@ def _loopback_only():
 
 
 @contextlib.contextmanager
-def _minimal_dashboard_agent(minimal: bool):
-    """Ray starts its per-node dashboard agent in "minimal" mode (no HTTP server: no job API, no metrics
-    export) only when the dashboard's packages are missing; this makes it believe so while it starts."""
+def _agent_and_notice(minimal_agent: bool):
+    """While posttrain starts its own local instance: with `minimal_agent`, Ray starts its per-node
+    dashboard agent in "minimal" mode (no HTTP server: no job API, no metrics export), which it does only
+    when the dashboard's packages are missing, so it is made to believe so; and its "Token authentication
+    is enabled" notice is silenced (posttrain turns it on itself and says so in docs/security.md)."""
     from ray._private import utils
 
+    token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+
+    def notice_filter(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Token authentication is enabled")
+
     saved = utils.get_dashboard_dependency_error
-    if minimal:
+    if minimal_agent:
         utils.get_dashboard_dependency_error = lambda: ImportError("posttrain: dashboard agent not requested")
+    token_logger.addFilter(notice_filter)
     try:
         yield
     finally:
+        token_logger.removeFilter(notice_filter)
         utils.get_dashboard_dependency_error = saved
 
 
@@ -281,7 +257,6 @@ class RayVirtualCluster:
         bundle = {"CPU": self.num_cpus_per_worker}
         if cfg.num_gpus_per_worker:
             bundle["GPU"] = cfg.num_gpus_per_worker
-        self.bundles = [dict(bundle) for _ in range(self.world_size)]
         strategy = cfg.placement_strategy or ("STRICT_PACK" if cfg.num_nodes == 1 else "PACK")
         own = ResourceRequest(key, bundle, self.world_size, strategy == "STRICT_PACK")
         try:
@@ -289,28 +264,20 @@ class RayVirtualCluster:
         except UnplaceableError:
             self.shutdown()
             raise
-        self.placement_group = placement_group(self.bundles, strategy=strategy)
-        if not self.placement_group.wait(timeout_seconds=cfg.resource_timeout_s):
-            remove_placement_group(self.placement_group)
-            message = self._resource_message(strategy)
+        self.placement_group = placement_group(
+            [dict(bundle) for _ in range(self.world_size)], strategy=strategy
+        )
+        if not self.placement_group.wait(timeout_seconds=cfg.resource_timeout_s):  # taken since the check
+            nodes = describe_nodes(live_nodes())
             self.shutdown()
-            raise ClusterResourceError(message)
+            raise ClusterResourceError(
+                f"could not reserve {self.world_size} bundles of {bundle} ({strategy}) for {key} within "
+                f"{cfg.resource_timeout_s:g}s; the live nodes have:\n{nodes}"
+            )
 
     @property
     def world_size(self) -> int:
         return self.cfg.num_nodes * self.cfg.workers_per_node
-
-    def _resource_message(self, strategy: str) -> str:
-        total = ray.cluster_resources()
-        available = ray.available_resources()
-        asked_cpus = self.num_cpus_per_worker * self.world_size
-        asked_gpus = self.cfg.num_gpus_per_worker * self.world_size
-        return (
-            f"could not reserve {self.world_size} bundles of {self.bundles[0]} ({strategy}; {asked_cpus:g} "
-            f"CPUs, {asked_gpus:g} GPUs in all) within {self.cfg.resource_timeout_s:g}s: the cluster has "
-            f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs on {len(ray.nodes())} node(s), "
-            f"{available.get('CPU', 0):g} CPUs and {available.get('GPU', 0):g} GPUs available"
-        )
 
     def bundle_node_ids(self) -> list[str]:
         """The Ray node id of each bundle, in bundle order."""
@@ -319,9 +286,8 @@ class RayVirtualCluster:
 
     def bundle_node_ips(self) -> list[str]:
         """The node IP of each bundle, in bundle order."""
-        table = ray.util.placement_group_table(self.placement_group)
         node_ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
-        return [node_ips.get(table["bundles_to_node_id"][i], "127.0.0.1") for i in range(self.world_size)]
+        return [node_ips.get(node_id, "127.0.0.1") for node_id in self.bundle_node_ids()]
 
     def shutdown(self) -> None:
         """Remove the placement group; stop Ray only if this cluster started it."""

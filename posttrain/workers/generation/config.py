@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank values
+
 
 @dataclass
 class GenerationConfig:
@@ -63,47 +65,27 @@ class GenerationConfig:
     only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into the weights and reload them."""
 
     def validate(self) -> None:
-        validate_generation_config(self)
-
-
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank values
-
-
-def validate_generation_config(cfg: GenerationConfig) -> None:
-    """Raise ValueError naming the first impossible setting of the `generation` section."""
-    if cfg.backend not in ("auto", "hf", "vllm"):
-        raise ValueError(f"generation.backend: expected 'auto', 'hf' or 'vllm', got {cfg.backend!r}")
-    if cfg.precision not in ("float32", "bfloat16"):
-        raise ValueError(f"generation.precision: expected 'float32' or 'bfloat16', got {cfg.precision!r}")
-    if cfg.max_new_tokens < 1:
-        raise ValueError(f"generation.max_new_tokens: must be >= 1, got {cfg.max_new_tokens}")
-    if cfg.temperature <= 0:
-        raise ValueError(
-            f"generation.temperature: must be > 0 (use greedy=True for argmax), got {cfg.temperature}"
-        )
-    if not 0 < cfg.top_p <= 1:
-        raise ValueError(f"generation.top_p: must be in (0, 1], got {cfg.top_p}")
-    if cfg.top_k is not None and cfg.top_k < 1:
-        raise ValueError(f"generation.top_k: must be >= 1 or None (keep all tokens), got {cfg.top_k}")
-    if cfg.decode_loop not in ("auto", "static", "eager"):
-        raise ValueError(
-            f"generation.decode_loop: expected 'auto', 'static' or 'eager', got {cfg.decode_loop!r}"
-        )
-    if cfg.decode_sync_every < 1:
-        raise ValueError(f"generation.decode_sync_every: must be >= 1, got {cfg.decode_sync_every}")
-    if cfg.num_workers < 1:
-        raise ValueError(f"generation.num_workers: must be >= 1, got {cfg.num_workers}")
-    if cfg.num_cpus_per_worker < 0:
-        raise ValueError(f"generation.num_cpus_per_worker: must be >= 0, got {cfg.num_cpus_per_worker}")
-    if cfg.vllm_lora_max_rank is not None and cfg.vllm_lora_max_rank not in VLLM_LORA_RANKS:
-        raise ValueError(
-            f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
-            f"got {cfg.vllm_lora_max_rank}"
-        )
-    if cfg.vllm_refit not in ("memory", "disk"):
-        raise ValueError(f"generation.vllm_refit: expected 'memory' or 'disk', got {cfg.vllm_refit!r}")
-    if not 0 < cfg.vllm_gpu_memory_utilization <= 1:
-        raise ValueError(
-            "generation.vllm_gpu_memory_utilization: must be in (0, 1], got "
-            f"{cfg.vllm_gpu_memory_utilization}"
-        )
+        """Raise ValueError naming the first impossible setting of the `generation` section (the config load
+        has checked the Literal fields' values already)."""
+        minimums = {"max_new_tokens": 1, "decode_sync_every": 1, "num_workers": 1, "num_cpus_per_worker": 0}
+        for key, least in minimums.items():
+            if getattr(self, key) < least:
+                raise ValueError(f"generation.{key}: must be >= {least}, got {getattr(self, key)}")
+        if self.temperature <= 0:
+            raise ValueError(
+                f"generation.temperature: must be > 0 (use greedy=True for argmax), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generation.top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"generation.top_k: must be >= 1 or None (keep all tokens), got {self.top_k}")
+        if self.vllm_lora_max_rank is not None and self.vllm_lora_max_rank not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
+                f"got {self.vllm_lora_max_rank}"
+            )
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ValueError(
+                "generation.vllm_gpu_memory_utilization: must be in (0, 1], got "
+                f"{self.vllm_gpu_memory_utilization}"
+            )

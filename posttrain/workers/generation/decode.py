@@ -55,11 +55,6 @@ def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torc
     return logits
 
 
-def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: one token per row of probs [B, V] from uniforms [B] in [0, 1)."""
-    return sample_from_weights(probs, uniforms)[0]
-
-
 def sample_from_weights(
     weights: torch.Tensor, uniforms: torch.Tensor, block: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +89,10 @@ def sample_from_weights(
 
 
 def per_sample_uniforms(seed: int, sample_indices: list[int], num_steps: int) -> torch.Tensor:
-    """Uniforms [B, num_steps] drawn from one generator per sample, seeded by (seed, global index).
-
-    A sample's draws depend only on the seed and its index in the whole batch, so the result does not
-    depend on how the batch is split across workers.
-    """
-    rows = []
-    for index in sample_indices:
-        generator = torch.Generator().manual_seed(sample_seed(seed, index))
-        rows.append(torch.rand(num_steps, generator=generator, dtype=torch.float64))
-    return torch.stack(rows)
+    """Uniforms [B, num_steps] drawn from one generator per sample, seeded by (seed, its index in the whole
+    batch): a sample's draws do not depend on how the batch is split across workers."""
+    generators = [torch.Generator().manual_seed(sample_seed(seed, index)) for index in sample_indices]
+    return torch.stack([torch.rand(num_steps, generator=g, dtype=torch.float64) for g in generators])
 
 
 def choose_tokens(
@@ -113,11 +102,9 @@ def choose_tokens(
     uniforms: torch.Tensor,
     banned_ids: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B].
-
-    The logprob is log_softmax(logits / temperature) at the token, before any top-k / top-p filter and
-    before `banned_ids` (tokens never drawn: a vision-language model's image placeholders) are removed.
-    """
+    """Pick the next token per row of raw logits [B, V]; return tokens [B] and their logprobs [B], those of
+    the unfiltered distribution (see the module docstring), also before `banned_ids` (tokens never drawn:
+    a vision-language model's image placeholders) are removed."""
     tempered = logits.float() if cfg.temperature == 1.0 else logits.float() / cfg.temperature  # [B, V]
     unfiltered = tempered
     log_total = None  # log of the tempered distribution's normaliser [B], once a path has it
@@ -137,17 +124,10 @@ def choose_tokens(
         log_total = peak + totals.log().float()
     else:
         probs = filter_logits(tempered, cfg.top_k, cfg.top_p).softmax(dim=-1)
-        tokens = sample_from_probs(probs, uniforms)
+        tokens = sample_from_weights(probs, uniforms)[0]
     if log_total is None:
         log_total = unfiltered.logsumexp(dim=-1)  # [B]
     return tokens, unfiltered.gather(1, tokens[:, None]).squeeze(1) - log_total
-
-
-def ends_with_stop_string(tokenizer: Any, generated_ids: list[int], stop_strings: list[str]) -> bool:
-    """True if a stop string appears in the text of the newest generated tokens (it just completed)."""
-    window = max(len(s) for s in stop_strings) + 4  # a token is at least one character (bytes: a few)
-    text = tokenizer.decode(generated_ids[-window:], skip_special_tokens=False)
-    return any(s in text for s in stop_strings)
 
 
 # -- The decoding loop -------------------------------------------------------------------------------
@@ -186,17 +166,19 @@ def update_decode_state(
     stop_strings: list[list[str]],
     tokenizer: Any,
 ) -> None:
-    """Append this step's token of each decoded row (sample `rows[j]`) still running; mark those that
-    hit a stop."""
+    """Append this step's token of each decoded row (sample `rows[j]`) still running; mark those that hit a
+    stop token, or a stop string in the text of their newest tokens (it just completed)."""
     for i, token, logprob in zip(rows, tokens.tolist(), logprobs.tolist()):
         if state.finished[i]:
             continue
         state.generated_ids[i].append(token)
         state.generated_logprobs[i].append(logprob)
-        hit_stop = token in stop_token_ids or (
-            bool(stop_strings[i])
-            and ends_with_stop_string(tokenizer, state.generated_ids[i], stop_strings[i])
-        )
+        hit_stop = token in stop_token_ids
+        if stop_strings[i] and not hit_stop:
+            # A token is at least one character (bytes: a few tokens make one).
+            window = max(len(s) for s in stop_strings[i]) + 4
+            text = tokenizer.decode(state.generated_ids[i][-window:], skip_special_tokens=False)
+            hit_stop = any(s in text for s in stop_strings[i])
         if hit_stop:
             state.finished[i] = state.stopped[i] = True
 
@@ -233,13 +215,11 @@ def decode_batch(
     stop_strings: list[list[str]],
     images: dict[str, Any] | None = None,
 ) -> DecodeState:
-    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated.
-    For an MoE model the state also holds the experts every generated token was routed to, except each
-    sample's last token, which is never fed back (moe.RouterTap). Finished samples leave the batch (and the
-    cache) once an eighth of it has finished, so a step costs
-    little more than the samples still running; a finished sample still in the batch decodes on, and its
-    tokens are dropped.
-    `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts."""
+    """Batched KV-cache decoding of left-padded prompts [B, T] until every sample stops or is truncated;
+    `images`: per-row `pixel_values` / `image_grid_thw` lists of a vision-language model's prompts.
+    Finished samples leave the batch and the cache as `compacted_size` says; one still in the batch decodes
+    on, its tokens dropped. For an MoE model the state also holds the experts every generated token was
+    routed to, except each sample's last token, which is never fed back (moe.RouterTap)."""
     num_samples = left_ids.shape[0]
     device = next(model.parameters()).device
     stop_token_ids = set(resolve_stop_token_ids(cfg, tokenizer))
@@ -273,13 +253,7 @@ def decode_batch(
             running = [j for j, i in enumerate(rows) if not state.finished[i]]
             if not running or step == cfg.max_new_tokens - 1:
                 break
-            # Finished samples leave once an eighth of the batch has finished (with fewer than 8 rows, at
-            # once): a step costs a fixed part (the weights read once) plus a part per row, so rows kept after
-            # they finish cost their share of every later step; copying the cache rows that stay costs about
-            # one step's attention. ~log(B)/log(8/7) distinct batch sizes, not one per finishing sample (on a
-            # GPU each new size may cost new kernel choices). Measured on the long-reply benchmark's 64 rows:
-            # leaving at half cost 34% more row-steps than the samples needed, at an eighth 10%.
-            if len(rows) - len(running) >= max(1, len(rows) // 8):
+            if compacted_size(len(rows), len(running), on_cuda=False) is not None:
                 keep = torch.tensor(running, device=device)
                 cache.reorder_cache(keep)
                 tokens, attention_mask = tokens[keep], attention_mask[keep]
@@ -297,6 +271,20 @@ def decode_batch(
             next_positions = next_positions + 1
             record_routing(state, rows, tap)
     return state
+
+
+def compacted_size(num_rows: int, num_running: int, on_cuda: bool) -> int | None:
+    """The batch size to compact a decode's rows to once some have finished, or None to keep all rows. A
+    step costs a fixed part (the weights read once) plus a part per row, so a finished row kept costs its
+    share of every later step, and copying the rows that stay costs about one step's attention. On CUDA
+    the sizes are powers of two (a step costs about the same at any small size; each size is one graph);
+    elsewhere the running rows alone, once an eighth of the batch has finished (with fewer than 8 rows, at
+    once): ~log(B)/log(8/7) distinct sizes. On the long-reply benchmark's 64 rows, leaving at half cost 34%
+    more row-steps than the samples needed, at an eighth 10%."""
+    if on_cuda:
+        size = 1 << max(num_running - 1, 0).bit_length()
+        return size if size < num_rows else None
+    return num_running if num_rows - num_running >= max(1, num_rows // 8) else None
 
 
 def resolve_stop_token_ids(cfg: GenerationConfig, tokenizer: Any) -> list[int]:
@@ -338,20 +326,15 @@ def assemble_outputs(
         "unpadded_sequence_lengths": sequence_lengths,
         "truncated": torch.tensor([not s for s in state.stopped], dtype=torch.bool),
     }
-    if state.routed_experts is not None:
-        outputs["routed_experts"] = routed_experts_at(state, input_lengths, num_cols)
-    return outputs
-
-
-def routed_experts_at(state: DecodeState, input_lengths: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """Per sample, the experts its generated tokens were routed to, at their positions of the output:
-    [B, T_out, L, k] int16, NOT_RECORDED (-1) at prompt, padding and never-fed positions."""
-    routed = state.routed_experts or []
-    out = torch.full((len(routed), num_cols, *state.routing_shape), NOT_RECORDED, dtype=torch.int16)
-    for i, (tokens, start) in enumerate(zip(routed, input_lengths.tolist())):
+    if state.routed_experts is None:
+        return outputs
+    # The experts each generated token was routed to, at its position: [B, T_out, L, k] int16, NOT_RECORDED
+    # (-1) at prompt, padding and never-fed positions.
+    routed = torch.full(
+        (len(sequence_lengths), num_cols, *state.routing_shape), NOT_RECORDED, dtype=torch.int16
+    )
+    for i, (tokens, start) in enumerate(zip(state.routed_experts, input_lengths.tolist())):
         if tokens:
-            out[i, start : start + len(tokens)] = torch.stack(tokens).to(torch.int16)
-    return out
-
-
-# -- Worker (one per Ray actor) and driver-side handle -----------------------------------------------
+            routed[i, start : start + len(tokens)] = torch.stack(tokens).to(torch.int16)
+    outputs["routed_experts"] = routed
+    return outputs

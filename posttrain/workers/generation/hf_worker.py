@@ -7,10 +7,13 @@ import dataclasses
 import time
 from typing import Any
 
+import ray
 import torch
 
 from posttrain.distributed.core_lease import LeasedThreads
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader, use_as_parameters
+from posttrain.distributed.worker_group import assigned_device
+from posttrain.models.build import load_model, load_tokenizer
 from posttrain.models.lora import AdapterWeights, apply_adapter
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.decode import (
@@ -21,25 +24,28 @@ from posttrain.workers.generation.decode import (
     right_to_left_padded,
 )
 from posttrain.workers.generation.packed_linear import pack_linears
-from posttrain.workers.generation.static_decode import static_decode_applies, static_decode_batch
+from posttrain.workers.generation.static_decode import static_decode_batch, use_static_loop
 
 
 def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
     """A state dict, fetching it from the object store if given a Ray ObjectRef."""
-    import ray
-
     return ray.get(weights) if isinstance(weights, ray.ObjectRef) else weights
+
+
+def check_known(names: Any, known: Any) -> None:
+    """Raise KeyError naming (up to 5 of) the `names` that are not among the generation model's `known`."""
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise KeyError(
+            f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
+        )
 
 
 class HFGenerationWorker:
     """Holds one copy of the model and tokenizer and decodes shards of batches."""
 
     def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
-        from posttrain.models.build import load_model, load_tokenizer
-
         self.cfg = cfg
-        from posttrain.distributed.worker_group import assigned_device
-
         self.device = assigned_device()
         dtype = torch.bfloat16 if cfg.precision == "bfloat16" else torch.float32
         self.model = load_model(model_name, dtype=dtype).to(self.device).eval()
@@ -48,7 +54,10 @@ class HFGenerationWorker:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.shared_weights: SharedWeightsReader | None = None  # the flat buffer the parameters view, if any
         self.leased_threads: LeasedThreads | None = None  # threads borrowed from a waiting trainer
-        self.repack()  # CPU fp32: weights laid out once for oneDNN, the changed ones again after each refit
+        if (
+            cfg.packed_weights
+        ):  # CPU fp32: weights laid out once for oneDNN, the changed ones after each refit
+            pack_linears(self.model)
 
     def generate(
         self, data: dict[str, Any], greedy: bool = False, seed: int = 0, sample_offset: int = 0
@@ -65,7 +74,12 @@ class HFGenerationWorker:
             cfg = dataclasses.replace(
                 cfg, max_new_tokens=min(cfg.max_new_tokens, int(data["max_new_tokens"].max()))
             )
-        self.check_context_fits(int(input_lengths.max()), cfg.max_new_tokens)
+        longest = int(input_lengths.max())
+        if self.max_positions is not None and longest + cfg.max_new_tokens > self.max_positions:
+            raise ValueError(
+                f"generation.max_new_tokens={cfg.max_new_tokens} plus the longest prompt ({longest} tokens) "
+                f"exceeds the model's max_position_embeddings={self.max_positions}"
+            )
         stop_strings = merge_stop_strings(cfg, data.get("stop_strings"), num_samples)
         left_ids, attention_mask = right_to_left_padded(input_ids.cpu(), input_lengths, self.pad_id)
         uniforms = per_sample_uniforms(
@@ -73,46 +87,24 @@ class HFGenerationWorker:
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
         args = (self.model, self.tokenizer, left_ids, attention_mask, cfg, greedy, uniforms)
-        if self.static_decode(stop_strings, images):
+        if use_static_loop(self.model, cfg, stop_strings, bool(images)):
             state = static_decode_batch(*args, cfg.decode_sync_every)
         else:
             state = decode_batch(*args, stop_strings, images)
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
 
-    def static_decode(self, stop_strings: list[list[str]], images: dict[str, Any]) -> bool:
-        """Use the static decode loop for this batch? (`generation.decode_loop`; auto: on a GPU)"""
-        reason = "images" if images else static_decode_applies(self.model, stop_strings)
-        if self.cfg.decode_loop == "static" and reason is not None:
-            raise ValueError(
-                f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'"
-            )
-        return reason is None and (self.cfg.decode_loop == "static" or self.device.type == "cuda")
-
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
         self.leased_threads = LeasedThreads(lease, side, lent)
-
-    def check_context_fits(self, longest_prompt: int, max_new_tokens: int) -> None:
-        """Fail loudly when prompt + max_new_tokens exceeds the model's position embeddings."""
-        if self.max_positions is not None and longest_prompt + max_new_tokens > self.max_positions:
-            raise ValueError(
-                f"generation.max_new_tokens={max_new_tokens} plus the longest prompt "
-                f"({longest_prompt}"
-                f" tokens) exceeds the model's max_position_embeddings={self.max_positions}"
-            )
 
     def update_weights(self, weights: Any) -> float:
         """Copy the given tensors (all or only the changed ones) into the model in place, or (LoRA) load an
         adapter onto the resident base model, and repack the changed linear layers; return seconds."""
         start = time.perf_counter()
         self.load_weights(weights)
-        self.repack(force=isinstance(weights, SharedWeights))  # shared memory: the policy rewrote them all
+        if self.cfg.packed_weights:  # shared memory: the policy rewrote them all
+            pack_linears(self.model, force=isinstance(weights, SharedWeights))
         return time.perf_counter() - start
-
-    def repack(self, force: bool = False) -> None:
-        """Packed copies of the weights changed since the last packing (all with `force`)."""
-        if self.cfg.packed_weights:
-            pack_linears(self.model, force)
 
     def load_weights(self, weights: Any) -> None:
         if isinstance(weights, SharedWeights):
@@ -123,11 +115,7 @@ class HFGenerationWorker:
             self.model = apply_adapter(self.model, state_dict)
             return
         targets = self.model.state_dict(keep_vars=True)  # every name, tied aliases included
-        unknown = sorted(set(state_dict) - set(targets))
-        if unknown:
-            raise KeyError(
-                f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
-            )
+        check_known(state_dict, targets)
         written = set()  # tied weights: one tensor under two names is copied once
         with torch.no_grad():
             for name, tensor in state_dict.items():
@@ -144,8 +132,6 @@ class HFGenerationWorker:
     def map_shared_weights(self, handle: SharedWeights) -> None:
         """Make the model's parameters views of the policy's flat weight buffer, once per buffer (the policy
         rewrites it in place, so a refit costs nothing here, or on a GPU reading a file one copy)."""
-        import ray
-
         if self.shared_weights is not None and self.shared_weights.handle == handle:
             self.shared_weights.refresh()
             return

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
+import ray
 
 from posttrain.distributed import (
     BatchedDataDict,
@@ -22,6 +22,7 @@ from posttrain.distributed import (
 )
 from posttrain.distributed.worker_group import wait_until_marked_dead
 from posttrain.models.build import load_tokenizer
+from posttrain.models.moe import NOT_RECORDED
 
 logger = logging.getLogger(__name__)
 
@@ -40,14 +41,7 @@ logger = logging.getLogger(__name__)
 #   generation_lengths        [B]         generated tokens (a stop token is counted and kept)
 #   unpadded_sequence_lengths [B]         input_lengths + generation_lengths
 #   truncated                 [B] bool    hit max_new_tokens without a stop token or stop string
-GENERATION_INPUT_KEYS = ("input_ids", "input_lengths")
-GENERATION_OUTPUT_KEYS = (
-    "output_ids",
-    "logprobs",
-    "generation_lengths",
-    "unpadded_sequence_lengths",
-    "truncated",
-)
+INPUTS = ("input_ids", "input_lengths", "stop_strings", "pixel_values", "image_grid_thw", "max_new_tokens")
 ROUTED_EXPERTS_KEY = "routed_experts"  # MoE models (HF backend): [B, T, L, k] experts per generated token
 
 
@@ -59,13 +53,9 @@ def sample_seed(seed: int, sample_index: int) -> int:
 
 def split_contiguous(num_samples: int, num_shards: int) -> list[tuple[int, int]]:
     """[start, end) of num_shards contiguous shards whose sizes differ by at most one."""
-    base, extra = divmod(num_samples, num_shards)
-    bounds, start = [], 0
-    for shard in range(num_shards):
-        end = start + base + (1 if shard < extra else 0)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    base, extra = divmod(num_samples, num_shards)  # the first `extra` shards take one more
+    starts = [shard * base + min(shard, extra) for shard in range(num_shards + 1)]
+    return list(zip(starts, starts[1:]))
 
 
 def lost_ranks(dead_workers: Sequence[str], names: Sequence[str]) -> list[int]:
@@ -74,49 +64,17 @@ def lost_ranks(dead_workers: Sequence[str], names: Sequence[str]) -> list[int]:
     return [rank for rank, name in enumerate(names) if name in dead]
 
 
-def slice_batch(data: Mapping[str, Any], start: int, end: int) -> dict[str, Any]:
-    """Rows [start, end) of the keys a worker reads (prompt ids, lengths, per-sample stop strings, images)."""
-    optional = ("stop_strings", "pixel_values", "image_grid_thw", "max_new_tokens")
-    keys = [key for key in GENERATION_INPUT_KEYS + optional if data.get(key) is not None]
-    return {key: data[key][start:end] for key in keys}
-
-
-def concat_padded(outputs: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, torch.Tensor]:
-    """Concatenate worker outputs in order, right-padding the [B, T] keys to the longest T."""
-    num_cols = max(o["output_ids"].shape[1] for o in outputs)
-    pad_values = {"output_ids": pad_id, "logprobs": 0.0}
-    merged = {}
-    for key in GENERATION_OUTPUT_KEYS:
-        parts = [o[key] for o in outputs]
-        if key in pad_values:
-            parts = [
-                torch.nn.functional.pad(p, (0, num_cols - p.shape[1]), value=pad_values[key]) for p in parts
-            ]
-        merged[key] = torch.cat(parts, dim=0)
-    if all(ROUTED_EXPERTS_KEY in o for o in outputs):  # -1: not recorded
-        parts = [o[ROUTED_EXPERTS_KEY] for o in outputs]
-        pads = [(0, 0, 0, 0, 0, num_cols - p.shape[1]) for p in parts]
-        merged[ROUTED_EXPERTS_KEY] = torch.cat(
-            [torch.nn.functional.pad(p, pad, value=-1) for p, pad in zip(parts, pads)]
-        )
-    return merged
-
-
 class RayGeneration:
-    """Data-parallel generation over one Ray actor per bundle; subclasses name the worker class.
+    """Data-parallel generation over one Ray actor per bundle of `cluster`: the policy's when colocated
+    (`cfg.num_workers` unused), or with None a cluster of `cfg.num_workers` bundles of its own. Subclasses
+    name the worker class, which takes `(cfg, model_name, tokenizer_name)` and has generate(data, greedy,
+    seed, sample_offset), update_weights(weights), prepare_for_generation() and finish_generation().
 
-    `cluster` is the policy's RayVirtualCluster when colocated (one worker per bundle, sharing them, so
-    `cfg.num_workers` is not used), or None to start a cluster of `cfg.num_workers` bundles of its own. A
-    worker class takes
-    `(cfg, model_name, tokenizer_name)` and has generate(data, greedy, seed, sample_offset),
-    update_weights(weights), prepare_for_generation() and finish_generation().
-
-    On a cluster of its own, and when the class sets `replaces_lost_workers`, a worker that dies during
-    `generate` (its process, or its node) is replaced, up to `max_worker_restarts` times: the new actor
-    starts in the lost one's bundle, loads the weights the others hold (from `set_weights_source`'s
-    source) and generates the lost shard again. Samples are seeded by (seed, global sample index), so the
-    shard comes out as the lost worker would have made it. Colocated workers live in the policy's
-    bundles: their loss stays the whole run's (`algorithms/recovery.py`).
+    On a cluster of its own, with `replaces_lost_workers`, a worker that dies during `generate` (its process
+    or its node) is replaced up to `max_worker_restarts` times: the new actor starts in the lost one's
+    bundle, loads the weights the others hold (`set_weights_source`) and generates the lost shard again as
+    the lost worker would have (samples are seeded by (seed, global sample index)). Colocated workers live
+    in the policy's bundles: their loss stays the whole run's (`algorithms/recovery.py`).
     """
 
     worker_cls: type = object
@@ -133,9 +91,18 @@ class RayGeneration:
     ) -> None:
         self.cfg = cfg
         self.owned_cluster = cluster is None
-        # Colocated: one worker per bundle of the policy's cluster; separate: num_workers bundles of its own.
-        self.cluster = make_generation_cluster(cfg) if cluster is None else cluster
-        self.pad_id = int(load_tokenizer(tokenizer_name or model_name).pad_token_id)
+        if cluster is None:  # num_workers bundles of its own, apart from the policy (a GPU each if any)
+            num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
+            own = ClusterConfig(
+                workers_per_node=cfg.num_workers,
+                num_cpus_per_worker=cfg.num_cpus_per_worker,
+                num_gpus_per_worker=num_gpus,
+            )
+            cluster = RayVirtualCluster(own, key="generation.num_workers x num_cpus_per_worker")
+        self.cluster = cluster  # colocated: one worker per bundle of the policy's cluster
+        pad_id = int(load_tokenizer(tokenizer_name or model_name).pad_token_id)
+        # The shards' outputs are right-padded to the longest: the pad id, logprob 0, experts not recorded.
+        self.output_pad_values = {"output_ids": pad_id, ROUTED_EXPERTS_KEY: NOT_RECORDED}
         self.num_calls = 0
         replaces = self.owned_cluster and self.replaces_lost_workers
         self.max_worker_restarts = max_worker_restarts if replaces else 0
@@ -143,7 +110,6 @@ class RayGeneration:
         self.weights_source: Callable[[], Any] | None = None
         self.refitted = False  # the workers hold weights other than the model directory's
         # Colocated: None lets the group take half of each policy bundle; separate: the whole bundle.
-        whole_bundle = self.owned_cluster
         self.worker_group = RayWorkerGroup(
             self.cluster,
             self.worker_cls,
@@ -153,17 +119,15 @@ class RayGeneration:
                 "model_name": str(model_name),
                 "tokenizer_name": None if tokenizer_name is None else str(tokenizer_name),
             },
-            num_cpus_per_worker=self.cluster.num_cpus_per_worker if whole_bundle else None,
-            num_gpus_per_worker=self.cluster.cfg.num_gpus_per_worker if whole_bundle else None,
+            num_cpus_per_worker=self.cluster.num_cpus_per_worker if self.owned_cluster else None,
+            num_gpus_per_worker=self.cluster.cfg.num_gpus_per_worker if self.owned_cluster else None,
         )
 
     def generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Any:
-        """Continue each prompt of `data` (a BatchedDataDict with the input keys above); returns the output
-        keys in the order of the input. `seed` makes sampling reproducible (None: the config's seed plus
-        the call count). The batch is split into contiguous shards decoded in parallel; a shard whose
-        worker died is decoded again on its replacement (see the class)."""
-        if seed is None:
-            seed = self.cfg.seed + self.num_calls
+        """Continue each prompt of `data` (a BatchedDataDict with the input keys above) in contiguous shards
+        decoded in parallel (a lost worker's again on its replacement: see the class); returns the output
+        keys in the input's order. `seed` (None: the config's seed plus the call count) seeds sampling."""
+        seed = self.cfg.seed + self.num_calls if seed is None else seed
         self.num_calls += 1
         num_samples = int(data["input_ids"].shape[0])
         if num_samples == 0:
@@ -173,16 +137,15 @@ class RayGeneration:
         def decode(rank: int) -> Any:
             start, end = shards[rank]
             worker = self.worker_group.workers[rank]
-            return worker.generate.remote(
-                slice_batch(data, start, end), greedy=greedy, seed=seed, sample_offset=start
-            )
+            shard = {key: data[key][start:end] for key in INPUTS if data.get(key) is not None}
+            return worker.generate.remote(shard, greedy=greedy, seed=seed, sample_offset=start)
 
         ranks = [rank for rank, (start, end) in enumerate(shards) if end > start]
         refs = {rank: decode(rank) for rank in ranks}
         while True:
             try:
                 outputs = self.worker_group.get([refs[rank] for rank in ranks])
-                return BatchedDataDict(concat_padded(outputs, self.pad_id))
+                return BatchedDataDict.from_batches(outputs, self.output_pad_values)
             except WorkerDiedError as error:
                 redo = [rank for rank in self.replace_lost_workers(error) if rank in refs]
                 where = ", ".join(f"[{shards[rank][0]}, {shards[rank][1]}) on rank {rank}" for rank in redo)
@@ -191,12 +154,9 @@ class RayGeneration:
                 refs.update({rank: decode(rank) for rank in redo})
 
     def replace_lost_workers(self, error: WorkerDiedError) -> list[int]:
-        """Start a new actor for each worker that `error` names, holding the weights the others hold;
-        returns their ranks. Raises `error` itself when this handle replaces no workers, its restarts are
-        spent, it names no worker, the weights cannot be had again (refitted without a weights source) or a
-        replacement does not start."""
-        import ray
-
+        """Start a new actor, with the weights the others hold, for each worker `error` names; returns their
+        ranks. Raises `error` itself when it names none, this handle replaces no workers, its restarts are
+        spent, the weights cannot be had again (refitted, no weights source) or a replacement fails."""
         ranks = lost_ranks(error.dead_workers, self.worker_group.names)
         restarts_left = self.num_worker_restarts < self.max_worker_restarts
         weights_known = self.weights_source is not None or not self.refitted
@@ -219,9 +179,7 @@ class RayGeneration:
         try:
             self.worker_group.replace_workers(ranks, self.cluster.cfg.resource_timeout_s)
             if self.weights_source is not None:  # else: the model directory's weights, as the others
-                weights = self.weights_source()
-                weights_ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-                self.worker_group.run_on(ranks, "update_weights", weights=weights_ref)
+                self.update_weights(self.weights_source(), ranks)
         except (ClusterResourceError, ray.exceptions.RayError, WorkerDiedError) as failure:
             logger.warning("generation: the replacement failed (%s); giving up on the lost workers", failure)
             raise error  # noqa: B904 - the loss, as without a replacement (the failure is its context)
@@ -232,14 +190,13 @@ class RayGeneration:
         them), for a worker that replaces a lost one."""
         self.weights_source = source
 
-    def update_weights(self, weights: Any) -> float:
+    def update_weights(self, weights: Any, ranks: Sequence[int] | None = None) -> float:
         """Send new weights (dict name -> tensor, possibly only the changed ones, or a Ray ObjectRef of one)
-        once, through the object store, to every worker; return wall seconds."""
-        import ray
-
+        once, through the object store, to every worker (or those of `ranks`); return wall seconds."""
         start = time.perf_counter()
         weights_ref = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
-        self.worker_group.get(self.worker_group.run_all_async("update_weights", weights=weights_ref))
+        ranks = range(len(self.worker_group.workers)) if ranks is None else ranks
+        self.worker_group.run_on(ranks, "update_weights", weights=weights_ref)
         self.refitted = True
         return time.perf_counter() - start
 
@@ -250,25 +207,7 @@ class RayGeneration:
         self.worker_group.run_all("finish_generation")
 
     def shutdown(self) -> None:
+        """Stop the workers, and the cluster if this handle started it."""
         self.worker_group.shutdown()
-        self.shutdown_cluster()
-
-    def shutdown_cluster(self) -> None:
-        """Remove the cluster only if this handle started it."""
         if self.owned_cluster:
             self.cluster.shutdown()
-
-
-def make_generation_cluster(cfg: Any) -> Any:
-    """A cluster of `num_workers` bundles for generation placed apart from the policy (a GPU each if any)."""
-    import ray
-
-    num_gpus = 1.0 if ray.cluster_resources().get("GPU", 0) > 0 else 0.0
-    return RayVirtualCluster(
-        ClusterConfig(
-            workers_per_node=cfg.num_workers,
-            num_cpus_per_worker=cfg.num_cpus_per_worker,
-            num_gpus_per_worker=num_gpus,
-        ),
-        key="generation.num_workers x num_cpus_per_worker",
-    )

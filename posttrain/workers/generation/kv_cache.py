@@ -52,12 +52,6 @@ class ReservedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0:
-            self._set_length(self.keys.shape[2] + tokens_to_remove)
-        else:
-            super().crop(tokens_to_remove)
-
 
 def reserve(cache: Cache, extra_tokens: int) -> Cache:
     """`cache` with room for `extra_tokens` more positions in every plain (full-attention, growing) layer;

@@ -1,16 +1,11 @@
-"""Linear layers with prepacked weights for generation on a CPU.
-
-A decode step multiplies a few dozen rows by every weight matrix. At that shape MKL's sgemm (what
-`torch.nn.functional.linear` calls for fp32 on a CPU) reaches about half of the cores' peak; oneDNN with
-the weight laid out once, in its own blocked format, does the same product 1.5-2.5x faster (SmolLM2-135M
-at 32 rows on 2 cores: 30 layers 69 -> 44 ms, its 49k-token head 24 -> 10 ms).
-This is what torch's own compiler does for frozen CPU inference (`torch._inductor` "weight prepacking").
+"""Linear layers with prepacked weights for generation on a CPU, as torch's compiler does for frozen CPU
+inference (`torch._inductor` "weight prepacking"): at a decode step's few dozen rows MKL's sgemm (fp32
+`torch.nn.functional.linear`) reaches about half the cores' peak, and oneDNN with the weight laid out once
+in its blocked format is 1.5-2.5x faster (SmolLM2-135M at 32 rows on 2 cores: 30 layers 69 -> 44 ms, its
+49k-token head 24 -> 10 ms). fp32 weights on a CPU only; anything else keeps torch's own linear.
 
 The packed copy does not follow in-place changes of the weight: the owner calls `pack_linears` again after
-every refit, which repacks only the layers whose weight this process changed since (a copy into it, a new
-tensor behind it), or all of them with `force` (weights rewritten by another process, in shared memory).
-The module's parameters are untouched, so state dicts, refits and adapters see the plain model. fp32
-weights on a CPU only; anything else keeps torch's own linear.
+every refit. The module's parameters are untouched, so state dicts, refits and adapters see the plain model.
 """
 
 from __future__ import annotations
@@ -51,8 +46,9 @@ def weight_state(module: torch.nn.Linear) -> tuple[int, int]:
 @torch.no_grad()
 def pack_linears(model: torch.nn.Module, force: bool = False) -> int:
     """Give every fp32 CPU nn.Linear of `model` a packed copy of its current weight and route its forward
-    through it; call again whenever weights change. A layer already packed from its current weight is
-    skipped unless `force`. Returns the number of layers (re)packed."""
+    through it; call again whenever weights change. A layer already packed from its current weight (the
+    same tensor, not written in place since) is skipped unless `force` (weights rewritten by another
+    process, in shared memory). Returns the number of layers (re)packed."""
     if not packing_available():
         return 0
     count = 0
@@ -63,12 +59,3 @@ def pack_linears(model: torch.nn.Module, force: bool = False) -> int:
             module.forward = MethodType(packed_forward, module)
             count += 1
     return count
-
-
-def unpack_linears(model: torch.nn.Module) -> None:
-    """Back to torch's own linear (drops the packed copies)."""
-    for module in model.modules():
-        if hasattr(module, PACKED_ATTR):
-            delattr(module, PACKED_ATTR)
-            delattr(module, PACKED_FROM_ATTR)
-            del module.forward  # the instance attribute: nn.Linear.forward again

@@ -2,7 +2,7 @@
 (transformers' StaticCache) and a static additive attention mask, sampling and the finished flags on the
 device, the host reading the flags every `sync_every` steps (and compacting finished rows then), and on
 CUDA each step replayed as a CUDA graph, one per batch size. Same tokens and logprobs as
-decode.decode_batch, which stays for what this loop does not cover (`static_decode_applies`)."""
+decode.decode_batch, which stays for what this loop does not cover (`use_static_loop`)."""
 
 from __future__ import annotations
 
@@ -17,24 +17,38 @@ from posttrain.models.cache_api import cache_argument
 from posttrain.models.moe import is_moe_model
 from posttrain.models.vlm import is_vision_language_model
 from posttrain.workers.generation.config import GenerationConfig
-from posttrain.workers.generation.decode import DecodeState, choose_tokens, prefill, resolve_stop_token_ids
+from posttrain.workers.generation.decode import (
+    DecodeState,
+    choose_tokens,
+    compacted_size,
+    prefill,
+    resolve_stop_token_ids,
+    update_decode_state,
+)
 
 
-def static_decode_applies(model: torch.nn.Module, stop_strings: list[list[str]]) -> str | None:
-    """None when the static loop can decode for `model`, else why not: it covers dense text models with
-    full attention under sdpa or eager attention (no LoRA adapter on top), without stop strings (they need
-    the text every step)."""
-    if is_moe_model(model) or is_vision_language_model(model):
-        return "a mixture-of-experts or vision-language model"
-    if not isinstance(model, PreTrainedModel):
-        return f"a {type(model).__name__} (a LoRA adapter on the model)"
-    if getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
-        return f"attention implementation {model.config._attn_implementation!r}"
-    if any(stop_strings):
-        return "stop strings"
-    if any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
-        return "sliding-window or linear attention layers"
-    return None
+def use_static_loop(
+    model: torch.nn.Module, cfg: GenerationConfig, stop_strings: list[list[str]], images: bool
+) -> bool:
+    """Decode this batch with the static loop? `generation.decode_loop`: static, eager, or auto: static on a
+    GPU where it applies. It covers dense text models with full attention under sdpa or eager attention (no
+    LoRA adapter on top), without images or stop strings (they need the text every step); asking for it
+    elsewhere raises, naming what it does not cover."""
+    reason = None
+    if is_moe_model(model) or is_vision_language_model(model) or images:
+        reason = "a mixture-of-experts or vision-language model, or images"
+    elif not isinstance(model, PreTrainedModel):
+        reason = f"a {type(model).__name__} (a LoRA adapter on the model)"
+    elif getattr(model.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        reason = f"attention implementation {model.config._attn_implementation!r}"
+    elif any(stop_strings):
+        reason = "stop strings"
+    elif any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
+        reason = "sliding-window or linear attention layers"
+    if cfg.decode_loop == "static" and reason is not None:
+        raise ValueError(f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'")
+    on_gpu = next(model.parameters()).device.type == "cuda"
+    return reason is None and (cfg.decode_loop == "static" or on_gpu)
 
 
 @dataclass
@@ -49,9 +63,6 @@ class DecodeRows:
     out_logprobs: torch.Tensor  # [B, N] their logprobs
     finished: torch.Tensor  # [B] a stop token was chosen
     logits: torch.Tensor  # [B, V] the last forward's logits
-
-    def select(self, keep: torch.Tensor) -> DecodeRows:
-        return DecodeRows(*(getattr(self, f.name).index_select(0, keep) for f in fields(self)))
 
 
 class StaticDecoder:
@@ -145,17 +156,7 @@ class StaticDecoder:
         index = torch.tensor(keep, device=self.device)
         self.cache.reorder_cache(index)
         self.graph = None
-        return rows.select(index)
-
-
-def compacted_size(num_rows: int, num_running: int, on_cuda: bool) -> int | None:
-    """The batch size to compact to, or None to keep all rows. On CUDA the sizes are powers of two (a step
-    costs about the same at any small size; each size is one graph); elsewhere the running rows alone, once
-    an eighth of the batch has finished (decode.decode_batch's rule)."""
-    if on_cuda:
-        size = 1 << max(num_running - 1, 0).bit_length()
-        return size if size < num_rows else None
-    return num_running if num_rows - num_running >= max(1, num_rows // 8) else None
+        return DecodeRows(*(getattr(rows, f.name).index_select(0, index) for f in fields(rows)))
 
 
 @torch.inference_mode()
@@ -174,14 +175,14 @@ def static_decode_batch(
     stop_ids = resolve_stop_token_ids(cfg, tokenizer)
     decoder = StaticDecoder(model, cfg, greedy, stop_ids)
     rows = decoder.start(left_ids, attention_mask, uniforms)
-    samples = list(range(left_ids.shape[0]))  # the sample of each row
-    results: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sample -> its tokens and logprobs [N]
+    num_samples = left_ids.shape[0]
+    samples = everyone = list(range(num_samples))  # the sample of each row; every sample
+    chosen_ids = torch.zeros(num_samples, cfg.max_new_tokens, dtype=torch.long)  # [B, N] on the host
+    chosen_logprobs = torch.zeros(num_samples, cfg.max_new_tokens)  # [B, N]
 
     def take(rows: DecodeRows, indices: list[int]) -> None:  # rows `indices` to the host
-        for j, ids, logprobs in zip(
-            indices, rows.out_tokens[indices].cpu(), rows.out_logprobs[indices].cpu()
-        ):
-            results[samples[j]] = (ids, logprobs)
+        chosen_ids[[samples[j] for j in indices]] = rows.out_tokens[indices].cpu()
+        chosen_logprobs[[samples[j] for j in indices]] = rows.out_logprobs[indices].cpu()
 
     for step in range(cfg.max_new_tokens - 1):
         decoder.run_step(rows)
@@ -189,31 +190,23 @@ def static_decode_batch(
             continue
         finished = rows.finished.tolist()
         running = [j for j, done in enumerate(finished) if not done]
+        if not running:  # every row has finished: all of them to the host
+            take(rows, list(range(len(samples))))
+            break
         size = compacted_size(len(samples), len(running), decoder.device.type == "cuda")
-        if not running or size is not None:
-            kept = running + [j for j, done in enumerate(finished) if done][: (size or 0) - len(running)]
+        if size is not None:
+            kept = running + [j for j, done in enumerate(finished) if done][: size - len(running)]
             take(rows, [j for j in range(len(samples)) if j not in kept])
-            if not running:
-                break
             rows, samples = decoder.compact(rows, kept), [samples[j] for j in kept]
     else:
         decoder.choose(rows)  # the last token: nothing is fed after it
         take(rows, list(range(len(samples))))
-    return state_from_tokens([results[i] for i in range(len(results))], set(stop_ids), cfg.max_new_tokens)
-
-
-def state_from_tokens(
-    per_sample: list[tuple[torch.Tensor, torch.Tensor]], stop_ids: set[int], max_new_tokens: int
-) -> DecodeState:
-    """Each sample's tokens up to its first stop token (kept), the DecodeState decode.decode_batch returns;
-    `per_sample` holds each one's chosen tokens and logprobs [N], of which those after a stop are dropped."""
-    state = DecodeState([], [], [], [])
-    for ids, logprobs in per_sample:
-        ids_list = ids.tolist()
-        stop_at = next((k for k, token in enumerate(ids_list) if token in stop_ids), None)
-        length = max_new_tokens if stop_at is None else stop_at + 1
-        state.generated_ids.append(ids_list[:length])
-        state.generated_logprobs.append(logprobs[:length].tolist())
-        state.finished.append(True)
-        state.stopped.append(stop_at is not None)
+    state = DecodeState(
+        [[] for _ in everyone], [[] for _ in everyone], [False] * num_samples, [False] * num_samples
+    )
+    for step in range(cfg.max_new_tokens):  # each sample's tokens up to its first stop token (kept)
+        step_ids, step_logprobs = chosen_ids[:, step], chosen_logprobs[:, step]
+        update_decode_state(
+            state, everyone, step_ids, step_logprobs, set(stop_ids), [[]] * num_samples, tokenizer
+        )
     return state

