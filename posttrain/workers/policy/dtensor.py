@@ -343,12 +343,8 @@ class DTensorPolicyWorker(PolicyWorker):
         ):
             with router_tap(self.model, microbatch, self.router_replay, keep_logits=False):
                 outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
-            if microbatch.is_padding:
-                continue
-            if outputs.dim() == 2:
-                out[microbatch.indices, : outputs.shape[1]] = outputs
-            else:
-                out[microbatch.indices] = outputs
+            if not microbatch.is_padding:
+                self._store(out, microbatch, outputs)
         return out
 
     # -- training --------------------------------------------------------------------------------------
@@ -424,31 +420,17 @@ class DTensorPolicyWorker(PolicyWorker):
             return
         native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
 
-    def get_weights(
-        self, only_changed: bool = True, dtype: str | None = None
-    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
-        """Full (gathered) CPU weights on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
-        elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
-        last call (see refit.WeightVersions). `dtype` ("bfloat16", "float32") casts floating tensors for the
-        receiver, halving what travels to a bf16 generation model."""
+    def _gather_weights(self, dtype: str | None) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """Full (gathered) CPU weights on rank 0, cast to `dtype`; with LoRA the adapter only (the generation
+        workers keep the base resident)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        self.sent_bytes = 0
-        if not self.versions.take_send(only_changed):  # the same on every rank
-            return {}
-        if self.cfg.lora.enabled:  # the adapter only: the generation workers keep the base resident
-            adapter = lora.gather_adapter_weights(
-                self.model, self.cfg.lora, self.cfg.model_kind, self.rank, dtype
-            )
-            self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
-            return adapter
+        if self.cfg.lora.enabled:
+            kind = self.cfg.model_kind
+            return lora.gather_adapter_weights(self.model, self.cfg.lora, kind, self.rank, dtype)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full_weights = get_model_state_dict(self.model, options=options)  # collective
-        if self.rank != 0:
-            return {}
-        full_weights = cast_floating(full_weights, dtype)
-        self.sent_bytes = lora.payload_num_bytes(full_weights)
-        return full_weights
+        return cast_floating(full_weights, dtype) if self.rank == 0 else {}
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter in HF names (tied weights once), complete on rank 0, {} elsewhere (collective);
@@ -477,27 +459,3 @@ class DTensorPolicyWorker(PolicyWorker):
         """Bring weights and optimizer state back to the worker's device."""
         if self.device.type != "cpu" and not self.cfg.cpu_offload:
             self._move_training_state(self.device)
-
-    def memory_footprint(self) -> dict[str, int]:
-        """Bytes of this rank's parameter shards (all, and those that train), of its optimizer state, and
-        the accelerator's total memory (0 on CPU)."""
-
-        def local_bytes(tensor: torch.Tensor) -> int:
-            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
-
-        params = list(self.model.parameters())
-        optimizer_bytes = sum(
-            local_bytes(value)
-            for state in self.optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
-        total = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        )
-        return {
-            "param_bytes": int(sum(local_bytes(p) for p in params)),
-            "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
-            "optimizer_state_bytes": int(optimizer_bytes),
-            "device_total_bytes": int(total),
-        }

@@ -7,7 +7,6 @@ It shards batches across data-parallel ranks, calls the workers and puts their r
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,10 +57,11 @@ def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) 
 
 
 def check_expert_split(cfg: PolicyConfig) -> None:
-    """ConfigError naming policy.expert_parallel_size, before any worker starts, when it does not divide the
-    experts of a local model (read from its config.json; the workers check hub models once loaded)."""
+    """ConfigError naming policy.expert_parallel_size, before any worker starts, when the model (its
+    config.json, local or on the hub) has no experts or their number is not a multiple of it: the one check
+    of the expert split, for both backends."""
     ep = cfg.expert_parallel_size
-    if ep == 1 or not (Path(cfg.model_name) / "config.json").is_file():
+    if ep == 1:
         return
     from transformers import AutoConfig
 
@@ -69,7 +69,8 @@ def check_expert_split(cfg: PolicyConfig) -> None:
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if not num_experts:
         raise ConfigError(
-            "policy.expert_parallel_size", f"{ep}: {cfg.model_name} is a dense model (no experts)"
+            "policy.expert_parallel_size",
+            f"{ep}: {cfg.model_name} is a dense model (no MoE experts to split); set it to 1",
         )
     if num_experts % ep:
         raise ConfigError(

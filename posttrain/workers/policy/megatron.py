@@ -49,6 +49,15 @@ def import_megatron() -> None:
         ) from error
 
 
+def megatron_context(on_gpu: bool) -> contextlib.AbstractContextManager:
+    """Where Megatron calls run: nothing on a GPU, the CPU shim (megatron_cpu_shim.py) without one."""
+    if on_gpu:
+        return contextlib.nullcontext()
+    from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
+
+    return cpu_shim()
+
+
 def megatron_optimizer_config(cfg: PolicyConfig, bf16: bool) -> Any:
     """Megatron's OptimizerConfig for the torch.optim name and kwargs of `policy.optimizer` (AdamW, Adam,
     SGD, with torch's defaults), clipping at policy.max_grad_norm."""
@@ -84,18 +93,29 @@ def pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
 
 
+def write_hf_dir(
+    weights: dict[str, torch.Tensor], hf_config: Any, layout: Any, tokenizer: Any, out_dir: str | Path
+) -> None:
+    """A Hugging Face directory (safetensors, config, tokenizer) of full HF-named `weights`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto_class = AutoModelForSequenceClassification if layout.reward_model else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto_class.from_config(hf_config, dtype=torch.float32)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.tie_weights()
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
 class MegatronPolicyWorker(PolicyWorker):
     """One rank of the policy on Megatron Core. Micro-batching, global counts, metric reductions and the
     reference-weight swap are the base worker's; the model, schedule, optimizer and state I/O are
     Megatron's."""
 
     def _backend(self) -> contextlib.AbstractContextManager:
-        """The CPU shim on a worker without a GPU; nothing on a GPU."""
-        if self.device.type == "cuda":
-            return contextlib.nullcontext()
-        from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
-
-        return cpu_shim()
+        return megatron_context(self.device.type == "cuda")
 
     def _init_parallel(self) -> None:
         import_megatron()
@@ -146,7 +166,7 @@ class MegatronPolicyWorker(PolicyWorker):
             }
             self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
             moe = self.layout.moe
-            megatron_moe_convert.check_moe_parallelism(moe, self.ep_size, self.pp_size)
+            megatron_moe_convert.check_moe_pipeline(moe, self.pp_size)
             if moe is not None and self.cfg.lora.enabled:
                 raise ValueError(
                     "policy.lora.enabled=true with a mixture-of-experts model: policy.backend=megatron puts "
@@ -329,11 +349,7 @@ class MegatronPolicyWorker(PolicyWorker):
 
         def keep_outputs(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
             if not microbatch.is_padding:
-                outputs = self._outputs(microbatch, logits).cpu()  # [b, T_mb] or [b]
-                if outputs.dim() == 2:
-                    out[microbatch.indices, : outputs.shape[1]] = outputs
-                else:
-                    out[microbatch.indices] = outputs
+                self._store(out, microbatch, self._outputs(microbatch, logits).cpu())  # [b, T_mb] or [b]
             return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
         self._run_schedule(
@@ -407,8 +423,8 @@ class MegatronPolicyWorker(PolicyWorker):
         return float(grad_norm or 0.0), lr
 
     # -- full weights: refit, export -----------------------------------------------------------------------
-    def _full_hf_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective)."""
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective, in _backend)."""
         stage: dict[str, torch.Tensor] = {}
         for name, param in self._hf_named_parameters():
             shards = [param.detach()]
@@ -446,43 +462,19 @@ class MegatronPolicyWorker(PolicyWorker):
         """The model's parameters that are HF weights (all of them; not LoRA adapters)."""
         return self.model.module.named_parameters()
 
-    def _full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory
-        refit)."""
-        with self._backend():
-            return self._full_hf_weights()
-
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
-        """Full HF-named CPU weights on rank 0, {} elsewhere (see DTensorPolicyWorker.get_weights)."""
-        self.sent_bytes = 0
-        if not self.versions.take_send(only_changed):
-            return {}
-        with self._backend():
-            weights = cast_floating(self._full_hf_weights(), dtype)
-        self.sent_bytes = sum(t.nbytes for t in weights.values())
-        return weights
+    def _gather_weights(self, dtype: str | None) -> dict[str, torch.Tensor]:
+        return cast_floating(self._full_weights(), dtype)
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
         with self._backend():
-            weights = self._full_hf_weights()
+            weights = self._full_weights()
         self._write_hf_dir(weights, out_dir)
 
     def _write_hf_dir(self, weights: dict[str, torch.Tensor], out_dir: str) -> None:
         """Rank 0 writes `weights` (HF names) as a Hugging Face directory; all ranks wait (collective)."""
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
         if self.rank == 0:
-            auto_class = (
-                AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
-            )
-            with torch.device("meta"):
-                model = auto_class.from_config(self.hf_config, dtype=torch.float32)
-            model.load_state_dict(weights, strict=True, assign=True)
-            model.tie_weights()
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out_dir, safe_serialization=True)
-            self.tokenizer.save_pretrained(out_dir)
+            write_hf_dir(weights, self.hf_config, self.layout, self.tokenizer, out_dir)
         dist.barrier()
 
     # -- native checkpoints ----------------------------------------------------------------------------------
@@ -546,13 +538,6 @@ class MegatronPolicyWorker(PolicyWorker):
 
     def onload(self) -> None:
         """No-op (see offload)."""
-
-    def memory_footprint(self) -> dict[str, int]:
-        param_bytes = sum(p.nbytes for p in self.model.parameters())
-        total = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        )
-        return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
 
     def describe(self) -> dict[str, Any]:
         parallel = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size}

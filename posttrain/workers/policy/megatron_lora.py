@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.models import lora
 from posttrain.workers.policy import megatron_convert
 from posttrain.workers.policy.megatron import MegatronPolicyWorker
@@ -48,7 +47,6 @@ MEGATRON_LINEARS = {
     "mlp.linear_fc2": ("mlp", ["down_proj"]),
 }
 ROW_PARALLEL = {"self_attention.linear_proj", "mlp.linear_fc2"}
-SUPPORTED_TARGETS = [part for _, parts in MEGATRON_LINEARS.values() for part in parts]
 
 
 class ParallelLinearAdapter(torch.nn.Module):
@@ -187,12 +185,6 @@ def add_adapters(
 ) -> None:
     """Freeze every parameter of this stage's GPTModel and attach fresh adapters (B = 0) to the parallel
     linears holding a targeted HF module."""
-    unknown = sorted(set(cfg.target_modules) - set(SUPPORTED_TARGETS))
-    if unknown:
-        raise ValueError(
-            f"policy.lora.target_modules: {unknown} cannot take adapters on policy.backend=megatron "
-            f"(supported: {SUPPORTED_TARGETS})"
-        )
     model.requires_grad_(False)
     shapes = part_shapes(layout)
     for index, layer in enumerate(model.decoder.layers):
@@ -285,19 +277,11 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((name, p) for name, p in self.model.module.named_parameters() if not is_adapter_param(name))
 
-    def init_reference_model(self) -> None:
-        self.reference_weights = {}  # the reference is the base: adapters disabled, nothing copied
-
-    def get_reference_policy_logprobs(self, data: dict[str, Any]) -> Any:
-        if self.reference_weights is None:
-            raise RuntimeError(
-                f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
-            )
-        with adapters_disabled(self.model.module):
-            return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager:
+        return adapters_disabled(self.model.module)
 
     # -- the adapter in PEFT format: refit, export, loading one ---------------------------------------------
-    def _gather_adapter(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
+    def _gather_weights(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
         """Collective: the full adapter in PEFT names on rank 0 (AdapterWeights), {} elsewhere."""
         tensors: dict[str, torch.Tensor] = {}
         for name, dim, param in adapter_params(self.model.module, self.layer_offset):
@@ -318,17 +302,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
             tensors = {name: t.to(getattr(torch, dtype)) for name, t in tensors.items()}
         return lora.AdapterWeights(self.cfg.lora, self.cfg.model_kind, tensors)
 
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> lora.AdapterWeights | dict:
-        """The adapter only (AdapterWeights in PEFT names, gathered over TP and PP) on rank 0, {} elsewhere;
-        {} when nothing changed since the last call (see DTensorPolicyWorker.get_weights)."""
-        self.sent_bytes = 0
-        if not self.versions.take_send(only_changed):
-            return {}
-        with self._backend():
-            adapter = self._gather_adapter(dtype)
-        self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
-        return adapter
-
     @torch.no_grad()
     def load_adapter(self, adapter: lora.AdapterWeights) -> None:
         """Set this rank's adapter shards from a PEFT-format adapter of the same rank and alpha (e.g. one a
@@ -346,8 +319,8 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         """A Hugging Face directory with the adapter merged into the weights, and the PEFT adapter itself in
         `<out_dir>/adapter/` (collective)."""
         with self._backend():
-            weights = self._full_hf_weights()
-            adapter = self._gather_adapter()
+            weights = self._full_weights()
+            adapter = self._gather_weights(None)
         if self.rank == 0:
             weights.update(lora.merge_adapter(weights, adapter))
             write_peft_dir(adapter, Path(out_dir) / lora.ADAPTER_DIR, self.cfg.model_name)
@@ -380,18 +353,7 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         """The Megatron checkpoint of the adapter (and optimizer), plus `lora/`: the PEFT adapter directory
         naming the base model, which `posttrain export` reads (collective)."""
         with self._backend():
-            adapter = self._gather_adapter()
+            adapter = self._gather_weights(None)
         if self.rank == 0:
             write_peft_dir(adapter, Path(path) / lora.LORA_DIR, self.cfg.model_name)
         super().save_checkpoint(path, save_optimizer)
-
-    def memory_footprint(self) -> dict[str, int]:
-        footprint = super().memory_footprint()
-        optimizer_state = self._torch_optimizer().state.values()
-        footprint["trainable_param_bytes"] = int(
-            sum(p.nbytes for p in self.model.parameters() if p.requires_grad)
-        )
-        footprint["optimizer_state_bytes"] = int(
-            sum(v.nbytes for state in optimizer_state for v in state.values() if isinstance(v, torch.Tensor))
-        )
-        return footprint
