@@ -353,22 +353,13 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
     model_parallel = model_parallel_size(cfg)
     if num_workers % model_parallel == 0:
         return
+    key, product = "policy.tensor_parallel_size", ""
     if cfg.backend == "megatron":
-        raise ConfigError(
-            "policy.megatron",
-            f"tensor_model_parallel_size x pipeline_model_parallel_size = "
-            f"{model_parallel} does not divide the {num_workers} workers ({workers})",
-        )
-    if cfg.context_parallel_size > 1:
-        raise ConfigError(
-            "policy.context_parallel_size",
-            f"{cfg.context_parallel_size} x policy.tensor_parallel_size {cfg.tensor_parallel_size} = "
-            f"{model_parallel} does not divide the {num_workers} workers ({workers})",
-        )
-    raise ConfigError(
-        "policy.tensor_parallel_size",
-        f"{model_parallel} does not divide the {num_workers} workers ({workers})",
-    )
+        key, product = "policy.megatron", "tensor_model_parallel_size x pipeline_model_parallel_size = "
+    elif cfg.context_parallel_size > 1:
+        cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+        key, product = "policy.context_parallel_size", f"{cp} x policy.tensor_parallel_size {tp} = "
+    raise ConfigError(key, f"{product}{model_parallel} does not divide the {num_workers} workers ({workers})")
 
 
 def validate_megatron_policy(cfg: PolicyConfig) -> None:

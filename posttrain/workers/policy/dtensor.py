@@ -50,7 +50,7 @@ from posttrain.workers.policy.token_logprobs import (
     next_token_logprobs_at,
     topk_next_token_logprobs,
 )
-from posttrain.workers.policy.tree_attention import use_tree_attention
+from posttrain.workers.policy.tree_attention import use_layout_attention
 from posttrain.workers.refit import cast_floating
 
 
@@ -180,7 +180,7 @@ class DTensorPolicyWorker(PolicyWorker):
         if self.cfg.context_parallel_size > 1:
             use_context_parallel_attention(model)  # sequences split over cp ranks (context_parallel.py)
         elif self.shares_prefixes(model) and text_lm:
-            use_tree_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
+            use_layout_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
             model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
         if self.cfg.tensor_parallel_size > 1:

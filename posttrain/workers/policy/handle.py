@@ -165,36 +165,16 @@ class Policy:
         loss_fn: LossFn,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
+        eval_mode: bool = False,
     ) -> dict[str, list[float]]:
         """One optimizer step per global batch of `global_batch_size` rows (default
         `policy.train_global_batch_size`), in micro-batches of `micro_batch_size` rows (default
-        `policy.train_micro_batch_size`).
+        `policy.train_micro_batch_size`); forward only when `eval_mode` (see evaluate).
 
         Returns one entry per global batch, reduced over ranks: `loss` (the global-batch loss),
         `grad_norm` (before clipping), `lr` (used by the step), `num_microbatches`, and the loss
         function's metrics summed over micro-batches and ranks.
         """
-        return self._run_loss(data, loss_fn, False, global_batch_size, micro_batch_size)
-
-    def evaluate(
-        self,
-        data: BatchedDataDict,
-        loss_fn: LossFn,
-        global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
-    ) -> dict[str, list[float]]:
-        """`loss_fn` and its metrics per global batch, forward only: the weights do not change (no
-        `grad_norm`, no `lr`)."""
-        return self._run_loss(data, loss_fn, True, global_batch_size, micro_batch_size)
-
-    def _run_loss(
-        self,
-        data: BatchedDataDict,
-        loss_fn: LossFn,
-        eval_mode: bool,
-        global_batch_size: int | None,
-        micro_batch_size: int | None,
-    ) -> dict[str, list[float]]:
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         shards = data.shard_by_batch_size(self.dp_size, batch_size=global_batch_size)
         results = self._run_dp(
@@ -208,6 +188,17 @@ class Policy:
         if not eval_mode and self.cfg.stop_on_nonfinite_loss:
             check_finite_losses(results[0]["loss"])
         return results[0]  # every rank returns the same, already reduced over dp
+
+    def evaluate(
+        self,
+        data: BatchedDataDict,
+        loss_fn: LossFn,
+        global_batch_size: int | None = None,
+        micro_batch_size: int | None = None,
+    ) -> dict[str, list[float]]:
+        """`loss_fn` and its metrics per global batch, forward only: the weights do not change (no
+        `grad_norm`, no `lr`)."""
+        return self.train(data, loss_fn, global_batch_size, micro_batch_size, eval_mode=True)
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (unless not `save_optimizer`) + scheduler state under `path` (DCP),

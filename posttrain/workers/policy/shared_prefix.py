@@ -44,7 +44,7 @@ class SharedPrefixRows:
     position_ids: torch.Tensor  # [R, N]
     attention_mask: torch.Tensor  # [R, 1, N, N] bool tree mask (True = may attend), or [R, N] ones
     placements: list[Placement]
-    layout: SharedPrefixLayout  # the same visibility, for shared_prefix_attention
+    layout: SharedPrefixLayout  # the same visibility, for tree_attention.layout_attention
 
     @property
     def first_kept_position(self) -> int:
@@ -94,7 +94,7 @@ def tree_row_lengths(groups: list[list[int]], lengths: list[int], token_mask: to
 
 def tree_rows_cost(sizes: list[int], lengths: list[int], attention_ratio: float) -> float:
     """Relative cost (as rows_cost) of tree rows of `sizes` holding sequences of `lengths` under
-    shared_prefix_attention: the linear layers over the rows padded to the longest, attention over each
+    tree attention: the linear layers over the rows padded to the longest, attention over each
     sequence's prompt and continuation (length^2 pairs, as a plain row without padding)."""
     return len(sizes) * max(sizes) + attention_ratio * sum(length * length for length in lengths)
 
@@ -227,8 +227,8 @@ def shared_prefix_logprobs(
     inputs = {
         name: getattr(rows, name).to(device) for name in ("input_ids", "position_ids", "attention_mask")
     }
-    # shared_prefix_layout is read by shared_prefix_attention (tree_attention.py)
-    logits = model(**inputs, logits_to_keep=num_kept, shared_prefix_layout=rows.layout).logits  # [R, K, V]
+    # attention_layout is read by tree_attention.layout_attention
+    logits = model(**inputs, logits_to_keep=num_kept, attention_layout=rows.layout).logits  # [R, K, V]
     row_logprobs = compute_token_logprobs(logits, inputs["input_ids"][:, -num_kept:], temperature)  # [R, K]
     row_logprobs = torch.nn.functional.pad(row_logprobs, (width - num_kept, 0))  # [R, N]
     return unpack_shared_prefix_logprobs(row_logprobs, rows, input_ids.shape[0], input_ids.shape[1])
