@@ -215,9 +215,8 @@ class Policy:
 
     def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
         """The workers' get_weights, left in the object store: an ObjectRef of rank 0's dict name -> full CPU
-        tensor (with LoRA: `AdapterWeights`, the adapter tensors
-        only): {} when `only_changed` and no optimizer step or checkpoint load happened since the last call;
-        floating tensors cast to `dtype` when given."""
+        tensor (with LoRA: `AdapterWeights`, the adapter tensors only): {} when `only_changed` and no
+        optimizer step or checkpoint load happened since the last call; floating tensors cast to `dtype`."""
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
         return refs[0]
 
@@ -247,8 +246,7 @@ class Policy:
 
     def memory_footprint(self) -> list[dict[str, int]]:
         """Per rank: bytes of its parameter shards (param_bytes, trainable_param_bytes), of its optimizer
-        state
-        (optimizer_state_bytes) and its accelerator's total memory (device_total_bytes, 0 on CPU)."""
+        state (optimizer_state_bytes) and its accelerator's total memory (device_total_bytes, 0 on CPU)."""
         return self.worker_group.run_all("memory_footprint")
 
     def describe(self) -> list[dict[str, Any]]:

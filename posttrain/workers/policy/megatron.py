@@ -1,13 +1,9 @@
-"""The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a
-tp x pp x dp layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a
-Hugging Face Llama/Qwen2/Qwen3-MoE/Mixtral model (an MoE model's experts split over `ep` of the dp ranks),
-Megatron's DDP and optimizer (optionally distributed). A sibling of
-`DTensorPolicyWorker` on the same base (`base.PolicyWorker`): micro-batched train steps with the project's
-losses and global
-normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
-(`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
-
-On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`."""
+"""The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a tp x pp x dp
+layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a Hugging Face
+Llama/Qwen2/Qwen3-MoE/Mixtral model (an MoE model's experts split over `ep` of the dp ranks), Megatron's DDP
+and optimizer (optionally distributed). On the shared base (`base.PolicyWorker`) it runs train steps with
+Megatron's 1F1B schedule, logprobs, native checkpoints (`dist_checkpointing`, reshardable across tp/pp/dp),
+HF export and full HF-named weights for refit; without a GPU, inside `megatron_cpu_shim.cpu_shim()`."""
 
 from __future__ import annotations
 
@@ -427,22 +423,30 @@ class MegatronPolicyWorker(PolicyWorker):
         """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective, in _backend)."""
         stage: dict[str, torch.Tensor] = {}
         for name, param in self._hf_named_parameters():
-            shards = [param.detach()]
-            if self.tp_size > 1:
-                shards = [torch.empty_like(param) for _ in range(self.tp_size)]
-                dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
-            full = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards], self.layout)
+            shards = [shard.cpu() for shard in self._tp_shards(param)]
+            full = megatron_convert.merge_tp_shards(name, shards, self.layout)
             if megatron_moe_convert.is_expert_name(name):
                 stage.update(self._all_experts(name, full))
             else:
                 stage[name] = full
-        hf = megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout)
-        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # the stages of rank 0's pipeline
+        return self._stages_on_rank0(megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout))
+
+    def _tp_shards(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's shard of `param`, in TP rank order (collective over tp)."""
+        if self.tp_size == 1:
+            return [param.detach()]
+        shards = [torch.empty_like(param) for _ in range(self.tp_size)]
+        dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
+        return shards
+
+    def _stages_on_rank0(self, stage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The named tensors of every pipeline stage of rank 0's pipeline, merged on rank 0; {} elsewhere."""
+        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:
             gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
-            dist.gather_object(hf, gathered, dst=0, group=self.pp_group)
+            dist.gather_object(stage, gathered, dst=0, group=self.pp_group)
             if self.rank == 0:
-                hf = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
-        return hf if self.rank == 0 else {}
+                stage = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
+        return stage if self.rank == 0 else {}
 
     def _all_experts(self, name: str, local: torch.Tensor) -> dict[str, torch.Tensor]:
         """The local expert parameter `name` of every expert-parallel rank, under global expert names

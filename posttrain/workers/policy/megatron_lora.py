@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from posttrain.models import lora
 from posttrain.workers.policy import megatron_convert
@@ -285,17 +284,9 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         """Collective: the full adapter in PEFT names on rank 0 (AdapterWeights), {} elsewhere."""
         tensors: dict[str, torch.Tensor] = {}
         for name, dim, param in adapter_params(self.model.module, self.layer_offset):
-            full = param.detach()
-            if dim is not None and self.tp_size > 1:
-                shards = [torch.empty_like(full) for _ in range(self.tp_size)]
-                dist.all_gather(shards, full.contiguous(), group=self.tp_group)
-                full = torch.cat(shards, dim=dim)
-            tensors[name] = full.to("cpu", copy=True)
-        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:
-            gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
-            dist.gather_object(tensors, gathered, dst=0, group=self.pp_group)
-            if self.rank == 0:
-                tensors = {name: t for stage in gathered for name, t in stage.items()}
+            shards = [param.detach()] if dim is None else self._tp_shards(param)
+            tensors[name] = torch.cat(shards, dim=dim or 0).to("cpu", copy=True)
+        tensors = self._stages_on_rank0(tensors)
         if self.rank != 0:
             return {}
         if dtype is not None:
