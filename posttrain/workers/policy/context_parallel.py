@@ -65,14 +65,7 @@ class ContextParallelLayout:
         gathered = torch.cat([rank.local_positions() for rank in ranks])  # [T]: each gathered position's
         return torch.argsort(gathered).to(device)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        dropout: float,
-        scaling: float | None,
-    ) -> torch.Tensor:
+    def attend(self, query, key, value, dropout: float, scaling: float | None) -> torch.Tensor:
         """Local [b, H, 2c, d] queries, [b, H_kv, 2c, d] keys and values -> [b, 2c, H, d] outputs, attending
         over the whole sequence's keys (module docstring)."""
         # One collective for both (and one order of collectives in the backward on every rank).

@@ -224,18 +224,9 @@ class DTensorPolicyWorker(PolicyWorker):
             logprobs = shared_prefix_logprobs(self.model, *rows, self.cfg.logprob_temperature, self.device)
             if logprobs is not None:
                 return logprobs * attention_mask
-        # Logits only from the position before the first trained token: a GRPO prompt's logits are never
-        # read, and at a real vocabulary they are most of the memory and a good share of the time.
-        num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
-        vision = vision_forward_inputs(
-            self.model, data, input_ids, attention_mask
-        )  # {} for a text-only model
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept, **vision
-        ).logits  # [b, K, V]
-        logprobs = compute_token_logprobs(
-            logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature
-        )  # [b, K]
+        vision = vision_forward_inputs(self.model, data, input_ids, attention_mask)  # {} for text only
+        logits, num_kept = self._causal_logits(data, input_ids, vision)  # [b, K, V]
+        logprobs = compute_token_logprobs(logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature)
         logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
         return logprobs * attention_mask + vision_tower_anchor(self.model)
 
@@ -258,8 +249,12 @@ class DTensorPolicyWorker(PolicyWorker):
         )
         return unpack_row_logprobs(row_logprobs, packed.lengths, input_ids.shape[1]) * read  # [n, T_mb]
 
-    def _causal_logits(self, data: dict[str, Any], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K."""
+    def _causal_logits(
+        self, data: dict[str, Any], input_ids: torch.Tensor, vision: dict | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K (a
+        GRPO prompt's logits are never read, and at a real vocabulary they are most of the memory and a good
+        share of the time). `vision`: a vision-language model's image inputs."""
         if self.cp_group is not None:
             raise ValueError(
                 "policy.context_parallel_size > 1: top-k logprobs and distillation losses need every "
@@ -268,7 +263,7 @@ class DTensorPolicyWorker(PolicyWorker):
         attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
         num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
         logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept, **(vision or {})
         ).logits
         return logits, num_kept
 

@@ -190,15 +190,11 @@ class Policy:
         return results[0]  # every rank returns the same, already reduced over dp
 
     def evaluate(
-        self,
-        data: BatchedDataDict,
-        loss_fn: LossFn,
-        global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
+        self, data: BatchedDataDict, loss_fn: LossFn, **batch_sizes: int | None
     ) -> dict[str, list[float]]:
-        """`loss_fn` and its metrics per global batch, forward only: the weights do not change (no
-        `grad_norm`, no `lr`)."""
-        return self.train(data, loss_fn, global_batch_size, micro_batch_size, eval_mode=True)
+        """`loss_fn` and its metrics per global batch, forward only (`batch_sizes`: train's
+        global_batch_size and micro_batch_size): the weights do not change (no `grad_norm`, no `lr`)."""
+        return self.train(data, loss_fn, eval_mode=True, **batch_sizes)
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (unless not `save_optimizer`) + scheduler state under `path` (DCP),

@@ -1,9 +1,7 @@
-"""Attention over shared-prefix rows that computes only what each token sees.
-
-A shared-prefix row (`shared_prefix.py`) holds a prompt and then several continuations; each continuation
-sees the prompt and its own earlier tokens. A dense tree mask over the whole row makes attention cost
-(prompt + all continuations)^2 per row, and attention kernels compute every masked block: four
-continuations of 512 tokens after a 70-token prompt are 2118^2 = 4.5M pairs where the tokens see 1.2M.
+"""Attention over shared-prefix rows (shared_prefix.py) that computes only what each token sees: a dense tree
+mask makes attention cost (prompt + all continuations)^2 per row, and attention kernels compute every masked
+block (four continuations of 512 tokens after a 70-token prompt: 2118^2 = 4.5M pairs where the tokens see
+1.2M).
 
 This attention runs, in every layer, one causal attention per continuation over the positions it sees:
 its row's prompt, then itself (gathered from the row by index, so the linear layers still compute each
@@ -38,14 +36,7 @@ class SharedPrefixLayout:
     sequences: list[torch.Tensor]  # per continuation: its row's prompt positions, then its own
     source_index: torch.Tensor  # [R * N] each position's output in cat(outputs of every sequence)
 
-    def attend(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        dropout: float,
-        scaling: float | None,
-    ) -> torch.Tensor:
+    def attend(self, query, key, value, dropout: float, scaling: float | None) -> torch.Tensor:
         """[R, H, N, d] queries, [R, H_kv, N, d] keys and values -> [R, N, H, d] (module docstring)."""
         rows, heads, width, head_dim = query.shape
         # Position-major [R * N, heads, d]: a gather then picks whole positions.
