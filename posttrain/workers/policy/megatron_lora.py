@@ -11,13 +11,10 @@ factor sees only this rank's part of the sequence, so its gradient is summed ove
 `sequence_parallel` parameter attribute). Converting to the PEFT file format is therefore a concatenation of
 TP shards, exact, and the HF generation path (`lora.apply_adapter`) takes it unchanged.
 
-Why not peft's own Megatron support (`LoraConfig(megatron_config=...)`, `LoraParallelLinear`): with peft
-0.21.2 and megatron-core 0.16.1 it fails to build (`KeyError: 'fan_in_fan_out'` in `dispatch_megatron`, then
-`KeyError: 'default'` in `reset_lora_parameters`: `lora_bias` is never set) and, patched past those, to run
-(Megatron's parallel linears return `(output, bias)` tuples, which its forward multiplies by the scaling:
-`TypeError: can't multiply sequence by non-int of type 'float'`). It also puts one adapter on the fused
-q/k/v (one A for all three, a different parametrisation from HF's), sets `params_dtype` on the shared
-TransformerConfig, and does not mark replicated factors for sequence-parallel gradient reduction.
+Not peft's own Megatron support (`LoraParallelLinear`): with peft 0.21.2 and megatron-core 0.16.1 it fails to
+build and to run (Megatron's parallel linears return `(output, bias)` tuples), puts one adapter on the fused
+q/k/v (not HF's parametrisation), sets `params_dtype` on the shared TransformerConfig, and does not mark
+replicated factors for sequence-parallel gradient reduction.
 
 The adapter is applied by a forward hook on the base linear (the base's parameter names stay as they are);
 `adapters_disabled` turns every hook off (the reference policy, no copy of weights)."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 from posttrain.workers.policy.tree_attention import SharedPrefixLayout, build_layout, layout_replaces_mask
@@ -172,17 +173,10 @@ def build_shared_prefix_rows(
         pieces.append(torch.cat(ids))
         positions.append(torch.cat(pos))
         segments.append(torch.cat(seg))
-    width = max(len(piece) for piece in pieces)  # N
-    num_rows = len(pieces)  # R
-    row_ids = input_ids.new_zeros(num_rows, width)
-    row_positions = torch.zeros(num_rows, width, dtype=torch.long)
-    row_segments = torch.full((num_rows, width), -1, dtype=torch.long)  # -1: padding
-    for r, (piece, pos, seg) in enumerate(zip(pieces, positions, segments)):
-        row_ids[r, : len(piece)], row_positions[r, : len(piece)], row_segments[r, : len(piece)] = (
-            piece,
-            pos,
-            seg,
-        )
+    row_ids = pad_sequence(pieces, batch_first=True)  # [R, N]
+    row_positions = pad_sequence(positions, batch_first=True)  # [R, N]
+    row_segments = pad_sequence(segments, batch_first=True, padding_value=-1)  # [R, N], -1: padding
+    num_rows, width = row_ids.shape
     if dense_mask:
         mask = tree_mask(row_segments).unsqueeze(1)  # [R, 1, N, N]
     else:  # a 2D mask of ones: no padding to mask, so HF builds no mask (and detects no packed rows)
