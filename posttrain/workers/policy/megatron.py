@@ -139,15 +139,13 @@ class MegatronPolicyWorker(PolicyWorker):
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.pp_size = mcfg.pipeline_model_parallel_size
             self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-            self.is_first_stage = parallel_state.is_pipeline_first_stage()
-            self.is_last_stage = parallel_state.is_pipeline_last_stage()
             self.ep_group = parallel_state.get_expert_model_parallel_group()
             self.ep_size = self.cfg.expert_parallel_size
-            self.ep_rank = parallel_state.get_expert_model_parallel_rank()
             self.expert_counter: megatron_moe_step.ExpertCounter | None = None  # set while a batch runs
 
     def _build_model_and_optimizer(self) -> None:
         with self._backend():
+            from megatron.core import parallel_state
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import get_megatron_optimizer
 
@@ -174,13 +172,13 @@ class MegatronPolicyWorker(PolicyWorker):
             self.transformer_config = megatron_convert.transformer_config(
                 self.hf_config, parallel, bf16, moe_training
             )
-            model = megatron_convert.build_gpt_model(
-                self.hf_config, self.transformer_config, self.is_first_stage, self.is_last_stage
-            )
+            stages = (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+            model = megatron_convert.build_gpt_model(self.hf_config, self.transformer_config, *stages)
             self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
             names = [name for name, _ in model.named_parameters()]
-            self.expert_offset = megatron_moe_convert.local_expert_offset(moe, self.ep_rank, self.ep_size)
-            shard = (self.layer_offset, self.layout, self.tp_rank, self.tp_size, self.expert_offset)
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
+            expert_offset = megatron_moe_convert.local_expert_offset(moe, ep_rank, self.ep_size)
+            shard = (self.layer_offset, self.layout, self.tp_rank, self.tp_size, expert_offset)
             local = megatron_convert.hf_to_megatron(hf_model.state_dict(), names, *shard)
             del hf_model
             with torch.no_grad():
@@ -308,7 +306,8 @@ class MegatronPolicyWorker(PolicyWorker):
         forward_only: bool,
         batch_size: int,
         seq_len: int,
-    ) -> None:
+    ) -> tuple[int, int] | None:
+        """Run `microbatches` through Megatron's schedule; returns their shape (see _microbatch_shape)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shape = self._microbatch_shape(batch_size, seq_len)
@@ -323,6 +322,7 @@ class MegatronPolicyWorker(PolicyWorker):
                 micro_batch_size=shape[0] if shape else batch_size,
                 forward_only=forward_only,
             )
+        return shape
 
     def _from_last_stage(self, value: Any) -> Any:
         """The last pipeline stage's `value` (a CPU tensor or a picklable object) on every stage."""
@@ -390,11 +390,10 @@ class MegatronPolicyWorker(PolicyWorker):
             self.optimizer.zero_grad()
         self.expert_counter = megatron_moe_step.ExpertCounter(self.model, self.layout.moe)
         with self.expert_counter:
-            self._run_schedule(
+            shape = self._run_schedule(
                 microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1]
             )
         counts, self.expert_counter = self.expert_counter.result(), None
-        shape = self._microbatch_shape(micro_batch_size, batch["input_ids"].shape[1])
         step = StepMetrics(
             loss=sum(losses),
             num_microbatches=len(losses),
