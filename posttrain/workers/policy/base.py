@@ -212,14 +212,29 @@ class PolicyWorker:
 
     # -- logprobs and scores ---------------------------------------------------------------------------
 
+    def _forward_rows(self, data: dict[str, Any], name: str, model_kind: str, shape: Any) -> BatchedDataDict:
+        """{name: `_forward_all` of `data` into zeros of `shape`}, in the original row order; ValueError
+        naming `get_<name>` when policy.model_kind is not `model_kind`."""
+        if self.cfg.model_kind != model_kind:
+            raise ValueError(f"get_{name}: policy.model_kind is {self.cfg.model_kind!r}, not {model_kind!r}")
+        with self._backend(), self.timer.time(name):
+            return BatchedDataDict({name: self._forward_all(data, torch.zeros(shape))})
+
     @torch.no_grad()
     def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
         """{"logprobs": [B, T]} in fp32: position t = log p(token t | < t), position 0 and padding 0."""
-        if self.cfg.model_kind != "causal_lm":
-            raise ValueError(f"get_logprobs: policy.model_kind is {self.cfg.model_kind!r}, not 'causal_lm'")
-        batch_size, seq_len = data["input_ids"].shape
-        with self._backend(), self.timer.time("logprobs"):
-            return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
+        return self._forward_rows(data, "logprobs", "causal_lm", data["input_ids"].shape)
+
+    @torch.no_grad()
+    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
+        return self._forward_rows(data, "scores", "reward_model", data["input_ids"].shape[:1])
+
+    @torch.no_grad()
+    def get_values(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"values": [B, T]} in fp32 from a value model: position t = V(tokens < t), the value of the state
+        in which token t is chosen (aligned with logprobs); position 0 and padding 0."""
+        return self._forward_rows(data, "values", "value_model", data["input_ids"].shape)
 
     def topk_logprobs(self, data: dict[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(
@@ -236,25 +251,6 @@ class PolicyWorker:
         with self._backend(), self.timer.time("topk_logprobs"):
             values, ids = self.topk_logprobs(data, k)
         return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
-
-    @torch.no_grad()
-    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
-        """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
-        if self.cfg.model_kind != "reward_model":
-            raise ValueError(f"get_scores: policy.model_kind is {self.cfg.model_kind!r}, not 'reward_model'")
-        with self._backend():
-            return BatchedDataDict(
-                {"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))}
-            )
-
-    @torch.no_grad()
-    def get_values(self, data: dict[str, Any]) -> BatchedDataDict:
-        """{"values": [B, T]} in fp32 from a value model: position t = V(tokens < t), the value of the state
-        in which token t is chosen (aligned with logprobs); position 0 and padding 0."""
-        if self.cfg.model_kind != "value_model":
-            raise ValueError(f"get_values: policy.model_kind is {self.cfg.model_kind!r}, not 'value_model'")
-        with self._backend():
-            return BatchedDataDict({"values": self._forward_all(data, torch.zeros(data["input_ids"].shape))})
 
     # -- reference model -------------------------------------------------------------------------------
 

@@ -79,9 +79,7 @@ def check_expert_split(cfg: PolicyConfig) -> None:
 
 
 class Policy:
-    """The trainable model over `cluster`: dp x cp x tp workers, FSDP2 over dp x cp, context parallelism
-    over cp and tensor parallelism over tp; or (backend megatron) pp x dp x tp workers, tp fastest-varying
-    as in Megatron's rank order."""
+    """The trainable model over `cluster`: one worker per bundle, laid out by worker_class_and_sharding."""
 
     def __init__(
         self,
