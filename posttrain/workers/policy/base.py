@@ -262,25 +262,21 @@ class PolicyWorker:
         else:
             out[microbatch.indices] = outputs
 
-    def _reshard(self) -> None:
-        """FSDP2 leaves the root module's parameters unsharded after a forward without backward; the
-        reference swap reads and writes this rank's shards, so reshard first."""
+    def _local_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this rank's shard) of every parameter, for the reference swap. FSDP2 leaves the root
+        module's parameters unsharded after a forward without backward, so it reshards first."""
         if hasattr(self.model, "reshard"):
             self.model.reshard()
+        for name, p in self.model.named_parameters():
+            yield name, p.to_local() if isinstance(p, DTensor) else p
 
     def _local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shards of every parameter, copied to CPU."""
-        self._reshard()
-        return {
-            name: (p.to_local() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
-            for name, p in self.model.named_parameters()
-        }
+        return {name: local.detach().to("cpu", copy=True) for name, local in self._local_params()}
 
     @torch.no_grad()
     def _load_local_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self._reshard()
-        for name, p in self.model.named_parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
+        for name, local in self._local_params():
             local.copy_(weights[name].to(local.device))
 
     def init_reference_model(self) -> None:
