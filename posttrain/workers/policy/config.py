@@ -246,6 +246,8 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
+    if cfg.sequence_packing.enabled and cfg.model_kind != "causal_lm":
+        raise ValueError("policy.sequence_packing: only for model_kind='causal_lm'")
     if cfg.context_parallel_size > 1:
         validate_context_parallel(cfg)
     split = sorted(set(cfg.lora.modules_to_save or []) & set(DEFAULT_TARGET_MODULES))
