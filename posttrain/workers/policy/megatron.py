@@ -100,9 +100,7 @@ def write_hf_dir(
         model = auto_class.from_config(hf_config, dtype=torch.float32)
     model.load_state_dict(weights, strict=True, assign=True)
     model.tie_weights()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    native_checkpoint.write_hf_dir(model, tokenizer, Path(out_dir))
 
 
 class MegatronPolicyWorker(PolicyWorker):
