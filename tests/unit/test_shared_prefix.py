@@ -204,7 +204,7 @@ def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layo
             input_ids=unmasked.input_ids,
             position_ids=unmasked.position_ids,
             attention_mask=unmasked.attention_mask,
-            shared_prefix_layout=unmasked.layout,
+            attention_layout=unmasked.layout,
         ).logits
         out_dense = dense(
             input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=rows.attention_mask
