@@ -108,7 +108,8 @@ def test_bad_expert_parallel_settings_name_the_key(moe_dir, tmp_path):
         check_expert_split(policy_config(moe_dir, expert_parallel_size=3))
     assert str(error.value) == "policy.expert_parallel_size: 3 must divide the model's num_experts=4"
     dense_dir = build_model_dir(ModelFromConfig(hidden_size=32, num_layers=1), tmp_path / "dense")
-    with pytest.raises(ConfigError, match=r"policy.expert_parallel_size: 2: .* no MoE experts"):
+    dense_error = r"^policy.expert_parallel_size: 2: .* is a dense model \(no MoE experts to split\)"
+    with pytest.raises(ConfigError, match=dense_error):
         check_expert_split(policy_config(dense_dir, expert_parallel_size=2))
     with pytest.raises(ConfigError, match=r"policy.expert_parallel_size.*does not divide the 3 workers"):
         check_parallel_sizes(policy_config(moe_dir, expert_parallel_size=2), 3, "3 workers")
