@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from posttrain.algorithms.loss import NLLLoss
 from posttrain.config import ConfigError
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.workers.policy.config import check_parallel_sizes
-from posttrain.workers.policy.expert_parallel import check_expert_parallel
+from posttrain.workers.policy.handle import check_expert_split
 from tests.integration.test_policy import Run, assert_same_training, policy_config
 
 # A seeded Qwen3-MoE (hidden 64, 2 layers, 4 experts, top-2) with the built-in byte tokenizer, built as
@@ -104,14 +103,14 @@ def test_expert_parallel_checkpoint_reloads_exactly_and_exports_the_single_worke
 
 
 def test_bad_expert_parallel_settings_name_the_key(moe_dir, tmp_path):
-    moe = AutoModelForCausalLM.from_pretrained(moe_dir)
-    assert check_expert_parallel(moe, 2) == 4
-    with pytest.raises(ValueError, match=r"policy.expert_parallel_size=3 must divide .* num_experts=4"):
-        check_expert_parallel(moe, 3)
+    check_expert_split(policy_config(moe_dir, expert_parallel_size=2))  # 4 experts over 2 ranks
+    with pytest.raises(ConfigError) as error:
+        check_expert_split(policy_config(moe_dir, expert_parallel_size=3))
+    assert str(error.value) == "policy.expert_parallel_size: 3 must divide the model's num_experts=4"
     dense_dir = build_model_dir(ModelFromConfig(hidden_size=32, num_layers=1), tmp_path / "dense")
-    dense = AutoModelForCausalLM.from_pretrained(dense_dir)
-    with pytest.raises(ValueError, match=r"policy.expert_parallel_size=2: .* no MoE experts"):
-        check_expert_parallel(dense, 2)
+    dense_error = r"^policy.expert_parallel_size: 2: .* is a dense model \(no MoE experts to split\)"
+    with pytest.raises(ConfigError, match=dense_error):
+        check_expert_split(policy_config(dense_dir, expert_parallel_size=2))
     with pytest.raises(ConfigError, match=r"policy.expert_parallel_size.*does not divide the 3 workers"):
         check_parallel_sizes(policy_config(moe_dir, expert_parallel_size=2), 3, "3 workers")
     with pytest.raises(ValueError, match=r"policy.expert_parallel_size=2 with policy.tensor_parallel_size"):

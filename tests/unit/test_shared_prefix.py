@@ -19,7 +19,7 @@ from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 from posttrain.workers.policy.tree_attention import (
     ATTENTION_NAME,
     layout_replaces_mask,
-    use_tree_attention,
+    use_layout_attention,
     uses_tree_attention,
 )
 
@@ -134,11 +134,11 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["tree_attention", "dense_mask"])
 def tiny_model(tiny_model_dir, request):
-    """The model with shared_prefix_attention (what the policy worker runs), or with HF's SDPA, which
+    """The model with layout_attention (what the policy worker runs), or with HF's SDPA, which
     ignores the layout and applies the rows' dense tree mask."""
     model = load_model(tiny_model_dir)
     if request.param == "tree_attention":
-        assert use_tree_attention(model) and uses_tree_attention(model)
+        assert use_layout_attention(model) and uses_tree_attention(model)
     assert uses_tree_attention(model) == (request.param == "tree_attention")
     return model
 
@@ -187,10 +187,10 @@ def test_temperature_scales_the_logits_as_in_plain_rows(tiny_model):
 
 
 def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layout(tiny_model_dir):
-    """Layer outputs at every real position of the tree rows: shared_prefix_attention with the layout (and
+    """Layer outputs at every real position of the tree rows: layout_attention with the layout (and
     no tree mask) equals SDPA with the dense mask; without a layout the switched model is HF's SDPA model."""
     tree, dense = load_model(tiny_model_dir), load_model(tiny_model_dir)
-    use_tree_attention(tree)
+    use_layout_attention(tree)
     assert tree.config._attn_implementation == ATTENTION_NAME
     assert layout_replaces_mask(tree) and not layout_replaces_mask(dense)
     input_ids, lengths, token_mask = random_groups(tree.config.vocab_size, seed=3)
@@ -204,7 +204,7 @@ def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layo
             input_ids=unmasked.input_ids,
             position_ids=unmasked.position_ids,
             attention_mask=unmasked.attention_mask,
-            shared_prefix_layout=unmasked.layout,
+            attention_layout=unmasked.layout,
         ).logits
         out_dense = dense(
             input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=rows.attention_mask
@@ -221,7 +221,7 @@ def test_tree_attention_equals_the_dense_tree_mask_and_plain_sdpa_without_a_layo
 
 def test_a_sliding_window_or_soft_cap_keeps_the_dense_tree_mask(tiny_model_dir):
     model = load_model(tiny_model_dir)
-    use_tree_attention(model)
+    use_layout_attention(model)
     assert layout_replaces_mask(model)
     model.config.sliding_window = 16
     assert not layout_replaces_mask(model)

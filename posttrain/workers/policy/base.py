@@ -73,8 +73,6 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
     with a linear value head on every position)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoModelForTokenClassification
 
-    if cfg.model_name is None:
-        raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
     kwargs: dict[str, Any] = {"dtype": torch.float32, "attn_implementation": "sdpa"}
     if cfg.model_kind == "causal_lm":
         return causal_lm_class(cfg.model_name).from_pretrained(cfg.model_name, **kwargs)
@@ -98,7 +96,7 @@ def load_hf_model(cfg: PolicyConfig) -> torch.nn.Module:
 class PolicyWorker:
     """One rank of the policy. A backend sets `dp_group` and `dp_size` in `_init_parallel`, `model`,
     `optimizer` and `scheduler` in `_build_model_and_optimizer`, and implements `_forward_all`,
-    `_run_global_batch`, `_full_weights`, `get_weights`, checkpoints, export and memory hooks."""
+    `_run_global_batch`, `_full_weights`, `_gather_weights`, checkpoints, export, offload and onload."""
 
     def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
         self.cfg = cfg
@@ -139,7 +137,20 @@ class PolicyWorker:
         raise NotImplementedError
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight in HF names, complete on rank 0, {} elsewhere (collective; shared-memory refit)."""
         raise NotImplementedError
+
+    def _gather_weights(self, dtype: str | None) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """What get_weights sends: full CPU weights (with LoRA: the adapter) on rank 0, {} elsewhere."""
+        raise NotImplementedError
+
+    def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The torch optimizers whose state memory_footprint counts."""
+        return [self.optimizer]
+
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager:
+        """The base model's forward with LoRA: the reference policy."""
+        return lora.adapter_disabled(self.model)
 
     def _load_tokenizer(self) -> Any:
         """The tokenizer saved with checkpoints and exports (a vision-language model's: with its image
@@ -201,14 +212,29 @@ class PolicyWorker:
 
     # -- logprobs and scores ---------------------------------------------------------------------------
 
+    def _forward_rows(self, data: dict[str, Any], name: str, model_kind: str, shape: Any) -> BatchedDataDict:
+        """{name: `_forward_all` of `data` into zeros of `shape`}, in the original row order; ValueError
+        naming `get_<name>` when policy.model_kind is not `model_kind`."""
+        if self.cfg.model_kind != model_kind:
+            raise ValueError(f"get_{name}: policy.model_kind is {self.cfg.model_kind!r}, not {model_kind!r}")
+        with self._backend(), self.timer.time(name):
+            return BatchedDataDict({name: self._forward_all(data, torch.zeros(shape))})
+
     @torch.no_grad()
     def get_logprobs(self, data: dict[str, Any]) -> BatchedDataDict:
         """{"logprobs": [B, T]} in fp32: position t = log p(token t | < t), position 0 and padding 0."""
-        if self.cfg.model_kind != "causal_lm":
-            raise ValueError(f"get_logprobs: policy.model_kind is {self.cfg.model_kind!r}, not 'causal_lm'")
-        batch_size, seq_len = data["input_ids"].shape
-        with self._backend(), self.timer.time("logprobs"):
-            return BatchedDataDict({"logprobs": self._forward_all(data, torch.zeros(batch_size, seq_len))})
+        return self._forward_rows(data, "logprobs", "causal_lm", data["input_ids"].shape)
+
+    @torch.no_grad()
+    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
+        return self._forward_rows(data, "scores", "reward_model", data["input_ids"].shape[:1])
+
+    @torch.no_grad()
+    def get_values(self, data: dict[str, Any]) -> BatchedDataDict:
+        """{"values": [B, T]} in fp32 from a value model: position t = V(tokens < t), the value of the state
+        in which token t is chosen (aligned with logprobs); position 0 and padding 0."""
+        return self._forward_rows(data, "values", "value_model", data["input_ids"].shape)
 
     def topk_logprobs(self, data: dict[str, Any], k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError(
@@ -226,46 +252,31 @@ class PolicyWorker:
             values, ids = self.topk_logprobs(data, k)
         return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
 
-    @torch.no_grad()
-    def get_scores(self, data: dict[str, Any]) -> BatchedDataDict:
-        """{"scores": [B]} in fp32 from a reward model (the score at each sequence's last token)."""
-        if self.cfg.model_kind != "reward_model":
-            raise ValueError(f"get_scores: policy.model_kind is {self.cfg.model_kind!r}, not 'reward_model'")
-        with self._backend():
-            return BatchedDataDict(
-                {"scores": self._forward_all(data, torch.zeros(data["input_ids"].shape[0]))}
-            )
-
-    @torch.no_grad()
-    def get_values(self, data: dict[str, Any]) -> BatchedDataDict:
-        """{"values": [B, T]} in fp32 from a value model: position t = V(tokens < t), the value of the state
-        in which token t is chosen (aligned with logprobs); position 0 and padding 0."""
-        if self.cfg.model_kind != "value_model":
-            raise ValueError(f"get_values: policy.model_kind is {self.cfg.model_kind!r}, not 'value_model'")
-        with self._backend():
-            return BatchedDataDict({"values": self._forward_all(data, torch.zeros(data["input_ids"].shape))})
-
     # -- reference model -------------------------------------------------------------------------------
 
-    def _reshard(self) -> None:
-        """FSDP2 leaves the root module's parameters unsharded after a forward without backward; the
-        reference swap reads and writes this rank's shards, so reshard first."""
+    @staticmethod
+    def _store(out: torch.Tensor, microbatch: MicroBatch, outputs: torch.Tensor) -> None:
+        """Write a micro-batch's outputs ([b, T_mb] or [b]) into its rows of `out` ([B, T] or [B])."""
+        if outputs.dim() == 2:
+            out[microbatch.indices, : outputs.shape[1]] = outputs
+        else:
+            out[microbatch.indices] = outputs
+
+    def _local_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, this rank's shard) of every parameter, for the reference swap. FSDP2 leaves the root
+        module's parameters unsharded after a forward without backward, so it reshards first."""
         if hasattr(self.model, "reshard"):
             self.model.reshard()
+        for name, p in self.model.named_parameters():
+            yield name, p.to_local() if isinstance(p, DTensor) else p
 
     def _local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's shards of every parameter, copied to CPU."""
-        self._reshard()
-        return {
-            name: (p.to_local() if isinstance(p, DTensor) else p).detach().to("cpu", copy=True)
-            for name, p in self.model.named_parameters()
-        }
+        return {name: local.detach().to("cpu", copy=True) for name, local in self._local_params()}
 
     @torch.no_grad()
     def _load_local_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self._reshard()
-        for name, p in self.model.named_parameters():
-            local = p.to_local() if isinstance(p, DTensor) else p
+        for name, local in self._local_params():
             local.copy_(weights[name].to(local.device))
 
     def init_reference_model(self) -> None:
@@ -280,7 +291,7 @@ class PolicyWorker:
                 f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
             )
         if self.cfg.lora.enabled:
-            with lora.adapter_disabled(self.model):
+            with self._adapters_disabled():
                 return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
         current_weights = self._local_weights()
         self._load_local_weights(self.reference_weights)
@@ -325,6 +336,21 @@ class PolicyWorker:
 
     # -- refit -----------------------------------------------------------------------------------------
 
+    def get_weights(
+        self, only_changed: bool = True, dtype: str | None = None
+    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """Full CPU weights in HF names on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
+        elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
+        last call (see refit.WeightVersions). `dtype` ("bfloat16", "float32") casts floating tensors for the
+        receiver, halving what travels to a bf16 generation model (collective)."""
+        self.sent_bytes = 0
+        if not self.versions.take_send(only_changed):  # the same on every rank
+            return {}
+        with self._backend():
+            weights = self._gather_weights(dtype)
+        self.sent_bytes = lora.payload_num_bytes(weights)
+        return weights
+
     @torch.no_grad()
     def share_weights(self, dtype: str | None = None, on_device: bool = False) -> SharedWeights | None:
         """Full weights written into a flat buffer that generation workers on this machine map once (see
@@ -336,7 +362,8 @@ class PolicyWorker:
 
         self.sent_bytes = 0
         if self.versions.take_share():
-            weights = self._full_weights()
+            with self._backend():
+                weights = self._full_weights()
             if self.rank == 0:
                 if self.shared_weights is None:
                     target = getattr(torch, dtype) if dtype is not None else None
@@ -360,6 +387,31 @@ class PolicyWorker:
         timing = self.timer.get_timing_metrics(reduction="sum")
         self.timer.reset()
         return timing
+
+    def memory_footprint(self) -> dict[str, int]:
+        """Bytes of this rank's parameter shards (all, and those that train), of its optimizer state, and
+        the accelerator's total memory (0 on CPU)."""
+
+        def local_bytes(tensor: torch.Tensor) -> int:
+            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
+
+        params = list(self.model.parameters())
+        optimizer_bytes = sum(
+            local_bytes(value)
+            for optimizer in self._torch_optimizers()
+            for state in optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        )
+        total = (
+            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        )
+        return {
+            "param_bytes": int(sum(local_bytes(p) for p in params)),
+            "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
+            "optimizer_state_bytes": int(optimizer_bytes),
+            "device_total_bytes": int(total),
+        }
 
     def describe(self) -> dict[str, Any]:
         """Where this rank runs: device, process-group backend, world size, CPU threads, and the

@@ -246,6 +246,8 @@ def validate_policy_config(cfg: PolicyConfig) -> None:
         validate_megatron_policy(cfg)
     if cfg.dynamic_batching.enabled and cfg.sequence_packing.enabled:
         raise ValueError("policy.dynamic_batching.enabled and policy.sequence_packing.enabled: choose one")
+    if cfg.sequence_packing.enabled and cfg.model_kind != "causal_lm":
+        raise ValueError("policy.sequence_packing: only for model_kind='causal_lm'")
     if cfg.context_parallel_size > 1:
         validate_context_parallel(cfg)
     split = sorted(set(cfg.lora.modules_to_save or []) & set(DEFAULT_TARGET_MODULES))
@@ -353,22 +355,13 @@ def check_parallel_sizes(cfg: PolicyConfig, num_workers: int, workers: str) -> N
     model_parallel = model_parallel_size(cfg)
     if num_workers % model_parallel == 0:
         return
+    key, product = "policy.tensor_parallel_size", ""
     if cfg.backend == "megatron":
-        raise ConfigError(
-            "policy.megatron",
-            f"tensor_model_parallel_size x pipeline_model_parallel_size = "
-            f"{model_parallel} does not divide the {num_workers} workers ({workers})",
-        )
-    if cfg.context_parallel_size > 1:
-        raise ConfigError(
-            "policy.context_parallel_size",
-            f"{cfg.context_parallel_size} x policy.tensor_parallel_size {cfg.tensor_parallel_size} = "
-            f"{model_parallel} does not divide the {num_workers} workers ({workers})",
-        )
-    raise ConfigError(
-        "policy.tensor_parallel_size",
-        f"{model_parallel} does not divide the {num_workers} workers ({workers})",
-    )
+        key, product = "policy.megatron", "tensor_model_parallel_size x pipeline_model_parallel_size = "
+    elif cfg.context_parallel_size > 1:
+        cp, tp = cfg.context_parallel_size, cfg.tensor_parallel_size
+        key, product = "policy.context_parallel_size", f"{cp} x policy.tensor_parallel_size {tp} = "
+    raise ConfigError(key, f"{product}{model_parallel} does not divide the {num_workers} workers ({workers})")
 
 
 def validate_megatron_policy(cfg: PolicyConfig) -> None:

@@ -5,17 +5,17 @@ Layout (load-balanced): the padded length T is cut into 2 * cp chunks of c = T /
 rank r holds chunks r and 2 * cp - 1 - r, so every rank has one early and one late chunk and the causal
 attention work (a query sees the keys before it) is the same on every rank.
 
-Attention (`context_parallel_attention`, a Hugging Face attention function): every layer all-gathers the
-keys and values of the whole sequence from the CP ranks (all-gather, not a ring: simple and it runs over
-gloo, but each rank holds the full [b, H_kv, T, d] keys and values of the layer it is computing, and
-autograd keeps them for the backward, so a rank stores the K/V of all T positions per layer where a ring
-would hold T / cp) and attends each local chunk's queries over the keys up to the chunk's end, causally by
-global position. On a CPU, plain rows need no mask (CausalChunkAttention: flash attention over the keys
-before the chunk and, causally, over its own, merged by log-sum-exp), so memory stays linear in the length;
-packed rows (whose mask adds a same-sequence condition), dropout and GPUs use SDPA with a boolean mask of
-c x (chunk end) per chunk. The backward of the all-gather sums
-the key/value gradients of every rank's queries and keeps this rank's part (an all-reduce, which gloo has,
-then a slice). Positions fed to the rotary embedding are the global ones.
+Attention (`ContextParallelLayout.attend`, run by tree_attention.layout_attention): every layer all-gathers
+the keys and values of the whole sequence from the CP ranks (all-gather, not a ring: simple and it runs over
+gloo, but each rank holds the full [b, H_kv, T, d] keys and values of the layer it is computing, and autograd
+keeps them for the backward, so a rank stores the K/V of all T positions per layer where a ring would
+hold T / cp) and attends each local chunk's queries over the keys up to the chunk's end, causally by global
+position. On a CPU, plain rows need no mask (CausalChunkAttention: flash attention over the keys before the
+chunk and, causally, over its own, merged by log-sum-exp), so memory stays linear in the length; packed rows
+(whose mask adds a same-sequence condition), dropout and GPUs use SDPA with a boolean mask of c x (chunk end)
+per chunk. The backward of the all-gather sums the key/value gradients of every rank's queries and keeps this
+rank's part (an all-reduce, which gloo has, then a slice). Positions fed to the rotary embedding are the
+global ones.
 
 Logprobs (`context_parallel_logprobs`): each rank computes logits and logprobs of its own positions only
 (the logits, [b, T / cp, V], are the memory a long sequence is short of), against the next token of the
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.workers.policy.token_logprobs import TokenLogprobs
+from posttrain.workers.policy.tree_attention import use_layout_attention
 
 ATTENTION_NAME = "posttrain_context_parallel"
 
@@ -63,6 +64,22 @@ class ContextParallelLayout:
         ranks = [ContextParallelLayout(None, self.cp_size, r, self.chunk_len) for r in range(self.cp_size)]
         gathered = torch.cat([rank.local_positions() for rank in ranks])  # [T]: each gathered position's
         return torch.argsort(gathered).to(device)
+
+    def attend(self, query, key, value, dropout: float, scaling: float | None) -> torch.Tensor:
+        """Local [b, H, 2c, d] queries, [b, H_kv, 2c, d] keys and values -> [b, 2c, H, d] outputs, attending
+        over the whole sequence's keys (module docstring)."""
+        # One collective for both (and one order of collectives in the backward on every rank).
+        keys, values = GatherSequence.apply(torch.stack([key, value]), self, 3, True)  # 2 x [b, H_kv, T, d]
+        c = self.chunk_len
+        outputs = []
+        for j, chunk in enumerate(self.chunks):
+            end = (chunk + 1) * c
+            mask = chunk_mask(self, chunk, query.device) if self.segment_ids is not None else None
+            chunk_query = query[:, :, j * c : (j + 1) * c]
+            outputs.append(
+                attend_chunk(chunk_query, keys[:, :, :end], values[:, :, :end], mask, dropout, scaling)
+            )
+        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 
 
 def padded_length(seq_len: int, cp_size: int) -> int:
@@ -176,58 +193,14 @@ def attend_chunk(
     )
 
 
-def context_parallel_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    context_parallel_layout: ContextParallelLayout | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """HF attention function: local [b, H, 2c, d] queries, [b, H_kv, 2c, d] keys and values -> [b, 2c, H, d]
-    outputs, attending over the whole sequence's keys (module docstring). Without a layout: HF's SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    layout = context_parallel_layout
-    if layout is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
-        raise ValueError("policy.context_parallel_size > 1: attention with a sliding window or soft-cap")
-    # One collective for both (and one order of collectives in the backward on every rank).
-    keys, values = GatherSequence.apply(torch.stack([key, value]), layout, 3, True)  # 2 x [b, H_kv, T, d]
-    c = layout.chunk_len
-    outputs = []
-    for j, chunk in enumerate(layout.chunks):
-        end = (chunk + 1) * c
-        mask = chunk_mask(layout, chunk, query.device) if layout.segment_ids is not None else None
-        chunk_query = query[:, :, j * c : (j + 1) * c]
-        outputs.append(
-            attend_chunk(chunk_query, keys[:, :, :end], values[:, :, :end], mask, dropout, scaling)
-        )
-    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
-
-
 def use_context_parallel_attention(model: torch.nn.Module) -> None:
-    """Switch a Hugging Face model that runs SDPA attention to `context_parallel_attention`. Only the
-    attention is registered, not a mask function: transformers then builds no mask (the layout is one)."""
-    from transformers import AttentionInterface
-
-    config = model.config
-    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
-        return
-    can_set = getattr(model, "_can_set_attn_implementation", None)
-    if config._attn_implementation != "sdpa" or can_set is None or not can_set():
+    """Switch a Hugging Face model that runs SDPA attention to tree_attention.layout_attention, without a
+    mask function: transformers then builds no mask (the layout is one)."""
+    if not use_layout_attention(model, ATTENTION_NAME, with_mask=False):
         raise ValueError(
             f"policy.context_parallel_size > 1: {type(model).__name__} does not take a custom attention "
             "function (a Hugging Face model with SDPA attention is needed)"
         )
-    AttentionInterface.register(ATTENTION_NAME, context_parallel_attention)
-    model.set_attn_implementation(ATTENTION_NAME)
 
 
 def segment_ids_of(lengths: list[int], total: int) -> torch.Tensor:
@@ -258,7 +231,7 @@ def context_parallel_logprobs(
     padded_positions = torch.cat([position_ids, extra_positions], dim=1)  # [b, T_pad]
     local = layout.local_positions(input_ids.device)  # [2c]
     inputs = {"input_ids": padded_ids[:, local], "position_ids": padded_positions[:, local]}
-    logits = model(**inputs, context_parallel_layout=layout).logits  # [b, 2c, V]
+    logits = model(**inputs, attention_layout=layout).logits  # [b, 2c, V]
     next_ids = torch.nn.functional.pad(padded_ids[:, 1:], (0, 1))[:, local]  # [b, 2c]: the token after each
     next_logprobs = TokenLogprobs.apply(
         logits.reshape(batch * local.numel(), -1), next_ids.reshape(-1), temperature

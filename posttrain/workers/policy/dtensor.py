@@ -50,7 +50,7 @@ from posttrain.workers.policy.token_logprobs import (
     next_token_logprobs_at,
     topk_next_token_logprobs,
 )
-from posttrain.workers.policy.tree_attention import use_tree_attention
+from posttrain.workers.policy.tree_attention import use_layout_attention
 from posttrain.workers.refit import cast_floating
 
 
@@ -180,7 +180,7 @@ class DTensorPolicyWorker(PolicyWorker):
         if self.cfg.context_parallel_size > 1:
             use_context_parallel_attention(model)  # sequences split over cp ranks (context_parallel.py)
         elif self.shares_prefixes(model) and text_lm:
-            use_tree_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
+            use_layout_attention(model)  # shared prompts attend only where tokens see (tree_attention.py)
         if self.cfg.lora.enabled:  # freezes the base; the optimizer then holds the adapter's state only
             model = lora.wrap_with_lora(model, self.cfg.lora, self.cfg.model_kind, self.cfg.model_name)
         if self.cfg.tensor_parallel_size > 1:
@@ -224,18 +224,9 @@ class DTensorPolicyWorker(PolicyWorker):
             logprobs = shared_prefix_logprobs(self.model, *rows, self.cfg.logprob_temperature, self.device)
             if logprobs is not None:
                 return logprobs * attention_mask
-        # Logits only from the position before the first trained token: a GRPO prompt's logits are never
-        # read, and at a real vocabulary they are most of the memory and a good share of the time.
-        num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
-        vision = vision_forward_inputs(
-            self.model, data, input_ids, attention_mask
-        )  # {} for a text-only model
-        logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept, **vision
-        ).logits  # [b, K, V]
-        logprobs = compute_token_logprobs(
-            logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature
-        )  # [b, K]
+        vision = vision_forward_inputs(self.model, data, input_ids, attention_mask)  # {} for text only
+        logits, num_kept = self._causal_logits(data, input_ids, vision)  # [b, K, V]
+        logprobs = compute_token_logprobs(logits, input_ids[:, -num_kept:], self.cfg.logprob_temperature)
         logprobs = torch.nn.functional.pad(logprobs, (input_ids.shape[1] - num_kept, 0))  # [b, T_mb]
         return logprobs * attention_mask + vision_tower_anchor(self.model)
 
@@ -258,8 +249,12 @@ class DTensorPolicyWorker(PolicyWorker):
         )
         return unpack_row_logprobs(row_logprobs, packed.lengths, input_ids.shape[1]) * read  # [n, T_mb]
 
-    def _causal_logits(self, data: dict[str, Any], input_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K."""
+    def _causal_logits(
+        self, data: dict[str, Any], input_ids: torch.Tensor, vision: dict | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """Logits [b, K, V] of the last K positions, from the one before the first trained token, and K (a
+        GRPO prompt's logits are never read, and at a real vocabulary they are most of the memory and a good
+        share of the time). `vision`: a vision-language model's image inputs."""
         if self.cp_group is not None:
             raise ValueError(
                 "policy.context_parallel_size > 1: top-k logprobs and distillation losses need every "
@@ -268,7 +263,7 @@ class DTensorPolicyWorker(PolicyWorker):
         attention_mask = length_mask(row_lengths(data).to(self.device), input_ids.shape[1])  # [b, T_mb]
         num_kept = input_ids.shape[1] - first_trained_position(data.get("token_mask")) + 1  # K
         logits = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept
+            input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=num_kept, **(vision or {})
         ).logits
         return logits, num_kept
 
@@ -343,12 +338,8 @@ class DTensorPolicyWorker(PolicyWorker):
         ):
             with router_tap(self.model, microbatch, self.router_replay, keep_logits=False):
                 outputs = self._forward(microbatch).cpu()  # [b, T_mb] or [b]
-            if microbatch.is_padding:
-                continue
-            if outputs.dim() == 2:
-                out[microbatch.indices, : outputs.shape[1]] = outputs
-            else:
-                out[microbatch.indices] = outputs
+            if not microbatch.is_padding:
+                self._store(out, microbatch, outputs)
         return out
 
     # -- training --------------------------------------------------------------------------------------
@@ -424,31 +415,17 @@ class DTensorPolicyWorker(PolicyWorker):
             return
         native_checkpoint.export_hf(self.model, self.tokenizer, out_dir, self.model.config)
 
-    def get_weights(
-        self, only_changed: bool = True, dtype: str | None = None
-    ) -> dict[str, torch.Tensor] | lora.AdapterWeights:
-        """Full (gathered) CPU weights on rank 0 (with LoRA: the adapter only, as AdapterWeights), {}
-        elsewhere; with `only_changed`, {} when no optimizer step or checkpoint load changed them since the
-        last call (see refit.WeightVersions). `dtype` ("bfloat16", "float32") casts floating tensors for the
-        receiver, halving what travels to a bf16 generation model."""
+    def _gather_weights(self, dtype: str | None) -> dict[str, torch.Tensor] | lora.AdapterWeights:
+        """Full (gathered) CPU weights on rank 0, cast to `dtype`; with LoRA the adapter only (the generation
+        workers keep the base resident)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        self.sent_bytes = 0
-        if not self.versions.take_send(only_changed):  # the same on every rank
-            return {}
-        if self.cfg.lora.enabled:  # the adapter only: the generation workers keep the base resident
-            adapter = lora.gather_adapter_weights(
-                self.model, self.cfg.lora, self.cfg.model_kind, self.rank, dtype
-            )
-            self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
-            return adapter
+        if self.cfg.lora.enabled:
+            kind = self.cfg.model_kind
+            return lora.gather_adapter_weights(self.model, self.cfg.lora, kind, self.rank, dtype)
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full_weights = get_model_state_dict(self.model, options=options)  # collective
-        if self.rank != 0:
-            return {}
-        full_weights = cast_floating(full_weights, dtype)
-        self.sent_bytes = lora.payload_num_bytes(full_weights)
-        return full_weights
+        return cast_floating(full_weights, dtype) if self.rank == 0 else {}
 
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """Every parameter in HF names (tied weights once), complete on rank 0, {} elsewhere (collective);
@@ -477,27 +454,3 @@ class DTensorPolicyWorker(PolicyWorker):
         """Bring weights and optimizer state back to the worker's device."""
         if self.device.type != "cpu" and not self.cfg.cpu_offload:
             self._move_training_state(self.device)
-
-    def memory_footprint(self) -> dict[str, int]:
-        """Bytes of this rank's parameter shards (all, and those that train), of its optimizer state, and
-        the accelerator's total memory (0 on CPU)."""
-
-        def local_bytes(tensor: torch.Tensor) -> int:
-            return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).nbytes
-
-        params = list(self.model.parameters())
-        optimizer_bytes = sum(
-            local_bytes(value)
-            for state in self.optimizer.state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
-        )
-        total = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        )
-        return {
-            "param_bytes": int(sum(local_bytes(p) for p in params)),
-            "trainable_param_bytes": int(sum(local_bytes(p) for p in params if p.requires_grad)),
-            "optimizer_state_bytes": int(optimizer_bytes),
-            "device_total_bytes": int(total),
-        }

@@ -56,23 +56,6 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, 
     return found
 
 
-def check_expert_parallel(model: torch.nn.Module, ep: int) -> int:
-    """The number of experts per MoE layer; ValueError naming policy.expert_parallel_size when the model has
-    no MoE layers or ep does not divide the experts."""
-    experts = experts_modules(model)
-    if not experts:
-        raise ValueError(
-            f"policy.expert_parallel_size={ep}: {type(model).__name__} has no MoE experts to split "
-            "(a dense model); set policy.expert_parallel_size=1"
-        )
-    num_experts = experts[0][2].gate_up_proj.shape[0]
-    if num_experts % ep:
-        raise ValueError(
-            f"policy.expert_parallel_size={ep} must divide the model's num_experts={num_experts}"
-        )
-    return num_experts
-
-
 class ExpertParallelExperts(torch.nn.Module):
     """One MoE layer's experts, num_experts/ep of them on this rank, with the HF experts module's call
     signature (hidden [N, H], top_k_index [N, k], top_k_weights [N, k]) and parameter names."""
@@ -123,8 +106,8 @@ class ExpertParallelExperts(torch.nn.Module):
 
 def apply_expert_parallel(model: torch.nn.Module, mesh: DeviceMesh) -> set[torch.nn.Parameter]:
     """Replace every experts module by this rank's ExpertParallelExperts; returns the expert parameters
-    (FSDP2 must leave them alone: `fully_shard(..., ignored_params=...)`)."""
-    check_expert_parallel(model, mesh["ep"].size())
+    (FSDP2 must leave them alone: `fully_shard(..., ignored_params=...)`). `Policy` has checked that ep
+    divides the experts (handle.check_expert_split)."""
     params: set[torch.nn.Parameter] = set()
     for parent, attribute, experts in experts_modules(model):
         sharded = ExpertParallelExperts(experts, mesh)

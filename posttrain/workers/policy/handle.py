@@ -7,7 +7,6 @@ It shards batches across data-parallel ranks, calls the workers and puts their r
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,10 +57,11 @@ def worker_class_and_sharding(cfg: PolicyConfig, world_size: int, dp_size: int) 
 
 
 def check_expert_split(cfg: PolicyConfig) -> None:
-    """ConfigError naming policy.expert_parallel_size, before any worker starts, when it does not divide the
-    experts of a local model (read from its config.json; the workers check hub models once loaded)."""
+    """ConfigError naming policy.expert_parallel_size, before any worker starts, when the model (its
+    config.json, local or on the hub) has no experts or their number is not a multiple of it: the one check
+    of the expert split, for both backends."""
     ep = cfg.expert_parallel_size
-    if ep == 1 or not (Path(cfg.model_name) / "config.json").is_file():
+    if ep == 1:
         return
     from transformers import AutoConfig
 
@@ -69,7 +69,8 @@ def check_expert_split(cfg: PolicyConfig) -> None:
     num_experts = getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None)
     if not num_experts:
         raise ConfigError(
-            "policy.expert_parallel_size", f"{ep}: {cfg.model_name} is a dense model (no experts)"
+            "policy.expert_parallel_size",
+            f"{ep}: {cfg.model_name} is a dense model (no MoE experts to split); set it to 1",
         )
     if num_experts % ep:
         raise ConfigError(
@@ -78,9 +79,7 @@ def check_expert_split(cfg: PolicyConfig) -> None:
 
 
 class Policy:
-    """The trainable model over `cluster`: dp x cp x tp workers, FSDP2 over dp x cp, context parallelism
-    over cp and tensor parallelism over tp; or (backend megatron) pp x dp x tp workers, tp fastest-varying
-    as in Megatron's rank order."""
+    """The trainable model over `cluster`: one worker per bundle, laid out by worker_class_and_sharding."""
 
     def __init__(
         self,
@@ -164,36 +163,16 @@ class Policy:
         loss_fn: LossFn,
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
+        eval_mode: bool = False,
     ) -> dict[str, list[float]]:
         """One optimizer step per global batch of `global_batch_size` rows (default
         `policy.train_global_batch_size`), in micro-batches of `micro_batch_size` rows (default
-        `policy.train_micro_batch_size`).
+        `policy.train_micro_batch_size`); forward only when `eval_mode` (see evaluate).
 
         Returns one entry per global batch, reduced over ranks: `loss` (the global-batch loss),
         `grad_norm` (before clipping), `lr` (used by the step), `num_microbatches`, and the loss
         function's metrics summed over micro-batches and ranks.
         """
-        return self._run_loss(data, loss_fn, False, global_batch_size, micro_batch_size)
-
-    def evaluate(
-        self,
-        data: BatchedDataDict,
-        loss_fn: LossFn,
-        global_batch_size: int | None = None,
-        micro_batch_size: int | None = None,
-    ) -> dict[str, list[float]]:
-        """`loss_fn` and its metrics per global batch, forward only: the weights do not change (no
-        `grad_norm`, no `lr`)."""
-        return self._run_loss(data, loss_fn, True, global_batch_size, micro_batch_size)
-
-    def _run_loss(
-        self,
-        data: BatchedDataDict,
-        loss_fn: LossFn,
-        eval_mode: bool,
-        global_batch_size: int | None,
-        micro_batch_size: int | None,
-    ) -> dict[str, list[float]]:
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         shards = data.shard_by_batch_size(self.dp_size, batch_size=global_batch_size)
         results = self._run_dp(
@@ -207,6 +186,13 @@ class Policy:
         if not eval_mode and self.cfg.stop_on_nonfinite_loss:
             check_finite_losses(results[0]["loss"])
         return results[0]  # every rank returns the same, already reduced over dp
+
+    def evaluate(
+        self, data: BatchedDataDict, loss_fn: LossFn, **batch_sizes: int | None
+    ) -> dict[str, list[float]]:
+        """`loss_fn` and its metrics per global batch, forward only (`batch_sizes`: train's
+        global_batch_size and micro_batch_size): the weights do not change (no `grad_norm`, no `lr`)."""
+        return self.train(data, loss_fn, eval_mode=True, **batch_sizes)
 
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (unless not `save_optimizer`) + scheduler state under `path` (DCP),
@@ -223,9 +209,8 @@ class Policy:
 
     def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> ray.ObjectRef:
         """The workers' get_weights, left in the object store: an ObjectRef of rank 0's dict name -> full CPU
-        tensor (with LoRA: `AdapterWeights`, the adapter tensors
-        only): {} when `only_changed` and no optimizer step or checkpoint load happened since the last call;
-        floating tensors cast to `dtype` when given."""
+        tensor (with LoRA: `AdapterWeights`, the adapter tensors only): {} when `only_changed` and no
+        optimizer step or checkpoint load happened since the last call; floating tensors cast to `dtype`."""
         refs = self.worker_group.run_all_async("get_weights", only_changed=only_changed, dtype=dtype)
         return refs[0]
 
@@ -255,8 +240,7 @@ class Policy:
 
     def memory_footprint(self) -> list[dict[str, int]]:
         """Per rank: bytes of its parameter shards (param_bytes, trainable_param_bytes), of its optimizer
-        state
-        (optimizer_state_bytes) and its accelerator's total memory (device_total_bytes, 0 on CPU)."""
+        state (optimizer_state_bytes) and its accelerator's total memory (device_total_bytes, 0 on CPU)."""
         return self.worker_group.run_all("memory_footprint")
 
     def describe(self) -> list[dict[str, Any]]:

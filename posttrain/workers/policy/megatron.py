@@ -1,13 +1,9 @@
-"""The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a
-tp x pp x dp layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a
-Hugging Face Llama/Qwen2/Qwen3-MoE/Mixtral model (an MoE model's experts split over `ep` of the dp ranks),
-Megatron's DDP and optimizer (optionally distributed). A sibling of
-`DTensorPolicyWorker` on the same base (`base.PolicyWorker`): micro-batched train steps with the project's
-losses and global
-normalisation (run by Megatron's 1F1B schedule), logprobs, reference logprobs, native checkpoints
-(`dist_checkpointing`, reshardable across tp/pp/dp), HF export and full HF-named weights for refit.
-
-On a worker without a GPU every Megatron call runs inside `megatron_cpu_shim.cpu_shim()`."""
+"""The Megatron Core training worker (`policy.backend: megatron`): one Ray actor per rank of a tp x pp x dp
+layout, holding its pipeline stage's tensor-parallel shard of a `GPTModel` converted from a Hugging Face
+Llama/Qwen2/Qwen3-MoE/Mixtral model (an MoE model's experts split over `ep` of the dp ranks), Megatron's DDP
+and optimizer (optionally distributed). On the shared base (`base.PolicyWorker`) it runs train steps with
+Megatron's 1F1B schedule, logprobs, native checkpoints (`dist_checkpointing`, reshardable across tp/pp/dp),
+HF export and full HF-named weights for refit; without a GPU, inside `megatron_cpu_shim.cpu_shim()`."""
 
 from __future__ import annotations
 
@@ -49,6 +45,15 @@ def import_megatron() -> None:
         ) from error
 
 
+def megatron_context(on_gpu: bool) -> contextlib.AbstractContextManager:
+    """Where Megatron calls run: nothing on a GPU, the CPU shim (megatron_cpu_shim.py) without one."""
+    if on_gpu:
+        return contextlib.nullcontext()
+    from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
+
+    return cpu_shim()
+
+
 def megatron_optimizer_config(cfg: PolicyConfig, bf16: bool) -> Any:
     """Megatron's OptimizerConfig for the torch.optim name and kwargs of `policy.optimizer` (AdamW, Adam,
     SGD, with torch's defaults), clipping at policy.max_grad_norm."""
@@ -84,18 +89,27 @@ def pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
 
 
+def write_hf_dir(
+    weights: dict[str, torch.Tensor], hf_config: Any, layout: Any, tokenizer: Any, out_dir: str | Path
+) -> None:
+    """A Hugging Face directory (safetensors, config, tokenizer) of full HF-named `weights`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto_class = AutoModelForSequenceClassification if layout.reward_model else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto_class.from_config(hf_config, dtype=torch.float32)
+    model.load_state_dict(weights, strict=True, assign=True)
+    model.tie_weights()
+    native_checkpoint.write_hf_dir(model, tokenizer, Path(out_dir))
+
+
 class MegatronPolicyWorker(PolicyWorker):
     """One rank of the policy on Megatron Core. Micro-batching, global counts, metric reductions and the
     reference-weight swap are the base worker's; the model, schedule, optimizer and state I/O are
     Megatron's."""
 
     def _backend(self) -> contextlib.AbstractContextManager:
-        """The CPU shim on a worker without a GPU; nothing on a GPU."""
-        if self.device.type == "cuda":
-            return contextlib.nullcontext()
-        from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
-
-        return cpu_shim()
+        return megatron_context(self.device.type == "cuda")
 
     def _init_parallel(self) -> None:
         import_megatron()
@@ -123,15 +137,13 @@ class MegatronPolicyWorker(PolicyWorker):
             self.pp_group = parallel_state.get_pipeline_model_parallel_group()
             self.pp_size = mcfg.pipeline_model_parallel_size
             self.pp_last_rank = parallel_state.get_pipeline_model_parallel_last_rank()
-            self.is_first_stage = parallel_state.is_pipeline_first_stage()
-            self.is_last_stage = parallel_state.is_pipeline_last_stage()
             self.ep_group = parallel_state.get_expert_model_parallel_group()
             self.ep_size = self.cfg.expert_parallel_size
-            self.ep_rank = parallel_state.get_expert_model_parallel_rank()
             self.expert_counter: megatron_moe_step.ExpertCounter | None = None  # set while a batch runs
 
     def _build_model_and_optimizer(self) -> None:
         with self._backend():
+            from megatron.core import parallel_state
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import get_megatron_optimizer
 
@@ -146,7 +158,7 @@ class MegatronPolicyWorker(PolicyWorker):
             }
             self.layout = megatron_convert.gpt_layout(self.hf_config, self.tp_size)
             moe = self.layout.moe
-            megatron_moe_convert.check_moe_parallelism(moe, self.ep_size, self.pp_size)
+            megatron_moe_convert.check_moe_pipeline(moe, self.pp_size)
             if moe is not None and self.cfg.lora.enabled:
                 raise ValueError(
                     "policy.lora.enabled=true with a mixture-of-experts model: policy.backend=megatron puts "
@@ -158,13 +170,13 @@ class MegatronPolicyWorker(PolicyWorker):
             self.transformer_config = megatron_convert.transformer_config(
                 self.hf_config, parallel, bf16, moe_training
             )
-            model = megatron_convert.build_gpt_model(
-                self.hf_config, self.transformer_config, self.is_first_stage, self.is_last_stage
-            )
+            stages = (parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage())
+            model = megatron_convert.build_gpt_model(self.hf_config, self.transformer_config, *stages)
             self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
             names = [name for name, _ in model.named_parameters()]
-            self.expert_offset = megatron_moe_convert.local_expert_offset(moe, self.ep_rank, self.ep_size)
-            shard = (self.layer_offset, self.layout, self.tp_rank, self.tp_size, self.expert_offset)
+            ep_rank = parallel_state.get_expert_model_parallel_rank()
+            expert_offset = megatron_moe_convert.local_expert_offset(moe, ep_rank, self.ep_size)
+            shard = (self.layer_offset, self.layout, self.tp_rank, self.tp_size, expert_offset)
             local = megatron_convert.hf_to_megatron(hf_model.state_dict(), names, *shard)
             del hf_model
             with torch.no_grad():
@@ -292,7 +304,8 @@ class MegatronPolicyWorker(PolicyWorker):
         forward_only: bool,
         batch_size: int,
         seq_len: int,
-    ) -> None:
+    ) -> tuple[int, int] | None:
+        """Run `microbatches` through Megatron's schedule; returns their shape (see _microbatch_shape)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         shape = self._microbatch_shape(batch_size, seq_len)
@@ -307,6 +320,7 @@ class MegatronPolicyWorker(PolicyWorker):
                 micro_batch_size=shape[0] if shape else batch_size,
                 forward_only=forward_only,
             )
+        return shape
 
     def _from_last_stage(self, value: Any) -> Any:
         """The last pipeline stage's `value` (a CPU tensor or a picklable object) on every stage."""
@@ -329,11 +343,7 @@ class MegatronPolicyWorker(PolicyWorker):
 
         def keep_outputs(microbatch: MicroBatch, logits: torch.Tensor) -> tuple:
             if not microbatch.is_padding:
-                outputs = self._outputs(microbatch, logits).cpu()  # [b, T_mb] or [b]
-                if outputs.dim() == 2:
-                    out[microbatch.indices, : outputs.shape[1]] = outputs
-                else:
-                    out[microbatch.indices] = outputs
+                self._store(out, microbatch, self._outputs(microbatch, logits).cpu())  # [b, T_mb] or [b]
             return logits.new_zeros(()), torch.tensor(1, dtype=torch.int), {}
 
         self._run_schedule(
@@ -378,11 +388,10 @@ class MegatronPolicyWorker(PolicyWorker):
             self.optimizer.zero_grad()
         self.expert_counter = megatron_moe_step.ExpertCounter(self.model, self.layout.moe)
         with self.expert_counter:
-            self._run_schedule(
+            shape = self._run_schedule(
                 microbatches, microbatch_loss, eval_mode, micro_batch_size, batch["input_ids"].shape[1]
             )
         counts, self.expert_counter = self.expert_counter.result(), None
-        shape = self._microbatch_shape(micro_batch_size, batch["input_ids"].shape[1])
         step = StepMetrics(
             loss=sum(losses),
             num_microbatches=len(losses),
@@ -407,26 +416,34 @@ class MegatronPolicyWorker(PolicyWorker):
         return float(grad_norm or 0.0), lr
 
     # -- full weights: refit, export -----------------------------------------------------------------------
-    def _full_hf_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective)."""
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective, in _backend)."""
         stage: dict[str, torch.Tensor] = {}
         for name, param in self._hf_named_parameters():
-            shards = [param.detach()]
-            if self.tp_size > 1:
-                shards = [torch.empty_like(param) for _ in range(self.tp_size)]
-                dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
-            full = megatron_convert.merge_tp_shards(name, [s.cpu() for s in shards], self.layout)
+            shards = [shard.cpu() for shard in self._tp_shards(param)]
+            full = megatron_convert.merge_tp_shards(name, shards, self.layout)
             if megatron_moe_convert.is_expert_name(name):
                 stage.update(self._all_experts(name, full))
             else:
                 stage[name] = full
-        hf = megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout)
-        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:  # the stages of rank 0's pipeline
+        return self._stages_on_rank0(megatron_convert.megatron_to_hf(stage, self.layer_offset, self.layout))
+
+    def _tp_shards(self, param: torch.Tensor) -> list[torch.Tensor]:
+        """Every TP rank's shard of `param`, in TP rank order (collective over tp)."""
+        if self.tp_size == 1:
+            return [param.detach()]
+        shards = [torch.empty_like(param) for _ in range(self.tp_size)]
+        dist.all_gather(shards, param.detach().contiguous(), group=self.tp_group)
+        return shards
+
+    def _stages_on_rank0(self, stage: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The named tensors of every pipeline stage of rank 0's pipeline, merged on rank 0; {} elsewhere."""
+        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:
             gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
-            dist.gather_object(hf, gathered, dst=0, group=self.pp_group)
+            dist.gather_object(stage, gathered, dst=0, group=self.pp_group)
             if self.rank == 0:
-                hf = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
-        return hf if self.rank == 0 else {}
+                stage = {name: t for stage_weights in gathered for name, t in stage_weights.items()}
+        return stage if self.rank == 0 else {}
 
     def _all_experts(self, name: str, local: torch.Tensor) -> dict[str, torch.Tensor]:
         """The local expert parameter `name` of every expert-parallel rank, under global expert names
@@ -446,43 +463,19 @@ class MegatronPolicyWorker(PolicyWorker):
         """The model's parameters that are HF weights (all of them; not LoRA adapters)."""
         return self.model.module.named_parameters()
 
-    def _full_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight in HF names and layout on rank 0, {} elsewhere (collective; for shared-memory
-        refit)."""
-        with self._backend():
-            return self._full_hf_weights()
-
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> dict[str, torch.Tensor]:
-        """Full HF-named CPU weights on rank 0, {} elsewhere (see DTensorPolicyWorker.get_weights)."""
-        self.sent_bytes = 0
-        if not self.versions.take_send(only_changed):
-            return {}
-        with self._backend():
-            weights = cast_floating(self._full_hf_weights(), dtype)
-        self.sent_bytes = sum(t.nbytes for t in weights.values())
-        return weights
+    def _gather_weights(self, dtype: str | None) -> dict[str, torch.Tensor]:
+        return cast_floating(self._full_weights(), dtype)
 
     def export_hf(self, out_dir: str) -> None:
         """A Hugging Face directory (safetensors, config, tokenizer) with the current weights (collective)."""
         with self._backend():
-            weights = self._full_hf_weights()
+            weights = self._full_weights()
         self._write_hf_dir(weights, out_dir)
 
     def _write_hf_dir(self, weights: dict[str, torch.Tensor], out_dir: str) -> None:
         """Rank 0 writes `weights` (HF names) as a Hugging Face directory; all ranks wait (collective)."""
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
         if self.rank == 0:
-            auto_class = (
-                AutoModelForSequenceClassification if self.layout.reward_model else AutoModelForCausalLM
-            )
-            with torch.device("meta"):
-                model = auto_class.from_config(self.hf_config, dtype=torch.float32)
-            model.load_state_dict(weights, strict=True, assign=True)
-            model.tie_weights()
-            Path(out_dir).mkdir(parents=True, exist_ok=True)
-            model.save_pretrained(out_dir, safe_serialization=True)
-            self.tokenizer.save_pretrained(out_dir)
+            write_hf_dir(weights, self.hf_config, self.layout, self.tokenizer, out_dir)
         dist.barrier()
 
     # -- native checkpoints ----------------------------------------------------------------------------------
@@ -546,13 +539,6 @@ class MegatronPolicyWorker(PolicyWorker):
 
     def onload(self) -> None:
         """No-op (see offload)."""
-
-    def memory_footprint(self) -> dict[str, int]:
-        param_bytes = sum(p.nbytes for p in self.model.parameters())
-        total = (
-            torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
-        )
-        return {"param_bytes": int(param_bytes), "device_total_bytes": int(total)}
 
     def describe(self) -> dict[str, Any]:
         parallel = {"tp": self.tp_size, "pp": self.pp_size, "dp": self.dp_size, "ep": self.ep_size}

@@ -131,12 +131,7 @@ HF_LAYER_PARTS = {
     "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
     "mlp.linear_fc2.weight": ["mlp.down_proj.weight"],
 }
-TP_DIM = {  # the dim a Megatron tensor is split along over TP ranks (None: replicated)
-    "input_layernorm.weight": None,
-    "pre_mlp_layernorm.weight": None,
-    "self_attention.q_layernorm.weight": None,
-    "self_attention.k_layernorm.weight": None,
-    "mlp.router.weight": None,
+TP_DIM = {  # the dim a Megatron tensor is split along over TP ranks; the others (norms, router): replicated
     "self_attention.linear_qkv.weight": 0,
     "self_attention.linear_qkv.bias": 0,
     "self_attention.linear_proj.weight": 1,
@@ -144,7 +139,6 @@ TP_DIM = {  # the dim a Megatron tensor is split along over TP ranks (None: repl
     "mlp.linear_fc2.weight": 1,
     "embedding.word_embeddings.weight": 0,
     "output_layer.weight": 0,
-    "decoder.final_layernorm.weight": None,
 }
 
 
@@ -153,7 +147,7 @@ def tp_dim(name: str, layout: GPTLayout) -> int | None:
     if (name == "output_layer.weight" and layout.reward_model) or is_expert_name(name):
         return None  # experts are whole on every rank: MoE models run at TP 1
     match = LAYER_NAME.match(name)
-    return TP_DIM[match.group(2) if match else name]
+    return TP_DIM.get(match.group(2) if match else name)
 
 
 # -- Tensor transforms -------------------------------------------------------------------------------

@@ -4,38 +4,27 @@ tp/pp it was saved at) and write a Hugging Face directory."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import torch
 
 from posttrain.workers.policy import megatron_convert
 from posttrain.workers.policy.base import ensure_process_group
-from posttrain.workers.policy.megatron import MEGATRON_DIR, import_megatron
+from posttrain.workers.policy.megatron import MEGATRON_DIR, import_megatron, megatron_context, write_hf_dir
 
 
 def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> Path:
     """A Hugging Face directory (weights, config, tokenizer) from a Megatron checkpoint; on a machine
     without a GPU through the CPU shim (which patches torch.cuda for the rest of this process)."""
     from megatron.core import dist_checkpointing, parallel_state
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from transformers import AutoConfig, AutoTokenizer
 
     import_megatron()
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     hf_config = AutoConfig.from_pretrained(policy_dir / "hf_config")
     layout = megatron_convert.gpt_layout(hf_config, 1)
     ensure_process_group()
-    shim = contextlib.nullcontext()
-    if not torch.cuda.is_available():
-        from posttrain.workers.policy.megatron_cpu_shim import cpu_shim
-
-        shim = cpu_shim()
-    with shim:
+    with megatron_context(torch.cuda.is_available()):
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
         parallel = {
@@ -50,12 +39,5 @@ def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> P
     weights = megatron_convert.megatron_to_hf(
         {name: p.detach().float() for name, p in model.named_parameters()}, 0, layout
     )
-    auto_class = AutoModelForSequenceClassification if layout.reward_model else AutoModelForCausalLM
-    with torch.device("meta"):
-        hf_model = auto_class.from_config(hf_config, dtype=torch.float32)
-    hf_model.load_state_dict(weights, strict=True, assign=True)
-    hf_model.tie_weights()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out_dir, safe_serialization=True)
-    AutoTokenizer.from_pretrained(policy_dir / "tokenizer").save_pretrained(out_dir)
+    write_hf_dir(weights, hf_config, layout, AutoTokenizer.from_pretrained(policy_dir / "tokenizer"), out_dir)
     return out_dir

@@ -11,13 +11,10 @@ factor sees only this rank's part of the sequence, so its gradient is summed ove
 `sequence_parallel` parameter attribute). Converting to the PEFT file format is therefore a concatenation of
 TP shards, exact, and the HF generation path (`lora.apply_adapter`) takes it unchanged.
 
-Why not peft's own Megatron support (`LoraConfig(megatron_config=...)`, `LoraParallelLinear`): with peft
-0.21.2 and megatron-core 0.16.1 it fails to build (`KeyError: 'fan_in_fan_out'` in `dispatch_megatron`, then
-`KeyError: 'default'` in `reset_lora_parameters`: `lora_bias` is never set) and, patched past those, to run
-(Megatron's parallel linears return `(output, bias)` tuples, which its forward multiplies by the scaling:
-`TypeError: can't multiply sequence by non-int of type 'float'`). It also puts one adapter on the fused
-q/k/v (one A for all three, a different parametrisation from HF's), sets `params_dtype` on the shared
-TransformerConfig, and does not mark replicated factors for sequence-parallel gradient reduction.
+Not peft's own Megatron support (`LoraParallelLinear`): with peft 0.21.2 and megatron-core 0.16.1 it fails to
+build and to run (Megatron's parallel linears return `(output, bias)` tuples), puts one adapter on the fused
+q/k/v (not HF's parametrisation), sets `params_dtype` on the shared TransformerConfig, and does not mark
+replicated factors for sequence-parallel gradient reduction.
 
 The adapter is applied by a forward hook on the base linear (the base's parameter names stay as they are);
 `adapters_disabled` turns every hook off (the reference policy, no copy of weights)."""
@@ -31,9 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.models import lora
 from posttrain.workers.policy import megatron_convert
 from posttrain.workers.policy.megatron import MegatronPolicyWorker
@@ -48,7 +43,6 @@ MEGATRON_LINEARS = {
     "mlp.linear_fc2": ("mlp", ["down_proj"]),
 }
 ROW_PARALLEL = {"self_attention.linear_proj", "mlp.linear_fc2"}
-SUPPORTED_TARGETS = [part for _, parts in MEGATRON_LINEARS.values() for part in parts]
 
 
 class ParallelLinearAdapter(torch.nn.Module):
@@ -187,12 +181,6 @@ def add_adapters(
 ) -> None:
     """Freeze every parameter of this stage's GPTModel and attach fresh adapters (B = 0) to the parallel
     linears holding a targeted HF module."""
-    unknown = sorted(set(cfg.target_modules) - set(SUPPORTED_TARGETS))
-    if unknown:
-        raise ValueError(
-            f"policy.lora.target_modules: {unknown} cannot take adapters on policy.backend=megatron "
-            f"(supported: {SUPPORTED_TARGETS})"
-        )
     model.requires_grad_(False)
     shapes = part_shapes(layout)
     for index, layer in enumerate(model.decoder.layers):
@@ -285,49 +273,22 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((name, p) for name, p in self.model.module.named_parameters() if not is_adapter_param(name))
 
-    def init_reference_model(self) -> None:
-        self.reference_weights = {}  # the reference is the base: adapters disabled, nothing copied
-
-    def get_reference_policy_logprobs(self, data: dict[str, Any]) -> Any:
-        if self.reference_weights is None:
-            raise RuntimeError(
-                f"rank {self.rank}: no reference model; create the Policy with init_reference_model=True"
-            )
-        with adapters_disabled(self.model.module):
-            return BatchedDataDict({"reference_policy_logprobs": self.get_logprobs(data)["logprobs"]})
+    def _adapters_disabled(self) -> contextlib.AbstractContextManager:
+        return adapters_disabled(self.model.module)
 
     # -- the adapter in PEFT format: refit, export, loading one ---------------------------------------------
-    def _gather_adapter(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
+    def _gather_weights(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
         """Collective: the full adapter in PEFT names on rank 0 (AdapterWeights), {} elsewhere."""
         tensors: dict[str, torch.Tensor] = {}
         for name, dim, param in adapter_params(self.model.module, self.layer_offset):
-            full = param.detach()
-            if dim is not None and self.tp_size > 1:
-                shards = [torch.empty_like(full) for _ in range(self.tp_size)]
-                dist.all_gather(shards, full.contiguous(), group=self.tp_group)
-                full = torch.cat(shards, dim=dim)
-            tensors[name] = full.to("cpu", copy=True)
-        if self.pp_size > 1 and self.dp_rank == 0 and self.tp_rank == 0:
-            gathered: list[Any] | None = [None] * self.pp_size if self.rank == 0 else None
-            dist.gather_object(tensors, gathered, dst=0, group=self.pp_group)
-            if self.rank == 0:
-                tensors = {name: t for stage in gathered for name, t in stage.items()}
+            shards = [param.detach()] if dim is None else self._tp_shards(param)
+            tensors[name] = torch.cat(shards, dim=dim or 0).to("cpu", copy=True)
+        tensors = self._stages_on_rank0(tensors)
         if self.rank != 0:
             return {}
         if dtype is not None:
             tensors = {name: t.to(getattr(torch, dtype)) for name, t in tensors.items()}
         return lora.AdapterWeights(self.cfg.lora, self.cfg.model_kind, tensors)
-
-    def get_weights(self, only_changed: bool = True, dtype: str | None = None) -> lora.AdapterWeights | dict:
-        """The adapter only (AdapterWeights in PEFT names, gathered over TP and PP) on rank 0, {} elsewhere;
-        {} when nothing changed since the last call (see DTensorPolicyWorker.get_weights)."""
-        self.sent_bytes = 0
-        if not self.versions.take_send(only_changed):
-            return {}
-        with self._backend():
-            adapter = self._gather_adapter(dtype)
-        self.sent_bytes = lora.payload_num_bytes(adapter) if self.rank == 0 else 0
-        return adapter
 
     @torch.no_grad()
     def load_adapter(self, adapter: lora.AdapterWeights) -> None:
@@ -346,8 +307,8 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         """A Hugging Face directory with the adapter merged into the weights, and the PEFT adapter itself in
         `<out_dir>/adapter/` (collective)."""
         with self._backend():
-            weights = self._full_hf_weights()
-            adapter = self._gather_adapter()
+            weights = self._full_weights()
+            adapter = self._gather_weights(None)
         if self.rank == 0:
             weights.update(lora.merge_adapter(weights, adapter))
             write_peft_dir(adapter, Path(out_dir) / lora.ADAPTER_DIR, self.cfg.model_name)
@@ -380,18 +341,7 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         """The Megatron checkpoint of the adapter (and optimizer), plus `lora/`: the PEFT adapter directory
         naming the base model, which `posttrain export` reads (collective)."""
         with self._backend():
-            adapter = self._gather_adapter()
+            adapter = self._gather_weights(None)
         if self.rank == 0:
             write_peft_dir(adapter, Path(path) / lora.LORA_DIR, self.cfg.model_name)
         super().save_checkpoint(path, save_optimizer)
-
-    def memory_footprint(self) -> dict[str, int]:
-        footprint = super().memory_footprint()
-        optimizer_state = self._torch_optimizer().state.values()
-        footprint["trainable_param_bytes"] = int(
-            sum(p.nbytes for p in self.model.parameters() if p.requires_grad)
-        )
-        footprint["optimizer_state_bytes"] = int(
-            sum(v.nbytes for state in optimizer_state for v in state.values() if isinstance(v, torch.Tensor))
-        )
-        return footprint

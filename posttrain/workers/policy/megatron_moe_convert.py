@@ -59,20 +59,10 @@ def moe_layout(hf_config: Any) -> MoeLayout | None:
     )
 
 
-def check_moe_parallelism(moe: MoeLayout | None, ep: int, pp: int) -> None:
-    """ValueError naming the key when `policy.expert_parallel_size` (ep) cannot split this model's experts,
-    or when an MoE model is asked for pipeline stages (its router losses are read on one stage)."""
-    if moe is None and ep > 1:
-        raise ValueError(
-            f"policy.expert_parallel_size={ep}: a dense model has no MoE experts to split; set it to 1"
-        )
-    if moe is None:
-        return
-    if moe.num_experts % ep:
-        raise ValueError(
-            f"policy.expert_parallel_size={ep} must divide the model's num_experts={moe.num_experts}"
-        )
-    if pp > 1:
+def check_moe_pipeline(moe: MoeLayout | None, pp: int) -> None:
+    """ValueError naming the key when an MoE model is asked for pipeline stages (its router losses are read
+    on one stage); `Policy` has checked the expert split (handle.check_expert_split)."""
+    if moe is not None and pp > 1:
         raise ValueError(
             f"policy.megatron.pipeline_model_parallel_size={pp} with a mixture-of-experts model: "
             "policy.backend=megatron runs MoE models with data and expert parallelism only; set it to 1"

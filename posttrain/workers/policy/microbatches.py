@@ -155,9 +155,7 @@ def plan_microbatches(
     `data`, each cut to its longest row; `cost` (the worker's forward) also counts each one's positions."""
     cost = cost or ForwardCost()
     lengths = row_lengths(data).tolist()
-    if cfg.sequence_packing.enabled:
-        if cfg.model_kind != "causal_lm":
-            raise ValueError("policy.sequence_packing: only for model_kind='causal_lm'")
+    if cfg.sequence_packing.enabled:  # causal_lm only (PolicyConfig.validate)
         groups = pack_sequences(lengths, cfg.sequence_packing.max_tokens_per_bin)
     elif cfg.dynamic_batching.enabled:
         budget = cfg.dynamic_batching

@@ -36,10 +36,9 @@ def clip_gradients(parameters: list[torch.nn.Parameter], max_norm: float | None)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Optimizer:
-    """Any torch.optim class by name, over the trainable parameters."""
-    optimizer_cls = getattr(torch.optim, cfg.optimizer.name, None)
-    if optimizer_cls is None:
-        raise ValueError(f"policy.optimizer.name: torch.optim has no {cfg.optimizer.name!r}")
+    """Any torch.optim class by name (checked at config load: OptimizerConfig.validate), over the trainable
+    parameters."""
+    optimizer_cls = getattr(torch.optim, cfg.optimizer.name)
     kwargs = optimizer_kwargs(cfg.optimizer.kwargs)
     if (
         cfg.optimizer.name in FUSED_OPTIMIZERS
@@ -53,15 +52,12 @@ def build_optimizer(model: torch.nn.Module, cfg: PolicyConfig) -> torch.optim.Op
 def build_scheduler(
     optimizer: torch.optim.Optimizer, cfg: PolicyConfig
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """The configured schedulers (constant LR when none; several become SequentialLR)."""
-    schedulers = []
-    for i, scheduler_cfg in enumerate(cfg.scheduler):
-        scheduler_cls = getattr(torch.optim.lr_scheduler, scheduler_cfg.name, None)
-        if scheduler_cls is None:
-            raise ValueError(
-                f"policy.scheduler[{i}].name: torch.optim.lr_scheduler has no {scheduler_cfg.name!r}"
-            )
-        schedulers.append(scheduler_cls(optimizer, **scheduler_cfg.kwargs))
+    """The configured schedulers (names checked at config load: SchedulerConfig.validate; constant LR when
+    none; several become SequentialLR)."""
+    schedulers = [
+        getattr(torch.optim.lr_scheduler, scheduler.name)(optimizer, **scheduler.kwargs)
+        for scheduler in cfg.scheduler
+    ]
     if not schedulers:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     if len(schedulers) == 1:

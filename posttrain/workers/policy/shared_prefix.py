@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from posttrain.workers.policy.token_logprobs import compute_token_logprobs
 from posttrain.workers.policy.tree_attention import SharedPrefixLayout, build_layout, layout_replaces_mask
@@ -44,7 +45,7 @@ class SharedPrefixRows:
     position_ids: torch.Tensor  # [R, N]
     attention_mask: torch.Tensor  # [R, 1, N, N] bool tree mask (True = may attend), or [R, N] ones
     placements: list[Placement]
-    layout: SharedPrefixLayout  # the same visibility, for shared_prefix_attention
+    layout: SharedPrefixLayout  # the same visibility, for tree_attention.layout_attention
 
     @property
     def first_kept_position(self) -> int:
@@ -94,7 +95,7 @@ def tree_row_lengths(groups: list[list[int]], lengths: list[int], token_mask: to
 
 def tree_rows_cost(sizes: list[int], lengths: list[int], attention_ratio: float) -> float:
     """Relative cost (as rows_cost) of tree rows of `sizes` holding sequences of `lengths` under
-    shared_prefix_attention: the linear layers over the rows padded to the longest, attention over each
+    tree attention: the linear layers over the rows padded to the longest, attention over each
     sequence's prompt and continuation (length^2 pairs, as a plain row without padding)."""
     return len(sizes) * max(sizes) + attention_ratio * sum(length * length for length in lengths)
 
@@ -172,17 +173,10 @@ def build_shared_prefix_rows(
         pieces.append(torch.cat(ids))
         positions.append(torch.cat(pos))
         segments.append(torch.cat(seg))
-    width = max(len(piece) for piece in pieces)  # N
-    num_rows = len(pieces)  # R
-    row_ids = input_ids.new_zeros(num_rows, width)
-    row_positions = torch.zeros(num_rows, width, dtype=torch.long)
-    row_segments = torch.full((num_rows, width), -1, dtype=torch.long)  # -1: padding
-    for r, (piece, pos, seg) in enumerate(zip(pieces, positions, segments)):
-        row_ids[r, : len(piece)], row_positions[r, : len(piece)], row_segments[r, : len(piece)] = (
-            piece,
-            pos,
-            seg,
-        )
+    row_ids = pad_sequence(pieces, batch_first=True)  # [R, N]
+    row_positions = pad_sequence(positions, batch_first=True)  # [R, N]
+    row_segments = pad_sequence(segments, batch_first=True, padding_value=-1)  # [R, N], -1: padding
+    num_rows, width = row_ids.shape
     if dense_mask:
         mask = tree_mask(row_segments).unsqueeze(1)  # [R, 1, N, N]
     else:  # a 2D mask of ones: no padding to mask, so HF builds no mask (and detects no packed rows)
@@ -227,8 +221,8 @@ def shared_prefix_logprobs(
     inputs = {
         name: getattr(rows, name).to(device) for name in ("input_ids", "position_ids", "attention_mask")
     }
-    # shared_prefix_layout is read by shared_prefix_attention (tree_attention.py)
-    logits = model(**inputs, logits_to_keep=num_kept, shared_prefix_layout=rows.layout).logits  # [R, K, V]
+    # attention_layout is read by tree_attention.layout_attention
+    logits = model(**inputs, logits_to_keep=num_kept, attention_layout=rows.layout).logits  # [R, K, V]
     row_logprobs = compute_token_logprobs(logits, inputs["input_ids"][:, -num_kept:], temperature)  # [R, K]
     row_logprobs = torch.nn.functional.pad(row_logprobs, (width - num_kept, 0))  # [R, N]
     return unpack_shared_prefix_logprobs(row_logprobs, rows, input_ids.shape[0], input_ids.shape[1])

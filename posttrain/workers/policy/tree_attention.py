@@ -1,9 +1,7 @@
-"""Attention over shared-prefix rows that computes only what each token sees.
-
-A shared-prefix row (`shared_prefix.py`) holds a prompt and then several continuations; each continuation
-sees the prompt and its own earlier tokens. A dense tree mask over the whole row makes attention cost
-(prompt + all continuations)^2 per row, and attention kernels compute every masked block: four
-continuations of 512 tokens after a 70-token prompt are 2118^2 = 4.5M pairs where the tokens see 1.2M.
+"""Attention over shared-prefix rows (shared_prefix.py) that computes only what each token sees: a dense tree
+mask makes attention cost (prompt + all continuations)^2 per row, and attention kernels compute every masked
+block (four continuations of 512 tokens after a 70-token prompt: 2118^2 = 4.5M pairs where the tokens see
+1.2M).
 
 This attention runs, in every layer, one causal attention per continuation over the positions it sees:
 its row's prompt, then itself (gathered from the row by index, so the linear layers still compute each
@@ -14,10 +12,11 @@ Cost: the sum over continuations of (prompt + continuation)^2 / 2 pairs, what pl
 would compute. Gradients flow through the gathers (index_select's backward adds them back), so the
 backward computes only these pairs too.
 
-It is a Hugging Face attention function (`AttentionInterface`), registered as `ATTENTION_NAME`; a forward
-that passes `shared_prefix_layout=` uses it, and any other forward goes to HF's SDPA function unchanged.
-`use_tree_attention(model)` switches a model to it (models whose attention follows HF's functional
-interface; the others ignore the layout and apply the rows' dense tree mask)."""
+`layout_attention` is the Hugging Face attention function (`AttentionInterface`) of this attention and of
+context parallelism (context_parallel.py): a forward that passes `attention_layout=` (a SharedPrefixLayout or
+a ContextParallelLayout) attends by the layout's `attend`, any other forward goes to HF's SDPA function
+unchanged. `use_layout_attention(model, name)` switches a model to it (models whose attention follows HF's
+functional interface; the others ignore the layout and apply the rows' dense tree mask)."""
 
 from __future__ import annotations
 
@@ -36,6 +35,24 @@ class SharedPrefixLayout:
 
     sequences: list[torch.Tensor]  # per continuation: its row's prompt positions, then its own
     source_index: torch.Tensor  # [R * N] each position's output in cat(outputs of every sequence)
+
+    def attend(self, query, key, value, dropout: float, scaling: float | None) -> torch.Tensor:
+        """[R, H, N, d] queries, [R, H_kv, N, d] keys and values -> [R, N, H, d] (module docstring)."""
+        rows, heads, width, head_dim = query.shape
+        # Position-major [R * N, heads, d]: a gather then picks whole positions.
+        flat_query, flat_key, flat_value = (
+            states.transpose(1, 2).reshape(rows * width, -1, head_dim) for states in (query, key, value)
+        )
+        outputs = []
+        for positions in self.sequences:
+            index = positions.to(query.device)
+            picked = [
+                flat.index_select(0, index).transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
+                for flat in (flat_query, flat_key, flat_value)
+            ]
+            outputs.append(_attend(*picked, dropout, scaling)[0].transpose(0, 1))  # [n, heads, d]
+        gathered = torch.cat(outputs).index_select(0, self.source_index.to(query.device))  # [R * N, H, d]
+        return gathered.view(rows, width, heads, head_dim)
 
 
 def build_layout(
@@ -69,7 +86,7 @@ def _attend(
     )
 
 
-def shared_prefix_attention(
+def layout_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -77,65 +94,50 @@ def shared_prefix_attention(
     attention_mask: torch.Tensor | None,
     dropout: float = 0.0,
     scaling: float | None = None,
-    shared_prefix_layout: SharedPrefixLayout | None = None,
+    attention_layout: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """HF attention function: [R, H, N, d] queries, [R, H_kv, N, d] keys and values -> [R, N, H, d]
-    (module docstring). Without a layout, or in a layer with a sliding window or a soft-cap: HF's SDPA
-    attention with the mask it is given (for shared-prefix rows, their dense tree mask)."""
+    """HF attention function: `attention_layout.attend` (a SharedPrefixLayout's or a ContextParallelLayout's
+    [b, t, H, d] outputs); without a layout, or for shared-prefix rows in a layer with a sliding window or a
+    logit soft-cap (not modelled here), HF's SDPA attention with the mask it is given (for shared-prefix
+    rows, their dense tree mask)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    layout = shared_prefix_layout
-    # A sliding window or a logit soft-cap is not modelled here: such layers keep the dense tree mask.
-    if layout is None or kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+    if kwargs.get("sliding_window") is not None or kwargs.get("softcap") is not None:
+        if attention_layout is not None and not isinstance(attention_layout, SharedPrefixLayout):
+            raise ValueError("policy.context_parallel_size > 1: attention with a sliding window or soft-cap")
+        attention_layout = None
+    if attention_layout is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    rows, heads, width, head_dim = query.shape
-    # Position-major [R * N, heads, d]: a gather then picks whole positions.
-    flat_query, flat_key, flat_value = (
-        states.transpose(1, 2).reshape(rows * width, -1, head_dim) for states in (query, key, value)
-    )
-    outputs = []
-    for positions in layout.sequences:
-        index = positions.to(query.device)
-        picked = [
-            flat.index_select(0, index).transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-            for flat in (flat_query, flat_key, flat_value)
-        ]
-        outputs.append(_attend(*picked, dropout, scaling)[0].transpose(0, 1))  # [n, heads, d]
-    gathered = torch.cat(outputs).index_select(0, layout.source_index.to(query.device))  # [R * N, H, d]
-    return gathered.view(rows, width, heads, head_dim), None
+    return attention_layout.attend(query, key, value, dropout, scaling), None
 
 
-def register() -> None:
-    """Make `ATTENTION_NAME` known to transformers (attention and SDPA's mask function); idempotent."""
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import sdpa_mask
-
-    AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-
-
-def use_tree_attention(model: torch.nn.Module) -> bool:
-    """Switch a Hugging Face model that runs SDPA attention to `shared_prefix_attention` (the same
-    attention without a layout); False, unchanged, where the model cannot take it."""
+def use_layout_attention(model: torch.nn.Module, name: str = ATTENTION_NAME, with_mask: bool = True) -> bool:
+    """Switch a Hugging Face model that runs SDPA attention to `layout_attention`, registered as `name`
+    (`with_mask`: with SDPA's mask function, for forwards without a layout; without it transformers builds
+    no mask); False, unchanged, where the model cannot take it."""
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == ATTENTION_NAME:
+    if getattr(config, "_attn_implementation", None) == name:
         return True
     can_set = getattr(model, "_can_set_attn_implementation", None)
     if config is None or config._attn_implementation != "sdpa" or can_set is None or not can_set():
         return False
     try:
-        register()
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
     except ImportError:  # transformers before its attention-mask interface
         return False
-    model.set_attn_implementation(ATTENTION_NAME)
-    return config._attn_implementation == ATTENTION_NAME
+    AttentionInterface.register(name, layout_attention)
+    if with_mask:
+        AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
+    return config._attn_implementation == name
 
 
 def uses_tree_attention(model: torch.nn.Module) -> bool:
-    """Whether the model's attention is `shared_prefix_attention`."""
+    """Whether the model's attention is `layout_attention` for shared-prefix rows."""
     return getattr(getattr(model, "config", None), "_attn_implementation", None) == ATTENTION_NAME
 
 
