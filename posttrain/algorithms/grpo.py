@@ -236,17 +236,15 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         )
         envs = create_environments(cfg.env)
         checkpoints = CheckpointManager(cfg.checkpointing)
-        restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
-        step = int(restored.training_info["step"]) if restored is not None else 0
-        if restored is not None:
-            loader.load_state_dict(restored.loader_state)
+        restored = restore_run(checkpoints, policy, loader, extra_models)
+        step = int(restored["step"]) if restored is not None else 0
         refit = make_refit(cfg, policy, generation, stale=restored is not None)
         collector = RolloutCollector(
             cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens
         )
         rollouts = make_rollout_source(cfg, collector, refit, policy, generation, step)
         if restored is not None:
-            rollouts.restore(restored.training_info)
+            rollouts.restore(restored)
         generation.set_weights_source(rollouts.generation_weights)  # for a worker lost mid-generate
         logger = Logger(cfg.logger)
         logger.log_hyperparams(

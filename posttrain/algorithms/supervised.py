@@ -7,17 +7,18 @@ model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
 from posttrain.algorithms.run import (
-    RunConfig,
+    TrainingConfig,
     check_run_directories,
     checkpoint_if_due,
     log_step,
@@ -26,9 +27,9 @@ from posttrain.algorithms.run import (
     shutdown_on_error,
 )
 from posttrain.algorithms.teacher import check_same_tokenizer
-from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
+from posttrain.data import StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.evals.supervised_samples import log_supervised_samples
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
@@ -62,14 +63,7 @@ class LoopConfig:
         check_loop_lengths(self)
 
 
-class SupervisedConfig(RunConfig, Protocol):
-    """What the shared loop reads of an algorithm's config (besides its loop section)."""
-
-    data: DataConfig
-    cluster: ClusterConfig
-
-
-ConfigT = TypeVar("ConfigT", bound=SupervisedConfig)
+ConfigT = TypeVar("ConfigT", bound=TrainingConfig)
 
 
 @dataclass
@@ -100,27 +94,25 @@ class SupervisedRun(Generic[ConfigT]):
         self.cluster.shutdown()
 
 
-ValBatches = Callable[[ConfigT, Policy, PreTrainedTokenizerBase, list[dict]], list[BatchedDataDict]]
+ValBatches = Callable[[SupervisedRun, list[dict]], list[BatchedDataDict]]
 
 
 def setup_run(
     cfg: ConfigT,
     name: str,
-    loop_key: str,
     records_per_step: int,
     val_batches: ValBatches,
-    hyperparams: dict[str, Any],
     init_reference_model: bool = False,
     teacher: PolicyConfig | None = None,
 ) -> SupervisedRun[ConfigT]:
-    """Data, model, workers, logger and checkpoints for algorithm `name` (its loop section `loop_key`,
+    """Data, model, workers, logger and checkpoints for algorithm `name` (also its loop section's key;
     `records_per_step` training records per step, validation batches from `val_batches`); resumes from the
-    latest checkpoint if there is one. With `init_reference_model` the workers keep the initial weights as
-    a frozen reference; with `teacher`, a frozen teacher model shares each bundle with the policy (half of
-    it each) and must have the policy's tokenizer."""
+    latest checkpoint if there is one, and logs every section but the run plumbing as hyperparameters. With
+    `init_reference_model` the workers keep the initial weights as a frozen reference; with `teacher`, a
+    frozen teacher model shares each bundle with the policy (half of it each) and must have the policy's
+    tokenizer."""
     cfg = prepare_run(cfg, name)
-    loop = getattr(cfg, loop_key)
-    log_dir = Path(cfg.logger.log_dir)
+    loop = getattr(cfg, name)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
@@ -141,29 +133,29 @@ def setup_run(
         if teacher is not None:
             check_same_tokenizer(tokenizer, teacher, "distillation.teacher")
             teacher_policy = Policy(cluster, teacher, name_prefix="teacher")
-        val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
-        val_data = val_batches(cfg, policy, tokenizer, val_records)
         run = SupervisedRun(
             cfg,
             name,
             loop,
-            log_dir,
+            Path(cfg.logger.log_dir),
             tokenizer,
             policy,
             cluster,
             loader,
-            val_data,
+            [],
             Logger(cfg.logger),
             CheckpointManager(cfg.checkpointing),
             total_steps,
             data_stats=data_stats,
             teacher=teacher_policy,
         )
-        restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
-        if restored is not None:
-            run.step = int(restored.training_info["step"])
-            loader.load_state_dict(restored.loader_state)
-        run.logger.log_hyperparams(hyperparams)
+        val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
+        run.val_data = val_batches(run, val_records)
+        restored = restore_run(run.checkpoints, policy, loader)
+        run.step = int(restored["step"]) if restored is not None else 0
+        plumbing = ("cluster", "logger", "checkpointing")
+        sections = [item.name for item in dataclasses.fields(cfg) if item.name not in plumbing]
+        run.logger.log_hyperparams({key: getattr(cfg, key) for key in sections})
         run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
         return run
 
