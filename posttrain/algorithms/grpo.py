@@ -24,10 +24,8 @@ the sampled tokens, and each token's advantage is log pi_teacher - log pi_studen
 `grpo.rejection_sampling_min_reward` are kept, the others masked out, and the step is SFT's (`NLLLoss`) on
 the kept ones; the next step samples from the updated policy.
 
-Asynchronous GRPO (`grpo.async_grpo.enabled`): generation runs ahead on workers of its own, at most
-`max_trajectory_age_steps` optimizer steps behind (schedule: experience/async_rollouts.py; partial
-rollouts: experience/partial_rollouts.py); the loss corrects for the stale generator with pi_prev = the
-trainer's weights and truncated importance weights (`loss.use_importance_sampling_correction`).
+Asynchronous GRPO (`grpo.async_grpo.enabled`) takes each step's batch from generation running ahead
+(`grpo_async.py` explains it); the loss corrects for the stale generator (`loss.py`).
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
@@ -66,7 +64,7 @@ from posttrain.algorithms.run import (
     restore_run,
     shutdown_on_error,
 )
-from posttrain.algorithms.teacher import Teacher, check_same_tokenizer
+from posttrain.algorithms.teacher import Teacher, check_same_tokenizer, topk_targets
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -403,7 +401,7 @@ def add_advantages(
         return {"rejection_sampling/accepted_share": float(accepted.mean())}
     if run.teacher.cfg.top_k:  # supervised on the student's samples: the teacher's top-k as targets
         with timer.time("teacher_topk"):
-            train_data.update(run.teacher.topk_targets(train_data))
+            train_data.update(topk_targets(run.teacher.model, train_data, run.teacher.cfg.top_k))
         train_data["advantages"] = torch.zeros_like(token_mask)
         return {}
     with timer.time("teacher_logprobs"):
@@ -538,17 +536,6 @@ def train_to_end(run: GRPORun) -> dict[str, float]:
     return val
 
 
-def train_and_export(cfg: GRPOConfig) -> int:
-    """Set up, train to the last step and export, rebuilding the workers when some die
-    (`cluster.max_restarts`)."""
-    run, val = train_with_restarts(cfg, setup, train_to_end)
-    print(
-        f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run "
-        f"directory {run.log_dir}"
-    )
-    return 0
-
-
 # `posttrain ppo` and `posttrain distill` run this loop and insist on their estimator, so that their config
 # cannot silently run without its critic or teacher: command -> (estimator, what the command does).
 COMMAND_ESTIMATORS = {
@@ -567,4 +554,9 @@ def main(args: Any) -> int:
             f"posttrain {args.command} {does} {estimator!r}, got {cfg.grpo.advantage_estimator!r} "
             "(or run posttrain grpo)",
         )
-    return train_and_export(cfg)
+    run, val = train_with_restarts(cfg, setup, train_to_end)  # rebuilds the workers when some die
+    print(
+        f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run "
+        f"directory {run.log_dir}"
+    )
+    return 0

@@ -251,10 +251,9 @@ class GRPOConfig(TrainingConfig):
             raise ConfigError.at(
                 "loss.use_importance_sampling_correction",
                 f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) "
-                "old: "
-                "set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the loss "
-                "weights "
-                "them by pi_prev / pi_generation, or set grpo.async_grpo.max_trajectory_age_steps=0",
+                "old: set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the "
+                "loss weights them by pi_prev / pi_generation, or set "
+                "grpo.async_grpo.max_trajectory_age_steps=0",
             )
 
     def missing_files(self) -> list[ConfigError]:

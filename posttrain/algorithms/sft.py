@@ -28,12 +28,13 @@ from posttrain.algorithms.loss import KDLoss, KDLossConfig, NLLLoss
 from posttrain.algorithms.recovery import train_with_restarts
 from posttrain.algorithms.run import TrainingConfig
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
+from posttrain.algorithms.teacher import topk_targets
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.timer import Timer
-from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy import PolicyConfig
 from posttrain.workers.policy.config import policy_with_lr
 
 # A full fine-tune of a pretrained model: TRL's SFTConfig default. The tiny recipes (configs/*_tiny.yaml,
@@ -107,13 +108,6 @@ def loss_function(cfg: SFTConfig) -> NLLLoss | KDLoss:
     return KDLoss(cfg.distillation.loss) if cfg.distillation.enabled else NLLLoss()
 
 
-def add_teacher_targets(teacher: Policy, batch: BatchedDataDict, k: int) -> BatchedDataDict:
-    """`teacher_topk_logprobs` and `teacher_topk_ids` [B, T, k] from the frozen teacher, added to `batch`."""
-    targets = teacher.get_topk_logprobs(batch, k)
-    batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = targets["topk_logprobs"], targets["topk_ids"]
-    return batch
-
-
 def validate(run: SFTRun) -> dict[str, float]:
     """Token-weighted means over the validation batches: the loss (NLL, or with distillation the KD loss),
     and with distillation its `kd_loss` (the KL to the teacher) and `nll_loss`."""
@@ -141,7 +135,7 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
         )
     if run.teacher is not None:
         with timer.time("teacher_topk"):
-            add_teacher_targets(run.teacher, batch, run.cfg.distillation.top_k)
+            batch.update(topk_targets(run.teacher, batch, run.cfg.distillation.top_k))
     with timer.time("train"):
         metrics = mean_over_steps(run.policy.train(batch, loss_function(run.cfg)))
     num_tokens = float(batch["input_lengths"].sum())
@@ -158,7 +152,7 @@ def setup(cfg: SFTConfig) -> SFTRun:
     run = supervised.setup_run(cfg, "sft", batch_size, val_batches, teacher=teacher)
     if run.teacher is not None:  # the validation targets, once
         for batch in run.val_data:
-            add_teacher_targets(run.teacher, batch, cfg.distillation.top_k)
+            batch.update(topk_targets(run.teacher, batch, cfg.distillation.top_k))
     return run
 
 

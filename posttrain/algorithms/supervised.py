@@ -1,9 +1,8 @@
 """The supervised loop, which SFT, DPO and reward-model training share: they differ only in how a batch
-trains and how validation scores, which each algorithm's module passes in as plain functions. This
-module sets such a run up (run directory, model, data, workers, logger, resume) and runs it, as an
-explicit loop like GRPO's, calling the same end-of-step helpers (`run.log_step`, `run.checkpoint_if_due`):
-train, log, validate every `val_period` steps and at the end, checkpoint when due, export the final
-model."""
+trains and how validation scores, which `sft` and `pairs` pass in as plain functions. This module sets
+such a run up (run directory, model, data, workers, logger, resume) and runs it, as an explicit loop like
+GRPO's, calling the same end-of-step helpers (`run.log_step`, `run.checkpoint_if_due`): train, log,
+validate every `val_period` steps and at the end, checkpoint when due, export the final model."""
 
 from __future__ import annotations
 
@@ -165,33 +164,6 @@ ValidateFn = Callable[[SupervisedRun], dict[str, float]]
 ShownFn = Callable[[dict[str, float], dict[str, float] | None], dict[str, float]]
 
 
-def end_of_step(
-    run: SupervisedRun,
-    metrics: dict[str, float],
-    timer: Timer,
-    last_step: int,
-    validate: ValidateFn,
-    pairs: bool,
-) -> dict[str, float] | None:
-    """Log the step's metrics and stage timings, validate (`validate(run)`) every `val_period` steps and at
-    `last_step` and log samples (chosen and rejected with `pairs`), checkpoint when due (always at the
-    run's final step). Returns the validation metrics when it validated."""
-    log_step(run.logger, run.policy, metrics, timer, run.step)
-    val_metrics = None
-    if run.step % run.loop.val_period == 0 or run.step == last_step:
-        val_metrics = validate(run)
-        run.logger.log_metrics(val_metrics, run.step, prefix="val")
-        log_supervised_samples(run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=pairs)
-    info = {"step": run.step, "epoch": run.train_loader.epoch}
-    if val_metrics is not None:
-        info["val_loss"] = val_metrics["loss"]  # the default ranking metric
-    force = run.step == last_step == run.total_steps
-    checkpoint_if_due(
-        run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg, force
-    )
-    return val_metrics
-
-
 def train(
     run: SupervisedRun,
     train_step: StepFn,
@@ -200,8 +172,10 @@ def train(
     pairs: bool = False,
     num_steps: int | None = None,
 ) -> dict[str, float]:
-    """Train until `run.total_steps` (or `num_steps` more steps), one `train_step` per optimizer step;
-    `shown` picks the progress line's numbers. Exports `<log_dir>/hf_model` at the run's end (unless
+    """Train until `run.total_steps` (or `num_steps` more steps), one `train_step` per optimizer step, then
+    log its metrics and stage timings, validate (`validate(run)`) every `val_period` steps and at the last
+    step and log samples (chosen and rejected with `pairs`), checkpoint when due (always at the run's final
+    step); `shown` picks the progress line's numbers. Exports `<log_dir>/hf_model` at the run's end (unless
     `export_final_model` is off). Returns the last validation metrics."""
     last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
     val_metrics: dict[str, float] = {}
@@ -212,8 +186,19 @@ def train(
             metrics = train_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
-            step_val = end_of_step(run, metrics, timer, last_step, validate, pairs)
-            val_metrics = step_val or val_metrics
+            log_step(run.logger, run.policy, metrics, timer, run.step)
+            info: dict[str, float] = {"step": run.step, "epoch": run.train_loader.epoch}
+            step_val = None
+            if run.step % run.loop.val_period == 0 or run.step == last_step:
+                step_val = val_metrics = validate(run)
+                run.logger.log_metrics(val_metrics, run.step, prefix="val")
+                log_supervised_samples(
+                    run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=pairs
+                )
+                info["val_loss"] = val_metrics["loss"]  # the default ranking metric
+            force = run.step == last_step == run.total_steps
+            loader_state = run.train_loader.state_dict()
+            checkpoint_if_due(run.checkpoints, run.policy, run.step, info, loader_state, run.cfg, force)
             progress.advance(run.step, shown(metrics, step_val))
     if run.step == run.total_steps and run.loop.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
