@@ -14,15 +14,11 @@ clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are opt
 Every step also logs its learning-health signals and warns when learning stalls, the entropy collapses,
 the replies run away or the reward falls (`health.py`, `grpo.health`).
 
-Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_grpo` (R - group mean, no
-std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
-(REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
-formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives per-token GAE
-advantages and trains beside the policy. `on_policy_distillation`: a frozen teacher (`teacher.py`) scores
-the sampled tokens, and each token's advantage is log pi_teacher - log pi_student. `rejection_sampling`
-(rejection-sampling fine-tuning, expert iteration): the replies whose reward reaches
-`grpo.rejection_sampling_min_reward` are kept, the others masked out, and the step is SFT's (`NLLLoss`) on
-the kept ones; the next step samples from the updated policy.
+Other advantage estimators run on the same loop (`grpo.advantage_estimator`, each described in
+`grpo_config.GRPOLoopConfig`, the formulas in `advantages.py`): `dr_grpo`, `reinforce_pp`,
+`reinforce_pp_baseline`, `gae` (PPO: `critic.py`), `on_policy_distillation` (`teacher.py`) and
+`rejection_sampling` (expert iteration: SFT's `NLLLoss` on the replies whose reward reaches
+`grpo.rejection_sampling_min_reward`, the others masked out; the next step samples from the updated policy).
 
 Asynchronous GRPO (`grpo.async_grpo.enabled`) takes each step's batch from generation running ahead
 (`grpo_async.py` explains it); the loss corrects for the stale generator (`loss.py`).
@@ -113,9 +109,9 @@ class GRPORun:
     teacher: Teacher | None = None  # on-policy distillation's teacher
     health_monitor: health.HealthMonitor | None = None  # learning-health warnings (grpo.health)
 
-    def extra_models(self) -> dict[str, Policy]:
-        """Models checkpointed beside the policy."""
-        return {"critic": self.critic.model} if self.critic is not None else {}
+    def models(self) -> dict[str, Policy]:
+        """The models a checkpoint holds, by directory name: the policy and PPO's critic."""
+        return {"policy": self.policy, **({"critic": self.critic.model} if self.critic is not None else {})}
 
     def shutdown(self) -> None:
         if self.critic is not None:
@@ -224,7 +220,6 @@ def setup(cfg: GRPOConfig) -> GRPORun:
             bundle_share=share,
         )
         critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
-        extra_models = {"critic": critic.model} if critic is not None else None
         teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
         generation = make_generation(
             cluster if cfg.generation.colocated else None,
@@ -234,7 +229,8 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         )
         envs = create_environments(cfg.env)
         checkpoints = CheckpointManager(cfg.checkpointing)
-        restored = restore_run(checkpoints, policy, loader, extra_models)
+        models = {"policy": policy, **({"critic": critic.model} if critic is not None else {})}
+        restored = restore_run(checkpoints, models, loader)
         step = int(restored["step"]) if restored is not None else 0
         refit = make_refit(cfg, policy, generation, stale=restored is not None)
         collector = RolloutCollector(
@@ -368,16 +364,8 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
     """The run's state when due: the step, the last validation metrics (`val_accuracy` ranks checkpoints)
     and the rollout source's counters."""
     info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
-    checkpoint_if_due(
-        run.checkpoints,
-        run.policy,
-        run.step,
-        info,
-        run.rollouts.loader_state(),
-        run.cfg,
-        force,
-        run.extra_models(),
-    )
+    loader_state = run.rollouts.loader_state()
+    checkpoint_if_due(run.checkpoints, run.models(), run.step, info, loader_state, run.cfg, force)
 
 
 def add_advantages(

@@ -21,10 +21,9 @@ from posttrain.algorithms.supervised import SupervisedRun
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import DataConfig, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
-from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy import Policy
 from posttrain.workers.policy.base import LossFn
 from posttrain.workers.policy.config import model_parallel_size
 
@@ -42,12 +41,34 @@ class PairConfig(TrainingConfig):
     """preference pairs (prompt, chosen, rejected)"""
 
     def validate(self) -> None:
+        """The policy's model kind, and whole pairs in every rank's share of a global batch and in every
+        micro-batch."""
         if self.policy.model_kind != self.model_kind:
             raise ConfigError(
                 "policy.model_kind",
                 f"posttrain {self.command} trains a {self.model_kind!r}, got {self.policy.model_kind!r}",
             )
-        check_pair_batching(self.policy, self.cluster)
+        check_parallelism(self.policy, self.cluster)
+        for key in ("dynamic_batching", "sequence_packing"):
+            if getattr(self.policy, key).enabled:
+                raise ConfigError(
+                    f"policy.{key}.enabled",
+                    "reorders rows and would split chosen/rejected pairs; turn it off",
+                )
+        num_workers = self.cluster.num_nodes * self.cluster.workers_per_node
+        num_ranks = max(1, num_workers // model_parallel_size(self.policy))
+        if self.policy.train_global_batch_size % (2 * num_ranks):
+            raise ConfigError(
+                "policy.train_global_batch_size",
+                f"must be a multiple of 2 x {num_ranks} data-parallel ranks (rows are chosen/rejected pairs "
+                f"and each rank gets whole pairs), got {self.policy.train_global_batch_size}",
+            )
+        if self.policy.train_micro_batch_size % 2:
+            raise ConfigError(
+                "policy.train_micro_batch_size",
+                "must be even (a micro-batch holds whole chosen/rejected pairs), got "
+                f"{self.policy.train_micro_batch_size}",
+            )
 
     def pair_loss(self) -> LossFn:
         """The loss of a global batch of pairs (chosen and rejected rows adjacent)."""
@@ -59,30 +80,6 @@ class PairConfig(TrainingConfig):
 
 
 PairRun = SupervisedRun[PairConfig]  # val_data: interleaved pairs (with their reference logprobs)
-
-
-def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:
-    """ConfigError unless every rank's share of a global batch and every micro-batch hold whole pairs."""
-    check_parallelism(policy_cfg, cluster_cfg)
-    for key in ("dynamic_batching", "sequence_packing"):
-        if getattr(policy_cfg, key).enabled:
-            raise ConfigError(
-                f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off"
-            )
-    num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
-    num_ranks = max(1, num_workers // model_parallel_size(policy_cfg))
-    if policy_cfg.train_global_batch_size % (2 * num_ranks):
-        raise ConfigError(
-            "policy.train_global_batch_size",
-            f"must be a multiple of 2 x {num_ranks} data-parallel ranks (rows are chosen/rejected pairs and "
-            f"each rank gets whole pairs), got {policy_cfg.train_global_batch_size}",
-        )
-    if policy_cfg.train_micro_batch_size % 2:
-        raise ConfigError(
-            "policy.train_micro_batch_size",
-            "must be even (a micro-batch holds whole chosen/rejected pairs), got "
-            f"{policy_cfg.train_micro_batch_size}",
-        )
 
 
 def pairs_to_train_data(records: list[dict], pad_token_id: int, num_masked_pairs: int = 0) -> BatchedDataDict:
@@ -103,19 +100,6 @@ def pairs_to_train_data(records: list[dict], pad_token_id: int, num_masked_pairs
     return data
 
 
-def pair_batches(
-    records: list[dict], pairs_per_batch: int, num_ranks: int, pad_token_id: int
-) -> list[BatchedDataDict]:
-    """Evaluation batches of `pairs_per_batch` pairs, each padded with masked copies of its last pair to a
-    multiple of `num_ranks` pairs, so that every data-parallel rank gets whole pairs."""
-    batches = []
-    for start in range(0, len(records), pairs_per_batch):
-        chunk = records[start : start + pairs_per_batch]
-        num_padding = -len(chunk) % num_ranks
-        batches.append(pairs_to_train_data(chunk + [chunk[-1]] * num_padding, pad_token_id, num_padding))
-    return batches
-
-
 def with_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
     """`reference_policy_logprobs [B, T]` from the frozen initial policy, added to `data`."""
     reference = policy.get_reference_policy_logprobs(data)
@@ -124,14 +108,19 @@ def with_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDat
 
 
 def val_batches(run: PairRun, records: list[dict]) -> list[BatchedDataDict]:
-    """`pair_batches` of the validation records, with the reference's logprobs when the loss needs them."""
-    size, pad_id = run.loop.val_global_batch_size, run.tokenizer.pad_token_id
-    batches = pair_batches(records, size, run.policy.dp_size, pad_id)
-    return (
-        [with_reference_logprobs(run.policy, batch) for batch in batches]
-        if run.cfg.uses_reference()
-        else batches
-    )
+    """Validation batches of `val_global_batch_size` pairs, each padded with masked copies of its last pair
+    to a multiple of the data-parallel ranks (so that every rank gets whole pairs), with the reference's
+    logprobs when the loss needs them."""
+    size, num_ranks = run.loop.val_global_batch_size, run.policy.dp_size
+    batches = []
+    for start in range(0, len(records), size):
+        chunk = records[start : start + size]
+        num_padding = -len(chunk) % num_ranks
+        batch = pairs_to_train_data(
+            chunk + [chunk[-1]] * num_padding, run.tokenizer.pad_token_id, num_padding
+        )
+        batches.append(with_reference_logprobs(run.policy, batch) if run.cfg.uses_reference() else batch)
+    return batches
 
 
 def setup(cfg: PairConfig) -> PairRun:

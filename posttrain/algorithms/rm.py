@@ -6,10 +6,10 @@ Algorithm as implemented: the model is the policy backbone with a scalar head
 the same FSDP2 workers as the policy. Each step takes `policy.train_global_batch_size / 2` preference
 pairs, scores the chosen and the rejected conversation, and takes one optimizer step on
 -log sigmoid(r_c - r_r) averaged over the pairs of the global batch (Bradley and Terry 1952; as in
-InstructGPT, arXiv:2203.02155, without its K-way comparisons). Chosen and rejected rows are adjacent and
-always share a micro-batch. Validation every `rm.val_period` steps: loss, accuracy (fraction of held-out
-pairs with r_c > r_r) and mean scores. Checkpoints, exact resume and logging as in SFT; the final model is
-exported to `<log_dir>/hf_model`, which the `reward_model` environment loads to score GRPO rollouts.
+InstructGPT, arXiv:2203.02155, without its K-way comparisons; pairs travel as rows: `pairs.py`).
+Validation every `rm.val_period` steps: loss, accuracy (fraction of held-out pairs with r_c > r_r) and mean
+scores. Checkpoints, exact resume and logging as in SFT; the final model is exported to
+`<log_dir>/hf_model`, which the `reward_model` environment loads to score GRPO rollouts.
 
 Run: posttrain sft --config configs/sft_tiny.yaml, then posttrain rm --config configs/rm_tiny.yaml"""
 

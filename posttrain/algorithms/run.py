@@ -119,14 +119,12 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
 
 
 def restore_run(
-    manager: CheckpointManager,
-    policy: Policy,
-    loader: StatefulDataLoader | None = None,
-    extra_models: dict[str, Policy] | None = None,
+    manager: CheckpointManager, models: dict[str, Policy], loader: StatefulDataLoader | None = None
 ) -> dict[str, Any] | None:
     """With checkpointing on: remove partial checkpoints, then load the explicit `resume_from` or the newest
-    checkpoint that matches its sha256 manifest (damaged newer ones are skipped with a warning) into the
-    policy, each extra model and the loader. Returns its training info (None when nothing was restored)."""
+    checkpoint that matches its sha256 manifest (damaged newer ones are skipped with a warning) into each
+    of `models` (the policy, and a PPO critic, by directory name) and the loader. Returns its training info
+    (None when nothing was restored)."""
     if not manager.enabled:
         return None
     manager.clean_partial_checkpoints()
@@ -134,7 +132,7 @@ def restore_run(
     if path is None:
         return None
     path = Path(path)
-    for name, model in {"policy": policy, **(extra_models or {})}.items():
+    for name, model in models.items():
         model.load_checkpoint(str(path / name))
     if loader is not None:
         loader.load_state_dict(json.loads((path / "dataloader.json").read_text()))
@@ -155,23 +153,22 @@ def log_step(logger: Logger, policy: Policy, metrics: dict[str, float], timer: T
 
 def checkpoint_if_due(
     manager: CheckpointManager,
-    policy: Policy,
+    models: dict[str, Policy],
     step: int,
     training_info: dict[str, Any],
     loader_state: dict[str, Any],
     run_config: Any,
     force: bool = False,
-    extra_models: dict[str, Policy] | None = None,
 ) -> None:
     """Save the run's state at `step` every `checkpointing.save_period` steps, or when forced (a run's
-    last step); nothing when checkpointing is off. Into tmp_step_N: training info + config, policy (DCP,
-    RNG of every rank), each extra model (a PPO critic) in a directory of its name, loader; then finalize
-    (which writes the sha256 manifest before the rename to step_N)."""
+    last step); nothing when checkpointing is off. Into tmp_step_N: training info + config, each of `models`
+    (the policy: DCP and the RNG of every rank; a PPO critic) in a directory of its name, loader; then
+    finalize (which writes the sha256 manifest before the rename to step_N)."""
     cfg = run_config.checkpointing
     if not (cfg.enabled and (force or step % cfg.save_period == 0)):
         return
     path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
-    for name, model in {"policy": policy, **(extra_models or {})}.items():
+    for name, model in models.items():
         model.save_checkpoint(str(path / name), save_optimizer=manager.save_optimizer)
     (path / "dataloader.json").write_text(json.dumps(loader_state))
     manager.finalize_checkpoint(path)

@@ -150,7 +150,7 @@ def setup_run(
         )
         val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
         run.val_data = val_batches(run, val_records)
-        restored = restore_run(run.checkpoints, policy, loader)
+        restored = restore_run(run.checkpoints, {"policy": policy}, loader)
         run.step = int(restored["step"]) if restored is not None else 0
         plumbing = ("cluster", "logger", "checkpointing")
         sections = [item.name for item in dataclasses.fields(cfg) if item.name not in plumbing]
@@ -198,7 +198,8 @@ def train(
                 info["val_loss"] = val_metrics["loss"]  # the default ranking metric
             force = run.step == last_step == run.total_steps
             loader_state = run.train_loader.state_dict()
-            checkpoint_if_due(run.checkpoints, run.policy, run.step, info, loader_state, run.cfg, force)
+            models = {"policy": run.policy}
+            checkpoint_if_due(run.checkpoints, models, run.step, info, loader_state, run.cfg, force)
             progress.advance(run.step, shown(metrics, step_val))
     if run.step == run.total_steps and run.loop.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))
