@@ -82,15 +82,14 @@ class DemoConfig:
     """async GRPO: most steps a trajectory is old"""
 
 
-def tiny_model() -> ModelFromConfig:
-    return ModelFromConfig(
-        architecture="llama",
-        hidden_size=128,
-        num_layers=4,
-        num_attention_heads=4,
-        intermediate_size=512,
-        max_position_embeddings=64,
-    )
+TINY_MODEL = ModelFromConfig(
+    architecture="llama",
+    hidden_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    intermediate_size=512,
+    max_position_embeddings=64,
+)
 
 
 def data_config(cfg: DemoConfig, fmt: str, num_train: int = 8000) -> DataConfig:
@@ -271,7 +270,7 @@ def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
-        model_dir = build_model_dir(tiny_model(), out / "initial_model")
+        model_dir = build_model_dir(TINY_MODEL, out / "initial_model")
         t1 = time.perf_counter()
         summary.update(run_sft_stage(cfg, out, model_dir))
         t2 = time.perf_counter()

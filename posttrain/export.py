@@ -10,18 +10,13 @@ from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
 from posttrain.utils.native_checkpoint import export_checkpoint_to_hf, is_sequence_classifier
 
 
-def policy_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
-    """Accept a run's `step_N/` (holding `policy/`) or the `policy/` directory itself."""
-    path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    return path / "policy" if (path / "policy").is_dir() else path
-
-
 def main(args: Any) -> int:
     from transformers import AutoConfig
 
-    policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
+    path = Path(args.checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    policy_dir = path / "policy" if (path / "policy").is_dir() else path  # a run's step_N/, or its policy/
     merge = bool(args.merge)
     lora = is_lora_checkpoint(policy_dir)
     if merge and not lora:

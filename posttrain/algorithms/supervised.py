@@ -9,15 +9,15 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Generic
 
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
 from posttrain.algorithms.run import (
-    TrainingConfig,
+    ConfigT,
     check_run_directories,
     checkpoint_if_due,
     log_step,
@@ -62,9 +62,6 @@ class LoopConfig:
         check_loop_lengths(self)
 
 
-ConfigT = TypeVar("ConfigT", bound=TrainingConfig)
-
-
 @dataclass
 class SupervisedRun(Generic[ConfigT]):
     """Everything one SFT, DPO or RM run holds; the algorithm's `*_train` advances it."""
@@ -82,7 +79,6 @@ class SupervisedRun(Generic[ConfigT]):
     checkpoints: CheckpointManager
     total_steps: int
     step: int = 0
-    data_stats: dict[str, Any] = field(default_factory=dict)
     teacher: Policy | None = None  # a frozen distillation teacher (SFT with distillation.enabled)
 
     def shutdown(self) -> None:
@@ -145,7 +141,6 @@ def setup_run(
             Logger(cfg.logger),
             CheckpointManager(cfg.checkpointing),
             total_steps,
-            data_stats=data_stats,
             teacher=teacher_policy,
         )
         val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
