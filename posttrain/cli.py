@@ -31,22 +31,13 @@ COMMANDS = {
 CONFIG_COMMANDS = ("sft", "grpo", "ppo", "distill", "dpo", "rm", "eval")
 
 
-def _user_errors() -> tuple[type[Exception], ...]:
+def user_errors() -> tuple[type[Exception], ...]:
     """Exceptions that mean bad input (config, data, files), reported as one line each."""
     from posttrain.config import ConfigError
+    from posttrain.data import DataError
     from posttrain.distributed.virtual_cluster import ClusterConnectionError
 
-    errors: list[type[Exception]] = [ConfigError, FileNotFoundError, ClusterConnectionError]
-    try:
-        from posttrain.data import DataError
-
-        errors.append(DataError)
-    except ImportError:
-        pass
-    return tuple(errors)
-
-
-USER_ERRORS = _user_errors()
+    return (ConfigError, DataError, FileNotFoundError, ClusterConnectionError)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[args.command][0])
     try:
         return int(module.main(args) or 0)
-    except USER_ERRORS as error:  # bad input: say what and where, without a traceback
+    except user_errors() as error:  # bad input (evaluated only on an error): say what and where, no traceback
         print(f"posttrain {args.command}: error: {error}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # output piped into a reader that stopped early (`--help-config | head`)

@@ -31,9 +31,9 @@ from posttrain.algorithms import grpo, sft
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig
 from posttrain.algorithms.loss import ClippedPGLossConfig
 from posttrain.algorithms.supervised import LoopConfig
-from posttrain.config import validate_config
-from posttrain.data import DataConfig
-from posttrain.distributed.virtual_cluster import ClusterConfig, join_ray, start_local_ray
+from posttrain.config import COMMAND_LINE, parse_overrides, validate_config
+from posttrain.data import DataConfig, load_datasets
+from posttrain.distributed.virtual_cluster import join_ray, start_local_ray
 from posttrain.environments import EnvironmentConfig, create_environments
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -82,15 +82,14 @@ class DemoConfig:
     """async GRPO: most steps a trajectory is old"""
 
 
-def tiny_model() -> ModelFromConfig:
-    return ModelFromConfig(
-        architecture="llama",
-        hidden_size=128,
-        num_layers=4,
-        num_attention_heads=4,
-        intermediate_size=512,
-        max_position_embeddings=64,
-    )
+TINY_MODEL = ModelFromConfig(
+    architecture="llama",
+    hidden_size=128,
+    num_layers=4,
+    num_attention_heads=4,
+    intermediate_size=512,
+    max_position_embeddings=64,
+)
 
 
 def data_config(cfg: DemoConfig, fmt: str, num_train: int = 8000) -> DataConfig:
@@ -129,7 +128,6 @@ def sft_config(cfg: DemoConfig, out: Path, model_dir: Path, control: bool = Fals
         ),
         policy=policy,
         data=data_config(cfg, "prompt_response", cfg.sft_num_train),
-        cluster=ClusterConfig(),
         logger=LoggerConfig(log_dir=str(out)),
         checkpointing=CheckpointingConfig(save_period=10**9, keep_top_k=1),
     )
@@ -167,7 +165,6 @@ def grpo_config(cfg: DemoConfig, out: Path, model_dir: Path) -> grpo.GRPOConfig:
         generation=GenerationConfig(max_new_tokens=8, seed=cfg.seed, colocated=not cfg.grpo_async),
         data=data_config(cfg, "rl"),
         env={"arithmetic": EnvironmentConfig(cls="exact_match")},
-        cluster=ClusterConfig(),
         logger=LoggerConfig(log_dir=str(out / "grpo"), num_val_samples_to_print=4),
         checkpointing=CheckpointingConfig(save_period=50, keep_top_k=2),
     )
@@ -177,8 +174,6 @@ class AccuracyProbe:
     """Greedy validation accuracy of a policy's current weights (a colocated HF generation worker)."""
 
     def __init__(self, run: sft.SFTRun, cfg: DemoConfig):
-        from posttrain.data import load_datasets
-
         _, self.val_records, _ = load_datasets(data_config(cfg, "rl"), run.tokenizer)
         self.generation = make_generation(
             run.cluster, GenerationConfig(max_new_tokens=8), run.cfg.policy.model_name
@@ -275,7 +270,7 @@ def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
-        model_dir = build_model_dir(tiny_model(), out / "initial_model")
+        model_dir = build_model_dir(TINY_MODEL, out / "initial_model")
         t1 = time.perf_counter()
         summary.update(run_sft_stage(cfg, out, model_dir))
         t2 = time.perf_counter()
@@ -294,14 +289,8 @@ def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
 
 
 def main(args: Any) -> int:
-    overrides = dict(item.split("=", 1) for item in args.overrides)
-    import yaml
-
-    cfg = validate_config(
-        DemoConfig,
-        {k: yaml.safe_load(v) for k, v in overrides.items()},
-        {k: "command line" for k in overrides},
-    )
+    overrides = {override.key: override.value for override in parse_overrides(args.overrides)}
+    cfg = validate_config(DemoConfig, overrides, dict.fromkeys(overrides, COMMAND_LINE))
     out = Path(args.out or f"results/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     summary = run_demo(cfg, out)
     print(

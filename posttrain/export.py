@@ -10,20 +10,21 @@ from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
 from posttrain.utils.native_checkpoint import export_checkpoint_to_hf, is_sequence_classifier
 
 
-def policy_checkpoint_dir(checkpoint_dir: str | Path) -> Path:
-    """Accept a run's `step_N/` (holding `policy/`) or the `policy/` directory itself."""
-    path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
-    return path / "policy" if (path / "policy").is_dir() else path
-
-
 def main(args: Any) -> int:
     from transformers import AutoConfig
 
-    policy_dir = policy_checkpoint_dir(args.checkpoint_dir)
+    path = Path(args.checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    policy_dir = path / "policy" if (path / "policy").is_dir() else path  # a run's step_N/, or its policy/
     merge = bool(args.merge)
-    if is_lora_checkpoint(policy_dir):  # either backend
+    lora = is_lora_checkpoint(policy_dir)
+    if merge and not lora:
+        raise FileNotFoundError(
+            f"--merge: {policy_dir} is not a LoRA checkpoint (no lora/adapter_config.json); "
+            "its weights are already full, export it without --merge"
+        )
+    if lora:  # either backend
         out_dir = export_lora_checkpoint(policy_dir, args.out_dir, merge=merge)
         if not merge:
             print(
@@ -34,16 +35,7 @@ def main(args: Any) -> int:
     elif (policy_dir / "megatron").is_dir():  # saved by policy.backend=megatron
         from posttrain.workers.policy.megatron_export import export_megatron_checkpoint
 
-        if merge:
-            raise FileNotFoundError(
-                f"--merge: {policy_dir} is a Megatron checkpoint, not a LoRA one; export it without --merge"
-            )
         out_dir = export_megatron_checkpoint(policy_dir, args.out_dir)
-    elif merge:
-        raise FileNotFoundError(
-            f"--merge: {policy_dir} is not a LoRA checkpoint (no lora/adapter_config.json); "
-            "its weights are already full, export it without --merge"
-        )
     else:
         out_dir = export_checkpoint_to_hf(policy_dir, args.out_dir)
     config = AutoConfig.from_pretrained(out_dir)

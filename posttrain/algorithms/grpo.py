@@ -14,20 +14,14 @@ clip-higher, overlong shaping/filtering and GSPO's sequence-level ratios are opt
 Every step also logs its learning-health signals and warns when learning stalls, the entropy collapses,
 the replies run away or the reward falls (`health.py`, `grpo.health`).
 
-Other advantage estimators on the same loop (`grpo.advantage_estimator`): `dr_grpo` (R - group mean, no
-std division, with the loss's constant length normaliser), `reinforce_pp` and `reinforce_pp_baseline`
-(REINFORCE++: rewards, or rewards minus the group mean, whitened over the batch's trained tokens); the
-formulas are in `advantages.py`. `gae` is PPO: a value model (`critic.py`) gives per-token GAE
-advantages and trains beside the policy. `on_policy_distillation`: a frozen teacher (`teacher.py`) scores
-the sampled tokens, and each token's advantage is log pi_teacher - log pi_student. `rejection_sampling`
-(rejection-sampling fine-tuning, expert iteration): the replies whose reward reaches
-`grpo.rejection_sampling_min_reward` are kept, the others masked out, and the step is SFT's (`NLLLoss`) on
-the kept ones; the next step samples from the updated policy.
+Other advantage estimators run on the same loop (`grpo.advantage_estimator`, each described in
+`grpo_config.GRPOLoopConfig`, the formulas in `advantages.py`): `dr_grpo`, `reinforce_pp`,
+`reinforce_pp_baseline`, `gae` (PPO: `critic.py`), `on_policy_distillation` (`teacher.py`) and
+`rejection_sampling` (expert iteration: SFT's `NLLLoss` on the replies whose reward reaches
+`grpo.rejection_sampling_min_reward`, the others masked out; the next step samples from the updated policy).
 
-Asynchronous GRPO (`grpo.async_grpo.enabled`): generation runs ahead on workers of its own, at most
-`max_trajectory_age_steps` optimizer steps behind (schedule: experience/async_rollouts.py; partial
-rollouts: experience/partial_rollouts.py); the loss corrects for the stale generator with pi_prev = the
-trainer's weights and truncated importance weights (`loss.use_importance_sampling_correction`).
+Asynchronous GRPO (`grpo.async_grpo.enabled`) takes each step's batch from generation running ahead
+(`grpo_async.py` explains it); the loss corrects for the stale generator (`loss.py`).
 
 Run: posttrain grpo --config configs/grpo_tiny.yaml
      posttrain grpo --config configs/grpo_dr_tiny.yaml          (Dr. GRPO)
@@ -66,7 +60,7 @@ from posttrain.algorithms.run import (
     restore_run,
     shutdown_on_error,
 )
-from posttrain.algorithms.teacher import Teacher, check_same_tokenizer
+from posttrain.algorithms.teacher import Teacher, check_same_tokenizer, topk_targets
 from posttrain.config import ConfigError, load_run_config
 from posttrain.data import StatefulDataLoader, load_datasets, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
@@ -115,9 +109,9 @@ class GRPORun:
     teacher: Teacher | None = None  # on-policy distillation's teacher
     health_monitor: health.HealthMonitor | None = None  # learning-health warnings (grpo.health)
 
-    def extra_models(self) -> dict[str, Policy]:
-        """Models checkpointed beside the policy."""
-        return {"critic": self.critic.model} if self.critic is not None else {}
+    def models(self) -> dict[str, Policy]:
+        """The models a checkpoint holds, by directory name: the policy and PPO's critic."""
+        return {"policy": self.policy, **({"critic": self.critic.model} if self.critic is not None else {})}
 
     def shutdown(self) -> None:
         if self.critic is not None:
@@ -226,7 +220,6 @@ def setup(cfg: GRPOConfig) -> GRPORun:
             bundle_share=share,
         )
         critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
-        extra_models = {"critic": critic.model} if critic is not None else None
         teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
         generation = make_generation(
             cluster if cfg.generation.colocated else None,
@@ -236,17 +229,16 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         )
         envs = create_environments(cfg.env)
         checkpoints = CheckpointManager(cfg.checkpointing)
-        restored = restore_run(checkpoints, policy, extra_models) if cfg.checkpointing.enabled else None
-        step = int(restored.training_info["step"]) if restored is not None else 0
-        if restored is not None:
-            loader.load_state_dict(restored.loader_state)
+        models = {"policy": policy, **({"critic": critic.model} if critic is not None else {})}
+        restored = restore_run(checkpoints, models, loader)
+        step = int(restored["step"]) if restored is not None else 0
         refit = make_refit(cfg, policy, generation, stale=restored is not None)
         collector = RolloutCollector(
             cfg.grpo, generation, loader, tokenizer, envs, cfg.generation.max_new_tokens
         )
         rollouts = make_rollout_source(cfg, collector, refit, policy, generation, step)
         if restored is not None:
-            rollouts.restore(restored.training_info)
+            rollouts.restore(restored)
         generation.set_weights_source(rollouts.generation_weights)  # for a worker lost mid-generate
         logger = Logger(cfg.logger)
         logger.log_hyperparams(
@@ -372,16 +364,8 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
     """The run's state when due: the step, the last validation metrics (`val_accuracy` ranks checkpoints)
     and the rollout source's counters."""
     info = {"step": run.step, **{f"val_{k}": v for k, v in run.last_val.items()}, **run.rollouts.accounting()}
-    checkpoint_if_due(
-        run.checkpoints,
-        run.policy,
-        run.step,
-        info,
-        run.rollouts.loader_state(),
-        run.cfg,
-        force,
-        run.extra_models(),
-    )
+    loader_state = run.rollouts.loader_state()
+    checkpoint_if_due(run.checkpoints, run.models(), run.step, info, loader_state, run.cfg, force)
 
 
 def add_advantages(
@@ -405,7 +389,7 @@ def add_advantages(
         return {"rejection_sampling/accepted_share": float(accepted.mean())}
     if run.teacher.cfg.top_k:  # supervised on the student's samples: the teacher's top-k as targets
         with timer.time("teacher_topk"):
-            train_data.update(run.teacher.topk_targets(train_data))
+            train_data.update(topk_targets(run.teacher.model, train_data, run.teacher.cfg.top_k))
         train_data["advantages"] = torch.zeros_like(token_mask)
         return {}
     with timer.time("teacher_logprobs"):
@@ -540,17 +524,6 @@ def train_to_end(run: GRPORun) -> dict[str, float]:
     return val
 
 
-def train_and_export(cfg: GRPOConfig) -> int:
-    """Set up, train to the last step and export, rebuilding the workers when some die
-    (`cluster.max_restarts`)."""
-    run, val = train_with_restarts(cfg, setup, train_to_end)
-    print(
-        f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run "
-        f"directory {run.log_dir}"
-    )
-    return 0
-
-
 # `posttrain ppo` and `posttrain distill` run this loop and insist on their estimator, so that their config
 # cannot silently run without its critic or teacher: command -> (estimator, what the command does).
 COMMAND_ESTIMATORS = {
@@ -569,4 +542,9 @@ def main(args: Any) -> int:
             f"posttrain {args.command} {does} {estimator!r}, got {cfg.grpo.advantage_estimator!r} "
             "(or run posttrain grpo)",
         )
-    return train_and_export(cfg)
+    run, val = train_with_restarts(cfg, setup, train_to_end)  # rebuilds the workers when some die
+    print(
+        f"grpo finished at step {run.step}: val accuracy {val.get('accuracy', float('nan')):.3f}; run "
+        f"directory {run.log_dir}"
+    )
+    return 0

@@ -6,21 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.algorithms.checks import check_loop_lengths, check_parallelism, missing_run_files
+from posttrain.algorithms.checks import check_loop_lengths, check_parallelism
 from posttrain.algorithms.critic import CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig
 from posttrain.algorithms.health import HealthConfig
 from posttrain.algorithms.loss import ClippedPGLossConfig
+from posttrain.algorithms.run import TrainingConfig
 from posttrain.algorithms.teacher import TeacherConfig
 from posttrain.config import ConfigError
-from posttrain.data import DataConfig
-from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.environments import EnvironmentConfig
 from posttrain.environments.registry import environment_file_problems, match_task_to_environments
 from posttrain.environments.tool_env import ToolEnvironmentConfig
 from posttrain.evals.graders import grader_problems
-from posttrain.utils.checkpoint import CheckpointingConfig
-from posttrain.utils.logger import LoggerConfig
 from posttrain.workers.generation import GenerationConfig
 from posttrain.workers.policy import PolicyConfig
 from posttrain.workers.policy.config import policy_with_lr
@@ -150,7 +147,7 @@ class GRPOLoopConfig:
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(TrainingConfig):
     """`posttrain grpo` configuration."""
 
     grpo: GRPOLoopConfig = field(default_factory=GRPOLoopConfig)
@@ -165,16 +162,8 @@ class GRPOConfig:
     """the frozen teacher (grpo.advantage_estimator on_policy_distillation)"""
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     """rollout sampling"""
-    data: DataConfig = field(default_factory=DataConfig)
-    """prompts (rl format)"""
     env: dict[str, EnvironmentConfig] = field(default_factory=lambda: {"arithmetic": EnvironmentConfig()})
     """task name -> environment"""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """Ray cluster and placement"""
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    """logging"""
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
-    """checkpoints (ranked by val_accuracy by default)"""
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)
@@ -262,17 +251,16 @@ class GRPOConfig:
             raise ConfigError.at(
                 "loss.use_importance_sampling_correction",
                 f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) "
-                "old: "
-                "set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the loss "
-                "weights "
-                "them by pi_prev / pi_generation, or set grpo.async_grpo.max_trajectory_age_steps=0",
+                "old: set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the "
+                "loss weights them by pi_prev / pi_generation, or set "
+                "grpo.async_grpo.max_trajectory_age_steps=0",
             )
 
     def missing_files(self) -> list[ConfigError]:
         """Missing data files, model directories, reward and environment files and grader files, one
         error each (run before anything starts)."""
         return (
-            missing_run_files(self.policy, self.data)
+            super().missing_files()
             + environment_file_problems(self.env)
             + grader_problems("grpo.val_grader", self.grpo.val_grader)
         )

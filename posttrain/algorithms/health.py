@@ -12,11 +12,8 @@ Per step, from the batch the policy trained on and the loss's metrics:
   samples cut at the generation budget.
 
 `HealthMonitor` warns, once per episode of a condition (again only after it cleared), naming the step and
-the signal, when: most groups give no gradient for several steps in a row (stalled); the entropy has
-fallen below a fraction of its first step's value (collapsed); the replies run away (their mean
-length grew past a multiple of the first step's and most of them hit the budget); or the training reward
-fell (its mean over the last `reward_window` steps is below a fraction of its mean over the first
-`reward_window`: the policy is getting worse, typically a learning rate too high for the batch)."""
+the signal, when learning stalled, the entropy collapsed, the replies run away or the training reward fell
+(each test, with its advice, is a `HealthMonitor` method; the thresholds are `HealthConfig`'s)."""
 
 from __future__ import annotations
 
@@ -25,6 +22,8 @@ from collections import deque
 from dataclasses import dataclass
 
 import torch
+
+from posttrain.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -57,15 +56,15 @@ class HealthConfig:
         shares = ("stall_zero_signal_share", "entropy_collapse_ratio", "runaway_truncation_rate")
         for name in (*shares, "reward_drop_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name}={getattr(self, name)} must be in [0, 1]")
-        if self.stall_steps < 1 or self.reward_window < 1:
-            raise ValueError(
-                f"stall_steps={self.stall_steps} and reward_window={self.reward_window} must be >= 1"
-            )
-        if self.length_growth_ratio < 1.0:
-            raise ValueError(f"length_growth_ratio={self.length_growth_ratio} must be >= 1")
-        if self.kl_to_start_period < 0:
-            raise ValueError(f"kl_to_start_period={self.kl_to_start_period} must be >= 0")
+                raise ConfigError.at(name, f"{getattr(self, name)} must be in [0, 1]")
+        for name, least in (
+            ("stall_steps", 1),
+            ("reward_window", 1),
+            ("length_growth_ratio", 1),
+            ("kl_to_start_period", 0),
+        ):
+            if getattr(self, name) < least:
+                raise ConfigError.at(name, f"{getattr(self, name)} must be >= {least}")
 
 
 def zero_signal_share(rewards: torch.Tensor, num_generations: int) -> float:

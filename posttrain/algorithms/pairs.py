@@ -1,4 +1,6 @@
-"""Preference pairs (DPO, RM) as train data, and the batching rules that keep pairs whole.
+"""Preference pairs as train data, the batching rules that keep pairs whole, and what the pair commands
+(`dpo`, `rm`) share: their config sections and checks, setup, step, validation and loop. A command's
+module gives its loop section, its loss (`pair_loss`) and whether that loss needs the frozen reference.
 
 A pair's chosen and rejected responses travel as adjacent rows (2i chosen, 2i+1 rejected), which the
 pairwise losses expect inside every micro-batch. Policy.train deals each global batch to the dp ranks in
@@ -8,43 +10,76 @@ batching or packing)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from posttrain.algorithms import supervised
 from posttrain.algorithms.checks import check_parallelism
-from posttrain.config import ConfigError
-from posttrain.data import message_log_to_flat
+from posttrain.algorithms.recovery import train_with_restarts
+from posttrain.algorithms.run import TrainingConfig
+from posttrain.algorithms.supervised import SupervisedRun
+from posttrain.config import ConfigError, load_run_config
+from posttrain.data import DataConfig, message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.utils.metrics import single_step_metrics
 from posttrain.utils.timer import Timer
-from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy import Policy
 from posttrain.workers.policy.base import LossFn
 from posttrain.workers.policy.config import model_parallel_size
 
 
-def check_pair_batching(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:
-    """ConfigError unless every rank's share of a global batch and every micro-batch hold whole pairs."""
-    check_parallelism(policy_cfg, cluster_cfg)
-    for key in ("dynamic_batching", "sequence_packing"):
-        if getattr(policy_cfg, key).enabled:
+@dataclass
+class PairConfig(TrainingConfig):
+    """The sections of a pair command's config; the command's class adds its loop section (`command`)."""
+
+    command: ClassVar[str]  # the command, also its loop section's key
+    model_kind: ClassVar[str]  # the policy.model_kind it trains
+
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig(dataset="arithmetic_preference", format="preference")
+    )
+    """preference pairs (prompt, chosen, rejected)"""
+
+    def validate(self) -> None:
+        """The policy's model kind, and whole pairs in every rank's share of a global batch and in every
+        micro-batch."""
+        if self.policy.model_kind != self.model_kind:
             raise ConfigError(
-                f"policy.{key}.enabled", "reorders rows and would split chosen/rejected pairs; turn it off"
+                "policy.model_kind",
+                f"posttrain {self.command} trains a {self.model_kind!r}, got {self.policy.model_kind!r}",
             )
-    num_workers = cluster_cfg.num_nodes * cluster_cfg.workers_per_node
-    num_ranks = max(1, num_workers // model_parallel_size(policy_cfg))
-    if policy_cfg.train_global_batch_size % (2 * num_ranks):
-        raise ConfigError(
-            "policy.train_global_batch_size",
-            f"must be a multiple of 2 x {num_ranks} data-parallel ranks (rows are chosen/rejected pairs and "
-            f"each rank gets whole pairs), got {policy_cfg.train_global_batch_size}",
-        )
-    if policy_cfg.train_micro_batch_size % 2:
-        raise ConfigError(
-            "policy.train_micro_batch_size",
-            "must be even (a micro-batch holds whole chosen/rejected pairs), got "
-            f"{policy_cfg.train_micro_batch_size}",
-        )
+        check_parallelism(self.policy, self.cluster)
+        for key in ("dynamic_batching", "sequence_packing"):
+            if getattr(self.policy, key).enabled:
+                raise ConfigError(
+                    f"policy.{key}.enabled",
+                    "reorders rows and would split chosen/rejected pairs; turn it off",
+                )
+        num_workers = self.cluster.num_nodes * self.cluster.workers_per_node
+        num_ranks = max(1, num_workers // model_parallel_size(self.policy))
+        if self.policy.train_global_batch_size % (2 * num_ranks):
+            raise ConfigError(
+                "policy.train_global_batch_size",
+                f"must be a multiple of 2 x {num_ranks} data-parallel ranks (rows are chosen/rejected pairs "
+                f"and each rank gets whole pairs), got {self.policy.train_global_batch_size}",
+            )
+        if self.policy.train_micro_batch_size % 2:
+            raise ConfigError(
+                "policy.train_micro_batch_size",
+                "must be even (a micro-batch holds whole chosen/rejected pairs), got "
+                f"{self.policy.train_micro_batch_size}",
+            )
+
+    def pair_loss(self) -> LossFn:
+        """The loss of a global batch of pairs (chosen and rejected rows adjacent)."""
+        raise NotImplementedError
+
+    def uses_reference(self) -> bool:
+        """The loss compares with the frozen initial policy (its logprobs come with every batch)."""
+        return False
+
+
+PairRun = SupervisedRun[PairConfig]  # val_data: interleaved pairs (with their reference logprobs)
 
 
 def pairs_to_train_data(records: list[dict], pad_token_id: int, num_masked_pairs: int = 0) -> BatchedDataDict:
@@ -65,19 +100,6 @@ def pairs_to_train_data(records: list[dict], pad_token_id: int, num_masked_pairs
     return data
 
 
-def pair_batches(
-    records: list[dict], pairs_per_batch: int, num_ranks: int, pad_token_id: int
-) -> list[BatchedDataDict]:
-    """Evaluation batches of `pairs_per_batch` pairs, each padded with masked copies of its last pair to a
-    multiple of `num_ranks` pairs, so that every data-parallel rank gets whole pairs."""
-    batches = []
-    for start in range(0, len(records), pairs_per_batch):
-        chunk = records[start : start + pairs_per_batch]
-        num_padding = -len(chunk) % num_ranks
-        batches.append(pairs_to_train_data(chunk + [chunk[-1]] * num_padding, pad_token_id, num_padding))
-    return batches
-
-
 def with_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDataDict:
     """`reference_policy_logprobs [B, T]` from the frozen initial policy, added to `data`."""
     reference = policy.get_reference_policy_logprobs(data)
@@ -85,39 +107,56 @@ def with_reference_logprobs(policy: Policy, data: BatchedDataDict) -> BatchedDat
     return data
 
 
-def val_pair_batches(
-    policy: Policy, records: list[dict], pairs_per_batch: int, pad_id: int, reference: bool
-) -> list[BatchedDataDict]:
-    """`pair_batches` of the validation records, with the reference's logprobs when the loss needs them."""
-    batches = pair_batches(records, pairs_per_batch, policy.dp_size, pad_id)
-    return [with_reference_logprobs(policy, batch) for batch in batches] if reference else batches
+def val_batches(run: PairRun, records: list[dict]) -> list[BatchedDataDict]:
+    """Validation batches of `val_global_batch_size` pairs, each padded with masked copies of its last pair
+    to a multiple of the data-parallel ranks (so that every rank gets whole pairs), with the reference's
+    logprobs when the loss needs them."""
+    size, num_ranks = run.loop.val_global_batch_size, run.policy.dp_size
+    batches = []
+    for start in range(0, len(records), size):
+        chunk = records[start : start + size]
+        num_padding = -len(chunk) % num_ranks
+        batch = pairs_to_train_data(
+            chunk + [chunk[-1]] * num_padding, run.tokenizer.pad_token_id, num_padding
+        )
+        batches.append(with_reference_logprobs(run.policy, batch) if run.cfg.uses_reference() else batch)
+    return batches
 
 
-def train_pairs(
-    run: Any, timer: Timer, loss_fn: LossFn, reference: bool
-) -> tuple[dict[str, float], BatchedDataDict]:
-    """One optimizer step of `loss_fn` on the run's next global batch of pairs (with the reference's
-    logprobs when the loss needs them): the step's metrics and the batch."""
+def setup(cfg: PairConfig) -> PairRun:
+    """Data, policy (with its frozen reference when the loss needs one), logger and checkpoints; resumes from
+    the latest checkpoint if any."""
+    num_pairs = cfg.policy.train_global_batch_size // 2
+    return supervised.setup_run(cfg, cfg.command, num_pairs, val_batches, cfg.uses_reference())
+
+
+def train_step(run: PairRun, timer: Timer) -> dict[str, float]:
+    """One optimizer step of the command's loss on the run's next global batch of pairs (with the
+    reference's logprobs when the loss needs them), with the margin of the mean rewards (or scores)."""
     with timer.time("data"):
         batch = pairs_to_train_data(run.train_loader.next_batch(), run.tokenizer.pad_token_id)
-    if reference:
+    if run.cfg.uses_reference():
         with timer.time("reference_logprobs"):
             with_reference_logprobs(run.policy, batch)
     with timer.time("train"):
-        return single_step_metrics(run.policy.train(batch, loss_fn)), batch
+        metrics = single_step_metrics(run.policy.train(batch, run.cfg.pair_loss()))
+    metrics["margin_mean"] = metrics["rewards_chosen_mean"] - metrics["rewards_rejected_mean"]
+    metrics["num_trained_tokens"] = float(batch["token_mask"].sum())
+    return metrics
 
 
-def evaluate_pairs(
-    policy: Policy, batches: list[BatchedDataDict], loss_fn: LossFn, micro_batch_size: int
-) -> dict[str, float]:
-    """Forward-only `loss_fn` over evaluation batches: its metrics averaged with each batch weighted by
-    its number of real (unmasked) pairs."""
+def validate(run: PairRun) -> dict[str, float]:
+    """Forward-only loss over the validation pairs (loss, accuracy, mean rewards or scores of chosen and
+    rejected): its metrics averaged with each batch weighted by its number of real (unmasked) pairs."""
     totals: dict[str, float] = {}
     num_pairs = 0.0
-    for batch in batches:
+    for batch in run.val_data:
         batch_pairs = float(batch["sample_mask"].sum()) / 2
-        metrics = policy.evaluate(
-            batch, loss_fn, global_batch_size=batch.size, micro_batch_size=micro_batch_size
+        metrics = run.policy.evaluate(
+            batch,
+            run.cfg.pair_loss(),
+            global_batch_size=batch.size,
+            micro_batch_size=run.cfg.policy.train_micro_batch_size,
         )
         for key, value in single_step_metrics(metrics).items():
             if key != "num_microbatches":
@@ -132,9 +171,16 @@ def pair_progress(metrics: dict[str, float], val_metrics: dict[str, float] | Non
     return shown | ({"val_acc": val_metrics["accuracy"]} if val_metrics else {})
 
 
-def pair_summary(name: str, step: int, val_metrics: dict[str, float], log_dir: Path) -> str:
-    """The line a pair command prints when it finishes."""
-    return (
-        f"{name} finished at step {step}: val loss {val_metrics.get('loss', float('nan')):.4f}, "
-        f"val accuracy {val_metrics.get('accuracy', float('nan')):.3f}; run directory {log_dir}"
+def train(run: PairRun, num_steps: int | None = None) -> dict[str, float]:
+    """Train until `run.total_steps` (or `num_steps` more steps); returns the last validation metrics."""
+    return supervised.train(run, train_step, validate, pair_progress, pairs=True, num_steps=num_steps)
+
+
+def main(schema: type[PairConfig], args: Any) -> int:
+    """`posttrain dpo` / `posttrain rm`: train (rebuilding lost workers), then print the final metrics."""
+    run, val_metrics = train_with_restarts(load_run_config(schema, args), setup, train)
+    print(
+        f"{run.name} finished at step {run.step}: val loss {val_metrics.get('loss', float('nan')):.4f}, "
+        f"val accuracy {val_metrics.get('accuracy', float('nan')):.3f}; run directory {run.log_dir}"
     )
+    return 0

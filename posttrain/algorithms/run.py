@@ -1,7 +1,7 @@
-"""The plumbing every algorithm's loop calls: the run directory, the model directory (built from an
-architecture config for offline runs), checkpoint save/restore of the whole run state (policy,
-data-loader position, step counters), and the end of a step (log its metrics and stage times; checkpoint
-when due)."""
+"""The plumbing every algorithm's loop calls: the config sections every training command has, the run
+directory, the model directory (built from an architecture config for offline runs), checkpoint
+save/restore of the whole run state (policy, data-loader position, step counters), and the end of a step
+(log its metrics and stage times; checkpoint when due)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from posttrain.algorithms.checks import check_model_exists
+from posttrain.algorithms.checks import check_model_exists, missing_run_files
 from posttrain.config import ConfigError, config_to_dict, save_config
+from posttrain.data import DataConfig, StatefulDataLoader
 from posttrain.distributed.shared_dir import check_shared_directories
+from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.models.build import build_model_dir
 from posttrain.models.gguf import gguf_model_dir
 from posttrain.utils.checkpoint import CheckpointingConfig, CheckpointManager
@@ -25,15 +27,28 @@ from posttrain.utils.timer import Timer
 from posttrain.workers.policy import Policy, PolicyConfig
 
 
-class RunConfig(Protocol):
-    """The sections of an algorithm's config that the run plumbing reads."""
+@dataclass
+class TrainingConfig:
+    """The sections every training command's config has; `sft`, `dpo`, `rm` and `grpo` add their own and
+    may change the defaults of `policy` and `data`."""
 
-    policy: PolicyConfig
-    logger: LoggerConfig
-    checkpointing: CheckpointingConfig
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """the trained model"""
+    data: DataConfig = field(default_factory=DataConfig)
+    """training and validation data"""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Ray cluster and placement"""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """logging"""
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    """checkpoints (ranked by val_loss by default, grpo's by val_accuracy)"""
+
+    def missing_files(self) -> list[ConfigError]:
+        """Missing data files and model directories, one error each (run before anything starts)."""
+        return missing_run_files(self.policy, self.data)
 
 
-ConfigT = TypeVar("ConfigT", bound=RunConfig)
+ConfigT = TypeVar("ConfigT", bound=TrainingConfig)
 
 
 def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_loss", False)) -> ConfigT:
@@ -71,7 +86,7 @@ def shutdown_on_error(cluster: Any) -> Iterator[None]:
         raise
 
 
-def check_run_directories(cfg: RunConfig, node_ids: list[str]) -> None:
+def check_run_directories(cfg: TrainingConfig, node_ids: list[str]) -> None:
     """The log directory (and the checkpoint directory, when checkpointing) must be the same on every node
     that runs workers: checkpoints written there are read back wherever a resumed run's workers land."""
     directories = {"logger.log_dir": cfg.logger.log_dir}
@@ -103,53 +118,27 @@ def resolve_model_dir(policy_cfg: PolicyConfig, log_dir: Path) -> PolicyConfig:
     return dataclasses.replace(policy_cfg, model_name=str(model_dir))
 
 
-@dataclass
-class RunCheckpoint:
-    """What a restored run needs besides the policy state: the step counters and the loader position."""
-
-    path: Path
-    training_info: dict[str, Any]
-    loader_state: dict[str, Any]
-
-
-def save_run_checkpoint(
-    manager: CheckpointManager,
-    policy: Policy,
-    step: int,
-    training_info: dict[str, Any],
-    loader_state: dict[str, Any],
-    run_config: Any,
-    extra_models: dict[str, Policy] | None = None,
-) -> Path:
-    """tmp_step_N: training info + config, policy (DCP, RNG of every rank), each extra model (a PPO
-    critic) in a directory of its name, loader; then finalize (which writes the sha256 manifest before
-    the rename)."""
-    path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
-    for name, model in {"policy": policy, **(extra_models or {})}.items():
-        model.save_checkpoint(str(path / name), save_optimizer=manager.save_optimizer)
-    (path / "dataloader.json").write_text(json.dumps(loader_state))
-    manager.finalize_checkpoint(path)
-    return path.with_name(f"step_{step}")
-
-
 def restore_run(
-    manager: CheckpointManager, policy: Policy, extra_models: dict[str, Policy] | None = None
-) -> RunCheckpoint | None:
-    """Remove partial checkpoints, then load the explicit `resume_from` or the newest checkpoint that
-    matches its sha256 manifest (damaged newer ones are skipped with a warning), into the policy and
-    each extra model."""
+    manager: CheckpointManager, models: dict[str, Policy], loader: StatefulDataLoader | None = None
+) -> dict[str, Any] | None:
+    """With checkpointing on: remove partial checkpoints, then load the explicit `resume_from` or the newest
+    checkpoint that matches its sha256 manifest (damaged newer ones are skipped with a warning) into each
+    of `models` (the policy, and a PPO critic, by directory name) and the loader. Returns its training info
+    (None when nothing was restored)."""
+    if not manager.enabled:
+        return None
     manager.clean_partial_checkpoints()
     path = manager.get_resume_checkpoint_path()
     if path is None:
         return None
     path = Path(path)
-    for name, model in {"policy": policy, **(extra_models or {})}.items():
+    for name, model in models.items():
         model.load_checkpoint(str(path / name))
+    if loader is not None:
+        loader.load_state_dict(json.loads((path / "dataloader.json").read_text()))
     training_info = manager.load_training_info(path) or {}
-    loader_file = path / "dataloader.json"
-    loader_state = json.loads(loader_file.read_text()) if loader_file.exists() else {}
     print(f"resumed from {path} (step {training_info.get('step')})", file=sys.stderr)
-    return RunCheckpoint(path, training_info, loader_state)
+    return training_info
 
 
 def log_step(logger: Logger, policy: Policy, metrics: dict[str, float], timer: Timer, step: int) -> None:
@@ -164,16 +153,22 @@ def log_step(logger: Logger, policy: Policy, metrics: dict[str, float], timer: T
 
 def checkpoint_if_due(
     manager: CheckpointManager,
-    policy: Policy,
+    models: dict[str, Policy],
     step: int,
     training_info: dict[str, Any],
     loader_state: dict[str, Any],
     run_config: Any,
     force: bool = False,
-    extra_models: dict[str, Policy] | None = None,
 ) -> None:
     """Save the run's state at `step` every `checkpointing.save_period` steps, or when forced (a run's
-    last step); nothing when checkpointing is off."""
+    last step); nothing when checkpointing is off. Into tmp_step_N: training info + config, each of `models`
+    (the policy: DCP and the RNG of every rank; a PPO critic) in a directory of its name, loader; then
+    finalize (which writes the sha256 manifest before the rename to step_N)."""
     cfg = run_config.checkpointing
-    if cfg.enabled and (force or step % cfg.save_period == 0):
-        save_run_checkpoint(manager, policy, step, training_info, loader_state, run_config, extra_models)
+    if not (cfg.enabled and (force or step % cfg.save_period == 0)):
+        return
+    path = manager.init_tmp_checkpoint(step, training_info, run_config=config_to_dict(run_config))
+    for name, model in models.items():
+        model.save_checkpoint(str(path / name), save_optimizer=manager.save_optimizer)
+    (path / "dataloader.json").write_text(json.dumps(loader_state))
+    manager.finalize_checkpoint(path)

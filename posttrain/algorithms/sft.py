@@ -22,22 +22,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
-
 from posttrain.algorithms import supervised
-from posttrain.algorithms.checks import check_parallelism, missing_run_files
+from posttrain.algorithms.checks import check_parallelism
 from posttrain.algorithms.loss import KDLoss, KDLossConfig, NLLLoss
 from posttrain.algorithms.recovery import train_with_restarts
+from posttrain.algorithms.run import TrainingConfig
 from posttrain.algorithms.supervised import LoopConfig, SupervisedRun
+from posttrain.algorithms.teacher import topk_targets
 from posttrain.config import ConfigError, load_run_config
-from posttrain.data import DataConfig, message_log_to_flat
+from posttrain.data import message_log_to_flat
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig
-from posttrain.utils.checkpoint import CheckpointingConfig
-from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.metrics import mean_over_steps
 from posttrain.utils.timer import Timer
-from posttrain.workers.policy import Policy, PolicyConfig
+from posttrain.workers.policy import PolicyConfig
 from posttrain.workers.policy.config import policy_with_lr
 
 # A full fine-tune of a pretrained model: TRL's SFTConfig default. The tiny recipes (configs/*_tiny.yaml,
@@ -70,21 +67,13 @@ class DistillationConfig:
 
 
 @dataclass
-class SFTConfig:
+class SFTConfig(TrainingConfig):
     """`posttrain sft` configuration."""
 
     sft: LoopConfig = field(default_factory=LoopConfig)
     """the SFT loop"""
     policy: PolicyConfig = field(default_factory=lambda: policy_with_lr(SFT_LR))
     """the trained model (AdamW lr 2e-5 by default)"""
-    data: DataConfig = field(default_factory=DataConfig)
-    """training and validation data"""
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    """Ray cluster and placement"""
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
-    """logging"""
-    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
-    """checkpoints (ranked by val_loss by default)"""
     distillation: DistillationConfig = field(default_factory=DistillationConfig)
     """off-policy knowledge distillation (off by default)"""
 
@@ -99,10 +88,6 @@ class SFTConfig:
                     "(policy.sequence_packing.enabled: false)",
                 )
 
-    def missing_files(self) -> list[ConfigError]:
-        """Missing data files and model directories, one error each (run before anything starts)."""
-        return missing_run_files(self.policy, self.data)
-
 
 SFTRun = SupervisedRun[SFTConfig]
 
@@ -111,25 +96,16 @@ def to_train_data(records: list[dict], pad_token_id: int, train_on: str) -> Batc
     return message_log_to_flat([r["message_log"] for r in records], pad_token_id, train_on=train_on)
 
 
-def val_batches(
-    cfg: SFTConfig, policy: Policy, tokenizer: PreTrainedTokenizerBase, records: list[dict]
-) -> list[BatchedDataDict]:
-    size = cfg.sft.val_global_batch_size
+def val_batches(run: SFTRun, records: list[dict]) -> list[BatchedDataDict]:
+    size, pad_id = run.loop.val_global_batch_size, run.tokenizer.pad_token_id
     return [
-        to_train_data(records[i : i + size], tokenizer.pad_token_id, cfg.data.train_on)
+        to_train_data(records[i : i + size], pad_id, run.cfg.data.train_on)
         for i in range(0, len(records), size)
     ]
 
 
 def loss_function(cfg: SFTConfig) -> NLLLoss | KDLoss:
     return KDLoss(cfg.distillation.loss) if cfg.distillation.enabled else NLLLoss()
-
-
-def add_teacher_targets(teacher: Policy, batch: BatchedDataDict, k: int) -> BatchedDataDict:
-    """`teacher_topk_logprobs` and `teacher_topk_ids` [B, T, k] from the frozen teacher, added to `batch`."""
-    targets = teacher.get_topk_logprobs(batch, k)
-    batch["teacher_topk_logprobs"], batch["teacher_topk_ids"] = targets["topk_logprobs"], targets["topk_ids"]
-    return batch
 
 
 def validate(run: SFTRun) -> dict[str, float]:
@@ -159,7 +135,7 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
         )
     if run.teacher is not None:
         with timer.time("teacher_topk"):
-            add_teacher_targets(run.teacher, batch, run.cfg.distillation.top_k)
+            batch.update(topk_targets(run.teacher, batch, run.cfg.distillation.top_k))
     with timer.time("train"):
         metrics = mean_over_steps(run.policy.train(batch, loss_function(run.cfg)))
     num_tokens = float(batch["input_lengths"].sum())
@@ -171,14 +147,12 @@ def train_step(run: SFTRun, timer: Timer) -> dict[str, float]:
 def setup(cfg: SFTConfig) -> SFTRun:
     """Data, model, workers (and the teacher's, with distillation), logger and checkpoints; resumes from the
     latest checkpoint if there is one."""
-    distilling = cfg.distillation.enabled
-    hyperparams = {"sft": cfg.sft, "policy": cfg.policy, "data": cfg.data, "distillation": cfg.distillation}
-    teacher = cfg.distillation.teacher if distilling else None
+    teacher = cfg.distillation.teacher if cfg.distillation.enabled else None
     batch_size = cfg.policy.train_global_batch_size
-    run = supervised.setup_run(cfg, "sft", "sft", batch_size, val_batches, hyperparams, teacher=teacher)
+    run = supervised.setup_run(cfg, "sft", batch_size, val_batches, teacher=teacher)
     if run.teacher is not None:  # the validation targets, once
         for batch in run.val_data:
-            add_teacher_targets(run.teacher, batch, cfg.distillation.top_k)
+            batch.update(topk_targets(run.teacher, batch, cfg.distillation.top_k))
     return run
 
 

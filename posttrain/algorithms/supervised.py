@@ -1,23 +1,23 @@
 """The supervised loop, which SFT, DPO and reward-model training share: they differ only in how a batch
-trains and how validation scores, which each algorithm's module passes in as plain functions. This
-module sets such a run up (run directory, model, data, workers, logger, resume) and runs it, as an
-explicit loop like GRPO's, calling the same end-of-step helpers (`run.log_step`, `run.checkpoint_if_due`):
-train, log, validate every `val_period` steps and at the end, checkpoint when due, export the final
-model."""
+trains and how validation scores, which `sft` and `pairs` pass in as plain functions. This module sets
+such a run up (run directory, model, data, workers, logger, resume) and runs it, as an explicit loop like
+GRPO's, calling the same end-of-step helpers (`run.log_step`, `run.checkpoint_if_due`): train, log,
+validate every `val_period` steps and at the end, checkpoint when due, export the final model."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Generic
 
 from transformers import PreTrainedTokenizerBase
 
 from posttrain.algorithms.checks import check_batch_fits, check_loop_lengths
 from posttrain.algorithms.run import (
-    RunConfig,
+    ConfigT,
     check_run_directories,
     checkpoint_if_due,
     log_step,
@@ -26,9 +26,9 @@ from posttrain.algorithms.run import (
     shutdown_on_error,
 )
 from posttrain.algorithms.teacher import check_same_tokenizer
-from posttrain.data import DataConfig, StatefulDataLoader, load_datasets
+from posttrain.data import StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
+from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.evals.supervised_samples import log_supervised_samples
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
@@ -62,16 +62,6 @@ class LoopConfig:
         check_loop_lengths(self)
 
 
-class SupervisedConfig(RunConfig, Protocol):
-    """What the shared loop reads of an algorithm's config (besides its loop section)."""
-
-    data: DataConfig
-    cluster: ClusterConfig
-
-
-ConfigT = TypeVar("ConfigT", bound=SupervisedConfig)
-
-
 @dataclass
 class SupervisedRun(Generic[ConfigT]):
     """Everything one SFT, DPO or RM run holds; the algorithm's `*_train` advances it."""
@@ -89,7 +79,6 @@ class SupervisedRun(Generic[ConfigT]):
     checkpoints: CheckpointManager
     total_steps: int
     step: int = 0
-    data_stats: dict[str, Any] = field(default_factory=dict)
     teacher: Policy | None = None  # a frozen distillation teacher (SFT with distillation.enabled)
 
     def shutdown(self) -> None:
@@ -100,27 +89,25 @@ class SupervisedRun(Generic[ConfigT]):
         self.cluster.shutdown()
 
 
-ValBatches = Callable[[ConfigT, Policy, PreTrainedTokenizerBase, list[dict]], list[BatchedDataDict]]
+ValBatches = Callable[[SupervisedRun, list[dict]], list[BatchedDataDict]]
 
 
 def setup_run(
     cfg: ConfigT,
     name: str,
-    loop_key: str,
     records_per_step: int,
     val_batches: ValBatches,
-    hyperparams: dict[str, Any],
     init_reference_model: bool = False,
     teacher: PolicyConfig | None = None,
 ) -> SupervisedRun[ConfigT]:
-    """Data, model, workers, logger and checkpoints for algorithm `name` (its loop section `loop_key`,
+    """Data, model, workers, logger and checkpoints for algorithm `name` (also its loop section's key;
     `records_per_step` training records per step, validation batches from `val_batches`); resumes from the
-    latest checkpoint if there is one. With `init_reference_model` the workers keep the initial weights as
-    a frozen reference; with `teacher`, a frozen teacher model shares each bundle with the policy (half of
-    it each) and must have the policy's tokenizer."""
+    latest checkpoint if there is one, and logs every section but the run plumbing as hyperparameters. With
+    `init_reference_model` the workers keep the initial weights as a frozen reference; with `teacher`, a
+    frozen teacher model shares each bundle with the policy (half of it each) and must have the policy's
+    tokenizer."""
     cfg = prepare_run(cfg, name)
-    loop = getattr(cfg, loop_key)
-    log_dir = Path(cfg.logger.log_dir)
+    loop = getattr(cfg, name)
     tokenizer = load_tokenizer(cfg.policy.tokenizer_name or cfg.policy.model_name)
     processor = processor_for(cfg.policy.model_name, cfg.policy.tokenizer_name)  # None unless vision-language
     train_records, val_records, data_stats = load_datasets(cfg.data, tokenizer, processor)
@@ -141,29 +128,28 @@ def setup_run(
         if teacher is not None:
             check_same_tokenizer(tokenizer, teacher, "distillation.teacher")
             teacher_policy = Policy(cluster, teacher, name_prefix="teacher")
-        val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
-        val_data = val_batches(cfg, policy, tokenizer, val_records)
         run = SupervisedRun(
             cfg,
             name,
             loop,
-            log_dir,
+            Path(cfg.logger.log_dir),
             tokenizer,
             policy,
             cluster,
             loader,
-            val_data,
+            [],
             Logger(cfg.logger),
             CheckpointManager(cfg.checkpointing),
             total_steps,
-            data_stats=data_stats,
             teacher=teacher_policy,
         )
-        restored = restore_run(run.checkpoints, policy) if cfg.checkpointing.enabled else None
-        if restored is not None:
-            run.step = int(restored.training_info["step"])
-            loader.load_state_dict(restored.loader_state)
-        run.logger.log_hyperparams(hyperparams)
+        val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
+        run.val_data = val_batches(run, val_records)
+        restored = restore_run(run.checkpoints, {"policy": policy}, loader)
+        run.step = int(restored["step"]) if restored is not None else 0
+        plumbing = ("cluster", "logger", "checkpointing")
+        sections = [item.name for item in dataclasses.fields(cfg) if item.name not in plumbing]
+        run.logger.log_hyperparams({key: getattr(cfg, key) for key in sections})
         run.logger.log_metrics({f"data/{k}": v for k, v in data_stats.items()}, run.step)
         return run
 
@@ -171,33 +157,6 @@ def setup_run(
 StepFn = Callable[[SupervisedRun, Timer], dict[str, float]]
 ValidateFn = Callable[[SupervisedRun], dict[str, float]]
 ShownFn = Callable[[dict[str, float], dict[str, float] | None], dict[str, float]]
-
-
-def end_of_step(
-    run: SupervisedRun,
-    metrics: dict[str, float],
-    timer: Timer,
-    last_step: int,
-    validate: ValidateFn,
-    pairs: bool,
-) -> dict[str, float] | None:
-    """Log the step's metrics and stage timings, validate (`validate(run)`) every `val_period` steps and at
-    `last_step` and log samples (chosen and rejected with `pairs`), checkpoint when due (always at the
-    run's final step). Returns the validation metrics when it validated."""
-    log_step(run.logger, run.policy, metrics, timer, run.step)
-    val_metrics = None
-    if run.step % run.loop.val_period == 0 or run.step == last_step:
-        val_metrics = validate(run)
-        run.logger.log_metrics(val_metrics, run.step, prefix="val")
-        log_supervised_samples(run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=pairs)
-    info = {"step": run.step, "epoch": run.train_loader.epoch}
-    if val_metrics is not None:
-        info["val_loss"] = val_metrics["loss"]  # the default ranking metric
-    force = run.step == last_step == run.total_steps
-    checkpoint_if_due(
-        run.checkpoints, run.policy, run.step, info, run.train_loader.state_dict(), run.cfg, force
-    )
-    return val_metrics
 
 
 def train(
@@ -208,8 +167,10 @@ def train(
     pairs: bool = False,
     num_steps: int | None = None,
 ) -> dict[str, float]:
-    """Train until `run.total_steps` (or `num_steps` more steps), one `train_step` per optimizer step;
-    `shown` picks the progress line's numbers. Exports `<log_dir>/hf_model` at the run's end (unless
+    """Train until `run.total_steps` (or `num_steps` more steps), one `train_step` per optimizer step, then
+    log its metrics and stage timings, validate (`validate(run)`) every `val_period` steps and at the last
+    step and log samples (chosen and rejected with `pairs`), checkpoint when due (always at the run's final
+    step); `shown` picks the progress line's numbers. Exports `<log_dir>/hf_model` at the run's end (unless
     `export_final_model` is off). Returns the last validation metrics."""
     last_step = run.total_steps if num_steps is None else min(run.total_steps, run.step + num_steps)
     val_metrics: dict[str, float] = {}
@@ -220,8 +181,20 @@ def train(
             metrics = train_step(run, timer)
             run.step += 1
             metrics["step_time"] = time.perf_counter() - start
-            step_val = end_of_step(run, metrics, timer, last_step, validate, pairs)
-            val_metrics = step_val or val_metrics
+            log_step(run.logger, run.policy, metrics, timer, run.step)
+            info: dict[str, float] = {"step": run.step, "epoch": run.train_loader.epoch}
+            step_val = None
+            if run.step % run.loop.val_period == 0 or run.step == last_step:
+                step_val = val_metrics = validate(run)
+                run.logger.log_metrics(val_metrics, run.step, prefix="val")
+                log_supervised_samples(
+                    run.logger, run.policy, run.tokenizer, run.val_data, run.step, pairs=pairs
+                )
+                info["val_loss"] = val_metrics["loss"]  # the default ranking metric
+            force = run.step == last_step == run.total_steps
+            loader_state = run.train_loader.state_dict()
+            models = {"policy": run.policy}
+            checkpoint_if_due(run.checkpoints, models, run.step, info, loader_state, run.cfg, force)
             progress.advance(run.step, shown(metrics, step_val))
     if run.step == run.total_steps and run.loop.export_final_model:
         run.policy.export_hf(str(run.log_dir / "hf_model"))

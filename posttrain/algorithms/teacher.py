@@ -77,17 +77,20 @@ def check_same_tokenizer(student_tokenizer: Any, model: PolicyConfig, key: str =
         )
 
 
+def topk_targets(teacher: Policy, train_data: BatchedDataDict, k: int) -> dict[str, torch.Tensor]:
+    """`teacher_topk_logprobs` and `teacher_topk_ids` [B, T, k] at every position of the batch (on-policy
+    distillation's teacher, SFT's `distillation.teacher`)."""
+    targets = teacher.get_topk_logprobs(train_data, k)
+    return {"teacher_topk_logprobs": targets["topk_logprobs"], "teacher_topk_ids": targets["topk_ids"]}
+
+
 class Teacher:
-    """The teacher's worker group; `logprobs` is its one stage."""
+    """The teacher's worker group; `logprobs` is its one stage (`topk_targets(teacher.model, ...)` with
+    `teacher.top_k`)."""
 
     def __init__(self, cluster: RayVirtualCluster, cfg: TeacherConfig, bundle_share: float) -> None:
         self.cfg = cfg
         self.model = Policy(cluster, cfg.model, name_prefix="teacher", bundle_share=bundle_share)
-
-    def topk_targets(self, train_data: BatchedDataDict) -> dict[str, torch.Tensor]:
-        """`teacher_topk_logprobs` and `teacher_topk_ids` [B, T, top_k] at every position of the batch."""
-        targets = self.model.get_topk_logprobs(train_data, self.cfg.top_k)
-        return {"teacher_topk_logprobs": targets["topk_logprobs"], "teacher_topk_ids": targets["topk_ids"]}
 
     def logprobs(self, train_data: BatchedDataDict) -> torch.Tensor:
         """log pi_teacher of each token of the batch [B, T] (position 0 and padding 0)."""

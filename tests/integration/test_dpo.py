@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from run_logs import as_overrides, metrics_by_step
 
-from posttrain.algorithms import dpo
+from posttrain.algorithms import dpo, pairs
 from posttrain.config import ConfigError, load_typed_config
 
 pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
@@ -39,9 +39,9 @@ def overrides(log_dir, model_dir, **extra):
 def run_dpo(log_dir, model_dir, **extra) -> dict[int, dict]:
     """Run (or resume) DPO in `log_dir`; every logged metric by step."""
     cfg = load_typed_config(dpo.DPOConfig, CONFIG, overrides(log_dir, model_dir, **extra))
-    run = dpo.setup(cfg)
+    run = pairs.setup(cfg)
     try:
-        dpo.dpo_train(run)
+        pairs.train(run)
     finally:
         run.shutdown()
     return metrics_by_step(log_dir)

@@ -168,7 +168,7 @@ def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(
 def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path):
     """DPO (a frozen reference on every worker) on a fresh tiny model: 2 workers on one node, then one on
     each of two nodes; the losses of both steps agree."""
-    from posttrain.algorithms import dpo
+    from posttrain.algorithms import dpo, pairs
 
     def run_dpo(log_dir, **layout):
         values = {
@@ -192,7 +192,7 @@ def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path)
             os.path.join(REPO, "configs", "dpo_tiny.yaml"),
             [f"{key}={value}" for key, value in values.items()],
         )
-        train_with_restarts(cfg, dpo.setup, dpo.dpo_train)
+        train_with_restarts(cfg, pairs.setup, pairs.train)
         return last_values(log_dir, "train/loss")
 
     one = run_dpo(tmp_path / "one", **{"cluster.workers_per_node": 2, "cluster.num_cpus_per_worker": 0.5})

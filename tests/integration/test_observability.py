@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from run_logs import finished_run
 
-from posttrain.algorithms import rm, sft
+from posttrain.algorithms import pairs, rm, sft
 from posttrain.config import load_typed_config
 
 pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
@@ -94,7 +94,7 @@ def test_reward_model_prints_prompt_chosen_rejected_and_its_scores(arithmetic_sf
             "policy.train_micro_batch_size=16",
         ],
     )
-    finished_run(cfg, rm.setup, rm.rm_train)
+    finished_run(cfg, pairs.setup, pairs.train)
     samples = [
         json.loads(line) for line in (tmp_path / "val_samples" / "step_1.jsonl").read_text().splitlines()
     ]

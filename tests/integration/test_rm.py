@@ -11,7 +11,7 @@ import torch
 from run_logs import as_overrides, metrics_by_step
 from transformers import AutoModelForSequenceClassification
 
-from posttrain.algorithms import grpo, rm
+from posttrain.algorithms import grpo, pairs, rm
 from posttrain.config import ConfigError, load_typed_config
 from posttrain.models.build import load_tokenizer
 
@@ -46,9 +46,9 @@ def rm_log_dir(arithmetic_sft_model, tmp_path_factory):
     model leaves its initial plateau within the run depends on the data order); its final model is
     exported to hf_model/."""
     log_dir = tmp_path_factory.mktemp("rm")
-    run = rm.setup(load_typed_config(rm.RMConfig, CONFIG, overrides(log_dir, arithmetic_sft_model)))
+    run = pairs.setup(load_typed_config(rm.RMConfig, CONFIG, overrides(log_dir, arithmetic_sft_model)))
     try:
-        rm.rm_train(run)
+        pairs.train(run)
     finally:
         run.shutdown()
     return log_dir

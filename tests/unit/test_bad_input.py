@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.algorithms import dpo, grpo, sft
+from posttrain.algorithms import dpo, grpo, pairs, sft
 from posttrain.config import ConfigError, load_typed_config
 from posttrain.data import DataConfig, DataError, load_datasets
 from posttrain.distributed import virtual_cluster
@@ -164,7 +164,7 @@ def test_missing_model_of_a_tiny_config_names_the_key_and_the_command_that_makes
     monkeypatch.chdir(tmp_path)  # a fresh clone: no results/ yet
     cfg = load_typed_config(dpo.DPOConfig, "configs/dpo_tiny.yaml", [f"logger.log_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError) as caught:
-        dpo.setup(cfg)
+        pairs.setup(cfg)
     assert str(caught.value) == (
         "policy.model_name: results/sft_tiny/hf_model does not exist (nor is it a Hugging "
         "Face hub name); `posttrain sft --config configs/sft_tiny.yaml` writes it"

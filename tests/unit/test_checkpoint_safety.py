@@ -144,7 +144,7 @@ def test_restore_run_refuses_the_crafted_checkpoint(malicious, base_model):
     manager = CheckpointManager({"checkpoint_dir": str(step_dir.parent)})
     assert manager.get_resume_checkpoint_path() == step_dir  # the manifest matches: loading must refuse
     with pytest.raises(UnsafeCheckpointError):
-        restore_run(manager, LocalPolicy(base_model))
+        restore_run(manager, {"policy": LocalPolicy(base_model)})
     assert not marker.exists()
 
 
