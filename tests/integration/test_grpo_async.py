@@ -12,8 +12,15 @@ ASYNC = {"grpo.async_grpo.enabled": "true", "generation.colocated": "false"}
 NO_CHECKPOINTS = {"checkpointing.enabled": "false"}
 
 
+@pytest.fixture(scope="module")
+def sync_run(ray_session, tmp_path_factory) -> dict[int, dict]:
+    """The metrics by step of the synchronous loop's run that the age-0 runs are compared with: 3 steps
+    (validation at step 2), no checkpoints."""
+    return run_grpo(tmp_path_factory.mktemp("sync"), **{"grpo.max_num_steps": 3, **NO_CHECKPOINTS})
+
+
 def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation_workers(
-    ray_session, tmp_path, monkeypatch, capsys
+    ray_session, tmp_path, monkeypatch, capsys, sync_run
 ):
     """Two global batches per step (prev_logprobs recomputed in both modes), validation at step 2. With 2
     generation workers, rank 1 dies while the producer thread generates step 2's batch (with the weights
@@ -24,7 +31,7 @@ def test_async_with_age_0_equals_the_synchronous_loop_with_one_or_two_generation
     from posttrain.workers.generation import HFGeneration
 
     steps = {"grpo.max_num_steps": 3, **NO_CHECKPOINTS}
-    sync = run_grpo(tmp_path / "sync", **steps)
+    sync = sync_run
     for num_workers in (1, 2):
         if num_workers == 2:
             monkeypatch.setattr(HFGeneration, "worker_cls", dies_once_worker(tmp_path / "died", on_call=2))
@@ -102,13 +109,14 @@ def test_async_resume_with_age_0_equals_uninterrupted(ray_session, tmp_path):
 
 
 def test_lending_cores_with_age_0_gives_every_training_micro_batch_the_generators_threads(
-    ray_session, tmp_path
+    ray_session, tmp_path, sync_run
 ):
     """Age 0: the generator waits for each step's weights while the trainer trains, so with
     lend_idle_cores every micro-batch of the trainer (logprobs and training) runs with the generator's
-    threads added (timed as borrowed_threads), and the run still equals the synchronous one."""
+    threads added (timed as borrowed_threads), and the run still equals the synchronous one over its 2
+    steps (the first 2 of `sync_run`: a step does not depend on how many follow it)."""
     steps = {"grpo.max_num_steps": 2, **NO_CHECKPOINTS}
-    sync = run_grpo(tmp_path / "sync", **steps)
+    sync = sync_run
     run = run_grpo(
         tmp_path / "lent",
         **steps,
