@@ -264,10 +264,8 @@ def load_datasets(
         num_val = max(1, int(len(order) * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
         val_rows = [train_rows[i] for i in order[:num_val]]
         train_rows = [train_rows[i] for i in sorted(order[num_val:])]
-    if cfg.num_train is not None and cfg.dataset not in BUILTIN_TASKS:
-        train_rows = train_rows[: cfg.num_train]
-    if cfg.num_val is not None and cfg.dataset not in BUILTIN_TASKS:
-        val_rows = val_rows[: cfg.num_val]
+    if cfg.dataset not in BUILTIN_TASKS:  # a built-in task generated num_train / num_val rows already
+        train_rows, val_rows = train_rows[: cfg.num_train], val_rows[: cfg.num_val]
     train = rows_to_records(train_rows, cfg, tokenizer, counter, processor, tool_prompts)
     val = rows_to_records(val_rows, cfg, tokenizer, counter, processor, tool_prompts)
     if not train:
@@ -295,5 +293,5 @@ def load_all_records(
         rows = _read_source(
             cfg, "val_dataset" if cfg.val_dataset else "dataset", cfg.val_split or cfg.split, counter
         )
-        rows = rows[: cfg.num_val] if cfg.num_val is not None else rows
+        rows = rows[: cfg.num_val]
     return rows_to_records(rows or [], cfg, tokenizer, counter, processor, tool_prompts)

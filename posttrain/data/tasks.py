@@ -149,20 +149,19 @@ def builtin_rows(
         train, val = word_problems(num_digits, num_train, num_val, seed)
         return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]
     train, val = addition_pairs(num_digits, num_train, num_val, seed)
-    if name == "arithmetic":
-        return [arithmetic_row(a, b, num_digits) for a, b in train], [
-            arithmetic_row(a, b, num_digits) for a, b in val
-        ]
-    rng = random.Random(seed + 1)
-    rows = lambda pairs: [  # noqa: E731
-        {
-            "prompt": arithmetic_row(a, b, num_digits)["prompt"],
-            "chosen": arithmetic_row(a, b, num_digits)["answer"],
+    rng = random.Random(seed + 1)  # arithmetic_preference's wrong answers
+
+    def row(a: int, b: int) -> dict:
+        plain = arithmetic_row(a, b, num_digits)
+        if name == "arithmetic":
+            return plain
+        return {
+            "prompt": plain["prompt"],
+            "chosen": plain["answer"],
             "rejected": wrong_answer(a, b, num_digits, rng),
         }
-        for a, b in pairs
-    ]
-    return rows(train), rows(val)
+
+    return [row(a, b) for a, b in train], [row(a, b) for a, b in val]
 
 
 def puzzle_row(size: int, scramble_moves: int, seed: int) -> dict:
