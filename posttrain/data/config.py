@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from posttrain.config import ConfigError
-from posttrain.data.sources import is_file_source, looks_like_hub_name
+from posttrain.data.sources import is_file_source, looks_like_hub_name, missing_file
 from posttrain.data.tasks import BUILTIN_TASKS
 
 Format = Literal["auto", "messages", "prompt_response", "rl", "preference"]
@@ -98,13 +98,10 @@ class DataConfig:
     def missing_files(self) -> list[ConfigError]:
         """One error per data file named here that does not exist (checked before a run starts, and by
         `--check-config`); a relative path says where it was looked for."""
-        from pathlib import Path
-
         problems = []
         for key, name in (("data.dataset", self.dataset), ("data.val_dataset", self.val_dataset)):
-            if name is not None and is_file_source(name) and not Path(name).is_file():
-                where = "" if Path(name).is_absolute() else f" (looked for {Path(name).resolve()})"
-                problems.append(ConfigError(key, f"data file {name} does not exist{where}"))
+            if name is not None and is_file_source(name) and (problem := missing_file(name)):
+                problems.append(ConfigError(key, problem))
         return problems
 
     @staticmethod

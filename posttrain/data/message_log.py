@@ -88,16 +88,13 @@ def message_log_length(message_log: list[Message]) -> int:
 
 
 def trained_messages(message_log: list[Message], train_on: str) -> list[bool]:
-    """Which messages' tokens are trained on: assistant turns, or only the final assistant turn."""
+    """Which messages' tokens are trained on: assistant turns, or only the final assistant turn when
+    `train_on` is "last_assistant" (`data.train_on`, checked where the config is loaded)."""
     assistant = [m["role"] == "assistant" for m in message_log]
-    if train_on == "assistant":
-        return assistant
     if train_on == "last_assistant":
         last = max((i for i, a in enumerate(assistant) if a), default=-1)
         return [i == last for i in range(len(message_log))]
-    if train_on == "none":
-        return [False] * len(message_log)
-    raise ValueError(f"train_on must be 'assistant', 'last_assistant' or 'none', got {train_on!r}")
+    return assistant
 
 
 def message_log_to_flat(

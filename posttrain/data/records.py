@@ -15,6 +15,7 @@ from posttrain.data.tasks import BUILTIN_TASKS, builtin_rows
 from posttrain.data.tool_calls import ToolPrompt, add_tool_prompt
 
 DatumSpec = dict[str, Any]
+_LOG_KEYS = ("message_log", "chosen_message_log", "rejected_message_log")
 
 
 def _text_or_file(value: str | None) -> str | None:
@@ -152,11 +153,7 @@ def row_to_record(
         record["message_log"] = record["chosen_message_log"]
     else:
         raise ValueError(f"unknown data.format {fmt!r}")
-    record["length"] = max(
-        message_log_length(record[k])
-        for k in ("message_log", "chosen_message_log", "rejected_message_log")
-        if k in record
-    )
+    record["length"] = max(message_log_length(record[key]) for key in _LOG_KEYS if key in record)
     return record
 
 
@@ -174,9 +171,7 @@ def fit_length(record: DatumSpec, cfg: DataConfig, counter: SkipCounter) -> Datu
     if cfg.overlong == "drop":
         counter.dropped += 1
         return None
-    for key in ("message_log", "chosen_message_log", "rejected_message_log"):
-        if key not in record:
-            continue
+    for key in [key for key in _LOG_KEYS if key in record]:
         log = record[key]
         excess = message_log_length(log) - cfg.max_length
         if excess > 0:
@@ -214,9 +209,7 @@ def rows_to_records(
                 tool_prompts=tool_prompts,
             )
         except Exception as error:  # a template that cannot render a role raises from jinja
-            if not cfg.skip_invalid:
-                raise DataError(f"{row.where}: {error}") from None
-            counter.invalid += 1
+            counter.bad_row(row.where, str(error))
             continue
         record["where"] = row.where  # named by errors about the row found later (`check_record_tasks`)
         record = fit_length(record, cfg, counter)
@@ -241,19 +234,20 @@ def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[R
             [Row(r, f"{cfg.dataset} train row {i}") for i, r in enumerate(train)],
             [Row(r, f"{cfg.dataset} val row {i}") for i, r in enumerate(val)],
         )
-    read = (
-        (lambda source, split: read_file(source, cfg.skip_invalid, counter))
-        if is_file_source(cfg.dataset)
-        else read_hf_dataset
-    )
-    train_rows = read(cfg.dataset, cfg.split)
+    train_rows = _read_source(cfg, "dataset", cfg.split, counter)
     if cfg.val_dataset:
-        if is_file_source(cfg.val_dataset):
-            return train_rows, read_file(cfg.val_dataset, cfg.skip_invalid, counter, key="data.val_dataset")
-        return train_rows, read_hf_dataset(cfg.val_dataset, cfg.val_split or cfg.split)
+        return train_rows, _read_source(cfg, "val_dataset", cfg.val_split or cfg.split, counter)
     if cfg.val_split and not is_file_source(cfg.dataset):
         return train_rows, read_hf_dataset(cfg.dataset, cfg.val_split)
     return train_rows, None
+
+
+def _read_source(cfg: DataConfig, key: str, split: str, counter: SkipCounter) -> list[Row]:
+    """The rows of `data.<key>` (`dataset` or `val_dataset`): a file, or a Hugging Face dataset's `split`."""
+    source = getattr(cfg, key)
+    if is_file_source(source):
+        return read_file(source, counter, key=f"data.{key}")
+    return read_hf_dataset(source, split)
 
 
 def load_datasets(
@@ -262,7 +256,7 @@ def load_datasets(
     """(training records, validation records, counts of skipped/truncated/dropped samples). `processor`: a
     vision-language model's (posttrain.models.vlm.load_processor), needed by rows with images;
     `tool_prompts`: the tools each task declares to the model (posttrain.data.tool_calls)."""
-    counter = SkipCounter()
+    counter = SkipCounter(cfg.skip_invalid)
     train_rows, val_rows = _read_rows(cfg, counter)
     if val_rows is None:  # carve a validation split off with the seed
         order = list(range(len(train_rows)))
@@ -270,10 +264,8 @@ def load_datasets(
         num_val = max(1, int(len(order) * cfg.val_fraction)) if cfg.val_fraction > 0 else 0
         val_rows = [train_rows[i] for i in order[:num_val]]
         train_rows = [train_rows[i] for i in sorted(order[num_val:])]
-    if cfg.num_train is not None and cfg.dataset not in BUILTIN_TASKS:
-        train_rows = train_rows[: cfg.num_train]
-    if cfg.num_val is not None and cfg.dataset not in BUILTIN_TASKS:
-        val_rows = val_rows[: cfg.num_val]
+    if cfg.dataset not in BUILTIN_TASKS:  # a built-in task generated num_train / num_val rows already
+        train_rows, val_rows = train_rows[: cfg.num_train], val_rows[: cfg.num_val]
     train = rows_to_records(train_rows, cfg, tokenizer, counter, processor, tool_prompts)
     val = rows_to_records(val_rows, cfg, tokenizer, counter, processor, tool_prompts)
     if not train:
@@ -294,16 +286,12 @@ def load_all_records(
     """Every record of the data an evaluation scores whole: `data.val_dataset` when set, else every row of
     `data.dataset` (a Hugging Face dataset: split `data.val_split`, else `data.split`); a built-in task's
     validation rows (its training rows are for training). `data.num_val` keeps the first that many."""
-    counter = SkipCounter()
+    counter = SkipCounter(cfg.skip_invalid)
     if cfg.dataset in BUILTIN_TASKS:
         _, rows = _read_rows(cfg, counter)
     else:
-        source, key = (
-            (cfg.val_dataset, "data.val_dataset") if cfg.val_dataset else (cfg.dataset, "data.dataset")
+        rows = _read_source(
+            cfg, "val_dataset" if cfg.val_dataset else "dataset", cfg.val_split or cfg.split, counter
         )
-        if is_file_source(source):
-            rows = read_file(source, cfg.skip_invalid, counter, key=key)
-        else:
-            rows = read_hf_dataset(source, cfg.val_split or cfg.split)
-        rows = rows[: cfg.num_val] if cfg.num_val is not None else rows
+        rows = rows[: cfg.num_val]
     return rows_to_records(rows or [], cfg, tokenizer, counter, processor, tool_prompts)

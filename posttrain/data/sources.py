@@ -31,9 +31,16 @@ class Row:
 class SkipCounter:
     """Rows skipped by `skip_invalid`, and samples truncated or dropped for length."""
 
+    skip_invalid: bool = False
     invalid: int = 0
     truncated: int = 0
     dropped: int = 0
+
+    def bad_row(self, where: str, problem: str) -> None:
+        """A row that cannot be used: counted with `skip_invalid`, else a DataError naming `where`."""
+        if not self.skip_invalid:
+            raise DataError(f"{where}: {problem}") from None
+        self.invalid += 1
 
 
 def is_file_source(source: str) -> bool:
@@ -46,25 +53,21 @@ def looks_like_hub_name(name: str, single_word: bool = False) -> bool:
     return re.fullmatch(pattern, name) is not None and ".." not in name
 
 
-def _text_lines(path: Path, skip_invalid: bool, counter: SkipCounter) -> Iterator[tuple[int, str]]:
-    """(line number, text) of a UTF-8 file, a leading BOM dropped; a line that is not UTF-8 is a
-    DataError naming file and line, or skipped and counted with `skip_invalid`."""
+def _text_lines(path: Path, counter: SkipCounter) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file, a leading BOM dropped; a line that is not UTF-8 is a bad row
+    (`SkipCounter.bad_row`)."""
     with open(path, "rb") as f:
         for line_number, raw in enumerate(f, start=1):
             try:
                 yield line_number, raw.decode("utf-8-sig" if line_number == 1 else "utf-8")
             except UnicodeDecodeError as error:
-                if not skip_invalid:
-                    where = f"{path}:{line_number}"
-                    raise DataError(
-                        f"{where}: not UTF-8 text ({error.reason} at byte {error.start} of the line)"
-                    ) from None
-                counter.invalid += 1
+                problem = f"not UTF-8 text ({error.reason} at byte {error.start} of the line)"
+                counter.bad_row(f"{path}:{line_number}", problem)
 
 
-def read_jsonl(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
+def read_jsonl(path: Path, counter: SkipCounter) -> list[Row]:
     rows = []
-    for line_number, line in _text_lines(path, skip_invalid, counter):
+    for line_number, line in _text_lines(path, counter):
         if not line.strip():
             continue
         where = f"{path}:{line_number}"
@@ -73,17 +76,15 @@ def read_jsonl(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row
             if not isinstance(value, dict):
                 raise ValueError(f"expected a JSON object, got {type(value).__name__}")
         except ValueError as error:
-            if not skip_invalid:
-                raise DataError(f"{where}: malformed JSON line: {error}") from None
-            counter.invalid += 1
+            counter.bad_row(where, f"malformed JSON line: {error}")
             continue
         rows.append(Row(value, where))
     return rows
 
 
-def read_csv(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
+def read_csv(path: Path, counter: SkipCounter) -> list[Row]:
     """Rows of a CSV file with a header line; each named by the file line it starts on."""
-    numbered = list(_text_lines(path, skip_invalid, counter))
+    numbered = list(_text_lines(path, counter))
     reader = csv.reader(line for _, line in numbered)
     try:
         header = next(reader)
@@ -105,9 +106,7 @@ def read_csv(path: Path, skip_invalid: bool, counter: SkipCounter) -> list[Row]:
         if fields is not None and not any(fields):
             continue  # a blank line
         if problem:
-            if not skip_invalid:
-                raise DataError(f"{path}:{start}: {problem}")
-            counter.invalid += 1
+            counter.bad_row(f"{path}:{start}", problem)
             continue
         rows.append(Row(dict(zip(header, fields)), f"{path}:{start}"))
 
@@ -151,15 +150,22 @@ def _plain(record: dict) -> dict:
     return out
 
 
-def read_file(path: str, skip_invalid: bool, counter: SkipCounter, key: str = "data.dataset") -> list[Row]:
+def missing_file(name: str) -> str | None:
+    """None when the data file `name` exists; else why not (a relative path says where it was looked for)."""
+    if Path(name).is_file():
+        return None
+    where = "" if Path(name).is_absolute() else f" (looked for {Path(name).resolve()})"
+    return f"data file {name} does not exist{where}"
+
+
+def read_file(path: str, counter: SkipCounter, key: str = "data.dataset") -> list[Row]:
     file = Path(path)
-    if not file.is_file():
-        where = "" if file.is_absolute() else f" (looked for {file.resolve()})"
-        raise FileNotFoundError(f"{key}: data file {file} does not exist{where}")
+    if problem := missing_file(path):
+        raise FileNotFoundError(f"{key}: {problem}")
     if file.suffix == ".jsonl":
-        rows = read_jsonl(file, skip_invalid, counter)
+        rows = read_jsonl(file, counter)
     elif file.suffix == ".csv":
-        rows = read_csv(file, skip_invalid, counter)
+        rows = read_csv(file, counter)
     else:
         rows = read_table(file)
     for row in rows:

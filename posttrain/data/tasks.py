@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any
 
 from posttrain.data.constraint_lists import constrained_list_rows
 from posttrain.data.math_steps import math_steps_rows
@@ -29,22 +31,26 @@ def addition_pairs(num_digits: int, num_train: int, num_val: int, seed: int) -> 
             f"{num_train}+{num_val} pairs requested but only {limit * limit} exist with {num_digits} digits"
         )
     rng = random.Random(seed)
-    val: set = set()
-    while len(val) < num_val:
-        val.add((rng.randrange(limit), rng.randrange(limit)))
-    train = []
+    draw = lambda: (rng.randrange(limit), rng.randrange(limit))  # noqa: E731
+    val = set(_draw_distinct(num_val, set(), draw))
     if num_train > limit * limit // 2:  # dense: enumerate what is left and shuffle
         pool = [(a, b) for a in range(limit) for b in range(limit) if (a, b) not in val]
         rng.shuffle(pool)
         train = pool[:num_train]
     else:
-        seen = set(val)
-        while len(train) < num_train:
-            pair = (rng.randrange(limit), rng.randrange(limit))
-            if pair not in seen:
-                seen.add(pair)
-                train.append(pair)
+        train = _draw_distinct(num_train, set(val), draw)
     return train, sorted(val, key=lambda p: rng.random())
+
+
+def _draw_distinct(count: int, seen: set, draw: Callable[[], Any]) -> list:
+    """`count` values of `draw()` that are not in `seen` (each is added to it), in the order drawn."""
+    drawn = []
+    while len(drawn) < count:
+        value = draw()
+        if value not in seen:
+            seen.add(value)
+            drawn.append(value)
+    return drawn
 
 
 def arithmetic_row(a: int, b: int, num_digits: int) -> dict:
@@ -76,21 +82,14 @@ def word_problems(num_digits: int, num_train: int, num_val: int, seed: int) -> t
         raise ValueError(
             f"{num_train}+{num_val} questions requested but only {available} exist with {num_digits} digits"
         )
-    rng = random.Random(seed)
-    seen: set = set()
+    rng, seen = random.Random(seed), set()
 
-    def draw(count: int) -> list:
-        drawn = []
-        while len(drawn) < count:
-            a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice("+-")
-            question = (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
-            if question not in seen:
-                seen.add(question)
-                drawn.append(question)
-        return drawn
+    def question() -> tuple[int, str, int]:
+        a, b, op = rng.randint(low, high), rng.randint(low, high), rng.choice("+-")
+        return (max(a, b), op, min(a, b)) if op == "-" else (a, op, b)
 
-    val = draw(num_val)
-    return draw(num_train), val
+    val = _draw_distinct(num_val, seen, question)
+    return _draw_distinct(num_train, seen, question), val
 
 
 def word_problem_row(a: int, op: str, b: int) -> dict:
@@ -107,21 +106,18 @@ def multiplication_rows(num_digits: int, num_train: int, num_val: int, seed: int
     if num_train + num_val > (high - low + 1) ** 2:
         raise ValueError(f"{num_train}+{num_val} products requested; {num_digits}-digit operands have fewer")
     rng, seen = random.Random(seed), set()
-
-    def draw(count: int) -> list[dict]:
-        rows = []
-        while len(rows) < count:
-            a, b = rng.randint(low, high), rng.randint(low, high)
-            if (a, b) not in seen:
-                seen.add((a, b))
-                question = f"What is {a} times {b}? Reply with the number only."
-                rows.append(
-                    {"prompt": question, "response": str(a * b), "answer": str(a * b), "task_name": "math"}
-                )
-        return rows
-
-    val = draw(num_val)
-    return draw(num_train), val
+    draw = lambda: (rng.randint(low, high), rng.randint(low, high))  # noqa: E731
+    val, train = _draw_distinct(num_val, seen, draw), _draw_distinct(num_train, seen, draw)
+    rows = lambda pairs: [  # noqa: E731
+        {
+            "prompt": f"What is {a} times {b}? Reply with the number only.",
+            "response": str(a * b),
+            "answer": str(a * b),
+            "task_name": "math",
+        }
+        for a, b in pairs
+    ]
+    return rows(train), rows(val)
 
 
 def builtin_rows(
@@ -153,20 +149,19 @@ def builtin_rows(
         train, val = word_problems(num_digits, num_train, num_val, seed)
         return [word_problem_row(*q) for q in train], [word_problem_row(*q) for q in val]
     train, val = addition_pairs(num_digits, num_train, num_val, seed)
-    if name == "arithmetic":
-        return [arithmetic_row(a, b, num_digits) for a, b in train], [
-            arithmetic_row(a, b, num_digits) for a, b in val
-        ]
-    rng = random.Random(seed + 1)
-    rows = lambda pairs: [  # noqa: E731
-        {
-            "prompt": arithmetic_row(a, b, num_digits)["prompt"],
-            "chosen": arithmetic_row(a, b, num_digits)["answer"],
+    rng = random.Random(seed + 1)  # arithmetic_preference's wrong answers
+
+    def row(a: int, b: int) -> dict:
+        plain = arithmetic_row(a, b, num_digits)
+        if name == "arithmetic":
+            return plain
+        return {
+            "prompt": plain["prompt"],
+            "chosen": plain["answer"],
             "rejected": wrong_answer(a, b, num_digits, rng),
         }
-        for a, b in pairs
-    ]
-    return rows(train), rows(val)
+
+    return [row(a, b) for a, b in train], [row(a, b) for a, b in val]
 
 
 def puzzle_row(size: int, scramble_moves: int, seed: int) -> dict:

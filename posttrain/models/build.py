@@ -25,7 +25,7 @@ from transformers import (
 from posttrain.config import validate_config
 from posttrain.models.tokenizer import TOKENIZERS
 from posttrain.models.tokenizer import load_tokenizer as load_tokenizer  # re-exported for its callers
-from posttrain.models.vlm import build_vlm_dir, is_vision_language_dir
+from posttrain.models.vlm import build_vlm_dir, is_vision_language_dir, write_seeded_model
 
 ARCHITECTURES: dict[str, type[PretrainedConfig]] = {
     "qwen2": Qwen2Config,
@@ -152,22 +152,10 @@ def build_model_dir(cfg: ModelFromConfig, out_dir: str | Path) -> Path:
     The same `cfg` (seed included) always gives identical weights. Returns the directory."""
     if cfg.architecture in VISION_ARCHITECTURES:
         return build_vlm_dir(cfg, out_dir)
-    out_dir = Path(out_dir)
     tokenizer = TOKENIZERS[cfg.tokenizer]()
     hf_config = make_hf_config(cfg, tokenizer)
-    # Seed a private generator state so the caller's global RNG stream is left as it was.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        setattr(model.generation_config, key, getattr(tokenizer, key))
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        tokenizer.save_pretrained(out_dir)
-    except OSError as error:
-        raise OSError(f"could not write the model directory {out_dir}: {error}") from error
-    return out_dir
+    build = lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)  # noqa: E731
+    return write_seeded_model(build, cfg.seed, tokenizer, tokenizer, out_dir)
 
 
 def load_model(path_or_name: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

@@ -5,6 +5,7 @@ from keyword arguments, no hub), and how to tell a vision-language model directo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -159,19 +160,28 @@ def build_vlm_dir(cfg: Any, out_dir: str | Path) -> Path:
     Qwen2-VL."""
     from transformers import Qwen2VLForConditionalGeneration
 
-    out_dir = Path(out_dir)
     processor = build_processor(cfg.tokenizer)
-    tokenizer = processor.tokenizer
-    hf_config = make_vlm_config(cfg, tokenizer)
+    hf_config = make_vlm_config(cfg, processor.tokenizer)
+    build = lambda: Qwen2VLForConditionalGeneration(hf_config).to(torch.float32)  # noqa: E731
+    return write_seeded_model(build, cfg.seed, processor.tokenizer, processor, out_dir)
+
+
+def write_seeded_model(
+    build: Callable[[], torch.nn.Module], seed: int, tokenizer: Any, saved_with: Any, out_dir: str | Path
+) -> Path:
+    """Build a model with `build()` under `seed` (in a private RNG state: the caller's global stream is left
+    as it was), give its generation config the tokenizer's pad/bos/eos ids, and save it and `saved_with`
+    (the tokenizer, or a vision-language model's processor) to `out_dir`. Returns the directory."""
+    out_dir = Path(out_dir)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(cfg.seed)
-        model = Qwen2VLForConditionalGeneration(hf_config).to(torch.float32)
+        torch.manual_seed(seed)
+        model = build()
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         setattr(model.generation_config, key, getattr(tokenizer, key))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(out_dir, safe_serialization=True)
-        processor.save_pretrained(out_dir)
+        saved_with.save_pretrained(out_dir)
     except OSError as error:
         raise OSError(f"could not write the model directory {out_dir}: {error}") from error
     return out_dir

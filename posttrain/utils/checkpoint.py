@@ -1,6 +1,6 @@
 """Checkpoint policy: temporary directory, crash-safe finalize by rename, top-k by a metric, latest/best
-lookup, saved training info, and the sha256 manifest checked before resuming (`checkpoint_integrity.py`).
-What goes inside a checkpoint is `native_checkpoint.py`'s business.
+lookup, saved training info, and a sha256 manifest of every file, written before a checkpoint is finalized
+and verified before it is resumed from. What goes inside a checkpoint is `native_checkpoint.py`'s business.
 
 Layout (the document's): checkpoint_dir/step_N/{training_info.json, config.yaml, checksums.json, policy/...}.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -22,16 +23,20 @@ from typing import Any
 import yaml
 
 from posttrain.config import config_to_dict, validate_config
-from posttrain.utils.checkpoint_integrity import CheckpointWriteError, verify_checkpoint, write_manifest
 
 logger = logging.getLogger(__name__)
 
 TRAINING_INFO_FILE = "training_info.json"
 CONFIG_FILE = "config.yaml"
+MANIFEST_FILE = "checksums.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = "tmp_step_"
 # An existing step_N being replaced is first renamed to this; it is never read as a checkpoint.
 _REPLACED_PREFIX = "replaced_step_"
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full, permission, a file in the way); names the path."""
 
 
 @dataclass
@@ -72,11 +77,6 @@ def _json_default(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
     raise TypeError(f"training_info value of type {type(value).__name__} is not JSON serialisable")
-
-
-def _step_of(path: Path) -> int | None:
-    match = _STEP_DIR.match(path.name)
-    return int(match.group(1)) if match else None
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -139,22 +139,12 @@ class CheckpointManager:
         except OSError as error:
             raise CheckpointWriteError(f"cannot create checkpoint directory {tmp_path}: {error}") from error
         info_text = json.dumps(training_info, default=_json_default, indent=2, sort_keys=True)
-        self._write_text(tmp_path / TRAINING_INFO_FILE, info_text)
+        _write_text(tmp_path / TRAINING_INFO_FILE, info_text)
         if run_config is not None:
             dump = getattr(run_config, "model_dump", None)  # a pydantic model's
             plain = dump(mode="json") if dump is not None else config_to_dict(run_config)
-            self._write_text(tmp_path / CONFIG_FILE, yaml.safe_dump(plain, sort_keys=False))
+            _write_text(tmp_path / CONFIG_FILE, yaml.safe_dump(plain, sort_keys=False))
         return tmp_path
-
-    @staticmethod
-    def _write_text(path: Path, text: str) -> None:
-        try:
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-        except OSError as error:
-            raise CheckpointWriteError(f"cannot write checkpoint file {path}: {error}") from error
 
     def finalize_checkpoint(self, checkpoint_path: str | Path) -> None:
         """Write the sha256 manifest, then rename `tmp_step_N` to `step_N` atomically, replacing an existing
@@ -301,8 +291,8 @@ class CheckpointManager:
 def _list_step_dirs(checkpoint_dir: Path) -> list[tuple[int, Path]]:
     if not checkpoint_dir.is_dir():
         return []
-    found = [(_step_of(child), child) for child in checkpoint_dir.iterdir() if child.is_dir()]
-    return sorted((step, path) for step, path in found if step is not None)
+    found = [(_STEP_DIR.match(child.name), child) for child in checkpoint_dir.iterdir() if child.is_dir()]
+    return sorted((int(match.group(1)), path) for match, path in found if match)
 
 
 def _read_training_info(checkpoint_path: Path) -> dict[str, Any] | None:
@@ -332,3 +322,77 @@ def _remove_path(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink()
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write `text` and fsync it; a failure is a CheckpointWriteError naming the file."""
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise CheckpointWriteError(f"cannot write checkpoint file {path}: {error}") from error
+
+
+# ---------------------------------------------------------------- integrity
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files_under(directory: Path) -> list[Path]:
+    """Every regular file below `directory` (relative), the manifest itself excepted."""
+    files = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            relative = (Path(root) / name).relative_to(directory)
+            if relative.as_posix() != MANIFEST_FILE:
+                files.append(relative)
+    return sorted(files)
+
+
+def write_manifest(directory: str | Path) -> Path:
+    """Write `checksums.json`: {"files": {relative path: {"sha256", "size"}}} for every file below."""
+    directory = Path(directory)
+    files = {
+        relative.as_posix(): {
+            "sha256": _sha256(directory / relative),
+            "size": (directory / relative).stat().st_size,
+        }
+        for relative in _files_under(directory)
+    }
+    _write_text(
+        directory / MANIFEST_FILE, json.dumps({"version": 1, "files": files}, indent=1, sort_keys=True)
+    )
+    return directory / MANIFEST_FILE
+
+
+def verify_checkpoint(directory: str | Path) -> str | None:
+    """None when every file listed in the manifest is present with its size and sha256 and no file was
+    added; otherwise a sentence naming what is wrong (the first problem found)."""
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return f"{manifest_path} is missing (incomplete, or written before checksums existed)"
+    try:
+        files = json.loads(manifest_path.read_text(encoding="utf-8"))["files"]
+        expected = {name: (entry["sha256"], int(entry["size"])) for name, entry in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        return f"{manifest_path} is not a valid manifest ({type(exc).__name__}: {exc})"
+    present = {relative.as_posix() for relative in _files_under(directory)}
+    missing, unlisted = sorted(expected.keys() - present), sorted(present - expected.keys())
+    if missing:
+        return f"{directory / missing[0]} is missing"
+    if unlisted:
+        return f"{directory / unlisted[0]} is not in the manifest"
+    for name, (sha256, size) in sorted(expected.items()):
+        actual_size = (directory / name).stat().st_size
+        if actual_size != size:
+            return f"{directory / name} has {actual_size} bytes, the manifest says {size} (truncated?)"
+        if _sha256(directory / name) != sha256:
+            return f"{directory / name} does not match its sha256 (corrupted)"
+    return None

@@ -1,5 +1,5 @@
 """Unified experiment logger: `LoggerInterface`, its TensorBoard / W&B / MLflow / JSONL backends, the
-fan-out `Logger`, metric flattening and summaries, and reductions of worker metrics across ranks."""
+fan-out `Logger`, metric flattening and summaries, and a step's timing record."""
 
 from __future__ import annotations
 
@@ -147,53 +147,34 @@ def summarize_values(values: Sequence[float]) -> dict[str, float]:
     }
 
 
-def as_number_list(value: Any) -> list[float] | None:
-    """A non-empty list/tuple/1-d array/tensor of numbers as floats; None otherwise."""
-    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not value:
-        return None
-    numbers = [as_number(item) for item in value]
-    return None if any(number is None for number in numbers) else numbers
-
-
-class ScalarPreparer:
-    """Turns a metrics dict into scalars, warning once per key about values it has to skip."""
-
-    def __init__(self) -> None:
-        self._warned: set[str] = set()
-        self._lock = threading.Lock()
-
-    def prepare(
-        self, metrics: Mapping[str, Any], prefix: str = "", keep_lists: bool = False
-    ) -> dict[str, Any]:
-        """Flat scalars; a number list `k` becomes `k/mean`, `k/p50`, `k/p90`, `k/max` (plus `k` itself
-        when keep_lists); anything non-numeric is dropped with one warning per key."""
-        scalars: dict[str, Any] = {}
-        for key, value in flatten_metrics(metrics, prefix).items():
-            number = as_number(value)
-            if number is not None:
-                scalars[key] = number
-                continue
-            numbers = as_number_list(value)
-            if numbers is None:
-                self._warn_once(key, value)
-                continue
-            if keep_lists:
-                scalars[key] = numbers
-            scalars.update({f"{key}/{stat}": v for stat, v in summarize_values(numbers).items()})
-        return scalars
-
-    def _warn_once(self, key: str, value: Any) -> None:
-        with self._lock:
-            if key in self._warned:
-                return
-            self._warned.add(key)
-        log.warning(
-            "metric %r is %s, not a number or a non-empty list of numbers; skipped (warned once)",
-            key,
-            type(value).__name__,
-        )
+def prepare_scalars(
+    metrics: Mapping[str, Any], prefix: str = "", warned: set[str] | None = None
+) -> dict[str, Any]:
+    """Flat scalars; a non-empty list (tuple, 1-d array or tensor) of numbers `k` stays as itself beside
+    `k/mean`, `k/p50`, `k/p90` and `k/max`; anything else non-numeric is dropped with one warning per key
+    (the keys already warned about are kept in `warned`)."""
+    warned = set() if warned is None else warned
+    scalars: dict[str, Any] = {}
+    for key, value in flatten_metrics(metrics, prefix).items():
+        number = as_number(value)
+        if number is not None:
+            scalars[key] = number
+            continue
+        if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
+            value = value.tolist()
+        numbers = [as_number(item) for item in value] if isinstance(value, (list, tuple)) else []
+        if not numbers or None in numbers:
+            if key not in warned:
+                warned.add(key)
+                log.warning(
+                    "metric %r is %s, not a number or a non-empty list of numbers; skipped (warned once)",
+                    key,
+                    type(value).__name__,
+                )
+            continue
+        scalars[key] = numbers
+        scalars.update({f"{key}/{stat}": v for stat, v in summarize_values(numbers).items()})
+    return scalars
 
 
 def flatten_hyperparams(params: Any) -> dict[str, Any]:
@@ -220,11 +201,12 @@ def step_timing(driver_timer: Any, worker_timings: Mapping[str, Mapping[str, flo
 
 # ------------------------------------------------------------------------------------------ interface
 class LoggerInterface(ABC):
-    """What every backend and the fan-out `Logger` implement."""
+    """What every backend and the fan-out `Logger` implement. The `Logger` prepares each record once
+    (`prepare_scalars`) and hands every backend the same flat record."""
 
     @abstractmethod
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
-        """Record `metrics` (nested dicts allowed) at `step`, names prefixed with `prefix/`."""
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Record the flat `metrics` (names -> numbers; JSONL also keeps number lists) at `step`."""
 
     @abstractmethod
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -246,11 +228,9 @@ class JsonlLogger(LoggerInterface):
         self.path = Path(log_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in finish()
-        self._preparer = ScalarPreparer()
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
-        record = {"step": int(step), **self._preparer.prepare(metrics, prefix, keep_lists=True)}
-        self._file.write(json.dumps(record) + "\n")
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        self._file.write(json.dumps({"step": int(step), **metrics}) + "\n")
         self._file.flush()
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
@@ -272,10 +252,9 @@ class TensorboardLogger(LoggerInterface):
 
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
-        self._preparer = ScalarPreparer()
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
-        for name, value in self._preparer.prepare(metrics, prefix).items():
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        for name, value in metrics.items():
             self._writer.add_scalar(name, value, global_step=step)
         self._writer.flush()
 
@@ -287,13 +266,6 @@ class TensorboardLogger(LoggerInterface):
 
     def finish(self) -> None:
         self._writer.close()
-
-
-def wandb_mode() -> str:
-    """W&B mode: WANDB_MODE when set; else online only with an API key; else offline (never waits)."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
 class WandbLogger(LoggerInterface):
@@ -308,17 +280,19 @@ class WandbLogger(LoggerInterface):
         import wandb
 
         Path(log_dir).mkdir(parents=True, exist_ok=True)
-        self.mode = wandb_mode()
+        # WANDB_MODE when set; else online only with an API key; else offline (never waits for a login).
+        self.mode = os.environ.get("WANDB_MODE") or (
+            "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        )
         name = cfg.name or Path(log_dir).name
         self._run = wandb.init(
             project=cfg.project, name=name, dir=str(log_dir), mode=self.mode, reinit="create_new"
         )
         for namespace in self.OWN_STEP_NAMESPACES:
             self._run.define_metric(f"{namespace}/*", step_metric=f"{namespace}/step")
-        self._preparer = ScalarPreparer()
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
-        scalars = self._preparer.prepare(metrics, prefix)
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        scalars = dict(metrics)
         for namespace in self.OWN_STEP_NAMESPACES:
             own = {key: value for key, value in scalars.items() if key.startswith(f"{namespace}/")}
             if own:
@@ -362,16 +336,14 @@ class MLflowLogger(LoggerInterface):
             artifacts = None if cfg.tracking_uri else (log_dir / "mlartifacts").as_uri()
             experiment_id = self.client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
         self.run_id = self.client.create_run(experiment_id, run_name=cfg.run_name or log_dir.name).info.run_id
-        self._preparer = ScalarPreparer()
 
-    def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        scalars = self._preparer.prepare(metrics, prefix)
         entries = [
             Metric(mlflow_key(key), value, now_ms, int(step))
-            for key, value in scalars.items()
+            for key, value in metrics.items()
             if math.isfinite(value)
         ]
         if entries:
@@ -431,7 +403,7 @@ class Logger(LoggerInterface):
         self._log_dir = Path(log_dir)
         self._log_dir.mkdir(parents=True, exist_ok=True)
         self.backends: list[LoggerInterface] = [JsonlLogger(self._log_dir), *self._make_backends()]
-        self._preparer = ScalarPreparer()
+        self._warned: set[str] = set()  # metric names already warned about by `prepare_scalars`
         self._lock = threading.Lock()
         self.sample_printer = SamplePrinter(self._log_dir / "val_samples", self.cfg.num_val_samples_to_print)
         self.system_monitor = self._maybe_start_monitor()
@@ -468,10 +440,11 @@ class Logger(LoggerInterface):
         return monitor
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int, prefix: str = "") -> None:
-        """Flatten and summarise once, then hand the same record to every backend (thread-safe)."""
-        record = self._preparer.prepare(metrics, prefix, keep_lists=True)
-        scalars = {key: value for key, value in record.items() if not isinstance(value, list)}
+        """Flatten and summarise once (`prepare_scalars`), then hand the same record to every backend (JSONL
+        keeps the number lists; thread-safe)."""
         with self._lock:
+            record = prepare_scalars(metrics, prefix, self._warned)
+            scalars = {key: value for key, value in record.items() if not isinstance(value, list)}
             for backend in self.backends:
                 backend.log_metrics(record if isinstance(backend, JsonlLogger) else scalars, step)
 
@@ -485,29 +458,21 @@ class Logger(LoggerInterface):
             for backend in self.backends:
                 backend.log_artifact(local_path, artifact_path)
 
-    def log_run_artifacts(self) -> list[str]:
-        """What the run directory holds for the artifact store: `config.yaml` (the run config), every
-        checkpoint's `training_info.json` and `config.yaml` (as `checkpoints/step_N/`), and the final model
-        `hf_model/` (unless `mlflow.log_model` is off). Returns the artifact paths logged."""
-        logged = []
-        for local, artifact_dir in run_artifacts(self._log_dir, include_model=self.cfg.mlflow.log_model):
-            self.log_artifact(local, artifact_dir)
-            logged.append(artifact_dir if local.is_dir() else f"{artifact_dir or '.'}/{local.name}")
-        return logged
-
     def log_val_samples(self, samples: Sequence[Mapping[str, Any]], step: int) -> Path:
         """Write all samples to val_samples/step_N.jsonl and print the chosen ones; returns the file."""
         return self.sample_printer.log(samples, step)
 
     def finish(self) -> None:
-        """Stop (and flush) the system monitor, then close every backend; safe to call twice."""
+        """Stop (and flush) the system monitor, hand MLflow the run's lasting files (`run_artifacts`; the
+        model unless `mlflow.log_model` is off), then close every backend; safe to call twice."""
         if self._finished:
             return
         self._finished = True
         if self.system_monitor is not None:
             self.system_monitor.stop()
         if self.cfg.mlflow_enabled:
-            self.log_run_artifacts()
+            for local, artifact_dir in run_artifacts(self._log_dir, include_model=self.cfg.mlflow.log_model):
+                self.log_artifact(local, artifact_dir)
         for backend in self.backends:
             backend.finish()
 

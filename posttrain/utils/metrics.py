@@ -8,7 +8,7 @@ micro-batches and data-parallel ranks."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,11 +36,8 @@ def reduce_metrics(
     """Each metric over the parts (micro-batches or ranks) that report it, by its own reduction (sum /
     mean / min / max): `reductions` names it per metric; the others use `default`, or without one the
     suffix rule of `reduction_of`."""
-    for name, reduction in [*(reductions or {}).items(), ("<default>", default or "sum")]:
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"unknown reduction {reduction!r} for metric {name!r}; use one of {sorted(_REDUCTIONS)}"
-            )
+    named = {**(reductions or {}), "<default>": default or "sum"}
+    _check_reductions(named, lambda name, reduction: f"unknown reduction {reduction!r} for metric {name!r}")
     values_by_key: dict[str, list[float]] = {}
     for index, metrics in enumerate(parts):
         for key, value in metrics.items():
@@ -60,13 +57,19 @@ def metric_reductions(loss_fn: Any) -> dict[str, str]:
     """The reductions a loss names for its metrics in its `metric_reductions` attribute (metric -> "sum" /
     "mean" / "min" / "max"), checked."""
     declared = dict(loss_fn.metric_reductions)
-    for name, reduction in declared.items():
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"{type(loss_fn).__name__}.metric_reductions[{name!r}] = {reduction!r}; use one of "
-                f"{sorted(_REDUCTIONS)}"
-            )
+    loss_name = type(loss_fn).__name__
+    _check_reductions(
+        declared, lambda name, reduction: f"{loss_name}.metric_reductions[{name!r}] = {reduction!r}"
+    )
     return declared
+
+
+def _check_reductions(reductions: Mapping[str, str], culprit: Callable[[str, str], str]) -> None:
+    """A ValueError for the first reduction that is not sum / mean / min / max, `culprit(name, reduction)`
+    naming where it was set."""
+    for name, reduction in reductions.items():
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"{culprit(name, reduction)}; use one of {sorted(_REDUCTIONS)}")
 
 
 def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -77,13 +80,8 @@ def reduce_timing(per_rank: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 def mean_over_steps(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """Per-global-batch lists (as `Policy.train` returns them) -> one float each: the mean, or the min /
     max for `*_min` / `*_max`."""
-    reduced = {}
-    for key, values in metrics.items():
-        reduction = reduction_of(key)
-        reduced[key] = float(
-            sum(values) / len(values) if reduction == "sum" else _REDUCTIONS[reduction](values)
-        )
-    return reduced
+    over_steps = {"sum": "mean", "min": "min", "max": "max"}
+    return {key: float(_REDUCTIONS[over_steps[reduction_of(key)]](values)) for key, values in metrics.items()}
 
 
 def single_step_metrics(metrics: Mapping[str, Sequence[float]]) -> dict[str, float]:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from posttrain.utils.checkpoint_integrity import CheckpointWriteError
+from posttrain.utils.checkpoint import CheckpointWriteError
 from posttrain.utils.safe_dcp import (
     SafeFileSystemReader,
     SafeLoadPlanner,

@@ -25,10 +25,8 @@ def format_duration(seconds: float) -> str:
 class StepProgress:
     """`with StepProgress("grpo", total=200, start=0) as p: p.advance(step, {"loss": 0.1})`."""
 
-    def __init__(
-        self, description: str, total: int, start: int = 0, console: Console | None = None, every: int = 1
-    ):
-        self.description, self.total, self.start, self.every = description, total, start, every
+    def __init__(self, description: str, total: int, start: int = 0, console: Console | None = None):
+        self.description, self.total, self.start = description, total, start
         self.console = console or Console(stderr=True)
         self.interactive = self.console.is_terminal and sys.stderr.isatty()
         self._progress: Progress | None = None
@@ -53,8 +51,6 @@ class StepProgress:
             self._progress.update(self._task, completed=step, info=text)
             return
         done = step - self.start
-        if done % self.every and step != self.total:
-            return
         elapsed = time.monotonic() - self._t0
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = (self.total - step) / rate if rate > 0 else 0.0

@@ -108,8 +108,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             what = found.group(1) if found else str(exc).splitlines()[0]
             raise UnsafeCheckpointError(
                 f"checkpoint entry {read_item.dest_index.fqn}: refusing to load {what} (only tensors and "
-                "plain "
-                "data are allowed; the file may have been crafted to run code)"
+                "plain data are allowed; the file may have been crafted to run code)"
             ) from None
         super().load_bytes(read_item, _saved(loaded))
 

@@ -34,19 +34,6 @@ def reward_of(sample: Mapping[str, Any]) -> float:
     return float(reward.item() if hasattr(reward, "item") else reward)
 
 
-def check_samples(samples: Sequence[Mapping[str, Any]]) -> None:
-    """Every sample needs a `reward`; the error names the first one without."""
-    for index, sample in enumerate(samples):
-        if "reward" not in sample:
-            raise ValueError(f"validation sample {index} has no 'reward' (keys: {sorted(sample)})")
-
-
-def reward_stats(samples: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    """mean, min, max and n of the rewards."""
-    rewards = [reward_of(sample) for sample in samples]
-    return {"mean": sum(rewards) / len(rewards), "min": min(rewards), "max": max(rewards), "n": len(rewards)}
-
-
 def choose_samples(samples: Sequence[Mapping[str, Any]], num_to_print: int) -> list[Mapping[str, Any]]:
     """The ceil(n/2) highest-reward samples, then the floor(n/2) lowest (no sample twice), best first."""
     order = sorted(range(len(samples)), key=lambda i: reward_of(samples[i]), reverse=True)
@@ -76,7 +63,10 @@ class SamplePrinter:
         self.console = console or Console()
 
     def log(self, samples: Sequence[Mapping[str, Any]], step: int) -> Path:
-        check_samples(samples)
+        """Every sample needs a `reward` (the error names the first one without)."""
+        for index, sample in enumerate(samples):
+            if "reward" not in sample:
+                raise ValueError(f"validation sample {index} has no 'reward' (keys: {sorted(sample)})")
         path = self.write(samples, step)
         if self.num_to_print > 0 and samples:
             self.console.print(self.panel(samples, step))
@@ -91,10 +81,9 @@ class SamplePrinter:
         return path
 
     def panel(self, samples: Sequence[Mapping[str, Any]], step: int) -> Panel:
-        stats = reward_stats(samples)
-        summary = (
-            f"reward mean {stats['mean']:.4g}  min {stats['min']:.4g}  max {stats['max']:.4g}  n {stats['n']}"
-        )
+        rewards = [reward_of(sample) for sample in samples]
+        mean = sum(rewards) / len(rewards)
+        summary = f"reward mean {mean:.4g}  min {min(rewards):.4g}  max {max(rewards):.4g}  n {len(rewards)}"
         header = Text(summary, style="bold")
         chosen = [render_sample(sample) for sample in choose_samples(samples, self.num_to_print)]
         return Panel(Group(header, *chosen), title=f"validation samples, step {step}")

@@ -7,11 +7,11 @@ import logging
 import threading
 import time
 import urllib.request
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from posttrain.utils.metrics import reduce_metrics
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +63,6 @@ def _our_name(sample_name: str, labels: dict[str, str]) -> str | None:
     if sample_name in _GPU_METRICS and "GpuIndex" in labels:
         return f"gpu{labels['GpuIndex']}/{_GPU_METRICS[sample_name]}"
     return None
-
-
-def average_samples(samples: Iterable[dict[str, float]]) -> dict[str, float]:
-    """Per-key mean over the collected samples (a key missing from some samples averages the rest)."""
-    sums: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for sample in samples:
-        for key, value in sample.items():
-            sums[key] += value
-            counts[key] += 1
-    return {key: sums[key] / counts[key] for key in sums}
 
 
 class RaySystemMonitor:
@@ -154,10 +143,11 @@ class RaySystemMonitor:
         return values
 
     def flush(self) -> None:
-        """Log the average of the buffered samples at the monitor's next step; nothing if empty."""
+        """Log the per-key mean of the buffered samples (a key missing from some samples averages the
+        rest) at the monitor's next step; nothing if empty."""
         if not self._buffer:
             return
-        averaged = average_samples(self._buffer)
+        averaged = reduce_metrics(self._buffer, default="mean")
         self._buffer = []
         self.step += 1
         self.parent_logger.log_metrics(averaged, step=self.step, prefix="system")

@@ -47,13 +47,9 @@ class Timer:
             raise ValueError(f"unknown reduction {reduction!r}; choose one of {REDUCTIONS}")
         return {name: _reduce(values, reduction) for name, values in self._records.items() if values}
 
-    def reset(self, name: str | None = None) -> None:
-        if name is None:
-            self._records.clear()
-            self._running.clear()
-        else:
-            self._records.pop(name, None)
-            self._running.pop(name, None)
+    def reset(self) -> None:
+        self._records.clear()
+        self._running.clear()
 
 
 def _reduce(values: list[float], reduction: str) -> float:

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.utils.checkpoint import CheckpointManager
-from posttrain.utils.checkpoint_integrity import verify_checkpoint
+from posttrain.utils.checkpoint import CheckpointManager, verify_checkpoint
 
 SHARD = "policy/model/__0_0.distcp"
 

@@ -25,7 +25,7 @@ from posttrain.utils.logger import (
     summarize_values,
 )
 from posttrain.utils.sample_printer import choose_samples, render_sample
-from posttrain.utils.system_monitor import RaySystemMonitor, average_samples, parse_node_metrics
+from posttrain.utils.system_monitor import RaySystemMonitor, parse_node_metrics
 
 
 def jsonl_only(tmp_path: Path, **overrides) -> Logger:
@@ -290,8 +290,14 @@ def test_parse_node_metrics_converts_units_and_adds_gpu_totals():
     }
 
 
-def test_average_samples_means_each_key_over_samples_that_have_it():
-    assert average_samples([{"a": 1.0, "b": 4.0}, {"a": 3.0}]) == {"a": 2.0, "b": 4.0}
+def test_monitor_flush_means_each_key_over_samples_that_have_it(tmp_path):
+    """Samples {a: 1, b: 4} and {a: 3}: a = (1 + 3) / 2 = 2, b = 4 (only one sample has it)."""
+    logger = jsonl_only(tmp_path)
+    monitor = RaySystemMonitor(parent_logger=logger, collection_interval=1, flush_interval=1)
+    monitor._buffer = [{"a": 1.0, "b": 4.0}, {"a": 3.0}]
+    monitor.flush()
+    logger.finish()
+    assert read_jsonl(logger.log_dir / "metrics.jsonl") == [{"step": 1, "system/a": 2.0, "system/b": 4.0}]
 
 
 def test_failed_scrape_warns_once_and_returns_nothing(caplog):
