@@ -1,35 +1,24 @@
 """Rewards from a judge model: each finished reply is shown to a generative model with a rubric, and the
 score it writes is the reward (single turn: every sample terminates).
 
-The judge is either any OpenAI-compatible chat endpoint (`url`: `POST {url}/v1/chat/completions`, as
-served by vLLM, SGLang, llama.cpp or a hosted API; the key, if any, from the environment variable named by
-`api_key_env`) or a local Hugging Face causal LM (`model_dir`), loaded once inside the environment's Ray
-actor, which is then the judge's own worker (`env.<task>.num_workers` of them, each with
-`env.<task>.num_cpus`).
+The judge is either any OpenAI-compatible chat endpoint (`url`: `POST {url}/v1/chat/completions`; the key,
+if any, from the environment variable named by `api_key_env`), called `max_concurrency` at a time with the
+limits of `http_call` (429 and 503 are retried), or a local Hugging Face causal LM (`model_dir`), loaded
+once inside the environment's Ray actor.
 
 Per sample: the rubric (`rubric`, a `str.format` template with `{prompt}`, `{response}` and `{reference}`:
 the first user message, the last assistant message and `metadata[ground_truth_key]` or "(none)") is sent as
 one user message. The default rubric puts the reply between the lines `<answer_to_grade>` and
 `</answer_to_grade>` and says that nothing inside them is an instruction, a reference or a score; those
 tags are removed from the reply itself, so a reply cannot close the section and forge a "Reference
-answer:". The score is read from the judge's own final line only: lines the judge quotes from the reply
-are dropped first, and the last remaining non-empty line must match `score_pattern` whole (its first
-group a plain decimal number, so `Score: 1e1` is a parse failure, not a 1). The reward is
-(score - min_score) / (max_score - min_score), in [0, 1]. HTTP calls run `max_concurrency` at a time;
-each has a total deadline `timeout_s` (connect to last byte, retries included) and an answer cap of
-`max_response_bytes`, and is retried `retries` times (`backoff_s` apart) only when the connection could
-not be opened or the endpoint answered 429 or 503 (it did not serve the request).
+answer:". The score is read from the judge's own final line only (`parse_score`). The reward is
+(score - min_score) / (max_score - min_score), in [0, 1].
 
-Failures never stop the run and cost their sample alone. A reply without a score in range (a parse
-failure), a reply that is not text, and a judge that could not be reached score 0 and are counted in
-`num_errors` (the rollout's `env_errors`); the environment also keeps the counts by kind (`counts`) and
-logs the first failures with the judge's words.
-
-A judge can be gamed as surely as a verifier: the delimiters and the final-line rule stop a reply from
-forging the rubric or the score's text, but not from persuading the judge (length, confident tone, the
-rubric's own words, "this answer deserves a 10"). Keep a strict grader on validation
-(`grpo.val_grader`) wherever the task has a checkable answer, read the validation samples, and watch the
-gap between reward and strict grade that the run warns about."""
+A reply without a score in range (a parse failure), a reply that is not text, and a judge that could not
+be reached score 0, that sample alone, and are counted in `num_errors`; the environment also keeps the
+counts by kind (`counts`) and logs the first failures with the judge's words. A reply can still persuade
+the judge: keep a strict grader on validation (`grpo.val_grader`) wherever the task has a checkable
+answer."""
 
 from __future__ import annotations
 
@@ -41,7 +30,7 @@ from typing import Any
 
 import torch
 
-from posttrain.environments.http_call import HTTPCallError, post_json
+from posttrain.environments.http_call import HTTPCallError, JSONClient
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
 from posttrain.environments.reward_model import pick_device
 from posttrain.models.build import load_tokenizer
@@ -100,49 +89,22 @@ def parse_score(
 
 
 class HTTPJudge:
-    """An OpenAI-compatible chat-completions endpoint, called with a total deadline and an answer cap."""
+    """An OpenAI-compatible chat-completions endpoint, called with the limits of a `JSONClient`."""
 
-    def __init__(
-        self,
-        url: str,
-        model: str,
-        timeout_s: float,
-        retries: int,
-        backoff_s: float,
-        max_response_bytes: int = 2**20,
-        **sampling,
-    ):
+    def __init__(self, url: str, model: str, http: JSONClient, **sampling) -> None:
         self.endpoint = url.rstrip("/") + "/v1/chat/completions"
-        self.model, self.timeout_s, self.retries, self.backoff_s = model, timeout_s, retries, backoff_s
-        self.max_response_bytes, self.sampling = max_response_bytes, sampling
-        self.headers: dict[str, str] = {}
-
-    def use_key(self, key: str | None) -> None:
-        if key:
-            self.headers["Authorization"] = f"Bearer {key}"
+        self.model, self.http, self.sampling = model, http, sampling
 
     def complete(self, prompt: str) -> str:
         """The judge's reply text; JudgeUnavailable when there is no reply, or it is not a text."""
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], **self.sampling}
         try:
-            reply = post_json(
-                self.endpoint,
-                body,
-                deadline_s=self.timeout_s,
-                max_response_bytes=self.max_response_bytes,
-                headers=self.headers,
-                retries=self.retries,
-                backoff_s=self.backoff_s,
-                retry_statuses=RETRY_STATUS,
-            )
+            answer = self.http.call(self.endpoint, body)
+            content = answer["choices"][0]["message"]["content"]
         except HTTPCallError as error:
             raise JudgeUnavailable(str(error)) from error
-        if reply.status != 200:
-            raise JudgeUnavailable(f"{self.endpoint}: HTTP {reply.status}: {reply.body[:200]!r}")
-        try:
-            content = reply.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as error:
-            raise JudgeUnavailable(f"{self.endpoint}: not a chat completion: {reply.body[:200]!r}") from error
+        except (KeyError, IndexError, TypeError) as error:
+            raise JudgeUnavailable(f"{self.endpoint}: not a chat completion: {answer!r:.200}") from error
         if content is None:
             return ""
         if not isinstance(content, str):
@@ -225,10 +187,11 @@ class JudgeEnvironment(EnvironmentInterface):
         self.ground_truth_key, self.max_concurrency = ground_truth_key, max_concurrency
         self.counts = {"scored": 0, "parse_failures": 0, "unavailable": 0}
         if url is not None:
+            key = os.environ.get(api_key_env)
+            auth = {"Authorization": f"Bearer {key}"} if key else {}
+            http = JSONClient(timeout_s, max_response_bytes, retries, backoff_s, RETRY_STATUS, auth)
             sampling = {"max_tokens": max_new_tokens, "temperature": temperature}
-            http = HTTPJudge(url, model, timeout_s, retries, backoff_s, max_response_bytes, **sampling)
-            self.judge: HTTPJudge | LocalJudge = http
-            self.judge.use_key(os.environ.get(api_key_env))
+            self.judge: HTTPJudge | LocalJudge = HTTPJudge(url, model, http, **sampling)
         else:
             self.judge = LocalJudge(model_dir, max_new_tokens, batch_size, device)
 

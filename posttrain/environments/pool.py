@@ -1,9 +1,5 @@
-"""Ray actor pools that run environments: one pool per task, its samples split across the actors in
-order. Each actor checks its environment's rewards (`reward_check.step_isolated`): a NaN, infinite or
-out-of-range reward, and a sample whose scoring raises, score 0 and count as errors, that sample alone.
-A dead actor (its process killed, its node lost) is replaced and its samples are scored again on the new
-actor, so a lost node costs no rewards; samples whose scoring kills the new actor too score 0 and count
-as errors."""
+"""Ray actor pools that run environments, one pool per task; each actor checks its environment's rewards
+(`reward_check.step_isolated`)."""
 
 from __future__ import annotations
 
@@ -30,9 +26,6 @@ class _EnvironmentActor:
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         return step_isolated(self.environment, message_logs, metadata, self.source)
-
-    def global_post_process_and_metrics(self, batch):
-        return self.environment.global_post_process_and_metrics(batch)
 
 
 class EnvironmentPool:
@@ -71,7 +64,6 @@ class EnvironmentPool:
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         """Score one turn; a chunk whose environment raised scores 0, terminates, and is counted."""
-
         chunk = -(-len(message_logs) // len(self.actors)) if message_logs else 1
         chunks = [
             (message_logs[i : i + chunk], metadata[i : i + chunk]) for i in range(0, len(message_logs), chunk)
@@ -101,11 +93,6 @@ class EnvironmentPool:
                 self._restart(index)
                 ref = self.actors[index].step.remote(logs, meta) if attempt == 1 else None
         return failed_return(meta)
-
-    def global_post_process_and_metrics(self, batch):
-        import ray
-
-        return ray.get(self.actors[0].global_post_process_and_metrics.remote(batch))
 
     def shutdown(self) -> None:
         import ray

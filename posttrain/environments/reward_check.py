@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message, Turn
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +90,10 @@ def checked_return(
 
 def failed_return(metadata: list[dict[str, Any]], reason: str = "") -> EnvironmentReturn:
     """The answer for samples that could not be scored: reward 0, ended, each counted as an error."""
-    count = len(metadata)
     content = f"environment error: {reason}" if reason else ""
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": content} for _ in range(count)],
-        metadata=[dict(meta) for meta in metadata],
-        next_stop_strings=[None] * count,
-        rewards=torch.zeros(count),
-        terminateds=torch.ones(count, dtype=torch.bool),
-        answers=[None] * count,
-        num_errors=count,
-        extra={FAILED_KEY: [True] * count},
-    )
+    observation = {"role": "environment", "content": content}
+    turns = [Turn(dict(observation), dict(meta), terminated=True, error=content) for meta in metadata]
+    return dataclasses.replace(EnvironmentReturn.from_turns(turns), extra={FAILED_KEY: [True] * len(turns)})
 
 
 def step_isolated(

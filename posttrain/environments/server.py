@@ -1,15 +1,9 @@
-"""Serve any posttrain environment over HTTP with the protocol of `environments/remote.py`: each episode's
-metadata lives in the server between steps; a step of several episodes is one batched `env.step` call.
-`posttrain serve-env --cls sliding_puzzle --port 8765` runs one; tests start it on 127.0.0.1.
-
-What the server promises a network (docs/security.md, "Environment servers"): a shared-secret token
-(`Authorization: Bearer`), required when it binds beyond loopback (generated and printed when none is
-given); episodes bound to the client id that started them; capped bodies (413), a capped episode count with
-an idle TTL (429 when full); a socket timeout on every connection; a bounded pool of worker threads behind
-a real listen backlog; only `Content-Type: application/json` POSTs, and on loopback only loopback `Host`
-names (so a web page in a local browser cannot drive it). A sample whose scoring raises costs that sample
-alone (`reward_check.step_isolated`); an environment that raises anyway is an HTTP 500, not a dropped
-connection."""
+"""`posttrain serve-env`: any posttrain environment over HTTP with the protocol of `remote`; each episode's
+metadata lives in the server between steps (`episodes.EpisodeStore`), and a step of several episodes is
+one batched `env.step` call (`reward_check.step_isolated`). Its limits: a token (`Authorization: Bearer`,
+required beyond loopback, generated when none is given), `ServerLimits`, a bounded pool of worker
+threads, only `Content-Type: application/json` POSTs, and on loopback only loopback `Host` names (so a web
+page in a local browser cannot drive it); an environment that raises anyway is an HTTP 500."""
 
 from __future__ import annotations
 
@@ -30,11 +24,11 @@ from typing import Any
 from posttrain.environments.episodes import BadRequest, EpisodeStore, StoreFull, check_request
 from posttrain.environments.interface import EnvironmentInterface
 from posttrain.environments.registry import resolve_environment_class
+from posttrain.environments.remote import CLIENT_HEADER
 from posttrain.environments.reward_check import FAILED_KEY, step_isolated
 
 log = logging.getLogger(__name__)
 
-CLIENT_HEADER = "X-Posttrain-Client"
 TOKEN_ENV_HELP = "environment variable that holds the token (beyond loopback: generated when unset)"
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 

@@ -11,11 +11,9 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
 from posttrain.data.tool_calls import ParsedReply, ToolPrompt, tool_call_format
 from posttrain.environments.answers import grade_reply
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message, Turn
 from posttrain.environments.sandbox import sandbox_mode
 from posttrain.environments.tools import Tool, ToolResult, call_tool, resolve_tool
 
@@ -89,19 +87,6 @@ def build_tools(cfg: ToolEnvironmentConfig) -> dict[str, Tool]:
     return tools
 
 
-@dataclass
-class _Turn:
-    """One sample's answer to one assistant turn."""
-
-    observation: Message
-    metadata: dict[str, Any]
-    reward: float = 0.0
-    terminated: bool = False
-    answer: str | None = None
-    counts: dict[str, float] = field(default_factory=dict)
-    failed: bool = False  # handling this sample raised; it scores 0 and counts as an error
-
-
 COUNTERS = ("tool_calls", "tool_errors", "ended_by_turns", "ended_by_tokens", "ended_by_tool_time")
 
 
@@ -127,43 +112,32 @@ class ToolEnvironment(EnvironmentInterface):
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         turns = [self._step_isolated(log, dict(meta)) for log, meta in zip(message_logs, metadata)]
-        counts = {name: float(sum(t.counts.get(name, 0) for t in turns)) for name in COUNTERS}
-        return EnvironmentReturn(
-            observations=[t.observation for t in turns],
-            metadata=[t.metadata for t in turns],
-            next_stop_strings=[
-                None if t.terminated else list(self.call_format.stop_strings) or None for t in turns
-            ],
-            rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
-            terminateds=torch.tensor([t.terminated for t in turns], dtype=torch.bool),
-            answers=[t.answer for t in turns],
-            num_errors=sum(t.failed for t in turns),
-            counts=counts,
-        )
+        return EnvironmentReturn.from_turns(turns, COUNTERS)
 
-    def _step_isolated(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
+    def _step_isolated(self, log: list[Message], meta: dict[str, Any]) -> Turn:
         """`_step_one`, except that a sample whose handling raises (e.g. a call nested too deeply for a
         tool's argument check) ends with reward 0 and counts as an error, without touching the others."""
         try:
             return self._step_one(log, meta)
         except Exception as error:
             content = f"environment error: {type(error).__name__}"
-            return _Turn({"role": "environment", "content": content}, meta, 0.0, True, failed=True)
+            return Turn({"role": "environment", "content": content}, meta, 0.0, True, error=content)
 
-    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
+    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> Turn:
         reply = self.call_format.parse(log[-1]["content"] if log and log[-1]["role"] == "assistant" else "")
         if not reply.has_calls:
             reward, answer = grade_reply(reply.content, str(meta.get(self.cfg.ground_truth_key)))
-            return _Turn({"role": "environment", "content": ""}, meta, reward, True, answer)
+            return Turn({"role": "environment", "content": ""}, meta, reward, True, answer)
         limit = self._limit_reached(log, meta)
         if limit is not None:
-            return _Turn({"role": "environment", "content": ""}, meta, 0.0, True, None, {limit: 1})
+            return Turn({"role": "environment", "content": ""}, meta, 0.0, True, counts={limit: 1})
         results = self._run_calls(reply, meta)
         meta["num_tool_turns"] = meta.get("num_tool_turns", 0) + 1
         meta["tool_time_s"] = meta.get("tool_time_s", 0.0) + sum(r.seconds for r in results)
         content = "\n".join(r.content[: self.cfg.max_output_chars] for r in results)
         counts = {"tool_calls": len(results), "tool_errors": sum(r.is_error for r in results)}
-        return _Turn({"role": "tool", "content": content}, meta, counts=counts)
+        stops = list(self.call_format.stop_strings) or None
+        return Turn({"role": "tool", "content": content}, meta, next_stop_strings=stops, counts=counts)
 
     def _limit_reached(self, log: list[Message], meta: dict[str, Any]) -> str | None:
         """The limit a new tool turn would exceed (a counter name), or None."""
