@@ -1,9 +1,8 @@
-"""JSON over HTTP POST with a total deadline and a cap on the answer's size, for the clients that reach a
-network service (the remote environment, the judge). The deadline bounds the whole call (connect, send,
-headers, body, retries): when it passes, the connection is shut, so a server that drips one byte a second
-cannot hold the caller. A call is retried only when the request provably did not arrive (the connection
-was refused or could not be opened) or the server answered with a status the caller names as safe to
-retry (e.g. 429/503, which say the request was not served)."""
+"""JSON over HTTP POST for the clients that reach a network service (`remote`, `judge`): a total deadline
+`deadline_s` for the whole call (connect, send, headers, body, retries), which shuts the connection when
+it passes, so a server that drips one byte a second cannot hold the caller; a cap on the answer's size
+(`max_response_bytes`); retries only when the request provably did not arrive (the connection could not
+be opened) or the server answered a status the caller names as safe (`retry_statuses`, e.g. 429/503)."""
 
 from __future__ import annotations
 
@@ -37,9 +36,7 @@ class HTTPReply:
 
 @dataclass
 class JSONClient:
-    """POSTs JSON with one set of limits: all tries of a call within `deadline_s` seconds, an answer of at
-    most `max_response_bytes`, `retries` retries `backoff_s` apart of a connection that could not be opened
-    and of an answer whose status is in `retry_statuses`; `headers` go with every call."""
+    """POSTs JSON with one set of limits (`retries` `backoff_s` apart); `headers` go with every call."""
 
     deadline_s: float
     max_response_bytes: int
@@ -49,27 +46,12 @@ class JSONClient:
     headers: dict[str, str] = field(default_factory=dict)
 
     def call(self, url: str, payload: Any, headers: dict[str, str] | None = None) -> dict[str, Any]:
-        """The JSON object `url` answers with status 200; HTTPCallError naming `url` for anything else."""
-        reply = self.post(url, payload, headers)
-        if reply.status != 200:
-            raise HTTPCallError(f"{url}: HTTP {reply.status}: {reply.body[:200]!r}")
-        try:
-            answer = json.loads(reply.body)
-        except RecursionError:
-            raise HTTPCallError(f"{url}: not JSON: the answer's JSON is nested too deeply") from None
-        except ValueError as error:
-            raise HTTPCallError(f"{url}: not JSON: {error}") from error
-        if not isinstance(answer, dict):
-            raise HTTPCallError(f"{url}: the answer is not a JSON object")
-        return answer
-
-    def post(self, url: str, payload: Any, headers: dict[str, str] | None = None) -> HTTPReply:
-        """POST `payload` as JSON to `url` within the limits; HTTPCallError on anything that fails (deadline,
-        lost connection, oversized or incomplete answer) once the retries are spent."""
+        """The JSON object `url` answers with status 200 to `payload`; HTTPCallError naming `url` for
+        anything else (deadline, lost connection, oversized or incomplete answer, once retries are spent)."""
         deadline = time.monotonic() + self.deadline_s
         data = json.dumps(payload).encode()
         all_headers = {"Content-Type": "application/json", **self.headers, **(headers or {})}
-        problem = "no try fitted in the deadline"
+        problem, reply = "no try fitted in the deadline", None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(max(0.0, min(self.backoff_s, deadline - time.monotonic())))
@@ -83,9 +65,21 @@ class JSONClient:
             except HTTPCallError as error:
                 raise HTTPCallError(f"{url}: {error}") from error
             if reply.status not in self.retry_statuses:
-                return reply
-            problem = f"HTTP {reply.status}: {reply.body[:200]!r}"
-        raise HTTPCallError(f"{url}: {problem} ({attempt + 1} tries within {self.deadline_s} s)")
+                break
+            problem, reply = f"HTTP {reply.status}: {reply.body[:200]!r}", None
+        if reply is None:
+            raise HTTPCallError(f"{url}: {problem} ({attempt + 1} tries within {self.deadline_s} s)")
+        if reply.status != 200:
+            raise HTTPCallError(f"{url}: HTTP {reply.status}: {reply.body[:200]!r}")
+        try:
+            answer = json.loads(reply.body)
+        except RecursionError:
+            raise HTTPCallError(f"{url}: not JSON: the answer's JSON is nested too deeply") from None
+        except ValueError as error:
+            raise HTTPCallError(f"{url}: not JSON: {error}") from error
+        if not isinstance(answer, dict):
+            raise HTTPCallError(f"{url}: the answer is not a JSON object")
+        return answer
 
     def _post_once(self, url: str, data: bytes, headers: dict[str, str], deadline: float) -> HTTPReply:
         """One try: connect (a failure is _NotSent), then send and read under a watchdog that shuts the

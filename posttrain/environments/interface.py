@@ -67,16 +67,12 @@ class EnvironmentReturn:
         num_errors: int = 0,
     ) -> EnvironmentReturn:
         """A single-turn answer: every episode ends with its reward, with no observation to add."""
-        batch_size = len(metadata)
-        return cls(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=torch.as_tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=[None] * batch_size if answers is None else answers,
-            num_errors=num_errors,
+        answer = cls.from_turns(
+            [Turn({"role": "environment", "content": ""}, m, terminated=True) for m in metadata]
         )
+        answer.rewards, answer.num_errors = torch.as_tensor(rewards, dtype=torch.float32), num_errors
+        answer.answers = answer.answers if answers is None else answers
+        return answer
 
 
 class EnvironmentInterface(abc.ABC):

@@ -29,10 +29,8 @@ class _EnvironmentActor:
 
 
 class EnvironmentPool:
-    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order.
-    An actor that dies mid-step (its process killed, its node gone) is replaced by a new actor, which
-    scores its samples again; if that one dies too, the samples score 0 and count as errors (and it is
-    replaced again). `num_restarts` counts the replacements."""
+    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order, and
+    replaces a dead actor (`_collect`); `num_restarts` counts the replacements."""
 
     def __init__(self, task_name: str, cfg: EnvironmentConfig):
         import ray

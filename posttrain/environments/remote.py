@@ -1,25 +1,19 @@
-"""Environments behind a server: `RemoteEnvironment` plays any posttrain environment that runs as an HTTP
-service (`environments/server.py`, or your own implementation of the protocol), so that the environment
-can live on another machine, in another language or in its own container.
+"""`RemoteEnvironment` plays an environment served over HTTP (`server`, or any server of this protocol).
 
-The protocol: JSON over HTTP POST (`Content-Type: application/json`), batched, one episode per sample;
-the server keeps each episode's state. Every request carries `X-Posttrain-Client: <id>` (episodes belong
-to the client id that started them) and, when the server has a token, `Authorization: Bearer <token>`.
-
-- `POST /reset` `{"episodes": [{"metadata": {...}}]}` -> `{"episode_ids": ["e1", ...]}`: start episodes
-  from the task's metadata (the dataset row's `extra_env_info`).
-- `POST /step` `{"episodes": [{"episode_id": "e1", "message_log": [{"role", "content"}, ...]}]}` ->
-  `{"results": [{"observation": {"role", "content"}, "next_stop_strings": [...] | null, "reward": 0.0,
-  "terminated": false, "answer": "..." | null, "error": null | "..."}]}`: score the last assistant message
-  of each episode.
-- `POST /close` `{"episode_ids": [...]}` -> `{}`: forget episodes (the client closes every episode that
-  terminates).
+JSON over HTTP POST, batched, one episode per sample; the server keeps each episode's state. Every request
+carries `X-Posttrain-Client: <id>` (episodes belong to the client id that started them) and, when the
+server has a token, `Authorization: Bearer <token>`.
+- `POST /reset` `{"episodes": [{"metadata": {...}}]}` -> `{"episode_ids": [...]}`: start episodes from
+  the rows' metadata.
+- `POST /step` `{"episodes": [{"episode_id", "message_log": [{"role", "content"}, ...]}]}` -> `{"results":
+  [{"observation": {"role", "content"}, "next_stop_strings": [...] | null, "reward": float, "terminated":
+  bool, "answer": str | null, "error": str | null}]}`: score the last assistant message of each episode.
+- `POST /close` `{"episode_ids": [...]}` -> `{}`: forget episodes (the client closes each that ends).
 - `GET /health` -> `{"ok": true}`.
 
-Calls have the limits of `http_call` (`timeout_s`, `max_response_bytes`); only a connection that could
-not be opened is retried, as the server may have acted on a request once sent. A failed call ends each of
-its episodes with reward 0 and an error observation, counted in `num_errors`; each result is checked on
-its own (`parse_result`), so a malformed one costs that episode alone."""
+Calls have the limits of `http_call`; only a connection that could not be opened is retried, as the
+server may have acted on a request once sent. A failed call ends each of its episodes with reward 0, and
+each result is checked on its own (`parse_result`): a malformed one costs that episode alone."""
 
 from __future__ import annotations
 
@@ -37,10 +31,6 @@ log = logging.getLogger(__name__)
 EPISODE_KEY = "remote_episode_id"
 CLIENT_KEY = "remote_client_id"
 CLIENT_HEADER = "X-Posttrain-Client"
-
-
-class EnvironmentServiceError(RuntimeError):
-    """The environment service could not be reached or answered with an error."""
 
 
 class RemoteEnvironment(EnvironmentInterface):
@@ -73,16 +63,13 @@ class RemoteEnvironment(EnvironmentInterface):
         self.source = f"remote environment {self.url}"
 
     def _post(self, path: str, body: dict[str, Any], client_id: str) -> dict[str, Any]:
-        """The JSON object the server answers; EnvironmentServiceError for anything else."""
-        try:
-            return self.http.call(f"{self.url}{path}", body, {CLIENT_HEADER: client_id})
-        except HTTPCallError as error:
-            raise EnvironmentServiceError(f"{error} (deadline {self.http.deadline_s} s)") from error
+        """The JSON object the server answers; HTTPCallError for anything else."""
+        return self.http.call(f"{self.url}{path}", body, {CLIENT_HEADER: client_id})
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         try:
             episode_ids = self._episode_ids(metadata)
-        except EnvironmentServiceError as error:
+        except HTTPCallError as error:
             log.warning("%s: reset failed; %d episode(s) score 0: %s", self.source, len(metadata), error)
             return failed_return(metadata, f"environment service error: {error}")
         new_metadata = [
@@ -115,10 +102,8 @@ class RemoteEnvironment(EnvironmentInterface):
             results = self._post("/step", {"episodes": episodes}, client).get("results")
             if not isinstance(results, list) or len(results) != len(episodes):
                 count = len(results) if isinstance(results, list) else type(results).__name__
-                raise EnvironmentServiceError(
-                    f"{self.url}/step: {count} results for {len(episodes)} episodes"
-                )
-        except EnvironmentServiceError as error:
+                raise HTTPCallError(f"{self.url}/step: {count} results for {len(episodes)} episodes")
+        except HTTPCallError as error:
             log.warning("%s failed; %d episode(s) score 0: %s", self.source, len(indices), error)
             return [failed_turn(f"environment service error: {error}", metadata[i]) for i in indices]
         return [self._check_result(result, metadata[i], i) for i, result in zip(indices, results)]
@@ -141,11 +126,9 @@ class RemoteEnvironment(EnvironmentInterface):
             )
             new_ids = reply.get("episode_ids")
             if not (isinstance(new_ids, list) and len(new_ids) == len(new)):
-                raise EnvironmentServiceError(
-                    f"{self.url}/reset: not {len(new)} episode ids: {new_ids!r:.200}"
-                )
+                raise HTTPCallError(f"{self.url}/reset: not {len(new)} episode ids: {new_ids!r:.200}")
             if not all(isinstance(episode_id, str) for episode_id in new_ids):
-                raise EnvironmentServiceError(f"{self.url}/reset: episode ids must be strings")
+                raise HTTPCallError(f"{self.url}/reset: episode ids must be strings")
             for i, episode_id in zip(new, new_ids):
                 ids[i] = episode_id
         return ids
@@ -156,7 +139,7 @@ class RemoteEnvironment(EnvironmentInterface):
         for client_id, indices in _by_client(ended).items():
             try:
                 self._post("/close", {"episode_ids": [ended[i][EPISODE_KEY] for i in indices]}, client_id)
-            except EnvironmentServiceError as error:  # the episodes are over either way
+            except HTTPCallError as error:  # the episodes are over either way
                 log.info("%s: close failed: %s", self.source, error)
 
 

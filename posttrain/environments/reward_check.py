@@ -1,8 +1,7 @@
-"""Rewards are checked where they enter a run: every reward is a finite float inside its environment's
-declared range, every flag a real boolean, or that sample scores 0 and counts as an environment error that
-names the environment and the sample. `check_reward` and `parse_flag` are the checks for one value (a
-user's reward function may call them); `checked_return` applies them to an environment's whole answer,
-and `step_isolated` scores a batch so that one sample's failure costs that sample alone."""
+"""Rewards are checked where they enter a run: every reward a finite float inside its environment's range
+(`check_reward`, the one rule), every flag a real boolean (`parse_flag`), or that sample scores 0 and counts
+as an environment error naming the environment and the sample; `step_isolated` scores a batch so that one
+sample's failure costs that sample alone."""
 
 from __future__ import annotations
 

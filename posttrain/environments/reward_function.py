@@ -23,14 +23,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any
 
-from posttrain.environments.answers import strip_end_markers
-from posttrain.environments.interface import (
-    EnvironmentInterface,
-    EnvironmentReturn,
-    Message,
-    last_assistant_text,
-)
 from posttrain.environments.reward_check import check_reward
+from posttrain.environments.single_turn import SingleTurnEnvironment
 from posttrain.utils.imports import import_attribute, pickle_by_value
 
 logger = logging.getLogger(__name__)
@@ -112,53 +106,13 @@ def time_limit(seconds: float | None):
         signal.signal(signal.SIGALRM, previous)
 
 
-class SingleTurnEnvironment(EnvironmentInterface):
-    """Single turn: each sample's answer is `extract(reply)` and its reward `score(answer, metadata)`, the
-    reply being the last assistant message without end-of-turn markers. A score that raises is reward 0,
-    counted in `num_errors` (the first of a batch logged), and never ends the run."""
-
-    ground_truth_kwarg = "ground_truth_key"
-
-    def __init__(self, ground_truth_key: str = "ground_truth") -> None:
-        self.ground_truth_key = ground_truth_key
-        self.name = type(self).__name__
-
-    def extract(self, reply: str) -> str | None:
-        """The answer the reply commits to (default: the whole reply)."""
-        return reply
-
-    def score(self, answer: str | None, metadata: dict[str, Any]) -> float:
-        raise NotImplementedError
-
-    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        answers = [self.extract(strip_end_markers(last_assistant_text(log))) for log in message_logs]
-        rewards, num_errors = self.rewards(answers, metadata)
-        return EnvironmentReturn.final(metadata, rewards, answers, num_errors)
-
-    def rewards(self, answers: list[str | None], metadata: list[dict[str, Any]]) -> tuple[list[float], int]:
-        """Each sample's reward, and the number of samples whose score raised (scored 0)."""
-        rewards, num_errors = [], 0
-        for answer, meta in zip(answers, metadata):
-            try:
-                rewards.append(self.score(answer, meta))
-            except Exception as error:  # a verifier's failure, a user's bug or a slow call scores 0
-                if not num_errors:
-                    logger.warning("%s failed on sample %s: %r", self.name, meta.get("idx"), error)
-                rewards.append(0.0)
-                num_errors += 1
-        return rewards, num_errors
-
-
 class RewardFunctionEnvironment(SingleTurnEnvironment):
     """Single-turn: reward = `reward(reply, **columns)` of each sample (see the module docstring)."""
 
     ground_truth_kwarg = None
 
     def __init__(
-        self,
-        reward: RewardFunction | str,
-        batched: bool = False,
-        timeout_seconds: float | None = 5.0,
+        self, reward: RewardFunction | str, batched: bool = False, timeout_seconds: float | None = 5.0
     ):
         self.function = resolve_reward(reward) if isinstance(reward, str) else reward
         self.name = f"reward function {getattr(self.function, '__name__', repr(self.function))}"

@@ -1,8 +1,6 @@
-"""Multi-turn sliding-tile puzzle: the model moves the blank with `<action>up</action>` until solved.
-
-The board rules (shared with the built-in task) are in `posttrain.data.sliding_puzzle`. A valid move
-returns the new board; an invalid one returns an error observation; solving gives reward 1 and ends the
-episode; `max_moves` turns end it with reward 0."""
+"""Multi-turn sliding-tile puzzle (board rules in `posttrain.data.sliding_puzzle`): the model moves the
+blank with `<action>up</action>`; a valid move returns the new board, an invalid one an error observation;
+solving gives reward 1 and ends the episode; `max_moves` turns end it with reward 0."""
 
 from __future__ import annotations
 

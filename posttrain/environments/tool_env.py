@@ -1,21 +1,30 @@
-"""The agent loop's environment (`env.<task>.cls: tools`): each assistant turn either calls tools, whose
-results come back as a `tool` message, or gives the final answer, graded strictly against the ground
-truth (`answers.grade_reply`: only the answer the reply commits to). Malformed calls, unknown tools,
-invalid arguments and failing tools come back to the model as tool errors and are counted. An episode
-ends cleanly (reward 0) when it would exceed its tool turns, its tokens or its tool time."""
+"""Environments of tool calls. The agent loop's (`env.<task>.cls: tools`): each assistant turn either
+calls tools, whose results come back as a `tool` message, or gives the final answer, graded strictly
+against the ground truth (`answers.grade_reply`: only the answer the reply commits to). Malformed calls,
+unknown tools, invalid arguments and failing tools come back to the model as tool errors and are counted.
+An episode ends cleanly (reward 0) when it would exceed its tool turns, its tokens or its tool time.
+`code` runs `<code>` blocks with the sandboxed `python` tool. Both refuse to start where the sandbox
+(`sandbox`) cannot be set up."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from posttrain.config.errors import closest
 from posttrain.data.tool_calls import ParsedReply, ToolPrompt, tool_call_format
 from posttrain.environments.answers import grade_reply
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message, Turn
+from posttrain.environments.interface import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    Turn,
+    last_assistant_text,
+)
 from posttrain.environments.sandbox import sandbox_mode
-from posttrain.environments.tools import Tool, ToolResult, call_tool, resolve_tool
+from posttrain.environments.tools import Tool, ToolResult, call_tool, python_tool, resolve_tool
 
 
 @dataclass
@@ -52,8 +61,8 @@ class ToolEnvironmentConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in kwargs:
             if key not in names:
-                guess = difflib.get_close_matches(key, names, n=1)
-                hint = f"; did you mean {guess[0]!r}?" if guess else f"; valid: {names}"
+                guess = closest(key, names)
+                hint = f"; did you mean {guess!r}?" if guess else f"; valid: {names}"
                 raise ValueError(f"tools environment: unknown kwarg {key!r}{hint}")
         cfg = cls(**kwargs)
         if not (isinstance(cfg.tools, list | tuple) and all(isinstance(t, str) for t in cfg.tools)):
@@ -163,8 +172,44 @@ class ToolEnvironment(EnvironmentInterface):
             budget = self.cfg.max_tool_time_s - meta.get("tool_time_s", 0.0) - sum(r.seconds for r in results)
             result = call_tool(tool, call.arguments, budget)
             results.append(
-                ToolResult(
-                    ("error: " if result.is_error else "") + result.content, result.is_error, result.seconds
-                )
+                dataclasses.replace(result, content="error: " + result.content) if result.is_error else result
             )
         return results
+
+
+CODE_PATTERN = re.compile(r"<code>(.*?)</code>|```python\n(.*?)```", re.DOTALL)
+
+
+class CodeToolEnvironment(EnvironmentInterface):
+    """A turn with a `<code>...</code>` (or fenced python) block runs it and returns its output as a
+    `tool` message; a turn without code is the final answer, graded like the math environment's
+    (`answers.grade_reply`: only the answer the turn commits to) against `metadata["ground_truth"]`.
+    `max_turns` tool calls end the episode with reward 0.
+    """
+
+    ground_truth_kwarg = "ground_truth_key"
+
+    def __init__(
+        self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4
+    ):
+        self.run_code = python_tool(timeout_s, memory_mb, max_output_chars)
+        self.max_turns = max_turns
+        sandbox_mode()  # raises SandboxUnavailableError (what is missing) before any code is accepted
+
+    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> Turn:
+        text = last_assistant_text(log)
+        match = CODE_PATTERN.search(text)
+        turns = meta.get("num_tool_calls", 0)
+        if match and turns < self.max_turns:
+            output = self.run_code(match.group(1) or match.group(2))
+            new_meta = {**meta, "num_tool_calls": turns + 1}
+            return Turn({"role": "tool", "content": output}, new_meta, next_stop_strings=["</code>"])
+        try:
+            reward, answer = grade_reply(text, str(meta["ground_truth"]))
+        except Exception as error:
+            return Turn({"role": "environment", "content": ""}, meta, terminated=True, error=repr(error))
+        return Turn({"role": "environment", "content": ""}, meta, reward, True, answer)
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        turns = [self._step_one(log, meta) for log, meta in zip(message_logs, metadata)]
+        return EnvironmentReturn.from_turns(turns)
