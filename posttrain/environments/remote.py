@@ -84,17 +84,13 @@ class RemoteEnvironment(EnvironmentInterface):
         return EnvironmentReturn.from_turns(turns)
 
     def _step_group(
-        self,
-        message_logs: list[list[Message]],
-        metadata: list[dict[str, Any]],
-        indices: list[int],
-        client: str,
+        self, logs: list[list[Message]], metadata: list[dict[str, Any]], indices: list[int], client: str
     ) -> list[Turn]:
         """The checked turn of each episode in `indices` (all started by `client`), one POST /step."""
         episodes = [
             {
                 "episode_id": metadata[i][EPISODE_KEY],
-                "message_log": [{"role": m["role"], "content": m["content"]} for m in message_logs[i]],
+                "message_log": [{"role": m["role"], "content": m["content"]} for m in logs[i]],
             }
             for i in indices
         ]
