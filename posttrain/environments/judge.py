@@ -93,9 +93,8 @@ class LocalJudge:
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"
         self.device = pick_device(device)
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(self.device).eval()
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
 
     @torch.no_grad()

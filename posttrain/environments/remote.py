@@ -56,7 +56,9 @@ class RemoteEnvironment(EnvironmentInterface):
                 f"min_reward (got {timeout_s}, {max_response_bytes}, [{min_reward}, {max_reward}])"
             )
         self.url, self.reward_range = url.rstrip("/"), (min_reward, max_reward)
-        token = read_token(token_env)
+        token = None if token_env is None else os.environ.get(token_env)
+        if token_env is not None and not token:
+            raise ValueError(f"remote environment: token_env names {token_env!r}, which is not set")
         auth = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = JSONClient(timeout_s, max_response_bytes, retries, backoff_s, headers=auth)
         self.client_id = uuid.uuid4().hex
@@ -137,17 +139,6 @@ class RemoteEnvironment(EnvironmentInterface):
                 self._post("/close", {"episode_ids": [ended[i][EPISODE_KEY] for i in indices]}, client_id)
             except HTTPCallError as error:  # the episodes are over either way
                 log.info("%s: close failed: %s", self.source, error)
-
-
-def read_token(token_env: str | None) -> str | None:
-    """The token from the environment variable `token_env` (None: no token); a named variable that is unset
-    or empty is an error naming it."""
-    if token_env is None:
-        return None
-    token = os.environ.get(token_env)
-    if not token:
-        raise ValueError(f"remote environment: token_env names {token_env!r}, which is not set")
-    return token
 
 
 def _by_client(metadata: list[dict[str, Any]]) -> dict[str, list[int]]:

@@ -38,9 +38,8 @@ class RewardTimeout(Exception):
 
 
 def register_reward(function: RewardFunction, name: str | None = None) -> str:
-    """Make `function` available as `env.<task>.reward: <name>` (default: the function's `__name__`);
-    returns the name. The function itself travels to the environment actors, so it needs no import
-    path there."""
+    """Make `function` available as `env.<task>.reward: <name>` (default: its `__name__`) and return the
+    name; the function travels to the environment actors by value, so it needs no import path there."""
     if not callable(function):
         raise TypeError(f"register_reward: {function!r} is not a function")
     name = name or function.__name__

@@ -17,12 +17,9 @@ def strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
     """`text` without trailing end-of-turn markers (only at the end; the rest is left as generated, its
     whitespace included): the chat template adds the reward model's own end marker, so a kept one would
     appear twice."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for marker in markers:
-            if marker and text.endswith(marker):
-                text, stripped = text[: -len(marker)], True
+    markers = tuple(marker for marker in markers if marker)
+    while markers and text.endswith(markers):
+        text = text[: -len(next(marker for marker in markers if text.endswith(marker)))]
     return text
 
 

@@ -184,8 +184,7 @@ class CodeToolEnvironment(EnvironmentInterface):
     """A turn with a `<code>...</code>` (or fenced python) block runs it and returns its output as a
     `tool` message; a turn without code is the final answer, graded like the math environment's
     (`answers.grade_reply`: only the answer the turn commits to) against `metadata["ground_truth"]`.
-    `max_turns` tool calls end the episode with reward 0.
-    """
+    After `max_turns` tool calls, a turn is the final answer, code or not."""
 
     ground_truth_kwarg = "ground_truth_key"
 
