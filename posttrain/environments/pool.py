@@ -1,4 +1,4 @@
-"""Ray actor pools that run environments, one per task; actors check rewards (`reward_check.step_isolated`)."""
+"""Ray actor pools running environments, one per task; actors check rewards (`reward_check.step_isolated`)."""
 
 from __future__ import annotations
 
