@@ -15,10 +15,7 @@
   expression that evaluates to the number (`59 + 63`), a question (`= ?`, `122?`), words around the
   number (`not 122`, `12 or 13`) score 0.
 - Any other ground truth (an expression, an interval) is compared by math-verify with the answer alone.
-
-Examples with ground truth 122: `122`, `59 + 63 = 122`, `The answer is **122**.`, `\\boxed{122}` -> 1;
-`59 + 63 = ?`, `What is 59 plus 63?`, `59 + 63 = 122, minus 1 is 121`, `122 or 123`,
-`59 + 63 is not 122`, `\\boxed{59+63}`, `\\boxed{122} or \\boxed{123}` -> 0."""
+With ground truth 122, `59 + 63 = 122` and `\\boxed{122}` score 1; `59 + 63 = ?` and `122 or 123` score 0."""
 
 from __future__ import annotations
 

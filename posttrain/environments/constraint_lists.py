@@ -1,9 +1,6 @@
 """The verifier of the built-in `constrained_lists` task (rows: `posttrain.data.constraint_lists`): the
-reward is the share of a prompt's four constraints a reply meets, read from the row's columns as a user's
-reward function would (`env.<task>.reward: posttrain.environments.constraint_lists:constraint_share`); the
-strict grade is all four, read back from the prompt; and a grade the reward never reads: every item belongs
-to the topic (the topic's word list).
-"""
+reward (`constraint_share`, a reward function of the row's columns), the strict grade read back from the
+prompt (`all_constraints_met`), and a grade the reward never reads (`on_topic_share`)."""
 
 from __future__ import annotations
 

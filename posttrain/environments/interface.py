@@ -15,6 +15,20 @@ Message = dict[str, Any]  # {"role", "content"}; in a rollout also "num_tokens" 
 
 
 @dataclass
+class Turn:
+    """One sample's answer to one assistant turn; `error` (why it failed) makes it count in `num_errors`."""
+
+    observation: Message
+    metadata: dict[str, Any]
+    reward: float = 0.0
+    terminated: bool = False
+    answer: str | None = None
+    next_stop_strings: list[str] | None = None
+    counts: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
 class EnvironmentReturn:
     """What an environment answers for a batch of B samples after one assistant turn."""
 
@@ -29,6 +43,22 @@ class EnvironmentReturn:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
+    def from_turns(cls, turns: list[Turn], count_names: tuple[str, ...] = ()) -> EnvironmentReturn:
+        """The batch's answer from each sample's `Turn`, in order; `counts` summed by name (`count_names`
+        always present)."""
+        names = sorted({*count_names, *(name for turn in turns for name in turn.counts)})
+        return cls(
+            observations=[t.observation for t in turns],
+            metadata=[t.metadata for t in turns],
+            next_stop_strings=[t.next_stop_strings for t in turns],
+            rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
+            terminateds=torch.tensor([t.terminated for t in turns], dtype=torch.bool),
+            answers=[t.answer for t in turns],
+            num_errors=sum(t.error is not None for t in turns),
+            counts={name: float(sum(t.counts.get(name, 0) for t in turns)) for name in names},
+        )
+
+    @classmethod
     def final(
         cls,
         metadata: list[dict[str, Any]],
@@ -37,16 +67,12 @@ class EnvironmentReturn:
         num_errors: int = 0,
     ) -> EnvironmentReturn:
         """A single-turn answer: every episode ends with its reward, with no observation to add."""
-        batch_size = len(metadata)
-        return cls(
-            observations=[{"role": "environment", "content": ""} for _ in range(batch_size)],
-            metadata=metadata,
-            next_stop_strings=[None] * batch_size,
-            rewards=torch.as_tensor(rewards, dtype=torch.float32),
-            terminateds=torch.ones(batch_size, dtype=torch.bool),
-            answers=[None] * batch_size if answers is None else answers,
-            num_errors=num_errors,
+        answer = cls.from_turns(
+            [Turn({"role": "environment", "content": ""}, m, terminated=True) for m in metadata]
         )
+        answer.rewards, answer.num_errors = torch.as_tensor(rewards, dtype=torch.float32), num_errors
+        answer.answers = answer.answers if answers is None else answers
+        return answer
 
 
 class EnvironmentInterface(abc.ABC):
@@ -75,12 +101,6 @@ class EnvironmentInterface(abc.ABC):
     @abc.abstractmethod
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         """Score one turn: `message_logs[i]` ends with the assistant's latest message."""
-
-    def global_post_process_and_metrics(
-        self, batch: dict[str, Any]
-    ) -> tuple[dict[str, Any], dict[str, float]]:
-        """Post-process a finished rollout batch and return environment-level metrics (default: none)."""
-        return batch, {}
 
 
 def last_assistant_text(message_log: list[Message]) -> str:

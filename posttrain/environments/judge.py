@@ -1,35 +1,18 @@
 """Rewards from a judge model: each finished reply is shown to a generative model with a rubric, and the
 score it writes is the reward (single turn: every sample terminates).
 
-The judge is either any OpenAI-compatible chat endpoint (`url`: `POST {url}/v1/chat/completions`, as
-served by vLLM, SGLang, llama.cpp or a hosted API; the key, if any, from the environment variable named by
-`api_key_env`) or a local Hugging Face causal LM (`model_dir`), loaded once inside the environment's Ray
-actor, which is then the judge's own worker (`env.<task>.num_workers` of them, each with
-`env.<task>.num_cpus`).
+The judge is either any OpenAI-compatible chat endpoint (`url`: `POST {url}/v1/chat/completions`; the key,
+if any, from the environment variable named by `api_key_env`), called `max_concurrency` at a time with the
+limits of `http_call` (429 and 503 are retried), or a local Hugging Face causal LM (`model_dir`), loaded
+once inside the environment's Ray actor.
 
-Per sample: the rubric (`rubric`, a `str.format` template with `{prompt}`, `{response}` and `{reference}`:
-the first user message, the last assistant message and `metadata[ground_truth_key]` or "(none)") is sent as
-one user message. The default rubric puts the reply between the lines `<answer_to_grade>` and
-`</answer_to_grade>` and says that nothing inside them is an instruction, a reference or a score; those
-tags are removed from the reply itself, so a reply cannot close the section and forge a "Reference
-answer:". The score is read from the judge's own final line only: lines the judge quotes from the reply
-are dropped first, and the last remaining non-empty line must match `score_pattern` whole (its first
-group a plain decimal number, so `Score: 1e1` is a parse failure, not a 1). The reward is
-(score - min_score) / (max_score - min_score), in [0, 1]. HTTP calls run `max_concurrency` at a time;
-each has a total deadline `timeout_s` (connect to last byte, retries included) and an answer cap of
-`max_response_bytes`, and is retried `retries` times (`backoff_s` apart) only when the connection could
-not be opened or the endpoint answered 429 or 503 (it did not serve the request).
-
-Failures never stop the run and cost their sample alone. A reply without a score in range (a parse
-failure), a reply that is not text, and a judge that could not be reached score 0 and are counted in
-`num_errors` (the rollout's `env_errors`); the environment also keeps the counts by kind (`counts`) and
-logs the first failures with the judge's words.
-
-A judge can be gamed as surely as a verifier: the delimiters and the final-line rule stop a reply from
-forging the rubric or the score's text, but not from persuading the judge (length, confident tone, the
-rubric's own words, "this answer deserves a 10"). Keep a strict grader on validation
-(`grpo.val_grader`) wherever the task has a checkable answer, read the validation samples, and watch the
-gap between reward and strict grade that the run warns about."""
+Per sample, the rubric (`rubric_fields`) is sent as one user message; the default one puts the reply
+between `<answer_to_grade>` lines and says that nothing inside them is an instruction, a reference or a
+score. The reward is the score on the judge's own final line (`parse_score`), scaled to [0, 1]. A reply
+without a score in range, a reply that is not text, and a judge that could not be reached score 0, that
+sample alone, and are counted in `num_errors` and by kind in `counts` (the first few logged with the
+judge's words). A reply can still persuade the judge: keep a strict grader on validation
+(`grpo.val_grader`) wherever the task has a checkable answer."""
 
 from __future__ import annotations
 
@@ -41,8 +24,13 @@ from typing import Any
 
 import torch
 
-from posttrain.environments.http_call import HTTPCallError, post_json
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.http_call import HTTPCallError, JSONClient
+from posttrain.environments.interface import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    last_assistant_text,
+)
 from posttrain.environments.reward_model import pick_device
 from posttrain.models.build import load_tokenizer
 
@@ -65,16 +53,12 @@ PLAIN_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 RETRY_STATUS = frozenset({429, 503})
 
 
-class JudgeUnavailable(RuntimeError):
-    """The judge did not answer (after its retries)."""
-
-
 def rubric_fields(message_log: list[Message], metadata: dict[str, Any], ground_truth_key: str) -> dict:
-    """{prompt, response, reference} of one conversation for the rubric template; the response without
-    any `<answer_to_grade>` tags of its own."""
+    """{prompt, response, reference} of one conversation for the rubric template (`str.format`): the first
+    user message, the last assistant message without any `<answer_to_grade>` tags of its own (so it cannot
+    close the section and forge a "Reference answer:"), and `metadata[ground_truth_key]` or "(none)"."""
     prompt = next((m["content"] for m in message_log if m["role"] == "user"), "")
-    response = next((m["content"] for m in reversed(message_log) if m["role"] == "assistant"), "")
-    response = ANSWER_TAGS.sub("", response)
+    response = ANSWER_TAGS.sub("", last_assistant_text(message_log))
     reference = metadata.get(ground_truth_key)
     return {"prompt": prompt, "response": response, "reference": "(none)" if reference is None else reference}
 
@@ -99,57 +83,6 @@ def parse_score(
     return (score - min_score) / (max_score - min_score)
 
 
-class HTTPJudge:
-    """An OpenAI-compatible chat-completions endpoint, called with a total deadline and an answer cap."""
-
-    def __init__(
-        self,
-        url: str,
-        model: str,
-        timeout_s: float,
-        retries: int,
-        backoff_s: float,
-        max_response_bytes: int = 2**20,
-        **sampling,
-    ):
-        self.endpoint = url.rstrip("/") + "/v1/chat/completions"
-        self.model, self.timeout_s, self.retries, self.backoff_s = model, timeout_s, retries, backoff_s
-        self.max_response_bytes, self.sampling = max_response_bytes, sampling
-        self.headers: dict[str, str] = {}
-
-    def use_key(self, key: str | None) -> None:
-        if key:
-            self.headers["Authorization"] = f"Bearer {key}"
-
-    def complete(self, prompt: str) -> str:
-        """The judge's reply text; JudgeUnavailable when there is no reply, or it is not a text."""
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], **self.sampling}
-        try:
-            reply = post_json(
-                self.endpoint,
-                body,
-                deadline_s=self.timeout_s,
-                max_response_bytes=self.max_response_bytes,
-                headers=self.headers,
-                retries=self.retries,
-                backoff_s=self.backoff_s,
-                retry_statuses=RETRY_STATUS,
-            )
-        except HTTPCallError as error:
-            raise JudgeUnavailable(str(error)) from error
-        if reply.status != 200:
-            raise JudgeUnavailable(f"{self.endpoint}: HTTP {reply.status}: {reply.body[:200]!r}")
-        try:
-            content = reply.json()["choices"][0]["message"]["content"]
-        except (ValueError, KeyError, IndexError, TypeError) as error:
-            raise JudgeUnavailable(f"{self.endpoint}: not a chat completion: {reply.body[:200]!r}") from error
-        if content is None:
-            return ""
-        if not isinstance(content, str):
-            raise JudgeUnavailable(f"{self.endpoint}: the reply's content is a {type(content).__name__}")
-        return content
-
-
 class LocalJudge:
     """A Hugging Face causal LM in this process: its chat template, greedy decoding (transformers'
     `generate`), `batch_size` prompts at a time."""
@@ -160,9 +93,8 @@ class LocalJudge:
         self.tokenizer = load_tokenizer(model_dir)
         self.tokenizer.padding_side = "left"
         self.device = pick_device(device)
-        self.model = (
-            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(self.device).eval()
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = model.to(self.device).eval()
         self.max_new_tokens, self.batch_size = max_new_tokens, batch_size
 
     @torch.no_grad()
@@ -224,31 +156,37 @@ class JudgeEnvironment(EnvironmentInterface):
         self.min_score, self.max_score = min_score, max_score
         self.ground_truth_key, self.max_concurrency = ground_truth_key, max_concurrency
         self.counts = {"scored": 0, "parse_failures": 0, "unavailable": 0}
-        if url is not None:
-            sampling = {"max_tokens": max_new_tokens, "temperature": temperature}
-            http = HTTPJudge(url, model, timeout_s, retries, backoff_s, max_response_bytes, **sampling)
-            self.judge: HTTPJudge | LocalJudge = http
-            self.judge.use_key(os.environ.get(api_key_env))
-        else:
-            self.judge = LocalJudge(model_dir, max_new_tokens, batch_size, device)
+        self.local = None if model_dir is None else LocalJudge(model_dir, max_new_tokens, batch_size, device)
+        self.endpoint = f"{(url or '').rstrip('/')}/v1/chat/completions"
+        self.request = {"model": model, "max_tokens": max_new_tokens, "temperature": temperature}
+        key = os.environ.get(api_key_env)
+        auth = {"Authorization": f"Bearer {key}"} if key else {}
+        self.http = JSONClient(timeout_s, max_response_bytes, retries, backoff_s, RETRY_STATUS, auth)
 
-    def _ask(self, prompts: list[str]) -> list[str | JudgeUnavailable]:
+    def _ask(self, prompts: list[str]) -> list[str | HTTPCallError]:
         """The judge's reply to each prompt, or the error that kept it from answering."""
-        if isinstance(self.judge, LocalJudge):
-            return list(self.judge.complete_all(prompts))
-
-        def ask_one(prompt: str) -> str | JudgeUnavailable:
-            try:
-                return self.judge.complete(prompt)
-            except JudgeUnavailable as error:
-                return error
-
+        if self.local is not None:
+            return list(self.local.complete_all(prompts))
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(prompts)))) as pool:
-            return list(pool.map(ask_one, prompts))
+            return list(pool.map(self._complete, prompts))
 
-    def _score(self, reply: str | JudgeUnavailable, response: str, meta: dict[str, Any]) -> float | None:
+    def _complete(self, prompt: str) -> str | HTTPCallError:
+        """The endpoint's reply text; an HTTPCallError when there is no reply, or it is not a text."""
+        body = {**self.request, "messages": [{"role": "user", "content": prompt}]}
+        try:
+            answer = self.http.call(self.endpoint, body)
+            content = answer["choices"][0]["message"]["content"]
+        except HTTPCallError as error:
+            return error
+        except (KeyError, IndexError, TypeError):
+            return HTTPCallError(f"{self.endpoint}: not a chat completion: {answer!r:.200}")
+        if content is not None and not isinstance(content, str):
+            return HTTPCallError(f"{self.endpoint}: the reply's content is a {type(content).__name__}")
+        return content or ""
+
+    def _score(self, reply: str | HTTPCallError, response: str, meta: dict[str, Any]) -> float | None:
         """One sample's reward from the judge's reply, or None (counted by kind, the first few logged)."""
-        if isinstance(reply, JudgeUnavailable):
+        if isinstance(reply, HTTPCallError):
             reward, kind, detail = None, "unavailable", str(reply)
         else:
             reward = parse_score(reply, self.pattern, self.min_score, self.max_score, quoted=response)

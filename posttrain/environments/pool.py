@@ -1,9 +1,4 @@
-"""Ray actor pools that run environments: one pool per task, its samples split across the actors in
-order. Each actor checks its environment's rewards (`reward_check.step_isolated`): a NaN, infinite or
-out-of-range reward, and a sample whose scoring raises, score 0 and count as errors, that sample alone.
-A dead actor (its process killed, its node lost) is replaced and its samples are scored again on the new
-actor, so a lost node costs no rewards; samples whose scoring kills the new actor too score 0 and count
-as errors."""
+"""Ray actor pools running environments, one per task; actors check rewards (`reward_check.step_isolated`)."""
 
 from __future__ import annotations
 
@@ -31,15 +26,10 @@ class _EnvironmentActor:
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         return step_isolated(self.environment, message_logs, metadata, self.source)
 
-    def global_post_process_and_metrics(self, batch):
-        return self.environment.global_post_process_and_metrics(batch)
-
 
 class EnvironmentPool:
-    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order.
-    An actor that dies mid-step (its process killed, its node gone) is replaced by a new actor, which
-    scores its samples again; if that one dies too, the samples score 0 and count as errors (and it is
-    replaced again). `num_restarts` counts the replacements."""
+    """`num_workers` Ray actors of one environment; `step` splits the samples across them in order, and
+    replaces a dead actor (`_collect`); `num_restarts` counts the replacements."""
 
     def __init__(self, task_name: str, cfg: EnvironmentConfig):
         import ray
@@ -71,7 +61,6 @@ class EnvironmentPool:
 
     def step(self, message_logs, metadata) -> EnvironmentReturn:
         """Score one turn; a chunk whose environment raised scores 0, terminates, and is counted."""
-
         chunk = -(-len(message_logs) // len(self.actors)) if message_logs else 1
         chunks = [
             (message_logs[i : i + chunk], metadata[i : i + chunk]) for i in range(0, len(message_logs), chunk)
@@ -101,11 +90,6 @@ class EnvironmentPool:
                 self._restart(index)
                 ref = self.actors[index].step.remote(logs, meta) if attempt == 1 else None
         return failed_return(meta)
-
-    def global_post_process_and_metrics(self, batch):
-        import ray
-
-        return ray.get(self.actors[0].global_post_process_and_metrics.remote(batch))
 
     def shutdown(self) -> None:
         import ray

@@ -1,13 +1,6 @@
-"""Environment classes by name and a public `register_environment` (the Ray actors that run them are
-in `posttrain.environments.pool`).
-
-In YAML, `env.<task_name>.cls` is a registered name (`math`, `exact_match`, `sliding_puzzle`, `code`,
-`reward_model`, `remote`, `judge`, `tools`), or a user's class as `path/to/file.py:ClassName` or
-`package.module:ClassName`; or `env.<task_name>.reward` names a plain reward function
-(`posttrain.environments.reward_function`). The driver resolves both and hands the class or function
-itself to the environment actors (pickled by value where the actors could not import it), so what a
-script registers reaches actors in other processes.
-"""
+"""Environment classes by name (`env.<task>.cls`: a registered name, `path/to/file.py:Class` or
+`module:Class`) and the checks that every task has its environment. The driver resolves a task's class and
+reward function and hands them to the actors (`pool`) by value, so what a script registers reaches them."""
 
 from __future__ import annotations
 
@@ -18,11 +11,9 @@ from posttrain.config import ConfigError
 from posttrain.data.config import DataConfig
 from posttrain.data.sources import DataError
 from posttrain.data.tool_calls import ToolPrompt
-from posttrain.environments.code_sandbox import CodeToolEnvironment
-from posttrain.environments.exact_match import ExactMatchEnvironment
 from posttrain.environments.interface import EnvironmentInterface
-from posttrain.environments.math_env import MathEnvironment
 from posttrain.environments.reward_function import RewardFunctionEnvironment, resolve_reward
+from posttrain.environments.single_turn import ExactMatchEnvironment, MathEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
 from posttrain.utils.imports import import_attribute, pickle_by_value
 
@@ -30,7 +21,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "math": MathEnvironment,
     "exact_match": ExactMatchEnvironment,
     "sliding_puzzle": SlidingPuzzleEnvironment,
-    "code": CodeToolEnvironment,
+    "code": "posttrain.environments.tool_env:CodeToolEnvironment",
     "reward_model": "posttrain.environments.reward_model:RewardModelEnvironment",
     "remote": "posttrain.environments.remote:RemoteEnvironment",
     "judge": "posttrain.environments.judge:JudgeEnvironment",
@@ -179,11 +170,9 @@ def environment_file_problems(env_cfgs: dict[str, EnvironmentConfig]) -> list[Co
     missing attribute, an unknown name), naming `env.<task>.reward` or `env.<task>.cls`."""
     problems = []
     for task, cfg in env_cfgs.items():
-        key, spec = (
-            (f"env.{task}.reward", cfg.reward) if cfg.reward is not None else (f"env.{task}.cls", cfg.cls)
-        )
+        key = f"env.{task}.reward" if cfg.reward is not None else f"env.{task}.cls"
         try:
-            resolve_reward(spec) if cfg.reward is not None else resolve_environment_class(spec)
+            resolve_environment(cfg)
         except (ImportError, OSError, AttributeError, KeyError, TypeError, SyntaxError) as error:
             problems.append(ConfigError(key, error.args[0] if isinstance(error, KeyError) else str(error)))
     return problems

@@ -1,41 +1,29 @@
-"""Environments behind a server: `RemoteEnvironment` plays any posttrain environment that runs as an HTTP
-service (`environments/server.py`, or your own implementation of the protocol), so that the environment
-can live on another machine, in another language or in its own container.
+"""`RemoteEnvironment` plays an environment served over HTTP (`server`, or any server of this protocol).
 
-The protocol: JSON over HTTP POST (`Content-Type: application/json`), batched, one episode per sample;
-the server keeps each episode's state. Every request carries `X-Posttrain-Client: <id>` (episodes belong
-to the client id that started them) and, when the server has a token, `Authorization: Bearer <token>`.
-
-- `POST /reset` `{"episodes": [{"metadata": {...}}]}` -> `{"episode_ids": ["e1", ...]}`: start episodes
-  from the task's metadata (the dataset row's `extra_env_info`).
-- `POST /step` `{"episodes": [{"episode_id": "e1", "message_log": [{"role", "content"}, ...]}]}` ->
-  `{"results": [{"observation": {"role", "content"}, "next_stop_strings": [...] | null, "reward": 0.0,
-  "terminated": false, "answer": "..." | null, "error": null | "..."}]}`: score the last assistant message
-  of each episode.
-- `POST /close` `{"episode_ids": [...]}` -> `{}`: forget episodes (the client closes every episode that
-  terminates).
+JSON over HTTP POST, batched, one episode per sample; the server keeps each episode's state. Every request
+carries `X-Posttrain-Client: <id>` (episodes belong to the client id that started them) and, when the
+server has a token, `Authorization: Bearer <token>`.
+- `POST /reset` `{"episodes": [{"metadata": {...}}]}` -> `{"episode_ids": [...]}`: start episodes from
+  the rows' metadata.
+- `POST /step` `{"episodes": [{"episode_id", "message_log": [{"role", "content"}, ...]}]}` -> `{"results":
+  [{"observation": {"role", "content"}, "next_stop_strings": [...] | null, "reward": float, "terminated":
+  bool, "answer": str | null, "error": str | null}]}`: score the last assistant message of each episode.
+- `POST /close` `{"episode_ids": [...]}` -> `{}`: forget episodes (the client closes each that ends).
 - `GET /health` -> `{"ok": true}`.
 
-Each call has a total deadline (`timeout_s`, connect to last byte) and an answer-size cap
-(`max_response_bytes`). Only a connection that could not be opened is retried (`retries` times,
-`backoff_s` apart): once the request is sent, the server may have acted on it, so a lost connection or a
-passed deadline is not. A call that still fails ends each of its episodes with reward 0 and an error
-observation, counted in `num_errors`. Each result is checked on its own: a reward that is not a finite
-number in [`min_reward`, `max_reward`], a `terminated` that is not a JSON boolean, or any field of the
-wrong type costs that episode alone (reward 0, counted), never its neighbours."""
+Calls have the limits of `http_call`; only a connection that could not be opened is retried, as the
+server may have acted on a request once sent. A failed call ends each of its episodes with reward 0, and
+each result is checked on its own (`parse_result`): a malformed one costs that episode alone."""
 
 from __future__ import annotations
 
 import logging
 import os
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from posttrain.environments.http_call import HTTPCallError, post_json
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.http_call import HTTPCallError, JSONClient
+from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message, Turn
 from posttrain.environments.reward_check import check_reward, failed_return, parse_flag, sample_name
 
 log = logging.getLogger(__name__)
@@ -43,22 +31,6 @@ log = logging.getLogger(__name__)
 EPISODE_KEY = "remote_episode_id"
 CLIENT_KEY = "remote_client_id"
 CLIENT_HEADER = "X-Posttrain-Client"
-
-
-class EnvironmentServiceError(RuntimeError):
-    """The environment service could not be reached or answered with an error."""
-
-
-@dataclass
-class _Outcome:
-    """One episode's checked result."""
-
-    observation: Message
-    next_stop_strings: list[str] | None
-    reward: float
-    terminated: bool
-    answer: str | None
-    error: str | None = None
 
 
 class RemoteEnvironment(EnvironmentInterface):
@@ -83,77 +55,44 @@ class RemoteEnvironment(EnvironmentInterface):
                 "remote environment: timeout_s and max_response_bytes must be > 0 and max_reward >= "
                 f"min_reward (got {timeout_s}, {max_response_bytes}, [{min_reward}, {max_reward}])"
             )
-        self.url = url.rstrip("/")
-        self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
-        self.max_response_bytes, self.reward_range = max_response_bytes, (min_reward, max_reward)
+        self.url, self.reward_range = url.rstrip("/"), (min_reward, max_reward)
+        token = None if token_env is None else os.environ.get(token_env)
+        if token_env is not None and not token:
+            raise ValueError(f"remote environment: token_env names {token_env!r}, which is not set")
+        auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = JSONClient(timeout_s, max_response_bytes, retries, backoff_s, headers=auth)
         self.client_id = uuid.uuid4().hex
-        self.token = read_token(token_env)
         self.source = f"remote environment {self.url}"
 
     def _post(self, path: str, body: dict[str, Any], client_id: str) -> dict[str, Any]:
-        """The JSON object the server answers; EnvironmentServiceError for anything else."""
-        headers = {CLIENT_HEADER: client_id}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        try:
-            limits = {"deadline_s": self.timeout_s, "max_response_bytes": self.max_response_bytes}
-            retry = {"retries": self.retries, "backoff_s": self.backoff_s}
-            reply = post_json(f"{self.url}{path}", body, headers=headers, **limits, **retry)
-        except HTTPCallError as error:
-            raise EnvironmentServiceError(f"{error} (deadline {self.timeout_s} s)") from error
-        if reply.status != 200:
-            raise EnvironmentServiceError(f"{self.url}{path}: HTTP {reply.status}: {reply.body[:200]!r}")
-        try:
-            answer = reply.json()
-        except ValueError as error:
-            raise EnvironmentServiceError(f"{self.url}{path}: not JSON: {error}") from error
-        if not isinstance(answer, dict):
-            raise EnvironmentServiceError(f"{self.url}{path}: the answer is not a JSON object")
-        return answer
+        """The JSON object the server answers; HTTPCallError for anything else."""
+        return self.http.call(f"{self.url}{path}", body, {CLIENT_HEADER: client_id})
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         try:
             episode_ids = self._episode_ids(metadata)
-        except EnvironmentServiceError as error:
+        except HTTPCallError as error:
             log.warning("%s: reset failed; %d episode(s) score 0: %s", self.source, len(metadata), error)
             return failed_return(metadata, f"environment service error: {error}")
         new_metadata = [
             {**meta, EPISODE_KEY: episode_id, CLIENT_KEY: meta.get(CLIENT_KEY, self.client_id)}
             for meta, episode_id in zip(metadata, episode_ids)
         ]
-        outcomes: list[_Outcome | None] = [None] * len(metadata)
+        by_index: dict[int, Turn] = {}
         for client_id, indices in _by_client(new_metadata).items():
-            group = self._step_group(message_logs, new_metadata, indices, client_id)
-            for index, outcome in zip(indices, group):
-                outcomes[index] = outcome
-        ended = [
-            (meta[CLIENT_KEY], meta[EPISODE_KEY])
-            for meta, outcome in zip(new_metadata, outcomes)
-            if outcome.terminated and outcome.error is None
-        ]
-        self._close(ended)
-        return EnvironmentReturn(
-            observations=[o.observation for o in outcomes],
-            metadata=new_metadata,
-            next_stop_strings=[o.next_stop_strings for o in outcomes],
-            rewards=torch.tensor([o.reward for o in outcomes], dtype=torch.float32),
-            terminateds=torch.tensor([o.terminated for o in outcomes], dtype=torch.bool),
-            answers=[o.answer for o in outcomes],
-            num_errors=sum(o.error is not None for o in outcomes),
-        )
+            by_index.update(zip(indices, self._step_group(message_logs, new_metadata, indices, client_id)))
+        turns = [by_index[i] for i in range(len(metadata))]
+        self._close([t.metadata for t in turns if t.terminated and t.error is None])
+        return EnvironmentReturn.from_turns(turns)
 
     def _step_group(
-        self,
-        message_logs: list[list[Message]],
-        metadata: list[dict[str, Any]],
-        indices: list[int],
-        client: str,
-    ) -> list[_Outcome]:
-        """The checked outcome of each episode in `indices` (all started by `client`), one POST /step."""
+        self, logs: list[list[Message]], metadata: list[dict[str, Any]], indices: list[int], client: str
+    ) -> list[Turn]:
+        """The checked turn of each episode in `indices` (all started by `client`), one POST /step."""
         episodes = [
             {
                 "episode_id": metadata[i][EPISODE_KEY],
-                "message_log": [{"role": m["role"], "content": m["content"]} for m in message_logs[i]],
+                "message_log": [{"role": m["role"], "content": m["content"]} for m in logs[i]],
             }
             for i in indices
         ]
@@ -161,23 +100,19 @@ class RemoteEnvironment(EnvironmentInterface):
             results = self._post("/step", {"episodes": episodes}, client).get("results")
             if not isinstance(results, list) or len(results) != len(episodes):
                 count = len(results) if isinstance(results, list) else type(results).__name__
-                raise EnvironmentServiceError(
-                    f"{self.url}/step: {count} results for {len(episodes)} episodes"
-                )
-        except EnvironmentServiceError as error:
+                raise HTTPCallError(f"{self.url}/step: {count} results for {len(episodes)} episodes")
+        except HTTPCallError as error:
             log.warning("%s failed; %d episode(s) score 0: %s", self.source, len(indices), error)
-            return [failed_outcome(f"environment service error: {error}") for _ in indices]
-        return [
-            self._check_result(result, sample_name(metadata[i], i)) for i, result in zip(indices, results)
-        ]
+            return [failed_turn(f"environment service error: {error}", metadata[i]) for i in indices]
+        return [self._check_result(result, metadata[i], i) for i, result in zip(indices, results)]
 
-    def _check_result(self, result: Any, sample: str) -> _Outcome:
+    def _check_result(self, result: Any, meta: dict[str, Any], position: int) -> Turn:
         """One episode's result, every field checked; a wrong one fails this episode alone (logged)."""
         try:
-            return parse_result(result, self.source, sample, self.reward_range)
+            return parse_result(result, meta, self.source, sample_name(meta, position), self.reward_range)
         except ValueError as error:
             log.warning("%s; the episode scores 0", error)
-            return failed_outcome(f"environment service error: {error}")
+            return failed_turn(f"environment service error: {error}", meta)
 
     def _episode_ids(self, metadata: list[dict[str, Any]]) -> list[str]:
         """Each sample's episode id, starting (reset) the episodes that have none yet."""
@@ -189,36 +124,21 @@ class RemoteEnvironment(EnvironmentInterface):
             )
             new_ids = reply.get("episode_ids")
             if not (isinstance(new_ids, list) and len(new_ids) == len(new)):
-                raise EnvironmentServiceError(
-                    f"{self.url}/reset: not {len(new)} episode ids: {new_ids!r:.200}"
-                )
+                raise HTTPCallError(f"{self.url}/reset: not {len(new)} episode ids: {new_ids!r:.200}")
             if not all(isinstance(episode_id, str) for episode_id in new_ids):
-                raise EnvironmentServiceError(f"{self.url}/reset: episode ids must be strings")
+                raise HTTPCallError(f"{self.url}/reset: episode ids must be strings")
             for i, episode_id in zip(new, new_ids):
                 ids[i] = episode_id
         return ids
 
-    def _close(self, ended: list[tuple[str, str]]) -> None:
-        """Forget the ended episodes on the server, one POST per client id; a failure is only logged."""
-        by_client: dict[str, list[str]] = {}
-        for client_id, episode_id in ended:
-            by_client.setdefault(client_id, []).append(episode_id)
-        for client_id, episode_ids in by_client.items():
+    def _close(self, ended: list[dict[str, Any]]) -> None:
+        """Forget the ended episodes (their metadata) on the server, one POST per client id; a failure is
+        only logged."""
+        for client_id, indices in _by_client(ended).items():
             try:
-                self._post("/close", {"episode_ids": episode_ids}, client_id)
-            except EnvironmentServiceError as error:  # the episodes are over either way
+                self._post("/close", {"episode_ids": [ended[i][EPISODE_KEY] for i in indices]}, client_id)
+            except HTTPCallError as error:  # the episodes are over either way
                 log.info("%s: close failed: %s", self.source, error)
-
-
-def read_token(token_env: str | None) -> str | None:
-    """The token from the environment variable `token_env` (None: no token); a named variable that is unset
-    or empty is an error naming it."""
-    if token_env is None:
-        return None
-    token = os.environ.get(token_env)
-    if not token:
-        raise ValueError(f"remote environment: token_env names {token_env!r}, which is not set")
-    return token
 
 
 def _by_client(metadata: list[dict[str, Any]]) -> dict[str, list[int]]:
@@ -229,14 +149,16 @@ def _by_client(metadata: list[dict[str, Any]]) -> dict[str, list[int]]:
     return groups
 
 
-def parse_result(result: Any, source: str, sample: str, reward_range: tuple[float, float]) -> _Outcome:
-    """One `/step` result with every field checked; a server-reported error is an outcome with `error`;
+def parse_result(
+    result: Any, meta: dict[str, Any], source: str, sample: str, reward_range: tuple[float, float]
+) -> Turn:
+    """One `/step` result with every field checked; a server-reported error is a turn with `error`;
     anything malformed is a ValueError naming source, sample and field."""
     if not isinstance(result, dict):
         raise ValueError(f"{source}, {sample}: a result must be a JSON object, got {type(result).__name__}")
     error = result.get("error")
     if error is not None:
-        return failed_outcome(f"environment service error: {str(error)[:500]}")
+        return failed_turn(f"environment service error: {str(error)[:500]}", meta)
     observation = result.get("observation")
     observation = observation if isinstance(observation, dict) else {}
     role, content = observation.get("role"), observation.get("content")
@@ -250,9 +172,9 @@ def parse_result(result: Any, source: str, sample: str, reward_range: tuple[floa
         raise ValueError(f"{source}, {sample}: answer must be a string or null")
     reward = check_reward(result.get("reward"), source, sample, reward_range)
     terminated = parse_flag(result.get("terminated"), "terminated", source, sample)
-    return _Outcome({"role": role, "content": content}, stops, reward, terminated, answer)
+    return Turn({"role": role, "content": content}, meta, reward, terminated, answer, stops)
 
 
-def failed_outcome(reason: str) -> _Outcome:
+def failed_turn(reason: str, meta: dict[str, Any]) -> Turn:
     """An episode that ends with reward 0 and an error observation, counted as an error."""
-    return _Outcome({"role": "environment", "content": reason}, None, 0.0, True, None, reason)
+    return Turn({"role": "environment", "content": reason}, meta, terminated=True, error=reason)

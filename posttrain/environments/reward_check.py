@@ -1,8 +1,7 @@
-"""Rewards are checked where they enter a run: every reward is a finite float inside its environment's
-declared range, every flag a real boolean, or that sample scores 0 and counts as an environment error that
-names the environment and the sample. `check_reward` and `parse_flag` are the checks for one value (a
-user's reward function may call them); `checked_return` applies them to an environment's whole answer,
-and `step_isolated` scores a batch so that one sample's failure costs that sample alone."""
+"""Rewards are checked where they enter a run: every reward a finite float inside its environment's range
+(`check_reward`, the one rule), every flag a real boolean (`parse_flag`), or that sample scores 0 and counts
+as an environment error naming the environment and the sample; `step_isolated` scores a batch so that one
+sample's failure costs that sample alone."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from typing import Any
 
 import torch
 
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message, Turn
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +89,10 @@ def checked_return(
 
 def failed_return(metadata: list[dict[str, Any]], reason: str = "") -> EnvironmentReturn:
     """The answer for samples that could not be scored: reward 0, ended, each counted as an error."""
-    count = len(metadata)
     content = f"environment error: {reason}" if reason else ""
-    return EnvironmentReturn(
-        observations=[{"role": "environment", "content": content} for _ in range(count)],
-        metadata=[dict(meta) for meta in metadata],
-        next_stop_strings=[None] * count,
-        rewards=torch.zeros(count),
-        terminateds=torch.ones(count, dtype=torch.bool),
-        answers=[None] * count,
-        num_errors=count,
-        extra={FAILED_KEY: [True] * count},
-    )
+    observation = {"role": "environment", "content": content}
+    turns = [Turn(dict(observation), dict(meta), terminated=True, error=content) for meta in metadata]
+    return dataclasses.replace(EnvironmentReturn.from_turns(turns), extra={FAILED_KEY: [True] * len(turns)})
 
 
 def step_isolated(

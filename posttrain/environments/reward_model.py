@@ -8,22 +8,18 @@ from typing import Any
 import torch
 
 from posttrain.distributed.worker_group import assigned_device
+from posttrain.environments.answers import END_MARKERS
 from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
 from posttrain.models.build import load_tokenizer
 
-# End-of-turn markers a generation backend may leave in the decoded assistant text; the chat template
-# adds the reward model's own end marker, so a kept one would appear twice.
-END_MARKERS = ("<eos>", "</s>", "<|im_end|>", "<|endoftext|>", "<|eot_id|>")
-
 
 def strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
-    """`text` without trailing end-of-turn markers (only at the end; the rest is left as generated)."""
-    stripped = True
-    while stripped:
-        stripped = False
-        for marker in markers:
-            if marker and text.endswith(marker):
-                text, stripped = text[: -len(marker)], True
+    """`text` without trailing end-of-turn markers (only at the end; the rest is left as generated, its
+    whitespace included): the chat template adds the reward model's own end marker, so a kept one would
+    appear twice."""
+    markers = tuple(marker for marker in markers if marker)
+    while markers and text.endswith(markers):
+        text = text[: -len(next(marker for marker in markers if text.endswith(marker)))]
     return text
 
 

@@ -4,15 +4,11 @@ tmpfs, a dropped uid when started as root, resource limits, a scrubbed environme
 the whole sandbox killed at the time limit. If bwrap or the namespaces are unavailable, nothing runs:
 `SandboxUnavailableError` says what is missing.
 
-Limits that hold for the sandbox as a whole, however its code forks:
-- No new namespaces and no mounts from inside: a seccomp filter (built with pyseccomp, passed to bwrap)
-  refuses unshare, setns, clone with a CLONE_NEW* flag, mount and the new mount API; in the user-namespace
-  mode bwrap's `--disable-userns` also holds. Without pyseccomp the root mode refuses to run.
-- One memory and process budget (`memory_mb`, `max_processes`) for all of its processes and the tmpfs
-  pages they write: a cgroup per run, v2 where this process may create one with the memory and pids
-  controllers, v1 (as root) where those hierarchies are mounted. Where neither can be used (an
-  unprivileged user on a v1 machine, or a v2 tree without delegation), that is logged once and only the
-  per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes."""
+Limits that hold for the sandbox as a whole, however its code forks: no new namespaces and no mounts from
+inside (`seccomp_program`; in the user-namespace mode bwrap's `--disable-userns` too; without pyseccomp
+the root mode refuses to run), and one memory and process budget for all of its processes and the tmpfs
+pages they write (`create_cgroup`; where no cgroup can be made, that is logged once and only the
+per-process limits hold: RLIMIT_AS of `memory_mb` per process, `max_processes` processes)."""
 
 from __future__ import annotations
 
@@ -122,9 +118,6 @@ class SandboxCgroup:
     version: int
     paths: list[Path]
 
-    def procs_files(self) -> list[Path]:
-        return [path / "cgroup.procs" for path in self.paths]
-
     def memory_stats(self) -> tuple[int | None, bool]:
         """(peak bytes, whether the memory limit OOM-killed a process)."""
         memory = self.paths[0]
@@ -199,8 +192,8 @@ def create_cgroup(limits: SandboxLimits, owner: int | None) -> SandboxCgroup | N
         _warn_no_cgroup(f"{type(error).__name__}: {error}")
         return None
     if owner is not None:
-        for procs in group.procs_files():
-            os.chown(procs, owner, owner)
+        for path in group.paths:
+            os.chown(path / "cgroup.procs", owner, owner)
     return group
 
 
@@ -279,7 +272,7 @@ def _command(
     launch = [sys.executable, "-I", "-S", "-c", LAUNCHER, *map(str, limit_args), f"{CODE_DIR}/main.py"]
     enter = []
     if cgroup is not None:
-        moves = " && ".join(f'echo $$ > "{procs}"' for procs in cgroup.procs_files())
+        moves = " && ".join(f'echo $$ > "{path}/cgroup.procs"' for path in cgroup.paths)
         enter = ["/bin/sh", "-c", moves + ' && exec "$@"', "sh"]
     seccomp = ["--seccomp", str(seccomp_fd)] if seccomp_fd is not None else []
     command = [*enter, bwrap, *namespaces, *identity, *seccomp, "--die-with-parent", "--new-session"]

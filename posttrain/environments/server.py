@@ -1,15 +1,9 @@
-"""Serve any posttrain environment over HTTP with the protocol of `environments/remote.py`: each episode's
-metadata lives in the server between steps; a step of several episodes is one batched `env.step` call.
-`posttrain serve-env --cls sliding_puzzle --port 8765` runs one; tests start it on 127.0.0.1.
-
-What the server promises a network (docs/security.md, "Environment servers"): a shared-secret token
-(`Authorization: Bearer`), required when it binds beyond loopback (generated and printed when none is
-given); episodes bound to the client id that started them; capped bodies (413), a capped episode count with
-an idle TTL (429 when full); a socket timeout on every connection; a bounded pool of worker threads behind
-a real listen backlog; only `Content-Type: application/json` POSTs, and on loopback only loopback `Host`
-names (so a web page in a local browser cannot drive it). A sample whose scoring raises costs that sample
-alone (`reward_check.step_isolated`); an environment that raises anyway is an HTTP 500, not a dropped
-connection."""
+"""`posttrain serve-env`: any posttrain environment over HTTP with the protocol of `remote`; each episode's
+metadata lives in the server between steps (`EpisodeStore`), and a step of several episodes is
+one batched `env.step` call (`reward_check.step_isolated`). Its limits: a token (`Authorization: Bearer`,
+required beyond loopback, generated when none is given), `ServerLimits`, a bounded pool of worker
+threads, only `Content-Type: application/json` POSTs, and on loopback only loopback `Host` names (so a web
+page in a local browser cannot drive it); an environment that raises anyway is an HTTP 500."""
 
 from __future__ import annotations
 
@@ -22,21 +16,124 @@ import os
 import secrets
 import sys
 import threading
+import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Any
 
-from posttrain.environments.episodes import BadRequest, EpisodeStore, StoreFull, check_request
 from posttrain.environments.interface import EnvironmentInterface
 from posttrain.environments.registry import resolve_environment_class
+from posttrain.environments.remote import CLIENT_HEADER
 from posttrain.environments.reward_check import FAILED_KEY, step_isolated
 
 log = logging.getLogger(__name__)
 
-CLIENT_HEADER = "X-Posttrain-Client"
-TOKEN_ENV_HELP = "environment variable that holds the token (beyond loopback: generated when unset)"
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+
+
+class BadRequest(ValueError):
+    """A request the server refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Episode:
+    owner: str
+    metadata: dict[str, Any]
+    last_used: float
+
+
+class EpisodeStore:
+    """Episode metadata by id, each visible to its owner only, at most `max_episodes` at once, forgotten
+    after `ttl_s` seconds idle. Not thread-safe: the server calls it under its lock."""
+
+    def __init__(self, max_episodes: int, ttl_s: float) -> None:
+        self.max_episodes, self.ttl_s = max_episodes, ttl_s
+        self._episodes: dict[str, _Episode] = {}
+
+    def __len__(self) -> int:
+        return len(self._episodes)
+
+    def add(self, owner: str, metadata: list[dict[str, Any]]) -> list[str]:
+        """New episode ids for `metadata`, owned by `owner`; BadRequest (429) when they would exceed the cap
+        (after forgetting expired episodes)."""
+        self.expire()
+        if len(self._episodes) + len(metadata) > self.max_episodes:
+            raise BadRequest(
+                f"{len(self._episodes)} episodes are held; {len(metadata)} more would exceed the cap of "
+                f"{self.max_episodes} (close finished episodes; idle ones expire after {self.ttl_s} s)",
+                429,
+            )
+        now, ids = time.monotonic(), []
+        for meta in metadata:
+            ids.append(uuid.uuid4().hex)
+            self._episodes[ids[-1]] = _Episode(owner, meta, now)
+        return ids
+
+    def get(self, owner: str, episode_id: str) -> dict[str, Any] | None:
+        """The episode's metadata if `owner` owns a live one by that id, else None."""
+        episode = self._episodes.get(episode_id)
+        if episode is None or episode.owner != owner:
+            return None
+        if time.monotonic() - episode.last_used > self.ttl_s:
+            del self._episodes[episode_id]
+            return None
+        return episode.metadata
+
+    def update(self, owner: str, episode_id: str, metadata: dict[str, Any]) -> None:
+        """Store the episode's new metadata and mark it used."""
+        episode = self._episodes.get(episode_id)
+        if episode is not None and episode.owner == owner:
+            episode.metadata, episode.last_used = metadata, time.monotonic()
+
+    def remove(self, owner: str, episode_id: str) -> None:
+        """Forget the episode if `owner` owns it (another client's id is ignored)."""
+        episode = self._episodes.get(episode_id)
+        if episode is not None and episode.owner == owner:
+            del self._episodes[episode_id]
+
+    def expire(self) -> None:
+        """Forget every episode idle longer than the TTL."""
+        cutoff = time.monotonic() - self.ttl_s
+        for episode_id in [i for i, e in self._episodes.items() if e.last_used < cutoff]:
+            del self._episodes[episode_id]
+
+
+def check_request(path: str, body: Any) -> dict[str, Any]:
+    """`body` if it has the shape `path` needs (the protocol of `remote`); BadRequest naming the field
+    otherwise."""
+    if not isinstance(body, dict):
+        raise BadRequest(f"{path}: the body must be a JSON object")
+    if path == "/close":
+        ids = body.get("episode_ids")
+        if not (isinstance(ids, list) and all(isinstance(i, str) for i in ids)):
+            raise BadRequest("/close: episode_ids must be a list of strings")
+        return body
+    episodes = body.get("episodes")
+    if not isinstance(episodes, list):
+        raise BadRequest(f"{path}: episodes must be a list")
+    for position, episode in enumerate(episodes):
+        if not isinstance(episode, dict):
+            raise BadRequest(f"{path}: episodes[{position}] must be an object")
+        if path == "/reset" and not isinstance(episode.get("metadata") or {}, dict):
+            raise BadRequest(f"/reset: episodes[{position}].metadata must be an object")
+        if path == "/step" and not isinstance(episode.get("episode_id"), str):
+            raise BadRequest(f"/step: episodes[{position}].episode_id must be a string")
+        messages = episode.get("message_log") if path == "/step" else []
+        if not (isinstance(messages, list) and all(_is_message(m) for m in messages)):
+            raise BadRequest(
+                f"/step: episodes[{position}].message_log must be a list of {{role, content}} strings"
+            )
+    return body
+
+
+def _is_message(message: Any) -> bool:
+    return isinstance(message, dict) and all(isinstance(message.get(k), str) for k in ("role", "content"))
 
 
 @dataclass
@@ -113,7 +210,7 @@ class EnvironmentServer(HTTPServer):
         self.workers.shutdown(wait=False, cancel_futures=True)
 
     def reset(self, body: dict[str, Any], client: str) -> dict[str, Any]:
-        """Start one episode per entry; StoreFull when they would not fit."""
+        """Start one episode per entry; BadRequest (429) when they would not fit."""
         metadata = [dict(episode.get("metadata") or {}) for episode in body["episodes"]]
         with self.lock:
             return {"episode_ids": self.episodes.add(client, metadata)}
@@ -192,8 +289,6 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
             self._reply(200, routes[self.path](body, self.headers[CLIENT_HEADER]))
         except BadRequest as error:
             self._reply(error.status, {"error": str(error)})
-        except StoreFull as error:
-            self._reply(429, {"error": str(error)})
         except Exception as error:  # the environment raised: say so rather than drop the connection
             log.warning("serve-env: %s raised %r", self.path, error)
             self._reply(500, {"error": f"the environment raised {type(error).__name__}: {error}"[:500]})
@@ -255,7 +350,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kwargs", default=None, help="keyword arguments as JSON, e.g. '{\"max_moves\": 5}'")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
-    parser.add_argument("--token-env", default="POSTTRAIN_ENV_TOKEN", help=TOKEN_ENV_HELP)
+    token_help = "environment variable that holds the token (beyond loopback: generated when unset)"
+    parser.add_argument("--token-env", default="POSTTRAIN_ENV_TOKEN", help=token_help)
     defaults = ServerLimits()
     for name, help_text in (
         ("max_body_bytes", "largest request body"),

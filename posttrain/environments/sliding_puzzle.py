@@ -1,21 +1,18 @@
-"""Multi-turn sliding-tile puzzle: the model moves the blank with `<action>up</action>` until solved.
-
-The board rules (shared with the built-in task) are in `posttrain.data.sliding_puzzle`. A valid move
-returns the new board; an invalid one returns an error observation; solving gives reward 1 and ends the
-episode; `max_moves` turns end it with reward 0."""
+"""Multi-turn sliding-tile puzzle (board rules in `posttrain.data.sliding_puzzle`): the model moves the
+blank with `<action>up</action>`; a valid move returns the new board, an invalid one an error observation;
+solving gives reward 1 and ends the episode; `max_moves` turns end it with reward 0."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-import torch
-
 from posttrain.data.sliding_puzzle import apply_move, render_board, solved_board
 from posttrain.environments.interface import (
     EnvironmentInterface,
     EnvironmentReturn,
     Message,
+    Turn,
     last_assistant_text,
 )
 
@@ -29,9 +26,7 @@ class SlidingPuzzleEnvironment(EnvironmentInterface):
     def __init__(self, max_moves: int = 10):
         self.max_moves = max_moves
 
-    def _step_one(
-        self, message_log: list[Message], meta: dict[str, Any]
-    ) -> tuple[str, dict, float, bool, str | None]:
+    def _step_one(self, message_log: list[Message], meta: dict[str, Any]) -> Turn:
         match = ACTION_PATTERN.search(last_assistant_text(message_log))
         direction = match.group(1).lower() if match else None
         num_moves = meta.get("num_moves", 0) + 1
@@ -44,15 +39,9 @@ class SlidingPuzzleEnvironment(EnvironmentInterface):
             new_meta = {**meta, "board": new_board, "num_moves": num_moves}
         solved = new_board is not None and new_board == solved_board(len(new_board))
         done = solved or num_moves >= self.max_moves
-        return text, new_meta, float(solved), done, direction
+        stops = None if done else list(STOP_STRINGS)
+        return Turn({"role": "environment", "content": text}, new_meta, float(solved), done, direction, stops)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
-        results = [self._step_one(log, meta) for log, meta in zip(message_logs, metadata)]
-        return EnvironmentReturn(
-            observations=[{"role": "environment", "content": r[0]} for r in results],
-            metadata=[r[1] for r in results],
-            next_stop_strings=[None if r[3] else list(STOP_STRINGS) for r in results],
-            rewards=torch.tensor([r[2] for r in results], dtype=torch.float32),
-            terminateds=torch.tensor([r[3] for r in results], dtype=torch.bool),
-            answers=[r[4] for r in results],
-        )
+        turns = [self._step_one(log, meta) for log, meta in zip(message_logs, metadata)]
+        return EnvironmentReturn.from_turns(turns)

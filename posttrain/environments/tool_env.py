@@ -1,23 +1,30 @@
-"""The agent loop's environment (`env.<task>.cls: tools`): each assistant turn either calls tools, whose
-results come back as a `tool` message, or gives the final answer, graded strictly against the ground
-truth (`answers.grade_reply`: only the answer the reply commits to). Malformed calls, unknown tools,
-invalid arguments and failing tools come back to the model as tool errors and are counted. An episode
-ends cleanly (reward 0) when it would exceed its tool turns, its tokens or its tool time."""
+"""Environments of tool calls. The agent loop's (`env.<task>.cls: tools`): each assistant turn either
+calls tools, whose results come back as a `tool` message, or gives the final answer, graded strictly
+against the ground truth (`answers.grade_reply`: only the answer the reply commits to). Malformed calls,
+unknown tools, invalid arguments and failing tools come back to the model as tool errors and are counted.
+An episode ends cleanly (reward 0) when it would exceed its tool turns, its tokens or its tool time.
+`code` runs `<code>` blocks with the sandboxed `python` tool. Both refuse to start where the sandbox
+(`sandbox`) cannot be set up."""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-
+from posttrain.config.errors import closest
 from posttrain.data.tool_calls import ParsedReply, ToolPrompt, tool_call_format
 from posttrain.environments.answers import grade_reply
-from posttrain.environments.interface import EnvironmentInterface, EnvironmentReturn, Message
+from posttrain.environments.interface import (
+    EnvironmentInterface,
+    EnvironmentReturn,
+    Message,
+    Turn,
+    last_assistant_text,
+)
 from posttrain.environments.sandbox import sandbox_mode
-from posttrain.environments.tools import Tool, ToolResult, call_tool, resolve_tool
+from posttrain.environments.tools import Tool, ToolResult, call_tool, python_tool, resolve_tool
 
 
 @dataclass
@@ -54,8 +61,8 @@ class ToolEnvironmentConfig:
         names = [f.name for f in dataclasses.fields(cls)]
         for key in kwargs:
             if key not in names:
-                guess = difflib.get_close_matches(key, names, n=1)
-                hint = f"; did you mean {guess[0]!r}?" if guess else f"; valid: {names}"
+                guess = closest(key, names)
+                hint = f"; did you mean {guess!r}?" if guess else f"; valid: {names}"
                 raise ValueError(f"tools environment: unknown kwarg {key!r}{hint}")
         cfg = cls(**kwargs)
         if not (isinstance(cfg.tools, list | tuple) and all(isinstance(t, str) for t in cfg.tools)):
@@ -89,19 +96,6 @@ def build_tools(cfg: ToolEnvironmentConfig) -> dict[str, Tool]:
     return tools
 
 
-@dataclass
-class _Turn:
-    """One sample's answer to one assistant turn."""
-
-    observation: Message
-    metadata: dict[str, Any]
-    reward: float = 0.0
-    terminated: bool = False
-    answer: str | None = None
-    counts: dict[str, float] = field(default_factory=dict)
-    failed: bool = False  # handling this sample raised; it scores 0 and counts as an error
-
-
 COUNTERS = ("tool_calls", "tool_errors", "ended_by_turns", "ended_by_tokens", "ended_by_tool_time")
 
 
@@ -127,43 +121,32 @@ class ToolEnvironment(EnvironmentInterface):
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
         turns = [self._step_isolated(log, dict(meta)) for log, meta in zip(message_logs, metadata)]
-        counts = {name: float(sum(t.counts.get(name, 0) for t in turns)) for name in COUNTERS}
-        return EnvironmentReturn(
-            observations=[t.observation for t in turns],
-            metadata=[t.metadata for t in turns],
-            next_stop_strings=[
-                None if t.terminated else list(self.call_format.stop_strings) or None for t in turns
-            ],
-            rewards=torch.tensor([t.reward for t in turns], dtype=torch.float32),
-            terminateds=torch.tensor([t.terminated for t in turns], dtype=torch.bool),
-            answers=[t.answer for t in turns],
-            num_errors=sum(t.failed for t in turns),
-            counts=counts,
-        )
+        return EnvironmentReturn.from_turns(turns, COUNTERS)
 
-    def _step_isolated(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
+    def _step_isolated(self, log: list[Message], meta: dict[str, Any]) -> Turn:
         """`_step_one`, except that a sample whose handling raises (e.g. a call nested too deeply for a
         tool's argument check) ends with reward 0 and counts as an error, without touching the others."""
         try:
             return self._step_one(log, meta)
         except Exception as error:
             content = f"environment error: {type(error).__name__}"
-            return _Turn({"role": "environment", "content": content}, meta, 0.0, True, failed=True)
+            return Turn({"role": "environment", "content": content}, meta, 0.0, True, error=content)
 
-    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> _Turn:
+    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> Turn:
         reply = self.call_format.parse(log[-1]["content"] if log and log[-1]["role"] == "assistant" else "")
         if not reply.has_calls:
             reward, answer = grade_reply(reply.content, str(meta.get(self.cfg.ground_truth_key)))
-            return _Turn({"role": "environment", "content": ""}, meta, reward, True, answer)
+            return Turn({"role": "environment", "content": ""}, meta, reward, True, answer)
         limit = self._limit_reached(log, meta)
         if limit is not None:
-            return _Turn({"role": "environment", "content": ""}, meta, 0.0, True, None, {limit: 1})
+            return Turn({"role": "environment", "content": ""}, meta, 0.0, True, counts={limit: 1})
         results = self._run_calls(reply, meta)
         meta["num_tool_turns"] = meta.get("num_tool_turns", 0) + 1
         meta["tool_time_s"] = meta.get("tool_time_s", 0.0) + sum(r.seconds for r in results)
         content = "\n".join(r.content[: self.cfg.max_output_chars] for r in results)
         counts = {"tool_calls": len(results), "tool_errors": sum(r.is_error for r in results)}
-        return _Turn({"role": "tool", "content": content}, meta, counts=counts)
+        stops = list(self.call_format.stop_strings) or None
+        return Turn({"role": "tool", "content": content}, meta, next_stop_strings=stops, counts=counts)
 
     def _limit_reached(self, log: list[Message], meta: dict[str, Any]) -> str | None:
         """The limit a new tool turn would exceed (a counter name), or None."""
@@ -189,8 +172,43 @@ class ToolEnvironment(EnvironmentInterface):
             budget = self.cfg.max_tool_time_s - meta.get("tool_time_s", 0.0) - sum(r.seconds for r in results)
             result = call_tool(tool, call.arguments, budget)
             results.append(
-                ToolResult(
-                    ("error: " if result.is_error else "") + result.content, result.is_error, result.seconds
-                )
+                dataclasses.replace(result, content="error: " + result.content) if result.is_error else result
             )
         return results
+
+
+CODE_PATTERN = re.compile(r"<code>(.*?)</code>|```python\n(.*?)```", re.DOTALL)
+
+
+class CodeToolEnvironment(EnvironmentInterface):
+    """A turn with a `<code>...</code>` (or fenced python) block runs it and returns its output as a
+    `tool` message; a turn without code is the final answer, graded like the math environment's
+    (`answers.grade_reply`: only the answer the turn commits to) against `metadata["ground_truth"]`.
+    After `max_turns` tool calls, a turn is the final answer, code or not."""
+
+    ground_truth_kwarg = "ground_truth_key"
+
+    def __init__(
+        self, timeout_s: float = 5.0, memory_mb: int = 512, max_output_chars: int = 2000, max_turns: int = 4
+    ):
+        self.run_code = python_tool(timeout_s, memory_mb, max_output_chars)
+        self.max_turns = max_turns
+        sandbox_mode()  # raises SandboxUnavailableError (what is missing) before any code is accepted
+
+    def _step_one(self, log: list[Message], meta: dict[str, Any]) -> Turn:
+        text = last_assistant_text(log)
+        match = CODE_PATTERN.search(text)
+        turns = meta.get("num_tool_calls", 0)
+        if match and turns < self.max_turns:
+            output = self.run_code(match.group(1) or match.group(2))
+            new_meta = {**meta, "num_tool_calls": turns + 1}
+            return Turn({"role": "tool", "content": output}, new_meta, next_stop_strings=["</code>"])
+        try:
+            reward, answer = grade_reply(text, str(meta["ground_truth"]))
+        except Exception as error:
+            return Turn({"role": "environment", "content": ""}, meta, terminated=True, error=repr(error))
+        return Turn({"role": "environment", "content": ""}, meta, reward, True, answer)
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvironmentReturn:
+        turns = [self._step_one(log, meta) for log, meta in zip(message_logs, metadata)]
+        return EnvironmentReturn.from_turns(turns)

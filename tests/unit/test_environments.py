@@ -3,11 +3,10 @@
 import pytest
 
 from posttrain.data.sliding_puzzle import apply_move, solved_board
-from posttrain.environments.code_sandbox import CodeToolEnvironment
-from posttrain.environments.exact_match import ExactMatchEnvironment
-from posttrain.environments.math_env import MathEnvironment
 from posttrain.environments.registry import register_environment, resolve_environment_class
+from posttrain.environments.single_turn import ExactMatchEnvironment, MathEnvironment
 from posttrain.environments.sliding_puzzle import SlidingPuzzleEnvironment
+from posttrain.environments.tool_env import CodeToolEnvironment
 
 
 def conversation(response: str) -> list[dict]:
@@ -67,7 +66,7 @@ def test_registry_resolves_names_files_and_rejects_unknown(tmp_path):
     assert resolve_environment_class("math") is MathEnvironment
     path = tmp_path / "my_env.py"
     path.write_text(
-        "from posttrain.environments.exact_match import ExactMatchEnvironment\n"
+        "from posttrain.environments.single_turn import ExactMatchEnvironment\n"
         "class MyEnv(ExactMatchEnvironment):\n    pass\n"
     )
     assert resolve_environment_class(f"{path}:MyEnv").__name__ == "MyEnv"

@@ -11,9 +11,8 @@ import time
 import pytest
 
 from posttrain.data.tasks import builtin_rows, word_problem_row
-from posttrain.environments.code_sandbox import CodeToolEnvironment
-from posttrain.environments.exact_match import ExactMatchEnvironment
-from posttrain.environments.math_env import MathEnvironment
+from posttrain.environments.single_turn import ExactMatchEnvironment, MathEnvironment
+from posttrain.environments.tool_env import CodeToolEnvironment
 
 LONG_FILLER = "Let me think about this step by step. " * 2700  # ~100 kB
 
