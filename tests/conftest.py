@@ -81,29 +81,19 @@ class ArithmeticSFTModels:
     """The run's model at step FINAL_SFT_STEPS (validation loss 0.348, strict held-out accuracy 0.41)."""
     weak: Path
     """The same run at step WEAK_SFT_STEPS, before it takes off (validation loss 0.733, accuracy 0.06)."""
-    run_dir: Path
-    """The run's log directory: `metrics.jsonl` (the training loss of every step) and
-    `greedy_accuracy.json` (the greedy accuracy on 200 held-out sums of the untrained and the final model)."""
 
 
 def train_arithmetic_sft(out_dir: Path) -> None:
-    """The SFT run of `arithmetic_sft_models`, its two models exported under `out_dir`, and the greedy
-    accuracy of its untrained and final model written to `run/greedy_accuracy.json` (a generation worker
-    of its own reads the weights; the training does not depend on it). It stops on the step (the data
-    order, the initial weights and the thread count are fixed), and fails if the final model's validation
-    loss is not below 0.4."""
-    import json
-
+    """The SFT run of `arithmetic_sft_models`, its two models exported under `out_dir`. It stops on the
+    step (the data order, the initial weights and the thread count are fixed), and fails if the final
+    model's validation loss is not below 0.4."""
     from posttrain.algorithms import sft
     from posttrain.config import load_typed_config
-    from posttrain.demo import AccuracyProbe, DemoConfig
 
     log_dir = out_dir / "run"
     cfg = load_typed_config(sft.SFTConfig, str(SFT_CONFIG), [f"logger.log_dir={log_dir}", *SFT_OVERRIDES])
     run = sft.setup(cfg)
-    probe = AccuracyProbe(run, DemoConfig(num_val=200))
     try:
-        untrained_accuracy = probe.accuracy(refit=False)
         sft.sft_train(run, num_steps=WEAK_SFT_STEPS)
         run.policy.export_hf(str(out_dir / "weak_hf_model"))
         val_loss = sft.sft_train(run, num_steps=FINAL_SFT_STEPS - WEAK_SFT_STEPS)["loss"]
@@ -112,10 +102,7 @@ def train_arithmetic_sft(out_dir: Path) -> None:
             f"the SFT start model did not take off in {run.step} steps (val loss {val_loss:.3f})"
         )
         run.policy.export_hf(str(out_dir / "hf_model"))
-        accuracy = {"untrained": untrained_accuracy, "final": probe.accuracy()}
-        (log_dir / "greedy_accuracy.json").write_text(json.dumps(accuracy))
     finally:
-        probe.shutdown()
         run.shutdown()
 
 
@@ -131,9 +118,7 @@ def arithmetic_sft_models(ray_session, tmp_path_factory) -> ArithmeticSFTModels:
 
     key = build_key([SFT_OVERRIDES, WEAK_SFT_STEPS], files=[SFT_CONFIG])
     models_dir = built_once(shared_dir(tmp_path_factory), "arithmetic_sft", key, train_arithmetic_sft)
-    return ArithmeticSFTModels(
-        final=models_dir / "hf_model", weak=models_dir / "weak_hf_model", run_dir=models_dir / "run"
-    )
+    return ArithmeticSFTModels(final=models_dir / "hf_model", weak=models_dir / "weak_hf_model")
 
 
 @pytest.fixture(scope="session")
