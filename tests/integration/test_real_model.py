@@ -13,6 +13,7 @@ from run_logs import as_overrides
 from posttrain.algorithms import grpo, sft
 from posttrain.cli import main as posttrain_main
 from posttrain.config import load_typed_config
+from posttrain.environments import create_environments
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
 from posttrain.models.gguf import convert_gguf, gguf_model_dir, packaged_gguf
 
@@ -212,18 +213,20 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(
     ray_session, smollm2_dir, tmp_path, caplog
 ):
     """The same 16 held-out questions, greedy, scored by a reward that pays for mentioning the operands
-    (most SmolLM2 replies restate them: `59 + 63 = 152`) and by the built-in math environment: the first run
-    logs the reward-gap warning naming a sample, the second logs none (its reward is the strict grade)."""
+    (most SmolLM2 replies restate them: `59 + 63 = 152`) and by the built-in math environment: the first
+    validation logs the reward-gap warning naming a sample, the second logs none (its reward is the strict
+    grade). One run validates twice: after the first validation its environments are replaced by the
+    ones the math config's `env` section makes."""
     loose = str(REPO / "tests" / "integration" / "loose_environment.py") + ":OperandsEnvironment"
-    results = {}
+    configs = {}
     for name, env_cls in (("loose", loose), ("math", "math")):
-        cfg = load_typed_config(
+        configs[name] = load_typed_config(
             grpo.GRPOConfig,
             str(REPO / "configs" / "grpo_smollm2.yaml"),
             as_overrides(
                 {
                     "policy.model_name": smollm2_dir,
-                    "logger.log_dir": tmp_path / name,
+                    "logger.log_dir": tmp_path,
                     "logger.tensorboard_enabled": "false",
                     "grpo.max_val_samples": 16,
                     "data.num_train": 16,
@@ -233,14 +236,20 @@ def test_validation_warns_when_a_loose_reward_runs_ahead_of_the_strict_grade(
                 }
             ),
         )
-        caplog.clear()
-        run = grpo.setup(cfg)
-        try:
+    results = {}
+    run = grpo.setup(configs["loose"])
+    try:
+        for name in ("loose", "math"):
+            if name == "math":
+                for env in run.envs.values():
+                    env.shutdown()
+                run.envs = create_environments(configs["math"].env)
+            caplog.clear()
             metrics = grpo.validate(run, 0)
             messages = [record.getMessage() for record in caplog.records]
             results[name] = metrics, [m for m in messages if "runs ahead" in m]
-        finally:
-            run.shutdown()
+    finally:
+        run.shutdown()
     loose_val, loose_warnings = results["loose"]
     math_val, math_warnings = results["math"]
     assert loose_val["accuracy"] >= 0.5 and loose_val["strict_accuracy"] <= 0.3, loose_val
