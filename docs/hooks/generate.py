@@ -271,6 +271,19 @@ def partial_rollouts_section(name: str, data: dict) -> list[str]:
     return lines + [""]
 
 
+def finish_plot(figure, axes, name: str) -> str:
+    """Grid and legend on each axis, then the figure saved as OUT/<name>.png and closed; its file name."""
+    import matplotlib.pyplot as plt
+
+    for axis in axes:
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(OUT / f"{name}.png", dpi=110)
+    plt.close(figure)
+    return f"{name}.png"
+
+
 def plot_async_curves(name: str, modes: dict[str, dict]) -> str:
     import matplotlib
 
@@ -285,13 +298,7 @@ def plot_async_curves(name: str, modes: dict[str, dict]) -> str:
     by_wall.set_xlabel("wall time (min)")
     by_step.set_xlabel("step")
     by_wall.set_ylabel("strict validation accuracy")
-    for axis in (by_wall, by_step):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(OUT / f"{name}.png", dpi=110)
-    plt.close(figure)
-    return f"{name}.png"
+    return finish_plot(figure, (by_wall, by_step), name)
 
 
 def time_to_accuracy_section(name: str, data: dict) -> list[str]:
@@ -329,12 +336,7 @@ def plot_time_to_accuracy(name: str, data: dict) -> str:
                       label=arm if seed_index == 0 else None)
     axis.set_xlabel("training time (min)")
     axis.set_ylabel("strict held-out accuracy")
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(OUT / f"{name}.png", dpi=110)
-    plt.close(figure)
-    return f"{name}.png"
+    return finish_plot(figure, (axis,), name)
 
 
 def interval(value: dict) -> str:
@@ -393,13 +395,7 @@ def plot_grpo_parity(name: str, summary: dict) -> str:
     by_step.set_xlabel("step")
     by_step.set_ylabel("strict held-out accuracy")
     by_time.set_xlabel("training time (min, mean over seeds)")
-    for axis in (by_step, by_time):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(OUT / f"{name}.png", dpi=110)
-    plt.close(figure)
-    return f"{name}.png"
+    return finish_plot(figure, (by_step, by_time), name)
 
 
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
