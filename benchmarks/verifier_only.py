@@ -13,13 +13,15 @@ After each run, forgetting: the exported model's strict accuracy on `math_words`
 configs/eval_smollm2.yaml`, beside the start's), and its KL to the start, KL(trained || start) per reply
 token, estimated on replies the trained model samples (temperature 1) to `--kl-prompts` held-out prompts.
 
-Compared at equal training time (the steps' own seconds): at the largest budget every arm reaches, each
-arm's last graded point within it, mean over seeds with a 95% bootstrap interval (seeds and questions
-resampled, questions paired), and the difference GRPO - each RFT arm.
+Summarized (`summarize`): per arm and graded step the strict grade, mean over seeds with a 95% bootstrap
+interval (seeds and questions resampled, questions paired), and the content grades; each arm's strict
+gain within 20 minutes of training; and, at equal training time (the steps' own seconds, the largest
+budget every arm reaches), each arm's last graded point within it and the difference GRPO - each RFT arm.
 
-Run (the machine alone; ~20 min per arm and seed at the defaults on a 2-core CPU):
+Run (the machine alone; 12-14 min per arm and seed at the defaults on a 2-core CPU):
   make real-model
   .venv/bin/python benchmarks/verifier_only.py --seeds 0,1,2 --out benchmarks/results/verifier_only.json
+More arms or seeds into the same result: --add --arms rft --seeds 2; a result's summary again: --summarize F.
 Smoke run (minutes): --seeds 0 --steps 2 --val-period 1 --val 8 --math-val 8 --kl-prompts 4
 """
 
@@ -62,7 +64,7 @@ def graded_samples(samples_file: Path) -> dict:
         "grades": [r["strict_grade"] for r in rows],
         "on_topic_share": [on_topic_share(r) for r in rows],
         "strict_on_topic": [all_constraints_met_on_topic(r) for r in rows],
-        "replies": [{"prompt": r["prompt"][-110:], "reply": r["response"]} for r in rows[:4]],
+        "replies": [{"prompt": r["prompt"], "reply": r["response"]} for r in rows[:4]],
     }
 
 
@@ -185,6 +187,48 @@ def equal_time(curves: dict[str, list[list[dict]]]) -> dict:
     return result
 
 
+def summarize(result: dict, budget_s: float = 1200.0) -> dict:
+    """Per arm and graded step: the strict grade (mean over seeds, 95% bootstrap) and the means of the
+    on-topic share and of strict-and-on-topic; each arm's strict gain from its start to its last point
+    within `budget_s` training seconds, with the on-topic share there over the start's; the forgetting
+    (means over seeds); and the equal-time comparison."""
+    curves = {arm: [run["points"] for run in runs] for arm, runs in result["runs"].items()}
+    summary: dict = {"by_step": {}, "gain_within_budget": {}, "forgetting": {}, "budget_train_s": budget_s}
+    for arm, arm_curves in curves.items():
+        means = mean_curve(arm_curves)
+
+        def grade(key: str, i: int, arm_curves=arm_curves) -> float:
+            return round(sum(accuracy(c[i][key]) for c in arm_curves) / len(arm_curves), 4)
+
+        summary["by_step"][arm] = [
+            {
+                "step": m["step"],
+                "train_s": m["train_s"],
+                "strict": bootstrap({arm: arm_curves}, lambda v, i=i, a=arm: v(a, i)),
+                "on_topic_share": grade("on_topic_share", i),
+                "strict_on_topic": grade("strict_on_topic", i),
+            }
+            for i, m in enumerate(means)
+        ]
+        last = max(i for i, m in enumerate(means) if m["train_s"] <= budget_s)
+        start_topic = grade("on_topic_share", 0)
+        summary["gain_within_budget"][arm] = {
+            "step": means[last]["step"],
+            "train_s": means[last]["train_s"],
+            "strict_gain": bootstrap({arm: arm_curves}, lambda v, a=arm, j=last: v(a, j) - v(a, 0)),
+            "on_topic_share_over_start": round(grade("on_topic_share", last) / start_topic, 3)
+            if start_topic
+            else None,
+        }
+        runs = result["runs"][arm]
+        summary["forgetting"][arm] = {
+            key: round(sum(r["forgetting"][key] for r in runs) / len(runs), 5)
+            for key in ("math_words_strict_accuracy", "kl_to_start_per_token")
+        }
+    summary["equal_time"] = equal_time(curves)
+    return summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
@@ -198,8 +242,40 @@ def main() -> int:
     parser.add_argument("--override", action="append", default=[], help="another posttrain override")
     parser.add_argument("--log-root", default=str(ROOT / "results" / "verifier_only"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verifier_only.json"))
+    parser.add_argument("--add", action="store_true", help="add the runs to the result already in --out")
+    parser.add_argument("--summarize", help="only recompute the summary of this result file, in place")
     args = parser.parse_args()
-    result = {
+    if args.summarize:
+        result = json.loads(Path(args.summarize).read_text())
+        result.pop("equal_time", None)
+        for run in (run for runs in result["runs"].values() for run in runs):  # replies re-read whole
+            log_dir = Path(next(o for o in run["overrides"] if o.startswith("logger.log_dir="))[15:])
+            for point in run["points"]:
+                samples = log_dir / "val_samples" / f"step_{point['step']}.jsonl"
+                point["replies"] = graded_samples(samples)["replies"]
+        result["summary"] = summarize(result)
+        Path(args.summarize).write_text(json.dumps(result, indent=1) + "\n")
+        return 0
+    if args.add and Path(args.out).exists():  # more arms or seeds into an earlier result
+        result = json.loads(Path(args.out).read_text())
+        result.pop("equal_time", None)
+    else:
+        result = start_result(args)
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for arm in args.arms.split(","):
+            log_dir = new_log_dir(args.log_root, arm, seed)
+            result["runs"].setdefault(arm, []).append(run_arm(args, arm, seed, log_dir))
+            result["summary"] = summarize(result)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every run: nothing lost
+    print(json.dumps(result["summary"]["equal_time"], indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+def start_result(args: argparse.Namespace) -> dict:
+    """The result's header: date, machine, model, and the start's math_words accuracy."""
+    return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "model": str(args.model),
@@ -209,17 +285,6 @@ def main() -> int:
         ),
         "runs": {},
     }
-    for seed in [int(s) for s in args.seeds.split(",")]:
-        for arm in args.arms.split(","):
-            log_dir = new_log_dir(args.log_root, arm, seed)
-            result["runs"].setdefault(arm, []).append(run_arm(args, arm, seed, log_dir))
-            curves = {arm: [run["points"] for run in runs] for arm, runs in result["runs"].items()}
-            result["equal_time"] = equal_time(curves)
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every run: nothing lost
-    print(json.dumps(result["equal_time"], indent=1))
-    print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -398,6 +398,68 @@ def plot_grpo_parity(name: str, summary: dict) -> str:
     return finish_plot(figure, (by_step, by_time), name)
 
 
+def verifier_only_section(name: str, data: dict) -> list[str]:
+    """GRPO against rejection-sampling fine-tuning on `constrained_lists` (`benchmarks/verifier_only.py`):
+    strict and content grades by step, gains within the time budget, equal time, forgetting, replies."""
+    summary = data["summary"]
+    arms = list(summary["by_step"])
+    seeds = ", ".join(f"{arm} {len(runs)}" for arm, runs in data["runs"].items())
+    lines = [f"### `{name}`", "", f"*{data['date']}, {data['machine']}.* From `{Path(data['model']).name}`, seeds "
+             f"per arm: {seeds}; greedy on {data['held_out_prompts']} held-out prompts (topics and counts never "
+             "trained on): strict = all four constraints met; on topic = the share of a reply's items in the "
+             "topic's word list, which the reward never reads (`benchmarks/verifier_only.py`).", ""]
+    lines += [f"![strict and on-topic grades by training time]({plot_verifier_only(name, summary)})", ""]
+    lines += ["| arm | step | training s (mean) | strict [95%] | items on topic | strict and on topic |",
+              "|---|---|---|---|---|---|"]
+    for arm in arms:
+        for p in summary["by_step"][arm]:
+            s = p["strict"]
+            lines.append(f"| {arm} | {p['step']} | {p['train_s']:.0f} | {s['value']:.1%} [{s['low']:.1%}, "
+                         f"{s['high']:.1%}] | {p['on_topic_share']:.1%} | {p['strict_on_topic']:.1%} |")
+    budget = summary["budget_train_s"] / 60
+    lines += ["", f"Strict gain from the start within {budget:.0f} minutes of training: " + "; ".join(
+        f"{arm} {interval(g['strict_gain'])} at step {g['step']} ({g['train_s']:.0f} s), items on topic "
+        + ("n/a" if g["on_topic_share_over_start"] is None else f"{g['on_topic_share_over_start']:.2f}x the start's")
+        for arm, g in summary["gain_within_budget"].items()) + "."]
+    equal = summary["equal_time"]
+    lines += ["", f"At equal training time ({equal['budget_train_s']:.0f} s, the most every arm reaches): " + "; ".join(
+        f"{arm} step {equal[arm]['step']}, strict {equal[arm]['strict']['value']:.1%}" for arm in arms) + ". " + "; ".join(
+        f"{key.replace('strict_difference_', '').replace('_minus_', ' - ')}: {interval(value)}"
+        for key, value in equal.items() if key.startswith("strict_difference")) + "."]
+    lines += ["", f"| forgetting, after training | math_words strict (start {data['start_math_words_strict_accuracy']:.1%}) "
+              "| KL to the start per reply token |", "|---|---|---|"]
+    lines += [f"| {arm} | {f['math_words_strict_accuracy']:.1%} | {f['kl_to_start_per_token']:.4f} |"
+              for arm, f in summary["forgetting"].items()]
+    lines += ["", "Held-out replies of seed 0, at the start and at the last step:", ""]
+    for arm in arms:
+        for point in (data["runs"][arm][0]["points"][0], data["runs"][arm][0]["points"][-1]):
+            lines += [f"- {arm}, step {point['step']}: `{r['prompt']}` -> `{json.dumps(r['reply'])[1:-1]}`"
+                      for r in point["replies"][:2]]
+    if data.get("notes"):
+        lines += [""] + [f"- {note}" for note in data["notes"]]
+    return lines + [""]
+
+
+def plot_verifier_only(name: str, summary: dict) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (strict, topic) = plt.subplots(1, 2, figsize=(9, 3.4))
+    for index, (arm, points) in enumerate(summary["by_step"].items()):
+        minutes = [p["train_s"] / 60 for p in points]
+        strict.plot(minutes, [p["strict"]["value"] for p in points], marker="o", color=f"C{index}", label=arm)
+        strict.fill_between(minutes, [p["strict"]["low"] for p in points], [p["strict"]["high"] for p in points],
+                            color=f"C{index}", alpha=0.2)
+        topic.plot(minutes, [p["on_topic_share"] for p in points], marker="o", color=f"C{index}", label=arm)
+    strict.set_ylabel("strict held-out grade (all four)")
+    topic.set_ylabel("share of items on topic")
+    for axis in (strict, topic):
+        axis.set_xlabel("training time (min, mean over seeds)")
+    return finish_plot(figure, (strict, topic), name)
+
+
 def plot_grpo_steps(files: dict[str, dict]) -> str | None:
     """A bar chart of the GRPO step times, posttrain beside TRL, one group per reference file."""
     import matplotlib
@@ -450,6 +512,8 @@ def write_benchmarks() -> None:
             lines += async_curves_section(name, data)
         elif name.startswith("grpo_parity"):
             lines += grpo_parity_section(name, data)
+        elif name.startswith("verifier_only"):
+            lines += verifier_only_section(name, data)
         elif name.startswith("time_to_accuracy"):
             lines += time_to_accuracy_section(name, data)
         elif name.startswith("compare"):
