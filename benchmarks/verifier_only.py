@@ -21,7 +21,7 @@ budget every arm reaches), each arm's last graded point within it and the differ
 Run (the machine alone; 12-14 min per arm and seed at the defaults on a 2-core CPU):
   make real-model
   .venv/bin/python benchmarks/verifier_only.py --seeds 0,1,2 --out benchmarks/results/verifier_only.json
-More arms or seeds into the same result: --add --arms rft --seeds 2; a result's summary again: --summarize F.
+More arms or seeds into the same result: --add --arms rft --seeds 2.
 Smoke run (minutes): --seeds 0 --steps 2 --val-period 1 --val 8 --math-val 8 --kl-prompts 4
 """
 
@@ -243,22 +243,9 @@ def main() -> int:
     parser.add_argument("--log-root", default=str(ROOT / "results" / "verifier_only"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "verifier_only.json"))
     parser.add_argument("--add", action="store_true", help="add the runs to the result already in --out")
-    parser.add_argument("--summarize", help="only recompute the summary of this result file, in place")
     args = parser.parse_args()
-    if args.summarize:
-        result = json.loads(Path(args.summarize).read_text())
-        result.pop("equal_time", None)
-        for run in (run for runs in result["runs"].values() for run in runs):  # replies re-read whole
-            log_dir = Path(next(o for o in run["overrides"] if o.startswith("logger.log_dir="))[15:])
-            for point in run["points"]:
-                samples = log_dir / "val_samples" / f"step_{point['step']}.jsonl"
-                point["replies"] = graded_samples(samples)["replies"]
-        result["summary"] = summarize(result)
-        Path(args.summarize).write_text(json.dumps(result, indent=1) + "\n")
-        return 0
     if args.add and Path(args.out).exists():  # more arms or seeds into an earlier result
         result = json.loads(Path(args.out).read_text())
-        result.pop("equal_time", None)
     else:
         result = start_result(args)
     for seed in [int(s) for s in args.seeds.split(",")]:
