@@ -43,6 +43,22 @@ def bootstrap(
     }
 
 
+def paired_difference(pairs: list[list[tuple[float, float]]], draws: int = 2000) -> dict[str, float]:
+    """The mean of a - b over `pairs` [seed][unit] of (a, b) and its 95% bootstrap interval: each draw
+    resamples the seeds, then the units within each drawn seed, keeping each pair together."""
+    rng, values = random.Random(0), []
+    for _ in range(draws):
+        drawn = [[rng.choice(run) for _ in run] for run in (rng.choice(pairs) for _ in pairs)]
+        values.append(sum(a - b for run in drawn for a, b in run) / sum(map(len, drawn)))
+    values.sort()
+    flat = [a - b for run in pairs for a, b in run]
+    return {
+        "value": round(sum(flat) / len(flat), 4),
+        "low": round(values[int(0.025 * draws)], 4),
+        "high": round(values[int(0.975 * draws) - 1], 4),
+    }
+
+
 def area(value: Callable[[str, int], float], arm: str, steps: list[int]) -> float:
     """The mean accuracy over the step span (trapezoids between the graded steps)."""
     total = sum(

@@ -14,7 +14,10 @@ Reported: per arm and step, the strict accuracy (mean over seeds) with a 95% boo
 questions resampled, questions paired across arms); per step the difference posttrain - TRL; the
 curves' area (mean accuracy over the steps) and final value, each difference with its interval and
 whether it lies within +-`--margin`; the highest accuracy both arms reach and the training seconds each
-takes to first reach it.
+takes to first reach it. Beside the held-out curves, the on-policy training reward around each graded
+step (`on_policy_reward`): the mean reward of the replies each arm sampled at steps s-4 .. s+5, drawn by
+its policies after s-5 .. s+4 updates (the same prompts in both arms, step for step), and the
+difference posttrain - TRL with its interval (paired by seed and step).
 
 Run (the machine alone; ~20 min per arm and seed at the defaults on a 2-core CPU):
   make real-model install-trl
@@ -25,17 +28,19 @@ Smoke run (minutes): --seeds 0 --steps 2 --eval-every 1 --val 8
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from async_curves import run_stamped
-from curve_stats import area, bootstrap, mean_curve, time_to_reach
+from curve_stats import area, bootstrap, mean_curve, paired_difference, time_to_reach
 from time_to_accuracy import eval_samples, new_log_dir, posttrain_bin, read_jsonl, training_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,6 +254,42 @@ def summarize(curves: dict[str, list[list[dict]]], margin: float) -> dict:
     return summary
 
 
+def training_rewards(log_root: Path, arms: list[str], seeds: list[int]) -> dict[str, list[list[float]]]:
+    """Per arm and seed, the mean training reward of each step's sampled replies: posttrain's from its
+    metrics.jsonl, TRL's from the log dicts its trainer prints to console.log."""
+    rewards: dict[str, list[list[float]]] = {arm: [] for arm in arms}
+    for seed in seeds:
+        if "posttrain" in arms:
+            records = read_jsonl(log_root / f"posttrain_seed{seed}" / "metrics.jsonl")
+            rewards["posttrain"].append([r["train/reward_mean"] for r in records if "train/reward_mean" in r])
+        if "trl" in arms:
+            lines = (log_root / f"trl_seed{seed}" / "console.log").read_text().splitlines()
+            logs = [ast.literal_eval(x) for x in lines if x.startswith("{'loss'")]
+            rewards["trl"].append([float(d["reward"]) for d in logs])
+    return rewards
+
+
+def on_policy_reward(rewards: dict[str, list[list[float]]], steps: list[int]) -> list:
+    """Per graded step s > 0 (of `steps`): each arm's mean training reward over steps s-4 .. s+5 (those it
+    has; the replies of step k are sampled by the policy after k-1 updates) and the difference posttrain -
+    TRL, paired by seed and step (both arms see the same prompts at a step; `paired_difference`)."""
+    posttrain, trl, result = rewards["posttrain"], rewards["trl"], []
+    for s in [s for s in steps if s > 0]:
+        window = [k for k in range(s - 4, s + 6) if 1 <= k <= len(posttrain[0])]
+        pairs = [[(p[k - 1], t[k - 1]) for k in window] for p, t in zip(posttrain, trl)]  # [seed][step]
+        flat = [pair for run in pairs for pair in run]
+        result.append(
+            {
+                "step": s,
+                "window": [window[0], window[-1]],
+                "posttrain": round(statistics.mean(a for a, _ in flat), 4),
+                "trl": round(statistics.mean(b for _, b in flat), 4),
+                "difference": paired_difference(pairs),
+            }
+        )
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
@@ -281,6 +322,11 @@ def main() -> int:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after every run: nothing lost
     result["samples"] = quote_replies(Path(args.log_root), int(args.seeds.split(",")[0]), args.steps)
+    if sorted(args.arms.split(",")) == ["posttrain", "trl"]:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        rewards = training_rewards(Path(args.log_root), ["posttrain", "trl"], seeds)
+        steps = [p["step"] for p in result["curves"]["trl"][0]]
+        result["on_policy_reward"] = on_policy_reward(rewards, steps)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result["summary"].items() if k != "accuracy_by_step"}, indent=1))
     print(f"wrote {args.out}")

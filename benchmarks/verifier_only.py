@@ -22,6 +22,9 @@ Run (the machine alone; 12-14 min per arm and seed at the defaults on a 2-core C
   make real-model
   .venv/bin/python benchmarks/verifier_only.py --seeds 0,1,2 --out benchmarks/results/verifier_only.json
 More arms or seeds into the same result: --add --arms rft --seeds 2.
+Twenty minutes of training (100 steps; ~25 min per arm and seed):
+  .venv/bin/python benchmarks/verifier_only.py --arms grpo,rft_075 --seeds 0 --steps 100 --val-period 25 \
+      --log-root results/verifier_only_20min --out benchmarks/results/verifier_only_20min.json
 Smoke run (minutes): --seeds 0 --steps 2 --val-period 1 --val 8 --math-val 8 --kl-prompts 4
 """
 

@@ -367,6 +367,12 @@ def grpo_parity_section(name: str, data: dict) -> list[str]:
     both = summary["highest_level_both_reach"]
     lines.append(f"\nThe highest mean accuracy both reach, {both['accuracy']:.1%}: " + ", ".join(
         f"{arm} after {both[f'{arm}_train_s']:.0f} s" for arm in arms) + " of training.")
+    if data.get("on_policy_reward"):
+        lines += ["", "The training reward of the replies each arm sampled around each graded step (the same prompts in "
+                  "both arms, step for step; the difference paired by seed and step):", "",
+                  "| graded step | steps | " + " | ".join(arms) + " | difference |", "|---|---|---|---|---|"]
+        lines += [f"| {p['step']} | {p['window'][0]}-{p['window'][1]} | {p['posttrain']:.1%} | {p['trl']:.1%} | "
+                  f"{interval(p['difference'])} |" for p in data["on_policy_reward"]]
     lines += ["", "| setting | value |", "|---|---|"] + [f"| {k} | {cell(str(v))} |" for k, v in data["settings"].items()]
     if data.get("samples"):
         lines += ["", "Held-out replies of seed 0, at the start and at the last step (the answer after each):", ""] + [

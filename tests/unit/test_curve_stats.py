@@ -35,3 +35,12 @@ def test_the_mean_over_seeds_its_area_and_the_time_to_a_level():
     value = lambda arm, i: [0.25, 0.25, 0.75][i]  # noqa: E731
     assert curve_stats.area(value, "a", [0, 10, 20]) == 0.375
     assert curve_stats.time_to_reach(means, 0.8) == 30.0 and curve_stats.time_to_reach(means, 0.9) is None
+
+
+def test_a_paired_difference_keeps_each_pair_together():
+    """Two seeds whose every pair differs by 0.25: the mean difference is 0.25 and so is every draw's. One
+    seed with differences 1 and 0: the mean is 0.5, and a draw holds two of them, so it is 0, 0.5 or 1."""
+    constant = [[(0.5, 0.25), (1.0, 0.75)], [(0.25, 0.0), (0.75, 0.5)]]
+    assert curve_stats.paired_difference(constant, draws=200) == {"value": 0.25, "low": 0.25, "high": 0.25}
+    mixed = curve_stats.paired_difference([[(1.0, 0.0), (0.0, 0.0)]], draws=400)
+    assert mixed == {"value": 0.5, "low": 0.0, "high": 1.0}
