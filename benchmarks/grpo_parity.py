@@ -254,18 +254,16 @@ def summarize(curves: dict[str, list[list[dict]]], margin: float) -> dict:
     return summary
 
 
-def training_rewards(log_root: Path, arms: list[str], seeds: list[int]) -> dict[str, list[list[float]]]:
+def training_rewards(log_root: Path, seeds: list[int]) -> dict[str, list[list[float]]]:
     """Per arm and seed, the mean training reward of each step's sampled replies: posttrain's from its
     metrics.jsonl, TRL's from the log dicts its trainer prints to console.log."""
-    rewards: dict[str, list[list[float]]] = {arm: [] for arm in arms}
+    rewards: dict[str, list[list[float]]] = {"posttrain": [], "trl": []}
     for seed in seeds:
-        if "posttrain" in arms:
-            records = read_jsonl(log_root / f"posttrain_seed{seed}" / "metrics.jsonl")
-            rewards["posttrain"].append([r["train/reward_mean"] for r in records if "train/reward_mean" in r])
-        if "trl" in arms:
-            lines = (log_root / f"trl_seed{seed}" / "console.log").read_text().splitlines()
-            logs = [ast.literal_eval(x) for x in lines if x.startswith("{'loss'")]
-            rewards["trl"].append([float(d["reward"]) for d in logs])
+        records = read_jsonl(log_root / f"posttrain_seed{seed}" / "metrics.jsonl")
+        rewards["posttrain"].append([r["train/reward_mean"] for r in records if "train/reward_mean" in r])
+        lines = (log_root / f"trl_seed{seed}" / "console.log").read_text().splitlines()
+        logs = [ast.literal_eval(x) for x in lines if x.startswith("{'loss'")]
+        rewards["trl"].append([float(d["reward"]) for d in logs])
     return rewards
 
 
@@ -324,7 +322,7 @@ def main() -> int:
     result["samples"] = quote_replies(Path(args.log_root), int(args.seeds.split(",")[0]), args.steps)
     if sorted(args.arms.split(",")) == ["posttrain", "trl"]:
         seeds = [int(s) for s in args.seeds.split(",")]
-        rewards = training_rewards(Path(args.log_root), ["posttrain", "trl"], seeds)
+        rewards = training_rewards(Path(args.log_root), seeds)
         steps = [p["step"] for p in result["curves"]["trl"][0]]
         result["on_policy_reward"] = on_policy_reward(rewards, steps)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
