@@ -165,6 +165,11 @@ def run_arm(args, arm: str, seed: int, log_dir: Path) -> dict:
     }
 
 
+def mean_grade(arm_curves: list[list[dict]], key: str, index: int) -> float:
+    """The mean over an arm's seeds of grade `key` (a list per question) at its point `index`."""
+    return round(sum(accuracy(c[index][key]) for c in arm_curves) / len(arm_curves), 4)
+
+
 def equal_time(curves: dict[str, list[list[dict]]]) -> dict:
     """Each arm's last graded point within the largest budget every arm reaches, and GRPO - RFT there."""
     means = {arm: mean_curve(c) for arm, c in curves.items()}
@@ -176,12 +181,8 @@ def equal_time(curves: dict[str, list[list[dict]]]) -> dict:
             "step": means[arm][index[arm]]["step"],
             "train_s": means[arm][index[arm]]["train_s"],
             "strict": bootstrap(curves, lambda v, a=arm: v(a, index[a])),
-            "on_topic_share": round(
-                sum(accuracy(c[index[arm]]["on_topic_share"]) for c in curves[arm]) / len(curves[arm]), 4
-            ),
-            "strict_on_topic": round(
-                sum(accuracy(c[index[arm]]["strict_on_topic"]) for c in curves[arm]) / len(curves[arm]), 4
-            ),
+            "on_topic_share": mean_grade(curves[arm], "on_topic_share", index[arm]),
+            "strict_on_topic": mean_grade(curves[arm], "strict_on_topic", index[arm]),
         }
     for rft in (arm for arm in curves if arm.startswith("rft") and "grpo" in curves):
         result[f"strict_difference_grpo_minus_{rft}"] = bootstrap(
@@ -199,29 +200,23 @@ def summarize(result: dict, budget_s: float = 1200.0) -> dict:
     summary: dict = {"by_step": {}, "gain_within_budget": {}, "forgetting": {}, "budget_train_s": budget_s}
     for arm, arm_curves in curves.items():
         means = mean_curve(arm_curves)
-
-        def grade(key: str, i: int, arm_curves=arm_curves) -> float:
-            return round(sum(accuracy(c[i][key]) for c in arm_curves) / len(arm_curves), 4)
-
         summary["by_step"][arm] = [
             {
                 "step": m["step"],
                 "train_s": m["train_s"],
                 "strict": bootstrap({arm: arm_curves}, lambda v, i=i, a=arm: v(a, i)),
-                "on_topic_share": grade("on_topic_share", i),
-                "strict_on_topic": grade("strict_on_topic", i),
+                "on_topic_share": mean_grade(arm_curves, "on_topic_share", i),
+                "strict_on_topic": mean_grade(arm_curves, "strict_on_topic", i),
             }
             for i, m in enumerate(means)
         ]
         last = max(i for i, m in enumerate(means) if m["train_s"] <= budget_s)
-        start_topic = grade("on_topic_share", 0)
+        start_topic, end_topic = (mean_grade(arm_curves, "on_topic_share", i) for i in (0, last))
         summary["gain_within_budget"][arm] = {
             "step": means[last]["step"],
             "train_s": means[last]["train_s"],
             "strict_gain": bootstrap({arm: arm_curves}, lambda v, a=arm, j=last: v(a, j) - v(a, 0)),
-            "on_topic_share_over_start": round(grade("on_topic_share", last) / start_topic, 3)
-            if start_topic
-            else None,
+            "on_topic_share_over_start": round(end_topic / start_topic, 3) if start_topic else None,
         }
         runs = result["runs"][arm]
         summary["forgetting"][arm] = {
