@@ -344,7 +344,9 @@ class ClippedPGLoss(Loss):
         if ref_logprobs is None:
             return torch.zeros_like(logprobs)
         cfg = self.cfg
-        kl = kl_estimate(logprobs, ref_logprobs, cfg.kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value)
+        kl = kl_estimate(
+            logprobs, ref_logprobs, cfg.kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
+        )
         if cfg.kl_type == "k2":
             return kl
         return kl + kl.detach() * (logprobs - logprobs.detach())  # score-function term: zero in value

@@ -285,13 +285,13 @@ def test_dpo_with_zero_beta_is_ln2():
 
 
 def test_dpo_summed_and_averaged_logprobs_by_hand():
-    """beta 0.5 on sums: r_c = 0.5, r_r = -0.5, -log sigmoid(1) = log(1 + e^-1) = 0.313262. beta 1 on means:
-    the same rewards and loss."""
+    """beta 0.5 on sums: r_c = 0.5, r_r = -0.5, -log sigmoid(1) = log(1 + e^-1) = 0.313262; the reported
+    rewards are the log ratios r / beta = 1 and -1. beta 1 on means: the same loss."""
     expected = math.log1p(math.exp(-1.0))
     loss, metrics = DPOLoss(DPOLossConfig(reference_policy_kl_penalty=0.5))(*preference_batch(), 2, 4)
     assert loss.item() == pytest.approx(expected)
     assert metrics["accuracy"] == 1.0
-    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((0.5, -0.5))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((1.0, -1.0))
     averaged = DPOLossConfig(reference_policy_kl_penalty=1.0, preference_average_log_probs=True)
     assert DPOLoss(averaged)(*preference_batch(), 2, 4)[0].item() == pytest.approx(expected)
 
@@ -316,7 +316,7 @@ def test_dpo_normalises_by_global_pairs():
 def test_ipo_by_hand():
     """h = (1) - (-1) = 2 on sums. beta 0.1: target 1/(2 beta) = 5, loss (2 - 5)^2 = 9, dl/dh = 2 (2 - 5) = -6
     on each chosen token and +6 on each rejected one. beta 0.5: (2 - 1)^2 = 1. On means (h = 1), beta 0.5:
-    0; rewards are DPO's beta * log ratio."""
+    0; the reported rewards are the log ratios, 1 and -1."""
     logprobs, data = preference_batch()
     loss, metrics = DPOLoss(DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.1))(
         logprobs, data, 2, 4
@@ -324,7 +324,7 @@ def test_ipo_by_hand():
     assert loss.item() == pytest.approx(9.0)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -6.0, -6.0], [0.0, 6.0, 6.0]]))
-    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((0.1, -0.1))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((1.0, -1.0))
     half = DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.5)
     assert DPOLoss(half)(*preference_batch(), 2, 4)[0].item() == pytest.approx(1.0)
     half.preference_average_log_probs = True
@@ -334,7 +334,8 @@ def test_ipo_by_hand():
 def test_simpo_by_hand_needs_no_reference():
     """beta 2, gamma 0.5, mean logprobs -1 and -2: r_c = -2, r_r = -4, loss -log sigmoid(2 - 0.5) =
     log(1 + e^-1.5) = 0.201413; dl/dlogp = -sigmoid(-1.5) * beta / 2 tokens = -0.182426 per chosen token,
-    +0.182426 per rejected one. No reference logprobs in the batch."""
+    +0.182426 per rejected one; reported rewards r / beta = the mean logprobs -1 and -2. No reference
+    logprobs in the batch."""
     logprobs, data = preference_batch()
     del data["reference_policy_logprobs"]
     cfg = DPOLossConfig(preference_loss="simpo", reference_policy_kl_penalty=2.0, simpo_gamma=0.5)
@@ -343,7 +344,7 @@ def test_simpo_by_hand_needs_no_reference():
     loss.backward()
     g = 1.0 / (1.0 + math.exp(1.5))
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -g, -g], [0.0, g, g]]))
-    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((-2.0, -4.0))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((-1.0, -2.0))
     assert metrics["accuracy"] == 1.0
 
 
@@ -571,7 +572,10 @@ def test_each_kl_estimator_has_the_expected_gradient_of_kl_pi_to_ref(kl_type):
     theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
     ref_logprobs = torch.log_softmax(torch.randn(5, dtype=torch.float64), dim=0)
     cfg = ClippedPGLossConfig(
-        reference_policy_kl_penalty=1.0, kl_type=kl_type, kl_input_clamp_value=None, kl_output_clamp_value=None
+        reference_policy_kl_penalty=1.0,
+        kl_type=kl_type,
+        kl_input_clamp_value=None,
+        kl_output_clamp_value=None,
     )
     expected_grad = torch.zeros(5, dtype=torch.float64)
     for token in range(5):
@@ -606,4 +610,3 @@ def test_gspo_importance_correction_is_one_weight_per_sequence():
     loss, metrics = pg_loss(cfg, logprobs, data)
     assert loss.item() == pytest.approx(-math.exp(0.1), abs=1e-6)
     assert metrics["is_weight_mean"] == pytest.approx(math.exp(0.1), abs=1e-6)
-
