@@ -119,6 +119,9 @@ class GRPOLoopConfig:
     """greedy validation (needs val_num_generations 1)"""
     val_pass_k: int = 1
     """k of the reported validation pass@k"""
+    val_pass_threshold: float = 1.0
+    """a validation sample counts as solved in pass@k when its reward is >= this (1.0: partial credit is
+    not a pass)"""
     val_grader: str | None = "final_number"
     """strict grade of validation replies beside the reward ('final_number': the reply's last number equals
     a numeric ground truth; file.py:function or module:function; null: none)"""
