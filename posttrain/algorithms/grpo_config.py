@@ -96,7 +96,8 @@ class GRPOLoopConfig:
     rejection_sampling_min_reward: float = 1.0
     """advantage_estimator rejection_sampling: the least reward kept"""
     normalize_rewards: bool = True
-    """divide advantages by the group std (advantage_estimator grpo)"""
+    """divide advantages by the group std (advantage_estimator grpo; with use_leave_one_out_baseline too
+    it is the whole group's std, where NeMo RL divides by each sample's leave-one-out std)"""
     use_leave_one_out_baseline: bool = False
     """RLOO baseline instead of the mean (advantage_estimator grpo)"""
     overlong_filtering: bool = False
