@@ -350,6 +350,7 @@ def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, f
             k=cfg.val_pass_k,
             seed=cfg.seed,
             grader=resolve_grader(cfg.val_grader),
+            pass_threshold=cfg.val_pass_threshold,
         )
     warning = reward_hacking_warning(result.metrics, result.samples, cfg.val_max_reward_gap)
     if warning:

@@ -96,7 +96,8 @@ class GRPOLoopConfig:
     rejection_sampling_min_reward: float = 1.0
     """advantage_estimator rejection_sampling: the least reward kept"""
     normalize_rewards: bool = True
-    """divide advantages by the group std (advantage_estimator grpo)"""
+    """divide advantages by the group std (advantage_estimator grpo; with use_leave_one_out_baseline too
+    it is the whole group's std, where NeMo RL divides by each sample's leave-one-out std)"""
     use_leave_one_out_baseline: bool = False
     """RLOO baseline instead of the mean (advantage_estimator grpo)"""
     overlong_filtering: bool = False
@@ -119,6 +120,9 @@ class GRPOLoopConfig:
     """greedy validation (needs val_num_generations 1)"""
     val_pass_k: int = 1
     """k of the reported validation pass@k"""
+    val_pass_threshold: float = 1.0
+    """a validation sample counts as solved in pass@k when its reward is >= this (1.0: partial credit is
+    not a pass)"""
     val_grader: str | None = "final_number"
     """strict grade of validation replies beside the reward ('final_number': the reply's last number equals
     a numeric ground truth; file.py:function or module:function; null: none)"""

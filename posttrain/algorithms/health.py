@@ -83,7 +83,7 @@ def step_signals(
 ) -> dict[str, float]:
     """The `health/` metrics of one step: rewards [N] of the trained batch, the loss's reduced metrics, the
     rollout metrics of the step's first generation round, and whether the loss saw reference logprobs
-    (then its `kl` is the KL to the starting weights)."""
+    (then its `kl_penalty` is the KL to the starting weights)."""
     signals = {
         "reward_mean": float(rewards.float().mean()),
         "zero_signal_share": zero_signal_share(rewards, num_generations),
@@ -92,8 +92,8 @@ def step_signals(
         "mean_reply_length": rollout_metrics.get("mean_generated_length", float("nan")),
         "truncation_rate": rollout_metrics.get("truncation_rate", float("nan")),
     }
-    if kl_measured and "kl" in train_metrics:
-        signals["kl_to_start"] = train_metrics["kl"]
+    if kl_measured and "kl_penalty" in train_metrics:
+        signals["kl_to_start"] = train_metrics["kl_penalty"]
     return signals
 
 

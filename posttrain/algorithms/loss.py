@@ -194,7 +194,8 @@ class ClippedPGLossConfig:
     reference_policy_kl_penalty: float = 0.0
     """beta: weight of the per-token KL(pi || pi_ref) added to the loss; 0 = off"""
     kl_type: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator: k1 = log ratio, k2 = squared/2, k3 = exp(-x) + x - 1"""
+    """KL estimator: k1 = log ratio, k2 = squared/2, k3 = exp(-x) + x - 1; in the loss each has the
+    expected gradient of KL(pi || pi_ref) (see ClippedPGLoss)"""
     kl_input_clamp_value: float | None = 20.0
     """clamp the log ratio to [-v, v] before the KL estimator; None = off"""
     kl_output_clamp_value: float | None = 10.0
@@ -254,10 +255,18 @@ class ClippedPGLoss(Loss):
     which, unlike a per-sequence or per-batch token mean, does not weight a token by the length of the
     response it belongs to.
 
+    KL_t is the estimate k(x), x = log pi(t) - log pi_ref(t), of KL(pi || pi_ref), differentiated through
+    log pi only. For k2 the expected gradient E_pi[x grad log pi] is already that of KL(pi || pi_ref); k1 and
+    k3 get the score-function term sg(k) * (log pi - sg(log pi)), zero in value, so that their expected
+    gradient E_pi[grad k + k grad log pi] = grad E_pi[k] = grad KL(pi || pi_ref) too (without it k1's
+    expected gradient is zero and k3's is that of KL(pi_ref || pi)).
+
     Metrics (sums unless noted): loss; probs_ratio_mean (over valid tokens); probs_ratio_min and
     probs_ratio_max (micro-batch extremes, reduce with min/max); clip_fraction (tokens with r outside the
-    clip range); kl (mean KL estimate); kl_penalty (beta * kl); approx_entropy (-mean logprob of the
-    sampled tokens); is_weight_mean; token_mult_prob_error (mean exp(|prev - generation logprobs|), 1.0
+    clip range); kl_penalty (mean KL estimate, NeMo RL's meaning); kl_loss (beta * kl_penalty, the term
+    added to the loss); approx_entropy (-mean logprob of the
+    sampled tokens, each weighted by pi / pi_sampler, so that tokens drawn by the generation policy estimate
+    the entropy of pi; pi_sampler is the generation logprobs when the data hold them, else pi_prev); is_weight_mean; token_mult_prob_error (mean exp(|prev - generation logprobs|), 1.0
     when the micro-batch has no generation_logprobs).
 
     `prev_is_current`: the batch is trained in a single optimizer step, so pi_prev is the policy being
@@ -289,7 +298,7 @@ class ClippedPGLoss(Loss):
             dual_clipped = torch.minimum(pg_loss, -advantages * self.cfg.ratio_clip_c)
             pg_loss = torch.where(advantages < 0, dual_clipped, pg_loss)
         kl = self._kl(logprobs, inputs.reference_policy_logprobs)  # [B, T]
-        is_weight = self._importance_weight(inputs.generation_logprobs, prev_logprobs)  # [B, T]
+        is_weight = self._importance_weight(inputs.generation_logprobs, prev_logprobs, mask)  # [B, T]
         token_loss = is_weight * (pg_loss + self.cfg.reference_policy_kl_penalty * kl)  # [B, T]
         loss = self._reduce(token_loss, mask, inputs, global_valid_seqs, global_valid_toks)
         num_toks = _count(global_valid_toks, logprobs)
@@ -298,9 +307,12 @@ class ClippedPGLoss(Loss):
             return float(_masked_sum(values, mask) / num_toks)
 
         metrics = self._ratio_metrics(ratio.detach(), mask, num_toks)
-        metrics["kl"] = token_mean(kl.detach())
-        metrics["kl_penalty"] = self.cfg.reference_policy_kl_penalty * metrics["kl"]
-        metrics["approx_entropy"] = -token_mean(logprobs.detach())
+        metrics["kl_penalty"] = token_mean(kl.detach())
+        metrics["kl_loss"] = self.cfg.reference_policy_kl_penalty * metrics["kl_penalty"]
+        sampler_logprobs = inputs.generation_logprobs
+        sampler_logprobs = prev_logprobs if sampler_logprobs is None else sampler_logprobs.float()
+        entropy_weight = torch.exp(logprobs.detach() - sampler_logprobs)  # [B, T]
+        metrics["approx_entropy"] = -token_mean(entropy_weight * logprobs.detach())
         metrics["is_weight_mean"] = token_mean(is_weight)
         metrics["token_mult_prob_error"] = token_mean(
             token_mult_prob_error(prev_logprobs, inputs.generation_logprobs)
@@ -332,18 +344,25 @@ class ClippedPGLoss(Loss):
         if ref_logprobs is None:
             return torch.zeros_like(logprobs)
         cfg = self.cfg
-        return kl_estimate(
+        kl = kl_estimate(
             logprobs, ref_logprobs, cfg.kl_type, cfg.kl_input_clamp_value, cfg.kl_output_clamp_value
         )
+        if cfg.kl_type == "k2":
+            return kl
+        return kl + kl.detach() * (logprobs - logprobs.detach())  # score-function term: zero in value
 
     def _importance_weight(
-        self, generation_logprobs: torch.Tensor | None, prev_logprobs: torch.Tensor
+        self, generation_logprobs: torch.Tensor | None, prev_logprobs: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """Detached exp(prev - generation logprobs), truncated above [B, T]; ones when the correction is
-        off."""
+        off. GSPO (sequence-level ratios): one weight per sequence, exp of the log ratio summed over its
+        trained tokens, broadcast over them."""
         if not self.cfg.use_importance_sampling_correction or generation_logprobs is None:
             return torch.ones_like(prev_logprobs)
-        weight = torch.exp(prev_logprobs - generation_logprobs).detach()  # [B, T]
+        log_weight = (prev_logprobs - generation_logprobs).detach()  # [B, T]
+        if self.cfg.sequence_level_importance_ratios:
+            log_weight = (log_weight * mask).sum(dim=1, keepdim=True).expand_as(log_weight)  # [B, T]
+        weight = torch.exp(log_weight)  # [B, T]
         if self.cfg.truncated_importance_sampling_ratio is not None:
             weight = weight.clamp(max=self.cfg.truncated_importance_sampling_ratio)
         return weight

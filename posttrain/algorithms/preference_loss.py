@@ -86,9 +86,10 @@ class DPOLoss(Loss):
         loss = sum over pairs of [w_pref * l + w_sft * -log pi(y_c)] / global pairs
 
     where global pairs = global_valid_seqs / 2. SimPO always uses the mean logprob (its length
-    normalisation) and ignores reference_policy_logprobs. The reported rewards are r (for IPO, DPO's r).
-    Metrics (sums): loss, preference_loss, sft_loss, accuracy (fraction of pairs with r_c > r_r),
-    rewards_chosen_mean, rewards_rejected_mean."""
+    normalisation) and ignores reference_policy_logprobs. The reported rewards are r / beta, NeMo RL's
+    meaning: the log ratio log pi(y) - log pi_ref(y) (SimPO: the mean log pi(y)); multiply by beta for DPO's
+    implicit reward. Metrics (sums): loss, preference_loss, sft_loss, accuracy (fraction of pairs with
+    r_c > r_r), rewards_chosen_mean, rewards_rejected_mean."""
 
     def __init__(self, cfg: DPOLossConfig | None = None) -> None:
         self.cfg = cfg or DPOLossConfig()
@@ -109,7 +110,10 @@ class DPOLoss(Loss):
         )  # [P]
         sft_loss = (-chosen_logprobs * pair_mask).sum() / num_pairs
         loss = self.cfg.preference_loss_weight * preference_loss + self.cfg.sft_loss_weight * sft_loss
-        metrics = _pair_metrics(rewards_chosen.detach(), rewards_rejected.detach(), pair_mask, num_pairs)
+        beta = self.cfg.reference_policy_kl_penalty
+        metrics = _pair_metrics(
+            rewards_chosen.detach() / beta, rewards_rejected.detach() / beta, pair_mask, num_pairs
+        )
         metrics.update(
             loss=float(loss.detach()),
             preference_loss=float(preference_loss.detach()),

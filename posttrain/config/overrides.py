@@ -1,5 +1,12 @@
 """Hydra-style command-line overrides: `a.b=v` (set), `+a.c=v` (add), `++a.c=v` (force), `~a.d` (delete),
-values parsed as YAML, applied in order to a loaded config."""
+applied in order to a loaded config, with Hydra's value grammar and merge semantics.
+
+Values: lists `[..]`, dicts `{k: v}` and quoted strings as in YAML flow syntax, but scalars follow Hydra, not
+YAML 1.1: an int is decimal without a leading zero (`010`, `0x10`, `1:30` stay strings), a bool is only
+`true`/`false` (`yes`, `on` are strings), `inf`, `-inf` and `nan` are floats, `null` is None. A dict set on
+an existing section merges into it (the section's other keys stay); `{_override_: true, ...}` replaces it.
+Hydra itself is not a dependency: hydra-core pins omegaconf < 2.4 and an antlr runtime that math-verify's
+parser does not accept."""
 
 from __future__ import annotations
 
@@ -24,14 +31,25 @@ from posttrain.config.tree import (
 
 
 class _ValueLoader(yaml.SafeLoader):
-    """YAML 1.1 loader that also reads `1e-4` (no dot) as a float, like OmegaConf does in files."""
+    """YAML flow syntax with Hydra's scalars: null, true/false, decimal ints, floats (also `1e-4`, inf, nan);
+    every other plain scalar is a string."""
+
+    yaml_implicit_resolvers: dict = {}
 
 
-_ValueLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(\d[\d_]*\.?[\d_]*([eE][-+]?\d+)?|\.\d[\d_]*([eE][-+]?\d+)?|\.inf|\.nan)$", re.X),
-    list("-+0123456789."),
-)
+for _tag, _pattern, _first in (
+    ("null", r"null", "nN"),
+    ("bool", r"true|false", "tTfF"),
+    ("int", r"[-+]?(0|[1-9][\d_]*)", "-+0123456789"),
+    (
+        "float",
+        r"[-+]?(([\d_]*\.\d[\d_]*|\d[\d_]*\.)([eE][-+]?\d+)?|\d[\d_]*[eE][-+]?\d+|inf|nan)",
+        "-+0123456789.iInN",
+    ),
+):
+    _ValueLoader.add_implicit_resolver(
+        f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?i:{_pattern})$"), list(_first)
+    )
 
 
 _KEY_PATTERN = re.compile(r"^[A-Za-z_][\w\-]*(\.[\w\-]+)*$")
@@ -46,7 +64,7 @@ class Override:
     key: str = ""
     """Dotted key, e.g. policy.optimizer.kwargs.lr."""
     value: Any = None
-    """The value, parsed as YAML (None for delete)."""
+    """The value, parsed with Hydra's grammar (None for delete)."""
     text: str = ""
     """The override as typed on the command line."""
 
@@ -61,7 +79,7 @@ def _parse_value(key: str, text: str) -> Any:
 
 
 def parse_override(text: str) -> Override:
-    """Parse one override with the Hydra grammar; values are YAML (`1` int, `[1,2]` list, `null`)."""
+    """Parse one override with the Hydra grammar (`1` int, `010` string, `[1,2]` list, `null`)."""
     kind, body = "set", text
     for prefix, prefix_kind in (("++", "force"), ("+", "add"), ("~", "delete")):
         if text.startswith(prefix):
@@ -108,12 +126,13 @@ def _apply_override(cfg: DictConfig, override: Override, sources: dict[str, str]
         use = f"use '{key}=...' to change it or '++{key}=...' to add or change"
         raise ConfigError(key, f"cannot add a key that already exists (set in {where}); {use}", COMMAND_LINE)
     _check_container_above(plain, key)
-    pop_override_marks(override.value, COMMAND_LINE, key)  # a set always replaces: the marker is moot
+    replaced = key in pop_override_marks(override.value, COMMAND_LINE, key)
+    merge = isinstance(override.value, dict) and isinstance(lookup(plain, key)[1], dict) and not replaced
     try:
         if override.kind == "delete":
             _delete_node(cfg, key)
         else:
-            OmegaConf.update(cfg, key, override.value, merge=False, force_add=True)
+            OmegaConf.update(cfg, key, override.value, merge=merge, force_add=True)
     except (OmegaConfBaseException, IndexError, KeyError, TypeError, ValueError) as error:
         reason = str(error).splitlines()[0]
         raise ConfigError(key, f"cannot apply '{override.text}': {reason}", COMMAND_LINE) from None
@@ -121,7 +140,8 @@ def _apply_override(cfg: DictConfig, override: Override, sources: dict[str, str]
     if list_key:  # an item of a list leaf changed: the whole list now comes from the command line
         sources[list_key] = COMMAND_LINE
         return
-    drop_sources(sources, key)
+    if not merge:
+        drop_sources(sources, key)
     if override.kind != "delete":
         record_sources(sources, override.value, COMMAND_LINE, key)
 

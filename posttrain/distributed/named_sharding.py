@@ -11,7 +11,12 @@ class NamedSharding:
     """Ranks laid out on named axes, e.g. `NamedSharding([[0, 1], [2, 3]], ["dp", "tp"])`."""
 
     def __init__(self, layout: Any, names: list[str]):
-        self.layout = np.asarray(layout, dtype=int)
+        values = np.asarray(layout, dtype=object)  # each rank as given: 1.5 or "1" is refused, never cast
+        integral = (isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values.flatten())
+        bad = [v for v, ok in zip(values.flatten().tolist(), integral) if not ok]
+        if bad:
+            raise ValueError(f"layout ranks must be integers, got {bad[0]!r} in {values.tolist()}")
+        self.layout = values.astype(int)
         self.names = list(names)
         if self.layout.ndim != len(self.names):
             raise ValueError(

@@ -33,13 +33,14 @@ def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
     return float(1 - Fraction(math.comb(num_samples - num_correct, k), math.comb(num_samples, k)))
 
 
-def eval_pass_k(rewards: Rewards, num_tests_per_prompt: int, k: int) -> float:
-    """Mean over prompts of the unbiased pass@k; a sample is correct when its reward is > 0.
+def eval_pass_k(rewards: Rewards, num_tests_per_prompt: int, k: int, threshold: float = 1.0) -> float:
+    """Mean over prompts of the unbiased pass@k; a sample is correct when its reward is >= threshold (by
+    default 1.0, the maximum of a 0/1 or partial-credit reward: partial credit is not a pass).
 
     rewards: flat [num_prompts * n], each prompt's n = num_tests_per_prompt samples contiguous.
     Raises ValueError for k < 1, n < k, or a length not divisible by n."""
     groups = _per_prompt_rewards(rewards, num_tests_per_prompt, k)
-    scores = [pass_at_k(len(group), sum(r > 0 for r in group), k) for group in groups]
+    scores = [pass_at_k(len(group), sum(r >= threshold for r in group), k) for group in groups]
     return sum(scores) / len(scores)
 
 
@@ -68,15 +69,20 @@ def _k_subsets(n: int, k: int, max_subsets: int, rng: random.Random) -> list[tup
 
 
 def _cons_at_k_one_prompt(
-    rewards: list[float], answers: Sequence[Hashable | None], k: int, max_subsets: int, rng: random.Random
+    rewards: list[float],
+    answers: Sequence[Hashable | None],
+    k: int,
+    max_subsets: int,
+    rng: random.Random,
+    threshold: float,
 ) -> float:
-    """Fraction of k-subsets whose majority answer is correct (reward > 0 of its first sample in the
-    subset)."""
+    """Fraction of k-subsets whose majority answer is correct (reward >= threshold of its first sample in
+    the subset)."""
     subsets = _k_subsets(len(rewards), k, max_subsets, rng)
     num_correct = 0
     for subset in subsets:
         winner = majority_answer([answers[i] for i in subset])
-        num_correct += winner is not None and rewards[subset[winner]] > 0
+        num_correct += winner is not None and rewards[subset[winner]] >= threshold
     return num_correct / len(subsets)
 
 
@@ -87,13 +93,14 @@ def eval_cons_k(
     extracted_answers: Sequence[Hashable | None],
     max_subsets: int = 10_000,
     seed: int = 0,
+    threshold: float = 1.0,
 ) -> float:
     """cons@k (majority voting), averaged over prompts.
 
     For each prompt, over its k-subsets of the n = num_tests_per_prompt samples: the most common extracted
     answer of the subset wins; a tie goes to the tied answer that appears first in sample order within the
     subset; None answers do not vote (a subset where nothing votes is wrong). The subset is correct when
-    the reward of the first sample in the subset carrying the winning answer is > 0. Answers are compared
+    the reward of the first sample in the subset carrying the winning answer is >= threshold. Answers are compared
     with == as given (normalise them first). All C(n, k) subsets are enumerated when there are at most
     max_subsets of them; otherwise max_subsets subsets are drawn uniformly (with replacement among subsets)
     from random.Random(seed), so the result is an unbiased, reproducible estimate."""
@@ -106,6 +113,7 @@ def eval_cons_k(
     n = num_tests_per_prompt
     answers = [extracted_answers[i * n : (i + 1) * n] for i in range(len(groups))]
     scores = [
-        _cons_at_k_one_prompt(group, votes, k, max_subsets, rng) for group, votes in zip(groups, answers)
+        _cons_at_k_one_prompt(group, votes, k, max_subsets, rng, threshold)
+        for group, votes in zip(groups, answers)
     ]
     return sum(scores) / len(scores)

@@ -54,6 +54,9 @@ class EvalSettings:
     """k of pass@k / cons@k (>= 1, <= num_tests_per_prompt)"""
     num_tests_per_prompt: int = 1
     """n: samples generated per prompt"""
+    pass_threshold: float = 1.0
+    """a sample counts as solved in pass@k / cons@k when its reward is >= this (1.0: partial credit is not
+    a pass)"""
     greedy: bool = True
     """argmax decoding (needs num_tests_per_prompt 1); false: sample"""
     seed: int = 42
@@ -281,8 +284,9 @@ def compute_score(cfg: EvalSettings, rewards: list[float], answers: list[str | N
     """pass@k or cons@k over flat per-sample rewards (each prompt's n samples contiguous)."""
     n, k = cfg.num_tests_per_prompt, cfg.k_value
     if cfg.metric == "pass@k":
-        return eval_pass_k(rewards, n, k)
-    return eval_cons_k(rewards, n, k, [voting_answer(a) for a in answers], seed=cfg.seed)
+        return eval_pass_k(rewards, n, k, cfg.pass_threshold)
+    votes = [voting_answer(a) for a in answers]
+    return eval_cons_k(rewards, n, k, votes, seed=cfg.seed, threshold=cfg.pass_threshold)
 
 
 # ------------------------------------------------------------------------------------------------- output

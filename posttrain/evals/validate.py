@@ -59,11 +59,12 @@ def run_validation(
     batch_size: int = 256,
     seed: int = 0,
     grader: Grader | None = None,
+    pass_threshold: float = 1.0,
 ) -> ValidationResult:
     """Roll out every record `num_generations` times (in batches of `batch_size` prompts).
 
     `accuracy` is the mean reward (the fraction correct for 0/1 rewards); `pass@k` is the unbiased
-    estimator over each prompt's samples. With a `grader`, each sample also gets a `strict_grade` and the
+    estimator over each prompt's samples, a sample passing when its reward is >= pass_threshold. With a `grader`, each sample also gets a `strict_grade` and the
     metrics `strict_accuracy` and `reward_gap` (`graders.strict_grades`)."""
     rewards, samples, lengths = [], [], []
     for start in range(0, len(records), batch_size):
@@ -78,7 +79,7 @@ def run_validation(
     all_rewards = torch.cat(rewards)
     metrics = {
         "accuracy": float(all_rewards.mean()),
-        f"pass@{k}": eval_pass_k(all_rewards.tolist(), num_generations, k),
+        f"pass@{k}": eval_pass_k(all_rewards.tolist(), num_generations, k, pass_threshold),
         "mean_generated_length": sum(lengths) / len(all_rewards),
         "truncation_rate": sum(s["truncated"] for s in samples) / len(samples),
         "num_samples": float(len(samples)),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import threading
@@ -341,11 +340,7 @@ class MLflowLogger(LoggerInterface):
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)
-        entries = [
-            Metric(mlflow_key(key), value, now_ms, int(step))
-            for key, value in metrics.items()
-            if math.isfinite(value)
-        ]
+        entries = [Metric(mlflow_key(key), value, now_ms, int(step)) for key, value in metrics.items()]
         if entries:
             self.client.log_batch(self.run_id, metrics=entries)
 

@@ -90,9 +90,11 @@ def single_step_metrics(metrics: Mapping[str, Sequence[float]]) -> dict[str, flo
 
 
 def as_number(value: Any) -> float | None:
-    """A plain float for Python/numpy/tensor scalars (bools count as 0/1); None for anything else."""
+    """A plain float for Python/numpy/tensor scalars and one-element arrays or tensors (bools count as 0/1);
+    None for anything else."""
     if isinstance(value, (bool, int, float, np.number, np.bool_)):
         return float(value)
-    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+    size = value.numel() if hasattr(value, "numel") else getattr(value, "size", None)
+    if hasattr(value, "item") and size == 1:
         return as_number(value.item())
     return None

@@ -202,6 +202,43 @@ def test_parse_overrides_rejects_malformed_text(text, message):
     assert message in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("010", "010"),  # YAML 1.1: 8 (octal)
+        ("1:30", "1:30"),  # YAML 1.1: 90 (sexagesimal)
+        ("yes", "yes"),  # YAML 1.1: True
+        ("on", "on"),
+        ("0x10", "0x10"),  # YAML 1.1: 16
+        ("True", True),
+        ("null", None),
+        ("-3", -3),
+        ("1_000", 1000),
+        ("2.0e-5", 2.0e-5),
+        ("[1, 010]", [1, "010"]),
+    ],
+)
+def test_override_values_follow_hydras_grammar_not_yaml_1_1(text, value):
+    assert parse_overrides([f"a={text}"])[0].value == value
+
+
+def test_inf_and_nan_overrides_are_floats():
+    values = [override.value for override in parse_overrides(["a=inf", "a=-inf", "a=nan"])]
+    assert values[:2] == [float("inf"), float("-inf")] and values[2] != values[2]
+
+
+def test_a_dict_override_merges_into_the_section_and_override_mark_replaces_it():
+    """base.yaml's policy.optimizer is {name: adam, betas: [0.9, 0.999]}: a dict sets name and keeps betas
+    (with their source); `_override_: true` replaces the section."""
+    loaded = load_config(CHILD, ["policy.optimizer={name: sgd, momentum: 0.5}"])
+    optimizer = OmegaConf.to_container(loaded.cfg.policy.optimizer)
+    assert optimizer == {"name": "sgd", "betas": [0.9, 0.999], "momentum": 0.5}
+    assert loaded.sources["policy.optimizer.betas"] == BASE
+    assert loaded.sources["policy.optimizer.name"] == "command line"
+    replaced = load_config(CHILD, ["policy.optimizer={_override_: true, name: sgd}"]).cfg
+    assert OmegaConf.to_container(replaced.policy.optimizer) == {"name": "sgd"}
+
+
 def test_set_override_changes_existing_key():
     cfg = load_config(CHILD, ["policy.optimizer.betas=[0.5,0.6]", "run.name=c"]).cfg
     assert list(cfg.policy.optimizer.betas) == [0.5, 0.6]

@@ -26,9 +26,16 @@ def test_pass_at_k_is_one_when_fewer_wrong_samples_than_k():
     assert eval_pass_k([1, 1, 0, 0, 0], 5, 4) == 1.0
 
 
-def test_pass_at_k_averages_over_prompts_and_counts_positive_rewards_as_correct():
-    """Prompt 1 [0.5, 0, -1]: one correct, pass@1 = 1/3; prompt 2 [-1, 0, 0]: 0. Mean 1/6."""
-    assert eval_pass_k([0.5, 0, -1, -1, 0, 0], 3, 1) == pytest.approx(1 / 6)
+def test_pass_at_k_averages_over_prompts_and_counts_rewards_at_the_threshold_as_correct():
+    """Prompt 1 [0.5, 0, -1], prompt 2 [-1, 0, 1]. Threshold 1 (default: partial credit is no pass): 0 and
+    1/3, mean 1/6. Threshold 0.5: 1/3 and 1/3, mean 1/3. cons@3 with answers a, b, a / c, c, d: the majority
+    sample is the first (reward 0.5) and the first of the second prompt (-1): 0 at threshold 1, 0.5 at 0.5."""
+    rewards = [0.5, 0, -1, -1, 0, 1]
+    assert eval_pass_k(rewards, 3, 1) == pytest.approx(1 / 6)
+    assert eval_pass_k(rewards, 3, 1, threshold=0.5) == pytest.approx(1 / 3)
+    answers = ["a", "b", "a", "c", "c", "d"]
+    assert eval_cons_k(rewards, 3, 3, answers) == 0.0
+    assert eval_cons_k(rewards, 3, 3, answers, threshold=0.5) == 0.5
 
 
 def test_pass_at_k_is_exact_for_64_samples():

@@ -24,7 +24,7 @@ def test_zero_signal_share_counts_groups_whose_rewards_are_all_equal():
 
 
 def test_step_signals_take_the_loss_and_rollout_metrics_and_kl_only_when_measured():
-    train = {"approx_entropy": 0.7, "clip_fraction": 0.05, "kl": 0.01}
+    train = {"approx_entropy": 0.7, "clip_fraction": 0.05, "kl_penalty": 0.01}
     rollout = {"mean_generated_length": 12.5, "truncation_rate": 0.25}
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0])
     measured = step_signals(rewards, 2, train, rollout, kl_measured=True)

@@ -316,3 +316,29 @@ def test_monitor_gpus_without_ray_warns_and_runs_without_monitor(tmp_path, caplo
         logger = jsonl_only(tmp_path, monitor_gpus=True)
     logger.finish()
     assert logger.system_monitor is None and "Ray is not initialized" in caplog.text
+
+
+def test_nan_inf_and_a_one_element_tensor_reach_jsonl_tensorboard_and_mlflow_as_they_are(tmp_path):
+    """A diverged loss stays visible: NaN and inf are logged as such in every backend, and a one-element
+    tensor is the plain scalar `name` (no `name/mean` summary)."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = {"log_dir": str(tmp_path / "run"), "mlflow_enabled": True, "mlflow": {"experiment_name": "e"}}
+    logger = Logger(validate_config(LoggerConfig, settings))
+    metrics = {"loss": float("nan"), "grad_norm": float("inf"), "kl": torch.tensor([0.25])}
+    logger.log_metrics(metrics, step=3, prefix="train")
+    mlflow_backend = logger.backends[-1]
+    logger.finish()
+    record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert np.isnan(record["train/loss"]) and record["train/grad_norm"] == float("inf")
+    assert record["train/kl"] == 0.25 and "train/kl/mean" not in record
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    assert np.isnan(events.Scalars("train/loss")[0].value)
+    assert events.Scalars("train/grad_norm")[0].value == float("inf")
+    assert events.Scalars("train/kl")[0].value == 0.25
+    client = MlflowClient(tracking_uri=mlflow_backend.tracking_uri)
+    assert np.isnan(client.get_metric_history(mlflow_backend.run_id, "train/loss")[0].value)
+    assert client.get_metric_history(mlflow_backend.run_id, "train/grad_norm")[0].value == float("inf")
+    assert client.get_metric_history(mlflow_backend.run_id, "train/kl")[0].value == 0.25

@@ -109,8 +109,8 @@ def test_kl_penalty_adds_beta_times_estimate(kl_type, expected_kl):
     cfg = ClippedPGLossConfig(reference_policy_kl_penalty=0.5, kl_type=kl_type)
     loss, metrics = pg_loss(cfg, *one_token_batch(1.0, 0.0, reference_policy_logprobs=-2.0))
     assert loss.item() == pytest.approx(0.5 * expected_kl)
-    assert metrics["kl"] == pytest.approx(expected_kl)
-    assert metrics["kl_penalty"] == pytest.approx(0.5 * expected_kl)
+    assert metrics["kl_penalty"] == pytest.approx(expected_kl)
+    assert metrics["kl_loss"] == pytest.approx(0.5 * expected_kl)
 
 
 def test_kl_clamps_apply_inside_the_loss():
@@ -221,8 +221,8 @@ def test_force_on_policy_ratio_ignores_prev_logprobs():
 
 def test_ratio_clip_and_entropy_metrics_by_hand():
     """Ratios 0.5, 1, 1.5 (prev -1, so logprobs -1.693, -1, -0.595) with clip 0.2: mean 1, min 0.5, max 1.5,
-    clip fraction 2/3; approx_entropy = -mean logprob = (1.6931 + 1 + 0.5945) / 3; no generation
-    logprobs -> token_mult_prob_error 1."""
+    clip fraction 2/3; approx_entropy = -mean of r * logprob (each token weighted by pi / pi_prev) =
+    (0.5 (1 + ln 2) + 1 + 1.5 (1 - ln 1.5)) / 3 = 0.912813; no generation logprobs -> token_mult_prob_error 1."""
     ratios = torch.tensor([0.5, 1.0, 1.5])
     logprobs = torch.cat([torch.zeros(1), -1.0 + ratios.log()]).unsqueeze(0)
     data = {
@@ -234,7 +234,9 @@ def test_ratio_clip_and_entropy_metrics_by_hand():
     assert metrics["probs_ratio_mean"] == pytest.approx(1.0)
     assert (metrics["probs_ratio_min"], metrics["probs_ratio_max"]) == pytest.approx((0.5, 1.5))
     assert metrics["clip_fraction"] == pytest.approx(2 / 3)
-    assert metrics["approx_entropy"] == pytest.approx((3 - math.log(0.75)) / 3)
+    assert metrics["approx_entropy"] == pytest.approx(
+        (0.5 * (1 + LN2) + 1 + 1.5 * (1 - math.log(1.5))) / 3, abs=1e-6
+    )
     assert metrics["token_mult_prob_error"] == pytest.approx(1.0)
 
 
@@ -283,13 +285,13 @@ def test_dpo_with_zero_beta_is_ln2():
 
 
 def test_dpo_summed_and_averaged_logprobs_by_hand():
-    """beta 0.5 on sums: r_c = 0.5, r_r = -0.5, -log sigmoid(1) = log(1 + e^-1) = 0.313262. beta 1 on means:
-    the same rewards and loss."""
+    """beta 0.5 on sums: r_c = 0.5, r_r = -0.5, -log sigmoid(1) = log(1 + e^-1) = 0.313262; the reported
+    rewards are the log ratios r / beta = 1 and -1. beta 1 on means: the same loss."""
     expected = math.log1p(math.exp(-1.0))
     loss, metrics = DPOLoss(DPOLossConfig(reference_policy_kl_penalty=0.5))(*preference_batch(), 2, 4)
     assert loss.item() == pytest.approx(expected)
     assert metrics["accuracy"] == 1.0
-    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((0.5, -0.5))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((1.0, -1.0))
     averaged = DPOLossConfig(reference_policy_kl_penalty=1.0, preference_average_log_probs=True)
     assert DPOLoss(averaged)(*preference_batch(), 2, 4)[0].item() == pytest.approx(expected)
 
@@ -314,7 +316,7 @@ def test_dpo_normalises_by_global_pairs():
 def test_ipo_by_hand():
     """h = (1) - (-1) = 2 on sums. beta 0.1: target 1/(2 beta) = 5, loss (2 - 5)^2 = 9, dl/dh = 2 (2 - 5) = -6
     on each chosen token and +6 on each rejected one. beta 0.5: (2 - 1)^2 = 1. On means (h = 1), beta 0.5:
-    0; rewards are DPO's beta * log ratio."""
+    0; the reported rewards are the log ratios, 1 and -1."""
     logprobs, data = preference_batch()
     loss, metrics = DPOLoss(DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.1))(
         logprobs, data, 2, 4
@@ -322,7 +324,7 @@ def test_ipo_by_hand():
     assert loss.item() == pytest.approx(9.0)
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -6.0, -6.0], [0.0, 6.0, 6.0]]))
-    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((0.1, -0.1))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((1.0, -1.0))
     half = DPOLossConfig(preference_loss="ipo", reference_policy_kl_penalty=0.5)
     assert DPOLoss(half)(*preference_batch(), 2, 4)[0].item() == pytest.approx(1.0)
     half.preference_average_log_probs = True
@@ -332,7 +334,8 @@ def test_ipo_by_hand():
 def test_simpo_by_hand_needs_no_reference():
     """beta 2, gamma 0.5, mean logprobs -1 and -2: r_c = -2, r_r = -4, loss -log sigmoid(2 - 0.5) =
     log(1 + e^-1.5) = 0.201413; dl/dlogp = -sigmoid(-1.5) * beta / 2 tokens = -0.182426 per chosen token,
-    +0.182426 per rejected one. No reference logprobs in the batch."""
+    +0.182426 per rejected one; reported rewards r / beta = the mean logprobs -1 and -2. No reference
+    logprobs in the batch."""
     logprobs, data = preference_batch()
     del data["reference_policy_logprobs"]
     cfg = DPOLossConfig(preference_loss="simpo", reference_policy_kl_penalty=2.0, simpo_gamma=0.5)
@@ -341,7 +344,7 @@ def test_simpo_by_hand_needs_no_reference():
     loss.backward()
     g = 1.0 / (1.0 + math.exp(1.5))
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0, -g, -g], [0.0, g, g]]))
-    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((-2.0, -4.0))
+    assert (metrics["rewards_chosen_mean"], metrics["rewards_rejected_mean"]) == pytest.approx((-1.0, -2.0))
     assert metrics["accuracy"] == 1.0
 
 
@@ -555,3 +558,55 @@ def test_stale_data_in_one_update_weight_by_truncated_prev_over_generation_and_m
         assert loss.item() == pytest.approx(-1.0)
         assert logprobs.grad.tolist()[0] == pytest.approx([0.0, -0.75, -0.25])
         assert metrics["is_weight_mean"] == pytest.approx(1.0)
+
+
+# -- the KL penalty's gradient and GSPO's importance weight ------------------------------------------
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "k3"])
+def test_each_kl_estimator_has_the_expected_gradient_of_kl_pi_to_ref(kl_type):
+    """A categorical policy over 5 tokens, pi = softmax(theta), pi_ref fixed. The expected gradient of the
+    penalty, sum_a pi(a) * grad_theta loss(a) (exact enumeration: pi(a) is the probability of sampling a,
+    held constant), equals grad_theta KL(pi || pi_ref) = grad sum_a pi(a) (log pi(a) - log pi_ref(a))."""
+    torch.manual_seed(0)
+    theta = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    ref_logprobs = torch.log_softmax(torch.randn(5, dtype=torch.float64), dim=0)
+    cfg = ClippedPGLossConfig(
+        reference_policy_kl_penalty=1.0,
+        kl_type=kl_type,
+        kl_input_clamp_value=None,
+        kl_output_clamp_value=None,
+    )
+    expected_grad = torch.zeros(5, dtype=torch.float64)
+    for token in range(5):
+        policy_logprobs = torch.log_softmax(theta, dim=0)
+        logprobs = torch.stack([torch.zeros((), dtype=torch.float64), policy_logprobs[token]]).unsqueeze(0)
+        batch = one_token_batch(1.0, 0.0, reference_policy_logprobs=float(ref_logprobs[token]))[1]
+        batch["prev_logprobs"] = logprobs.detach()
+        loss, _ = pg_loss(cfg, logprobs, batch)
+        (grad,) = torch.autograd.grad(loss, theta)
+        expected_grad += policy_logprobs[token].exp().detach() * grad
+    policy_logprobs = torch.log_softmax(theta, dim=0)
+    exact_kl = (policy_logprobs.exp() * (policy_logprobs - ref_logprobs)).sum()
+    (exact_grad,) = torch.autograd.grad(exact_kl, theta)
+    assert torch.allclose(expected_grad, exact_grad, rtol=1e-5, atol=1e-6), (expected_grad, exact_grad)
+
+
+def test_gspo_importance_correction_is_one_weight_per_sequence():
+    """GSPO, one sequence of 2 trained tokens, ratio 1, A = 1: each token's loss is -1. prev - generation
+    logprobs = [0.2, -0.1]: one weight exp(0.2 - 0.1) = exp(0.1) for the sequence, so the sequence's token
+    mean is -exp(0.1) = -1.105171 (per-token weights would give -(e^0.2 + e^-0.1) / 2 = -1.063106)."""
+    logprobs = torch.tensor([[0.0, -1.0, -1.0]], requires_grad=True)
+    data = {
+        "token_mask": torch.tensor([[0, 1, 1]]),
+        "sample_mask": torch.tensor([1]),
+        "advantages": torch.tensor([[0.0, 1.0, 1.0]]),
+        "prev_logprobs": torch.tensor([[0.0, -1.0, -1.0]]),
+        "generation_logprobs": torch.tensor([[0.0, -1.2, -0.9]]),
+    }
+    cfg = ClippedPGLossConfig(
+        token_level_loss=False, sequence_level_importance_ratios=True, use_importance_sampling_correction=True
+    )
+    loss, metrics = pg_loss(cfg, logprobs, data)
+    assert loss.item() == pytest.approx(-math.exp(0.1), abs=1e-6)
+    assert metrics["is_weight_mean"] == pytest.approx(math.exp(0.1), abs=1e-6)

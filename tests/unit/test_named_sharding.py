@@ -21,3 +21,9 @@ def test_unknown_axis_and_unknown_rank_name_both():
         sharding.get_worker_coords(4)
     with pytest.raises(ValueError, match="each rank"):
         NamedSharding([0, 0], ["dp"])
+
+
+@pytest.mark.parametrize("layout, culprit", [([[0, 1.5], [2, 3]], "1.5"), ([[0, 1], ["2", 3]], "'2'")])
+def test_a_non_integer_rank_is_refused_naming_the_value(layout, culprit):
+    with pytest.raises(ValueError, match=f"ranks must be integers, got {culprit}"):
+        NamedSharding(layout, ["dp", "tp"])
