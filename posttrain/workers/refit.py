@@ -4,6 +4,7 @@ counts the changes of the weights so that a refit of unchanged weights sends not
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -12,6 +13,8 @@ from typing import Any
 import torch
 
 from posttrain.utils.timer import Timer
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,6 +134,23 @@ class Refit:
         self.bytes_sent += self.policy.last_weights_bytes()
         return weights
 
+    def update_generation(self, weights: Any) -> None:
+        """Load `weights` into the generation workers. A refit through GPU memory (CUDA IPC, "device") that
+        fails falls back, for the rest of the run, to the pinned host shared-memory file, with one warning
+        naming the cause and the setting that avoids the attempt."""
+        try:
+            self.generation.update_weights(weights)
+        except Exception as error:  # noqa: BLE001 - any failure of the fast path: take the measured one
+            if self.shared_memory != "device":
+                raise
+            log.warning(
+                "refit through GPU memory (CUDA IPC) failed: %s; refitting through pinned host shared "
+                "memory from now on (generation.colocated=false refits through the object store instead)",
+                str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__,
+            )
+            self.shared_memory = "host"
+            self.generation.update_weights(self.weights())
+
     def offload_needed(self) -> bool:
         """Does the policy's training state leave the device while the generation workers hold it?
         `generation.colocated_offload`: True / False, or "auto": `policy_must_leave` for the rank with the
@@ -160,7 +180,7 @@ class Refit:
             self.generation.prepare_for_generation()
         if weights is not None:
             with timer.time("refit"):
-                self.generation.update_weights(weights)
+                self.update_generation(weights)
             self.stale = False
             self.bytes_sent += self.policy.last_weights_bytes()  # with LoRA: the adapter only
         try:

@@ -176,8 +176,10 @@ def test_vllm_refit_does_not_reuse_prefix_cached_blocks_of_the_old_weights(
     vllm_generation, ray_session, prompts, tmp_path, tokenizer
 ):
     """A prompt over 2 KV-cache blocks (vLLM's CPU block size is 128 tokens; prefix caching is on by
-    default) decoded before a refit leaves its blocks in the prefix cache. After the refit the engine
-    samples the prompt exactly as a fresh engine started from the new weights: same tokens, same logprobs."""
+    default) decoded before a refit leaves its blocks in the prefix cache: decoded again, its first sample
+    finds them (the positive control: vLLM's cached-token count). After the refit none is found, and the
+    engine samples the prompt exactly as a fresh engine started from the new weights: same tokens, same
+    logprobs."""
     from posttrain.distributed import BatchedDataDict
 
     long_ids = tokenizer("the quick brown fox jumps over the lazy dog " * 10)["input_ids"]
@@ -186,9 +188,12 @@ def test_vllm_refit_does_not_reuse_prefix_cached_blocks_of_the_old_weights(
         input_ids=torch.tensor([long_ids, long_ids]), input_lengths=torch.tensor([len(long_ids)] * 2)
     )
     vllm_generation.generate(long_prompt, seed=7)  # caches the prompt's blocks
+    again = vllm_generation.generate(long_prompt, seed=7)
+    assert int(again["num_cached_tokens"][0]) >= 2 * CPU_BLOCK_SIZE
     new_dir = build_model_dir(ModelFromConfig(**TINY, seed=3), tmp_path / "new")
     vllm_generation.update_weights(load_model(new_dir).state_dict())
     refitted = vllm_generation.generate(long_prompt, seed=7)
+    assert int(refitted["num_cached_tokens"][0]) == 0
     fresh_engine = VllmGeneration(None, vllm_config(), str(new_dir))
     try:
         fresh = fresh_engine.generate(long_prompt, seed=7)

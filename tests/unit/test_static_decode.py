@@ -185,3 +185,59 @@ def test_the_worker_picks_the_loop_by_config(model_dir):
     cfg = GenerationConfig(max_new_tokens=6, decode_loop="static", stop_strings=["="])
     with pytest.raises(ValueError, match="generation.decode_loop='static' does not cover stop strings"):
         HFGenerationWorker(cfg, str(model_dir)).generate(data)
+
+
+def test_a_failing_static_loop_falls_back_to_the_eager_loop_once_with_one_warning(
+    model_dir, monkeypatch, caplog
+):
+    """decode_loop auto where the worker picks the static loop (as on a GPU: the decision is forced here, the
+    CPU would not take it) and the loop raises (its sync period 0 divides by zero): the outputs are the
+    eager loop's, one warning names the cause and the knob, and the next call does not try again."""
+    tokenizer = load_tokenizer(str(model_dir))
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS[:4]]
+    data = {
+        "input_ids": torch.tensor([row + [tokenizer.pad_token_id] * (8 - len(row)) for row in ids]),
+        "input_lengths": torch.tensor([len(row) for row in ids]),
+    }
+    eager = HFGenerationWorker(GenerationConfig(max_new_tokens=6, decode_loop="eager"), str(model_dir))
+    expected = eager.generate(data, seed=3)
+    from posttrain.workers.generation import hf_worker
+
+    monkeypatch.setattr(hf_worker, "use_static_loop", lambda *args: True)
+    worker = HFGenerationWorker(GenerationConfig(max_new_tokens=6, decode_sync_every=0), str(model_dir))
+    with caplog.at_level("WARNING", logger=hf_worker.__name__):
+        first, second = worker.generate(data, seed=3), worker.generate(data, seed=3)
+    for outputs in (first, second):
+        assert torch.equal(outputs["output_ids"], expected["output_ids"])
+    warnings = [r.getMessage() for r in caplog.records if "static decode loop failed" in r.getMessage()]
+    assert len(warnings) == 1 and "ZeroDivisionError" in warnings[0]
+    assert "generation.decode_loop=eager" in warnings[0]
+
+
+def test_rope_types_that_read_positions_on_the_host_keep_the_eager_loop():
+    """A tiny Llama with dynamic NTK rope: asking for the static loop fails naming the rope type; the default
+    rope is let in."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def tiny(rope: dict) -> torch.nn.Module:
+        config = LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=64,
+            rope_parameters=rope,
+            attn_implementation="sdpa",
+        )
+        return LlamaForCausalLM(config)
+
+    static = GenerationConfig(decode_loop="static")
+    assert static_decode.use_static_loop(
+        tiny({"rope_type": "default", "rope_theta": 1e4}), static, [[]], False
+    )
+    dynamic = tiny({"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    assert static_decode.rope_type(dynamic.config) == "dynamic"
+    with pytest.raises(ValueError, match="does not cover rope_type 'dynamic'"):
+        static_decode.use_static_loop(dynamic, static, [[]], False)
+    assert not static_decode.use_static_loop(dynamic, GenerationConfig(), [[]], False)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ from posttrain.workers.generation.decode import (
 )
 from posttrain.workers.generation.packed_linear import pack_linears
 from posttrain.workers.generation.static_decode import static_decode_batch, use_static_loop
+
+log = logging.getLogger(__name__)
 
 
 def resolve_weights(weights: Any) -> dict[str, torch.Tensor]:
@@ -54,6 +57,7 @@ class HFGenerationWorker:
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.shared_weights: SharedWeightsReader | None = None  # the flat buffer the parameters view, if any
         self.leased_threads: LeasedThreads | None = None  # threads borrowed from a waiting trainer
+        self.static_loop_failed = False  # the static loop raised once under decode_loop auto: eager from then
         if (
             cfg.packed_weights
         ):  # CPU fp32: weights laid out once for oneDNN, the changed ones after each refit
@@ -87,11 +91,29 @@ class HFGenerationWorker:
         )
         images = {key: data[key] for key in ("pixel_values", "image_grid_thw") if key in data}
         args = (self.model, self.tokenizer, left_ids, attention_mask, cfg, greedy, uniforms)
-        if use_static_loop(self.model, cfg, stop_strings, bool(images)):
-            state = static_decode_batch(*args, cfg.decode_sync_every)
-        else:
+        state = None
+        if not self.static_loop_failed and use_static_loop(self.model, cfg, stop_strings, bool(images)):
+            state = self.try_static_loop(args, cfg)
+        if state is None:
             state = decode_batch(*args, stop_strings, images)
         return assemble_outputs(input_ids.cpu(), input_lengths, state, self.pad_id)
+
+    def try_static_loop(self, args: tuple, cfg: GenerationConfig) -> Any:
+        """The static loop's result; under `decode_loop: auto` an exception in it (a CUDA-graph capture, a
+        kernel) is logged once and this worker decodes eagerly from then on (None: decode eagerly now)."""
+        try:
+            return static_decode_batch(*args, cfg.decode_sync_every)
+        except Exception as error:  # noqa: BLE001 - any failure of the fast path: take the measured one
+            if cfg.decode_loop == "static":
+                raise
+            self.static_loop_failed = True
+            log.warning(
+                "the static decode loop failed (%s: %s); this generation worker decodes eagerly from now "
+                "on (generation.decode_loop=eager skips the attempt)",
+                type(error).__name__,
+                error,
+            )
+            return None
 
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""

@@ -45,10 +45,21 @@ def use_static_loop(
         reason = "stop strings"
     elif any(kind != "full_attention" for kind in getattr(model.config, "layer_types", None) or []):
         reason = "sliding-window or linear attention layers"
+    elif rope_type(model.config) in HOST_ROPE_TYPES:
+        reason = f"rope_type {rope_type(model.config)!r} (it reads the positions back to the host each step)"
     if cfg.decode_loop == "static" and reason is not None:
         raise ValueError(f"generation.decode_loop='static' does not cover {reason}: use 'auto' or 'eager'")
     on_gpu = next(model.parameters()).device.type == "cuda"
     return reason is None and (cfg.decode_loop == "static" or on_gpu)
+
+
+HOST_ROPE_TYPES = ("dynamic", "longrope")  # rotary scalings that compare positions on the host per forward
+
+
+def rope_type(config: Any) -> str:
+    """The model's rotary scaling type (`rope_parameters` in transformers 5, `rope_scaling` before)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
 
 
 @dataclass

@@ -144,6 +144,7 @@ class VllmGenerationWorker:
             prompts, sampling_params=params, use_tqdm=False, lora_request=self.lora_request
         )
         completions = [r.outputs[0] for r in request_outputs]
+        cached = [r.num_cached_tokens or 0 for r in request_outputs]  # prompt tokens found in the prefix cache
         stopped = [c.finish_reason != "length" for c in completions]  # else truncated at max_new_tokens
         state = DecodeState(
             [list(c.token_ids) for c in completions],
@@ -151,7 +152,9 @@ class VllmGenerationWorker:
             stopped,
             stopped,
         )
-        return assemble_outputs(input_ids, input_lengths, state, self.pad_id)
+        outputs = assemble_outputs(input_ids, input_lengths, state, self.pad_id)
+        outputs["num_cached_tokens"] = torch.tensor(cached)
+        return outputs
 
     def update_weights(self, weights: Any) -> float:
         """Merge the given tensors (a state dict, an adapter, or a shared-memory handle) into the full state

@@ -112,6 +112,7 @@ class PolicyWorker:
         self.versions = WeightVersions()  # optimizer steps and loads so far, and what refit last carried
         self.sent_bytes = 0  # what the last get_weights / share_weights sent or wrote (rank 0)
         self.shared_weights: SharedWeightsWriter | None = None  # rank 0's shared-memory refit file
+        self.shared_on_device: bool | None = None  # where the last share_weights put it (all ranks)
         self.leased_threads: LeasedThreads | None = None  # threads borrowed from an idle generator
         if init_reference_model:
             self.init_reference_model()
@@ -361,11 +362,15 @@ class PolicyWorker:
         import ray
 
         self.sent_bytes = 0
-        if self.versions.take_share():
+        moved = self.shared_on_device not in (None, on_device)  # the refit left the device: a new buffer
+        self.shared_on_device = on_device
+        if self.versions.take_share() or moved:
             with self._backend():
                 weights = self._full_weights()
             if self.rank == 0:
-                if self.shared_weights is None:
+                if self.shared_weights is None or moved:
+                    if self.shared_weights is not None:
+                        self.shared_weights.close()
                     target = getattr(torch, dtype) if dtype is not None else None
                     layout = {name: (tuple(t.shape), target or t.dtype) for name, t in weights.items()}
                     device = self.device if on_device else torch.device("cpu")
