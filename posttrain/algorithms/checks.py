@@ -18,7 +18,7 @@ def check_loop_lengths(loop_cfg: Any) -> None:
     < 1); keys are relative to the loop's section."""
     steps = getattr(loop_cfg, "max_num_steps", None)
     if steps is not None and steps < 1:
-        raise ConfigError.at("max_num_steps", f"must be >= 1 (or null where epochs decide), got {steps}")
+        raise ConfigError("max_num_steps", f"must be >= 1 (or null where epochs decide), got {steps}")
     for key in (
         "max_num_epochs",
         "val_global_batch_size",
@@ -27,7 +27,7 @@ def check_loop_lengths(loop_cfg: Any) -> None:
     ):
         value = getattr(loop_cfg, key, 1)
         if value is not None and value < 1:
-            raise ConfigError.at(key, f"must be >= 1, got {value}")
+            raise ConfigError(key, f"must be >= 1, got {value}")
 
 
 def check_parallelism(policy_cfg: PolicyConfig, cluster_cfg: ClusterConfig) -> None:

@@ -52,12 +52,12 @@ class CriticConfig:
 
     def validate(self) -> None:
         if self.model.model_kind != "value_model":
-            raise ConfigError.at(
+            raise ConfigError(
                 "model.model_kind", f"the critic is a value_model, got {self.model.model_kind!r}"
             )
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ConfigError.at(key, f"{getattr(self, key)} must be in [0, 1]")
+                raise ConfigError(key, f"{getattr(self, key)} must be in [0, 1]")
 
 
 @dataclass

@@ -45,11 +45,11 @@ class AsyncGRPOConfig:
 
     def validate(self) -> None:
         if self.partial_rollout_chunk_tokens < 1:
-            raise ConfigError.at(
+            raise ConfigError(
                 "partial_rollout_chunk_tokens", f"must be >= 1, got {self.partial_rollout_chunk_tokens}"
             )
         if self.max_trajectory_age_steps < 0:
-            raise ConfigError.at(
+            raise ConfigError(
                 "max_trajectory_age_steps", f"must be >= 0, got {self.max_trajectory_age_steps}"
             )
 

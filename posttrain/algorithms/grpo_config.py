@@ -140,14 +140,18 @@ class GRPOLoopConfig:
     def validate(self) -> None:
         check_loop_lengths(self)
         if self.use_leave_one_out_baseline and self.advantage_estimator != "grpo":
-            raise ConfigError.at(
+            raise ConfigError(
                 "use_leave_one_out_baseline",
                 f"is an option of advantage_estimator 'grpo', not {self.advantage_estimator!r}",
             )
         if self.val_greedy and self.val_num_generations > 1:
-            raise ValueError("val_greedy with val_num_generations > 1 gives identical samples; pick one")
+            raise ConfigError(
+                "val_greedy",
+                f"greedy decoding gives val_num_generations={self.val_num_generations} identical samples; "
+                "set val_greedy=false to sample, or val_num_generations=1",
+            )
         if self.val_pass_k > self.val_num_generations:
-            raise ValueError(f"val_pass_k={self.val_pass_k} needs val_num_generations >= it")
+            raise ConfigError("val_pass_k", f"{self.val_pass_k} needs val_num_generations >= it")
 
 
 @dataclass
@@ -172,17 +176,18 @@ class GRPOConfig(TrainingConfig):
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)
         if self.grpo.advantage_estimator == "dr_grpo" and self.loss.constant_length_normalizer is None:
-            raise ConfigError.at(
+            raise ConfigError(
                 "loss.constant_length_normalizer",
                 "grpo.advantage_estimator 'dr_grpo' divides the loss by a constant length: set it, e.g. to "
                 f"generation.max_new_tokens ({self.generation.max_new_tokens})",
             )
         batch = self.grpo.num_prompts_per_step * self.grpo.num_generations_per_prompt
         if batch % self.policy.train_global_batch_size:
-            raise ValueError(
-                f"policy.train_global_batch_size={self.policy.train_global_batch_size} must divide the "
+            raise ConfigError(
+                "policy.train_global_batch_size",
+                f"{self.policy.train_global_batch_size} must divide the "
                 f"{batch} samples of a step (grpo.num_prompts_per_step x grpo.num_generations_per_prompt): "
-                f"one of {[d for d in range(1, batch + 1) if batch % d == 0][-4:]}, or change those two"
+                f"one of {[d for d in range(1, batch + 1) if batch % d == 0][-4:]}, or change those two",
             )
         self.validate_async()
         match_task_to_environments(self.data, self.env)
@@ -191,33 +196,33 @@ class GRPOConfig(TrainingConfig):
             self.grpo.advantage_estimator == "on_policy_distillation"
             and self.teacher.model.model_name is None
         ):
-            raise ConfigError.at(
+            raise ConfigError(
                 "teacher.model.model_name",
                 "on-policy distillation needs a teacher: a model directory or hub name",
             )
         if self.teacher.top_k and (
             self.policy.backend != "dtensor" or self.teacher.model.backend != "dtensor"
         ):
-            raise ConfigError.at(
+            raise ConfigError(
                 "teacher.top_k",
                 "distillation on the teacher's top-k runs on the dtensor backend (policy and teacher)",
             )
         if self.grpo.advantage_estimator == "gae":
             check_parallelism(self.critic.model, self.cluster)
             if batch % self.critic.model.train_global_batch_size:
-                raise ConfigError.at(
+                raise ConfigError(
                     "critic.model.train_global_batch_size",
                     f"{self.critic.model.train_global_batch_size} must divide the {batch} samples of a step",
                 )
         if self.policy.moe.router_replay and self.generation.backend == "vllm":
-            raise ConfigError.at(
+            raise ConfigError(
                 "policy.moe.router_replay",
                 "the generator's experts are recorded by the hf generation backend only: set "
                 "generation.backend=hf or policy.moe.router_replay=false",
             )
         max_rank, lora = self.generation.vllm_lora_max_rank, self.policy.lora
         if lora.enabled and max_rank is not None and lora.rank > max_rank:
-            raise ConfigError.at(
+            raise ConfigError(
                 "generation.vllm_lora_max_rank",
                 f"{max_rank} is below policy.lora.rank={lora.rank}: vLLM could not load the adapter",
             )
@@ -226,24 +231,24 @@ class GRPOConfig(TrainingConfig):
         """Async GRPO generates on workers of its own and, with stale data, needs the IS correction."""
         async_cfg = self.grpo.async_grpo
         if async_cfg.enabled and self.generation.colocated:
-            raise ConfigError.at(
+            raise ConfigError(
                 "grpo.async_grpo.enabled",
                 "asynchronous GRPO generates while the policy trains, so the generation workers need bundles "
                 "of their own: set generation.colocated=false (and generation.num_workers)",
             )
         if async_cfg.enabled and async_cfg.lend_idle_cores and self.generation.backend == "vllm":
-            raise ConfigError.at(
+            raise ConfigError(
                 "grpo.async_grpo.lend_idle_cores",
                 "lends threads to the hf generation backend only (vLLM sets its own): set "
                 "generation.backend=hf or lend_idle_cores=false",
             )
         if async_cfg.partial_rollouts and not async_cfg.enabled:
-            raise ConfigError.at(
+            raise ConfigError(
                 "grpo.async_grpo.partial_rollouts",
                 "refits between chunks while the policy trains: set grpo.async_grpo.enabled=true",
             )
         if async_cfg.partial_rollouts and self.generation.backend == "vllm":
-            raise ConfigError.at(
+            raise ConfigError(
                 "grpo.async_grpo.partial_rollouts",
                 "chunks the hf generation backend only: set generation.backend=hf",
             )
@@ -252,7 +257,7 @@ class GRPOConfig(TrainingConfig):
             and async_cfg.max_trajectory_age_steps > 0
             and not self.loss.use_importance_sampling_correction
         ):
-            raise ConfigError.at(
+            raise ConfigError(
                 "loss.use_importance_sampling_correction",
                 f"grpo.async_grpo trains on trajectories up to {async_cfg.max_trajectory_age_steps} step(s) "
                 "old: set it to true (and loss.truncated_importance_sampling_ratio, e.g. 2.0) so that the "
@@ -275,7 +280,7 @@ def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_
     needs a second turn to answer after its call."""
     for task, env_cfg in env_cfgs.items():
         if env_cfg.cls == "tools" and max_rollout_turns < 2:
-            raise ConfigError.at(
+            raise ConfigError(
                 "grpo.max_rollout_turns",
                 f"env.{task} is a tools environment: set >= 2 (a call, then the answer)",
             )
@@ -283,4 +288,4 @@ def check_tool_environments(env_cfgs: dict[str, EnvironmentConfig], max_rollout_
             try:
                 ToolEnvironmentConfig.from_kwargs(env_cfg.kwargs)
             except (KeyError, TypeError, ValueError) as error:
-                raise ConfigError.at(f"env.{task}.kwargs", str(error).strip("'\"")) from None
+                raise ConfigError(f"env.{task}.kwargs", str(error).strip("'\"")) from None

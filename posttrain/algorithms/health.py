@@ -56,7 +56,7 @@ class HealthConfig:
         shares = ("stall_zero_signal_share", "entropy_collapse_ratio", "runaway_truncation_rate")
         for name in (*shares, "reward_drop_ratio"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ConfigError.at(name, f"{getattr(self, name)} must be in [0, 1]")
+                raise ConfigError(name, f"{getattr(self, name)} must be in [0, 1]")
         for name, least in (
             ("stall_steps", 1),
             ("reward_window", 1),
@@ -64,7 +64,7 @@ class HealthConfig:
             ("kl_to_start_period", 0),
         ):
             if getattr(self, name) < least:
-                raise ConfigError.at(name, f"{getattr(self, name)} must be >= {least}")
+                raise ConfigError(name, f"{getattr(self, name)} must be >= {least}")
 
 
 def zero_signal_share(rewards: torch.Tensor, num_generations: int) -> float:

@@ -134,7 +134,7 @@ class KDLossConfig:
 
     def validate(self) -> None:
         if self.kd_weight < 0 or self.nll_weight < 0 or self.kd_weight + self.nll_weight == 0:
-            raise ConfigError.at("kd_weight", "kd_weight and nll_weight must be >= 0, not both 0")
+            raise ConfigError("kd_weight", "kd_weight and nll_weight must be >= 0, not both 0")
 
 
 class KDLoss(Loss):
@@ -220,18 +220,17 @@ class ClippedPGLossConfig:
 
     def validate(self) -> None:
         if self.ratio_clip_min < 0 or self.ratio_clip_max < 0:
-            raise ValueError(
-                f"ratio_clip_min={self.ratio_clip_min} and ratio_clip_max={self.ratio_clip_max} must be >= 0"
-            )
+            both = f"{self.ratio_clip_min} and ratio_clip_max={self.ratio_clip_max}"
+            raise ConfigError("ratio_clip_min", f"{both} must be >= 0")
         if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
-            raise ValueError(f"ratio_clip_c={self.ratio_clip_c} must be > 1 (or None to turn dual clip off)")
+            raise ConfigError("ratio_clip_c", f"{self.ratio_clip_c} must be > 1 (or None: no dual clip)")
         if self.sequence_level_importance_ratios and self.token_level_loss:
-            raise ValueError("sequence_level_importance_ratios (GSPO) needs token_level_loss=False")
+            raise ConfigError("sequence_level_importance_ratios", "GSPO needs token_level_loss=False")
         if self.constant_length_normalizer is not None:
             if self.constant_length_normalizer < 1:
-                raise ConfigError.at("constant_length_normalizer", "must be >= 1")
+                raise ConfigError("constant_length_normalizer", "must be >= 1")
             if not self.token_level_loss:
-                raise ConfigError.at(
+                raise ConfigError(
                     "constant_length_normalizer",
                     "Dr. GRPO's constant normaliser replaces the per-sequence token mean of "
                     "token_level_loss=false: pick one",
@@ -264,10 +263,10 @@ class ClippedPGLoss(Loss):
     Metrics (sums unless noted): loss; probs_ratio_mean (over valid tokens); probs_ratio_min and
     probs_ratio_max (micro-batch extremes, reduce with min/max); clip_fraction (tokens with r outside the
     clip range); kl_penalty (mean KL estimate, NeMo RL's meaning); kl_loss (beta * kl_penalty, the term
-    added to the loss); approx_entropy (-mean logprob of the
-    sampled tokens, each weighted by pi / pi_sampler, so that tokens drawn by the generation policy estimate
-    the entropy of pi; pi_sampler is the generation logprobs when the data hold them, else pi_prev); is_weight_mean; token_mult_prob_error (mean exp(|prev - generation logprobs|), 1.0
-    when the micro-batch has no generation_logprobs).
+    added to the loss); approx_entropy (-mean logprob of the sampled tokens, each weighted by pi /
+    pi_sampler, so that tokens drawn by the generation policy estimate the entropy of pi; pi_sampler is the
+    generation logprobs when the data hold them, else pi_prev); is_weight_mean; token_mult_prob_error (mean
+    exp(|prev - generation logprobs|), 1.0 when the micro-batch has no generation_logprobs).
 
     `prev_is_current`: the batch is trained in a single optimizer step, so pi_prev is the policy being
     trained, before its update: prev_logprobs are this forward's logprobs with the gradient stopped,
@@ -421,9 +420,7 @@ class ValueLossConfig:
 
     def validate(self) -> None:
         if self.value_clip is not None and self.value_clip <= 0:
-            raise ConfigError.at(
-                "value_clip", f"{self.value_clip} must be > 0 (or null to turn clipping off)"
-            )
+            raise ConfigError("value_clip", f"{self.value_clip} must be > 0 (or null to turn clipping off)")
 
 
 class ValueLoss(Loss):

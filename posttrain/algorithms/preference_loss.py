@@ -46,7 +46,7 @@ class DPOLossConfig:
 
     def validate(self) -> None:
         if self.preference_loss == "ipo" and self.reference_policy_kl_penalty <= 0:
-            raise ConfigError.at(
+            raise ConfigError(
                 "reference_policy_kl_penalty", "IPO's target margin is 1 / (2 beta): beta must be > 0"
             )
 

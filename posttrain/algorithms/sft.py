@@ -57,13 +57,13 @@ class DistillationConfig:
 
     def validate(self) -> None:
         if self.top_k < 1:
-            raise ConfigError.at("top_k", f"{self.top_k} must be >= 1")
+            raise ConfigError("top_k", f"{self.top_k} must be >= 1")
         if self.enabled and self.teacher.model_name is None:
-            raise ConfigError.at(
+            raise ConfigError(
                 "teacher.model_name", "distillation needs a teacher: a model directory or hub name"
             )
         if self.teacher.model_kind != "causal_lm" or self.teacher.backend != "dtensor":
-            raise ConfigError.at("teacher.backend", "the teacher is a causal_lm on the dtensor backend")
+            raise ConfigError("teacher.backend", "the teacher is a causal_lm on the dtensor backend")
 
 
 @dataclass

@@ -26,6 +26,7 @@ from posttrain.algorithms.run import (
     shutdown_on_error,
 )
 from posttrain.algorithms.teacher import check_same_tokenizer
+from posttrain.config import ConfigError
 from posttrain.data import StatefulDataLoader, load_datasets
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
@@ -58,7 +59,7 @@ class LoopConfig:
 
     def validate(self) -> None:
         if self.val_period < 1:
-            raise ValueError(f"val_period must be >= 1, got {self.val_period}")
+            raise ConfigError("val_period", f"must be >= 1, got {self.val_period}")
         check_loop_lengths(self)
 
 

@@ -50,15 +50,15 @@ class TeacherConfig:
 
     def validate(self) -> None:
         if self.model.model_kind != "causal_lm":
-            raise ConfigError.at(
+            raise ConfigError(
                 "model.model_kind", f"the teacher is a causal_lm, got {self.model.model_kind!r}"
             )
         if self.reward_weight < 0:
-            raise ConfigError.at("reward_weight", f"{self.reward_weight} must be >= 0")
+            raise ConfigError("reward_weight", f"{self.reward_weight} must be >= 0")
         if self.top_k < 0:
-            raise ConfigError.at("top_k", f"{self.top_k} must be >= 0")
+            raise ConfigError("top_k", f"{self.top_k} must be >= 0")
         if self.top_k and self.reward_weight:
-            raise ConfigError.at("reward_weight", "a reward needs the policy gradient: use it with top_k 0")
+            raise ConfigError("reward_weight", "a reward needs the policy gradient: use it with top_k 0")
 
 
 def check_same_tokenizer(student_tokenizer: Any, model: PolicyConfig, key: str = "teacher.model") -> None:

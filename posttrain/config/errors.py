@@ -27,11 +27,6 @@ class ConfigError(ValueError):
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:  # keeps the fields across pickling (Ray)
         return (type(self), (self.key, self.message, self.source, self.suggestion))
 
-    @classmethod
-    def at(cls, key: str, message: str) -> ConfigError:
-        """An error about `key` relative to the dataclass raising it (the validator adds the section path)."""
-        return cls(key, message)
-
     def _format(self) -> str:
         text = f"{self.key}: {self.message}" if self.key else self.message
         if self.suggestion:

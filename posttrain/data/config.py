@@ -88,12 +88,12 @@ class DataConfig:
         if self.val_dataset is not None:
             self._check_source("val_dataset", self.val_dataset)
         if not 0 <= self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+            raise ConfigError("val_fraction", f"must be in [0, 1), got {self.val_fraction}")
         if self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
+            raise ConfigError("max_length", f"must be >= 2, got {self.max_length}")
         template = self.prompt_template
         if template and not template.startswith("@") and "{prompt}" not in template:
-            raise ValueError(f"prompt_template must contain {{prompt}}, got {template!r}")
+            raise ConfigError("prompt_template", f"must contain {{prompt}}, got {template!r}")
 
     def missing_files(self) -> list[ConfigError]:
         """One error per data file named here that does not exist (checked before a run starts, and by
@@ -115,4 +115,4 @@ class DataConfig:
             f"{name!r} is not a built-in task ({', '.join(BUILTIN_TASKS)}), a .jsonl/.json/.parquet/.csv "
             "file, or a Hugging Face dataset name (org/name)"
         )
-        raise ConfigError.at(key, message + (f"; did you mean {guess[0]!r}?" if guess else ""))
+        raise ConfigError(key, message + (f"; did you mean {guess[0]!r}?" if guess else ""))

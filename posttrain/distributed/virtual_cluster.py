@@ -84,18 +84,18 @@ class ClusterConfig:
         for key, least in minimums.items():
             value = getattr(self, key)
             if value is not None and value < least:
-                raise ConfigError.at(key, f"must be >= {least}, got {value}")
+                raise ConfigError(key, f"must be >= {least}, got {value}")
         if self.num_cpus is not None and self.num_cpus < 1:
-            raise ConfigError.at(
+            raise ConfigError(
                 "num_cpus", f"must be >= 1 (or null: enough for the bundles), got {self.num_cpus}"
             )
         if len(self.master_port_range) != 2 or self.master_port_range[0] > self.master_port_range[1]:
-            raise ValueError(f"master_port_range must be [low, high], got {self.master_port_range}")
+            raise ConfigError("master_port_range", f"must be [low, high], got {self.master_port_range}")
         # A local start may not promise more CPUs than the machine has (set num_cpus to oversubscribe).
         local = self.address is None and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
         needed = self.num_nodes * self.workers_per_node * cpus_per_worker(self)
         if local and self.num_cpus is None and needed > (os.cpu_count() or 1):
-            raise ConfigError.at(
+            raise ConfigError(
                 "workers_per_node",
                 f"{self.num_nodes} x {self.workers_per_node} workers x {cpus_per_worker(self):g} "
                 f"CPUs = {needed:g} CPUs, but this machine has {os.cpu_count()} for a local Ray instance "

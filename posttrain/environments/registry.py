@@ -50,14 +50,15 @@ class EnvironmentConfig:
 
     def validate(self) -> None:
         if self.reward is not None and self.cls not in ("exact_match", "reward_function"):
-            raise ValueError(
+            raise ConfigError(
+                "reward",
                 f"reward and cls={self.cls!r} are both set: a reward function is its own environment; "
-                "remove one of them"
+                "remove one of them",
             )
         if self.reward is None and self.cls == "reward_function":
-            raise ValueError("cls reward_function needs reward: path/to/rewards.py:fn")
+            raise ConfigError("reward", "cls reward_function needs reward: path/to/rewards.py:fn")
         if self.reward_batched and self.reward is None:
-            raise ValueError("reward_batched is an option of reward: set reward too")
+            raise ConfigError("reward_batched", "is an option of reward: set reward too")
 
     @property
     def environment(self) -> str:

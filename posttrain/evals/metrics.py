@@ -100,10 +100,10 @@ def eval_cons_k(
     For each prompt, over its k-subsets of the n = num_tests_per_prompt samples: the most common extracted
     answer of the subset wins; a tie goes to the tied answer that appears first in sample order within the
     subset; None answers do not vote (a subset where nothing votes is wrong). The subset is correct when
-    the reward of the first sample in the subset carrying the winning answer is >= threshold. Answers are compared
-    with == as given (normalise them first). All C(n, k) subsets are enumerated when there are at most
-    max_subsets of them; otherwise max_subsets subsets are drawn uniformly (with replacement among subsets)
-    from random.Random(seed), so the result is an unbiased, reproducible estimate."""
+    the reward of the first sample in the subset carrying the winning answer is >= threshold. Answers are
+    compared with == as given (normalise them first). All C(n, k) subsets are enumerated when there are at
+    most max_subsets of them; otherwise max_subsets subsets are drawn uniformly (with replacement among
+    subsets) from random.Random(seed), so the result is an unbiased, reproducible estimate."""
     groups = _per_prompt_rewards(rewards, num_tests_per_prompt, k)
     if len(extracted_answers) != len(groups) * num_tests_per_prompt:
         raise ValueError(

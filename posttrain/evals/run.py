@@ -80,14 +80,14 @@ class EvalSettings:
 
     def validate(self) -> None:
         if self.k_value < 1:
-            raise ConfigError.at("k_value", f"must be >= 1, got {self.k_value}")
+            raise ConfigError("k_value", f"must be >= 1, got {self.k_value}")
         if self.num_tests_per_prompt < self.k_value:
-            raise ConfigError.at(
+            raise ConfigError(
                 "num_tests_per_prompt",
                 f"must be >= eval.k_value={self.k_value}, got {self.num_tests_per_prompt}",
             )
         if self.greedy and self.num_tests_per_prompt > 1:
-            raise ConfigError.at(
+            raise ConfigError(
                 "greedy",
                 f"greedy decoding gives num_tests_per_prompt={self.num_tests_per_prompt} identical samples; "
                 "set eval.greedy=false to sample, or eval.num_tests_per_prompt=1",
@@ -95,7 +95,7 @@ class EvalSettings:
         for name in ("max_samples", "batch_size", "max_seq_len", "max_rollout_turns"):
             value = getattr(self, name)
             if value is not None and value < 1:
-                raise ConfigError.at(name, f"must be >= 1, got {value}")
+                raise ConfigError(name, f"must be >= 1, got {value}")
 
 
 @dataclass
@@ -111,7 +111,7 @@ class EvalModelConfig:
 
     def validate(self) -> None:
         if (self.model_name is None) == (self.from_config is None):
-            raise ConfigError.at("model_name", "set exactly one of model.model_name and model.from_config")
+            raise ConfigError("model_name", "set exactly one of model.model_name and model.from_config")
 
 
 @dataclass

@@ -64,8 +64,9 @@ def run_validation(
     """Roll out every record `num_generations` times (in batches of `batch_size` prompts).
 
     `accuracy` is the mean reward (the fraction correct for 0/1 rewards); `pass@k` is the unbiased
-    estimator over each prompt's samples, a sample passing when its reward is >= pass_threshold. With a `grader`, each sample also gets a `strict_grade` and the
-    metrics `strict_accuracy` and `reward_gap` (`graders.strict_grades`)."""
+    estimator over each prompt's samples, a sample passing when its reward is >= pass_threshold. With a
+    `grader`, each sample also gets a `strict_grade` and the metrics `strict_accuracy` and `reward_gap`
+    (`graders.strict_grades`)."""
     rewards, samples, lengths = [], [], []
     for start in range(0, len(records), batch_size):
         batch = records_to_rollout_batch(records[start : start + batch_size], num_generations)

@@ -22,7 +22,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from posttrain.config import validate_config
+from posttrain.config import ConfigError, validate_config
 from posttrain.models.tokenizer import TOKENIZERS
 from posttrain.models.tokenizer import load_tokenizer as load_tokenizer  # re-exported for its callers
 from posttrain.models.vlm import build_vlm_dir, is_vision_language_dir, write_seeded_model
@@ -76,29 +76,27 @@ class ModelFromConfig:
 
     def validate(self) -> None:
         if self.tokenizer not in TOKENIZERS:
-            raise ValueError(
-                f"model.from_config.tokenizer={self.tokenizer!r} is not one of {sorted(TOKENIZERS)}"
-            )
+            raise ConfigError("tokenizer", f"{self.tokenizer!r} is not one of {sorted(TOKENIZERS)}")
         if self.architecture not in ARCHITECTURES and self.architecture not in VISION_ARCHITECTURES:
-            raise ValueError(
-                f"model.from_config.architecture={self.architecture!r} is not one of "
-                f"{sorted(ARCHITECTURES) + list(VISION_ARCHITECTURES)}"
+            raise ConfigError(
+                "architecture",
+                f"{self.architecture!r} is not one of {sorted(ARCHITECTURES) + list(VISION_ARCHITECTURES)}",
             )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
-                f"model.from_config.hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}"
+            raise ConfigError(
+                "hidden_size",
+                f"{self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}",
             )
         if not 1 <= self.num_experts_per_token <= self.num_experts:
-            raise ValueError(
-                f"model.from_config.num_experts_per_token={self.num_experts_per_token} must be between 1 "
-                f"and num_experts={self.num_experts}"
+            raise ConfigError(
+                "num_experts_per_token",
+                f"{self.num_experts_per_token} must be between 1 and num_experts={self.num_experts}",
             )
         num_kv_heads = self.num_key_value_heads or self.num_attention_heads
         if self.num_attention_heads % num_kv_heads:
-            raise ValueError(
-                f"model.from_config.num_attention_heads={self.num_attention_heads} is not divisible by "
-                f"num_key_value_heads={num_kv_heads}"
+            raise ConfigError(
+                "num_attention_heads",
+                f"{self.num_attention_heads} is not divisible by num_key_value_heads={num_kv_heads}",
             )
 
 

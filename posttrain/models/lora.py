@@ -47,15 +47,15 @@ class LoraConfig:
 
     def validate(self) -> None:
         if self.rank < 1:
-            raise ConfigError.at("rank", f"must be >= 1, got {self.rank}")
+            raise ConfigError("rank", f"must be >= 1, got {self.rank}")
         if self.alpha <= 0:
-            raise ConfigError.at("alpha", f"must be > 0, got {self.alpha}")
+            raise ConfigError("alpha", f"must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError.at("dropout", f"must be in [0, 1), got {self.dropout}")
+            raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
         if not self.target_modules:
-            raise ConfigError.at("target_modules", "name at least one module (e.g. q_proj, v_proj)")
+            raise ConfigError("target_modules", "name at least one module (e.g. q_proj, v_proj)")
         if self.enabled and importlib.util.find_spec("peft") is None:
-            raise ConfigError.at("enabled", PEFT_INSTALL_HINT)
+            raise ConfigError("enabled", PEFT_INSTALL_HINT)
 
     @property
     def scaling(self) -> float:

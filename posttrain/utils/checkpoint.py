@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from posttrain.config import config_to_dict, validate_config
+from posttrain.config import ConfigError, config_to_dict, validate_config
 
 logger = logging.getLogger(__name__)
 
@@ -63,9 +63,9 @@ class CheckpointingConfig:
 
     def validate(self) -> None:
         if self.keep_top_k is not None and self.keep_top_k < 1:
-            raise ValueError(f"checkpointing.keep_top_k must be >= 1 or None, got {self.keep_top_k}")
+            raise ConfigError("keep_top_k", f"must be >= 1 or None, got {self.keep_top_k}")
         if self.save_period < 1:
-            raise ValueError(f"checkpointing.save_period must be >= 1, got {self.save_period}")
+            raise ConfigError("save_period", f"must be >= 1, got {self.save_period}")
 
 
 def _json_default(value: Any) -> Any:

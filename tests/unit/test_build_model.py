@@ -86,7 +86,7 @@ def test_tokenizer_without_pad_token_falls_back_to_eos(tmp_path):
 
 
 def test_invalid_architecture_is_named_in_the_error():
-    with pytest.raises(ValueError, match="architecture='gpt9'"):
+    with pytest.raises(ValueError, match="architecture: 'gpt9'"):
         ModelFromConfig(architecture="gpt9").validate()
 
 
@@ -103,7 +103,7 @@ def test_byte_tokenizer_option_sets_the_vocabulary_and_is_saved_with_the_model(t
 
 
 def test_invalid_tokenizer_is_named_in_the_error():
-    with pytest.raises(ValueError, match="tokenizer='word'"):
+    with pytest.raises(ValueError, match="tokenizer: 'word'"):
         ModelFromConfig(tokenizer="word").validate()
 
 

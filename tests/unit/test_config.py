@@ -65,7 +65,7 @@ class DataSection:
 
     def validate(self) -> None:
         if self.batch_size % self.micro_batch_size != 0:
-            raise ConfigError.at("micro_batch_size", f"must divide batch_size={self.batch_size}")
+            raise ConfigError("micro_batch_size", f"must divide batch_size={self.batch_size}")
 
 
 @dataclass

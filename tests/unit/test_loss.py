@@ -222,7 +222,8 @@ def test_force_on_policy_ratio_ignores_prev_logprobs():
 def test_ratio_clip_and_entropy_metrics_by_hand():
     """Ratios 0.5, 1, 1.5 (prev -1, so logprobs -1.693, -1, -0.595) with clip 0.2: mean 1, min 0.5, max 1.5,
     clip fraction 2/3; approx_entropy = -mean of r * logprob (each token weighted by pi / pi_prev) =
-    (0.5 (1 + ln 2) + 1 + 1.5 (1 - ln 1.5)) / 3 = 0.912813; no generation logprobs -> token_mult_prob_error 1."""
+    (0.5 (1 + ln 2) + 1 + 1.5 (1 - ln 1.5)) / 3 = 0.912813; no generation logprobs ->
+    token_mult_prob_error 1."""
     ratios = torch.tensor([0.5, 1.0, 1.5])
     logprobs = torch.cat([torch.zeros(1), -1.0 + ratios.log()]).unsqueeze(0)
     data = {

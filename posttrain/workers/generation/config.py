@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from posttrain.config import ConfigError
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig.max_lora_rank values
 
 
@@ -65,27 +67,23 @@ class GenerationConfig:
     only) for ranks up to this (8, 16, 32, ...); None: merge the adapter into the weights and reload them."""
 
     def validate(self) -> None:
-        """Raise ValueError naming the first impossible setting of the `generation` section (the config load
+        """Raise ConfigError naming the first impossible setting of the `generation` section (the config load
         has checked the Literal fields' values already)."""
         minimums = {"max_new_tokens": 1, "decode_sync_every": 1, "num_workers": 1, "num_cpus_per_worker": 0}
         for key, least in minimums.items():
             if getattr(self, key) < least:
-                raise ValueError(f"generation.{key}: must be >= {least}, got {getattr(self, key)}")
+                raise ConfigError(key, f"must be >= {least}, got {getattr(self, key)}")
         if self.temperature <= 0:
-            raise ValueError(
-                f"generation.temperature: must be > 0 (use greedy=True for argmax), got {self.temperature}"
-            )
+            raise ConfigError("temperature", f"must be > 0 (greedy=True: argmax), got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"generation.top_p: must be in (0, 1], got {self.top_p}")
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"generation.top_k: must be >= 1 or None (keep all tokens), got {self.top_k}")
+            raise ConfigError("top_k", f"must be >= 1 or None (keep all tokens), got {self.top_k}")
         if self.vllm_lora_max_rank is not None and self.vllm_lora_max_rank not in VLLM_LORA_RANKS:
-            raise ValueError(
-                f"generation.vllm_lora_max_rank: vLLM accepts one of {VLLM_LORA_RANKS}, "
-                f"got {self.vllm_lora_max_rank}"
+            raise ConfigError(
+                "vllm_lora_max_rank", f"vLLM accepts one of {VLLM_LORA_RANKS}, got {self.vllm_lora_max_rank}"
             )
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
-            raise ValueError(
-                "generation.vllm_gpu_memory_utilization: must be in (0, 1], got "
-                f"{self.vllm_gpu_memory_utilization}"
+            raise ConfigError(
+                "vllm_gpu_memory_utilization", f"must be in (0, 1], got {self.vllm_gpu_memory_utilization}"
             )

@@ -144,7 +144,7 @@ class VllmGenerationWorker:
             prompts, sampling_params=params, use_tqdm=False, lora_request=self.lora_request
         )
         completions = [r.outputs[0] for r in request_outputs]
-        cached = [r.num_cached_tokens or 0 for r in request_outputs]  # prompt tokens found in the prefix cache
+        cached = [r.num_cached_tokens or 0 for r in request_outputs]  # prompt tokens in the prefix cache
         stopped = [c.finish_reason != "length" for c in completions]  # else truncated at max_new_tokens
         state = DecodeState(
             [list(c.token_ids) for c in completions],

@@ -33,7 +33,7 @@ class OptimizerConfig:
         try:
             optimizer_cls([torch.zeros(1, requires_grad=True)], **kwargs)
         except (TypeError, ValueError) as error:
-            raise ConfigError.at("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
+            raise ConfigError("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
 
 
 @dataclass
@@ -56,7 +56,7 @@ class SchedulerConfig:
         try:
             scheduler_cls(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0), **self.kwargs)
         except (TypeError, ValueError) as error:
-            raise ConfigError.at("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
+            raise ConfigError("kwargs", f"{self.name}(**{self.kwargs}) fails: {error}") from None
 
 
 def policy_with_lr(lr: float, **fields: Any) -> PolicyConfig:
@@ -83,7 +83,7 @@ def _torch_class(module: Any, name: str, base: type, where: str) -> type:
     ]
     guess = difflib.get_close_matches(name, names, n=1)
     hint = f"; did you mean {guess[0]!r}?" if guess else f" (one of {sorted(names)})"
-    raise ConfigError.at("name", f"{where} has no {base.__name__} named {name!r}{hint}")
+    raise ConfigError("name", f"{where} has no {base.__name__} named {name!r}{hint}")
 
 
 @dataclass
