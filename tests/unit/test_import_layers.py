@@ -154,3 +154,19 @@ def test_no_import_cycles_not_even_through_imports_inside_functions():
         if name not in state:
             visit(name, [])
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_importing_the_configs_loads_neither_ray_nor_a_backend():
+    """The generation and policy packages import their configs eagerly and their Ray-backed parts on first
+    use: a fresh interpreter that imports the configs has not imported Ray."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from posttrain.workers.generation import GenerationConfig\n"
+        "from posttrain.workers.policy import PolicyConfig\n"
+        "print(sorted(m for m in ('ray', 'posttrain.workers.generation.hf_worker') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
