@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from posttrain.config import ConfigError
+from posttrain.data.reasoning_gym import check_task, is_reasoning_gym
 from posttrain.data.sources import is_file_source, looks_like_hub_name, missing_file
 from posttrain.data.tasks import BUILTIN_TASKS
 
@@ -73,6 +74,8 @@ class DataConfig:
     """validation rows used (built-in tasks: generated)"""
     num_digits: int = 2
     """built-in arithmetic, math_words, multiplication: digits per operand"""
+    options: dict[str, Any] = field(default_factory=dict)
+    """reasoning_gym:<task>: keyword arguments of reasoning_gym.create_dataset (the task's difficulty)"""
     puzzle_size: int = 2
     """built-in sliding_puzzle: board size"""
     puzzle_scramble_moves: int = 2
@@ -108,11 +111,15 @@ class DataConfig:
     def _check_source(key: str, name: str) -> None:
         """A built-in task, a data file, or an `org/name` hub dataset; anything else is a typo, caught here
         rather than by a hub lookup."""
+        if is_reasoning_gym(name):
+            if problem := check_task(name):
+                raise ConfigError(key, problem)
+            return
         if name in BUILTIN_TASKS or is_file_source(name) or looks_like_hub_name(name):
             return
         guess = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
         message = (
             f"{name!r} is not a built-in task ({', '.join(BUILTIN_TASKS)}), a .jsonl/.json/.parquet/.csv "
-            "file, or a Hugging Face dataset name (org/name)"
+            "file, a Hugging Face dataset name (org/name) or reasoning_gym:<task>"
         )
         raise ConfigError(key, message + (f"; did you mean {guess[0]!r}?" if guess else ""))

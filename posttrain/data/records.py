@@ -10,6 +10,7 @@ from typing import Any
 
 from posttrain.data.config import DataConfig
 from posttrain.data.message_log import message_log_length, tokenize_message_log
+from posttrain.data.reasoning_gym import is_reasoning_gym, reasoning_gym_rows
 from posttrain.data.sources import DataError, Row, SkipCounter, is_file_source, read_file, read_hf_dataset
 from posttrain.data.tasks import BUILTIN_TASKS, builtin_rows
 from posttrain.data.tool_calls import ToolPrompt, add_tool_prompt
@@ -220,6 +221,13 @@ def rows_to_records(
 
 def _read_rows(cfg: DataConfig, counter: SkipCounter) -> tuple[list[Row], list[Row] | None]:
     """(training rows, validation rows or None when they must be carved off)."""
+    if is_reasoning_gym(cfg.dataset):
+        num_train, num_val = cfg.num_train or 4096, cfg.num_val or 256
+        train, val = reasoning_gym_rows(cfg.dataset, cfg.options, num_train, num_val, cfg.seed)
+        return (
+            [Row(r, f"{cfg.dataset} train row {i}") for i, r in enumerate(train)],
+            [Row(r, f"{cfg.dataset} val row {i}") for i, r in enumerate(val)],
+        )
     if cfg.dataset in BUILTIN_TASKS:
         train, val = builtin_rows(
             cfg.dataset,
@@ -287,7 +295,7 @@ def load_all_records(
     `data.dataset` (a Hugging Face dataset: split `data.val_split`, else `data.split`); a built-in task's
     validation rows (its training rows are for training). `data.num_val` keeps the first that many."""
     counter = SkipCounter(cfg.skip_invalid)
-    if cfg.dataset in BUILTIN_TASKS:
+    if cfg.dataset in BUILTIN_TASKS or is_reasoning_gym(cfg.dataset):
         _, rows = _read_rows(cfg, counter)
     else:
         rows = _read_source(

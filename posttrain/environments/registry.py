@@ -27,6 +27,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "judge": "posttrain.environments.judge:JudgeEnvironment",
     "tools": "posttrain.environments.tool_env:ToolEnvironment",
     "reward_function": RewardFunctionEnvironment,
+    "reasoning_gym": "posttrain.environments.reasoning_gym:ReasoningGymEnvironment",
 }
 
 
