@@ -306,6 +306,8 @@ def build_train_data(
     sample_mask = torch.ones(len(logs))
     if overlong_filtering:
         sample_mask = adv.overlong_filter_mask(rollouts["truncated"])
+    if "failed" in rollouts:  # an agent's failed episode trains nothing (its reward is its group's mean)
+        sample_mask = sample_mask * (~rollouts["failed"]).float()
     train_data["sample_mask"] = sample_mask
     return train_data
 

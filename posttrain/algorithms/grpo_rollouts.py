@@ -14,7 +14,8 @@ import torch
 
 from posttrain.algorithms import advantages as adv
 from posttrain.distributed.batched_data_dict import BatchedDataDict
-from posttrain.experience.rollouts import generated_lengths, records_to_rollout_batch, run_multi_turn_rollout
+from posttrain.experience.agent_rollouts import run_rollout
+from posttrain.experience.rollouts import generated_lengths, records_to_rollout_batch
 from posttrain.experience.trajectory_buffer import TrajectoryBatch
 from posttrain.utils.timer import Timer
 from posttrain.workers.refit import Refit
@@ -98,7 +99,7 @@ class RolloutCollector:
             batch = records_to_rollout_batch(self.loader.next_batch(), n)
             seed = cfg.seed * 1_000_003 + step * 1_000 + round_index * 100
             limits = (cfg.max_seq_len, cfg.max_rollout_turns)
-            rollouts, metrics_round = run_multi_turn_rollout(
+            rollouts, metrics_round = run_rollout(
                 self.generation, batch, self.tokenizer, self.envs, *limits, seed=seed, timer=timer
             )
             rollouts["rewards"] = shaped_rewards(cfg, rollouts, self.max_new_tokens)

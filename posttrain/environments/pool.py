@@ -98,6 +98,11 @@ class EnvironmentPool:
             ray.kill(actor)
 
 
-def create_environments(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, EnvironmentPool]:
-    """One pool per task name."""
-    return {task: EnvironmentPool(task, cfg) for task, cfg in env_cfgs.items()}
+def create_environments(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, Any]:
+    """One pool per task name; an agent task gets its `AgentTask` (its agent runs in the driver)."""
+    from posttrain.environments.agent import AgentTask
+
+    return {
+        task: AgentTask.load(task, cfg) if cfg.agent is not None else EnvironmentPool(task, cfg)
+        for task, cfg in env_cfgs.items()
+    }

@@ -28,6 +28,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "tools": "posttrain.environments.tool_env:ToolEnvironment",
     "reward_function": RewardFunctionEnvironment,
     "reasoning_gym": "posttrain.environments.reasoning_gym:ReasoningGymEnvironment",
+    "agent": "posttrain.environments.agent:AgentEnvironment",
 }
 
 
@@ -48,6 +49,11 @@ class EnvironmentConfig:
     (replaces cls)"""
     reward_batched: bool = False
     """call reward once per batch: fn(replies, **columns) -> list"""
+    agent: str | None = None
+    """an agent that brings its own loop, file.py:fn or module:fn: `async def fn(client, row) -> float`, with
+    an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see docs/serve.md)"""
+    agent_timeout_s: float = 120.0
+    """seconds an agent's episode may take; a slower one fails (left out of the loss, counted)"""
 
     def validate(self) -> None:
         if self.reward is not None and self.cls not in ("exact_match", "reward_function"):
@@ -60,10 +66,15 @@ class EnvironmentConfig:
             raise ConfigError("reward", "cls reward_function needs reward: path/to/rewards.py:fn")
         if self.reward_batched and self.reward is None:
             raise ConfigError("reward_batched", "is an option of reward: set reward too")
+        if self.agent is not None and (self.reward is not None or self.cls != "exact_match"):
+            raise ConfigError("agent", "an agent computes its own reward: remove reward and cls")
 
     @property
     def environment(self) -> str:
-        """The environment's registered name or import spec (`reward_function` when `reward` is set)."""
+        """The environment's registered name or import spec (`reward_function` when `reward` is set, `agent`
+        when `agent` is)."""
+        if self.agent is not None:
+            return "agent"
         return "reward_function" if self.reward is not None else self.cls
 
 

@@ -11,7 +11,8 @@ import torch
 from posttrain.data.vision import content_text
 from posttrain.evals.graders import Grader, strict_grades
 from posttrain.evals.metrics import eval_pass_k
-from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
+from posttrain.experience.agent_rollouts import run_rollout
+from posttrain.experience.rollouts import records_to_rollout_batch
 
 
 @dataclass
@@ -71,7 +72,7 @@ def run_validation(
     for start in range(0, len(records), batch_size):
         batch = records_to_rollout_batch(records[start : start + batch_size], num_generations)
         limits = (max_seq_len, max_rollout_turns)
-        rollouts, metrics = run_multi_turn_rollout(
+        rollouts, metrics = run_rollout(
             generation, batch, tokenizer, task_to_env, *limits, greedy=greedy, seed=seed + start
         )
         rewards.append(rollouts["total_reward"])

@@ -21,6 +21,8 @@ import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
+
 from posttrain.data.tool_calls import parse_hermes
 from posttrain.environments.server import (
     BadRequest,
@@ -51,8 +53,17 @@ class Batcher:
     """Collects prompts from concurrent requests and decodes each group of equal `Sampling` as one batch on
     `generation` (an object with `cfg` and `generate(data, greedy, seed)`, e.g. an HFGenerationWorker)."""
 
-    def __init__(self, generation: Any, pad_id: int, batch_wait_s: float = 0.01) -> None:
+    def __init__(
+        self,
+        generation: Any,
+        pad_id: int,
+        batch_wait_s: float = 0.01,
+        fixed_sampling: bool = False,
+        base_seed: int = 0,
+    ) -> None:
         self.generation, self.pad_id, self.batch_wait_s = generation, pad_id, batch_wait_s
+        self.fixed_sampling = fixed_sampling  # training: the run's sampling settings, whatever is asked
+        self.base_seed = base_seed  # fixed sampling: batch k samples with seed base_seed + k
         self.lock = threading.Lock()
         self.pending: dict[Sampling, list[tuple[list[int], list[str], Future]]] = {}
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="openai-batch")  # one generate at a time
@@ -85,21 +96,26 @@ class Batcher:
             future.set_result(result)
 
     def _generate(self, prompts: list[list[int]], stops: list[list[str]], sampling: Sampling) -> list[dict]:
-        import torch
-
         lengths = torch.tensor([len(ids) for ids in prompts])
         input_ids = torch.full((len(prompts), int(lengths.max())), self.pad_id, dtype=torch.long)
         for row, ids in enumerate(prompts):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-        base = self.generation.cfg
-        self.generation.cfg = dataclasses.replace(
-            base, temperature=sampling.temperature, top_p=sampling.top_p, max_new_tokens=sampling.max_tokens
-        )
-        try:
-            data = {"input_ids": input_ids, "input_lengths": lengths, "stop_strings": stops}
-            out = self.generation.generate(data, greedy=sampling.greedy, seed=sampling.seed or 0)
-        finally:
-            self.generation.cfg = base
+        data = {"input_ids": input_ids, "input_lengths": lengths, "stop_strings": stops}
+        if self.fixed_sampling:  # the run's settings; max_tokens lowers the budget of this batch only
+            data["max_new_tokens"] = torch.full((len(prompts),), sampling.max_tokens)
+            out = self.generation.generate(data, greedy=False, seed=self.base_seed + self.num_batches)
+        else:
+            base = self.generation.cfg
+            self.generation.cfg = dataclasses.replace(
+                base,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_new_tokens=sampling.max_tokens,
+            )
+            try:
+                out = self.generation.generate(data, greedy=sampling.greedy, seed=sampling.seed or 0)
+            finally:
+                self.generation.cfg = base
         self.num_batches += 1
         results = []
         for row, prompt_len in enumerate(lengths.tolist()):
@@ -132,19 +148,34 @@ class CompletionServer(JsonServer):
         super().__init__(CompletionHandler, host, port, token, limits, "serve")
         self.batcher, self.tokenizer, self.model_name = batcher, tokenizer, model_name
         self.max_tokens, self.weight_version = max_tokens, weight_version
+        self.episodes: dict[str, Episode] = {}  # agent rollouts: the trajectory of each episode id
 
-    def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+    def chat(self, body: dict[str, Any], episode: str | None = None) -> dict[str, Any]:
+        if episode is None:
+            return self._chat(body, None)
+        if episode not in self.episodes:
+            raise BadRequest(f"no episode {episode!r}", 404)
+        with self.episodes[episode].lock:  # one call of an episode at a time: its trajectory is a sequence
+            return self._chat(body, self.episodes[episode])
+
+    def _chat(self, body: dict[str, Any], episode: Episode | None) -> dict[str, Any]:
         messages = body.get("messages")
         if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
             raise BadRequest("messages must be a non-empty list of objects")
         tools = body.get("tools")
+        prompt = episode.continued_prompt(messages, self.tokenizer) if episode is not None else None
         try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            if prompt is None:
+                prompt = self.tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
         except Exception as error:  # a message the template cannot render
             raise BadRequest(f"messages: the chat template cannot render them: {error}") from None
+        if episode is not None and body.get("n", 1) != 1:
+            raise BadRequest("n must be 1 in an episode (its trajectory is one sequence)")
         choices, usage = self._complete(list(prompt), body)
+        if episode is not None:
+            episode.record(messages, list(prompt), choices[0]["_result"], self.tokenizer)
         for choice in choices:
             parsed = parse_hermes(choice.pop("text")) if tools else None
             message = {"role": "assistant", "content": parsed.content if parsed else choice["raw_text"]}
@@ -191,6 +222,7 @@ class CompletionServer(JsonServer):
                 "finish_reason": "length" if result["truncated"] else "stop",
                 "token_ids": result["token_ids"],
                 "weight_version": self.weight_version,
+                "_result": result,  # for an episode's record; not sent
             }
             if body.get("logprobs"):
                 tokens = [self.tokenizer.decode([i]) for i in result["token_ids"]]
@@ -207,6 +239,8 @@ class CompletionServer(JsonServer):
         return choices, usage
 
     def _response(self, kind: str, prompt: list[int], choices: list[dict], usage: dict) -> dict[str, Any]:
+        for choice in choices:
+            choice.pop("_result", None)
         return {
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
@@ -216,6 +250,66 @@ class CompletionServer(JsonServer):
             "usage": usage,
             "prompt_token_ids": list(prompt),
         }
+
+
+class Episode:
+    """One agent episode's trajectory, built from the endpoint's own token ids: the first call's prompt and
+    reply, then for each call that sends the conversation back with exactly one new message after the last
+    reply (a tool result, a user turn), that message's tokens (`tokenize_observation`, the rules of
+    posttrain's own multi-turn rollouts) and the new reply. A call that does not continue it (an edited or
+    dropped turn, several new messages) is counted in `resequenced` and the trajectory stops growing."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.log: list[dict[str, Any]] = []  # messages with token_ids (assistant: and generation_logprobs)
+        self.sent: list[dict[str, Any]] = []  # the messages the agent sent, then the reply as returned
+        self.resequenced, self.closed = 0, False
+
+    def continued_prompt(self, messages: list[dict], tokenizer: Any) -> list[int] | None:
+        """The prompt ids of a call that continues the trajectory (None: render it anew)."""
+        if not self.log or self.closed:
+            return None
+        if len(messages) != len(self.sent) + 1 or [plain(m) for m in messages[:-1]] != self.sent:
+            self.resequenced += 1
+            self.closed = True
+            return None
+        from posttrain.experience.rollouts import flat_token_ids, tokenize_observation
+
+        new = tokenize_observation(tokenizer, self.log, plain(messages[-1]))
+        self.log.append({**plain(messages[-1]), "token_ids": torch.tensor(new, dtype=torch.long)})
+        return flat_token_ids(self.log).tolist()
+
+    def record(self, messages: list[dict], prompt: list[int], result: dict, tokenizer: Any) -> None:
+        if self.closed:
+            return
+        if not self.log:  # the first call's messages, its whole prompt's ids on the first of them
+            empty = torch.zeros(0, dtype=torch.long)
+            ids_of = [torch.tensor(prompt, dtype=torch.long)] + [empty] * (len(messages) - 1)
+            self.log = [{**plain(m), "token_ids": ids} for m, ids in zip(messages, ids_of)]
+        ids = result["token_ids"]
+        self.log.append(
+            {
+                "role": "assistant",
+                "content": tokenizer.decode(ids, skip_special_tokens=False),
+                "token_ids": torch.tensor(ids, dtype=torch.long),
+                "generation_logprobs": torch.tensor(result["logprobs"], dtype=torch.float32),
+            }
+        )
+        reply = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+        self.sent = [plain(m) for m in messages] + [reply]
+
+
+def plain(message: dict) -> dict:
+    """A message as role and content only (None content: empty)."""
+    return {"role": message.get("role"), "content": message.get("content") or ""}
+
+
+def episode_path(path: str) -> tuple[str | None, str]:
+    """(episode id, route) of `/e/<id>/v1/...`; (None, path) otherwise."""
+    if path.startswith("/e/"):
+        episode, _, rest = path[3:].partition("/")
+        return episode, "/" + rest
+    return None, path
 
 
 def request_settings(body: dict[str, Any], default_max_tokens: int) -> tuple[int, Sampling, list[str]]:
@@ -259,7 +353,8 @@ class CompletionHandler(EnvironmentHandler):
 
     def do_POST(self) -> None:
         routes = {"/v1/chat/completions": self.server.chat, "/v1/completions": self.server.completion}
-        refusal = self._refusal() or (None if self.path in routes else (404, f"no route {self.path}"))
+        episode, path = episode_path(self.path)
+        refusal = self._refusal() or (None if path in routes else (404, f"no route {self.path}"))
         if refusal is not None:
             self._reply(refusal[0], {"error": {"message": refusal[1], "type": "invalid_request_error"}})
             return
@@ -267,7 +362,8 @@ class CompletionHandler(EnvironmentHandler):
             body = self._read_json()
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
-            self._reply(200, routes[self.path](body))
+            answer = routes[path](body, episode) if episode else routes[path](body)
+            self._reply(200, answer)
         except BadRequest as error:
             self._reply(error.status, {"error": {"message": str(error), "type": "invalid_request_error"}})
         except Exception as error:  # generation failed: say so rather than drop the connection

@@ -1,0 +1,114 @@
+"""Agents that bring their own loop (`env.<task>.agent`): episodes written with the real `openai` client run
+against the endpoint over a generation worker, their training tokens are the tokens it sampled (with a
+byte-level tokenizer, whose re-tokenization of the text would change them), a failing agent costs only its
+episode, and GRPO trains on agent episodes end to end."""
+
+import math
+
+import pytest
+import torch
+from agents_for_tests import SEEN
+from test_grpo import run_grpo
+
+from posttrain.environments.agent import AgentTask
+from posttrain.experience.agent_rollouts import run_agent_rollout
+from posttrain.experience.rollouts import flat_token_ids, records_to_rollout_batch
+from posttrain.models.build import ModelFromConfig, build_model_dir
+from posttrain.workers.generation.config import GenerationConfig
+from posttrain.workers.generation.hf_worker import HFGenerationWorker
+
+AGENTS = "tests/integration/agents_for_tests.py"
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    spec = ModelFromConfig(
+        architecture="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4, tokenizer="byte", seed=3
+    )
+    model_dir = build_model_dir(spec, tmp_path_factory.mktemp("agent_model"))
+    return HFGenerationWorker(GenerationConfig(max_new_tokens=6, top_k=None), str(model_dir))
+
+
+def rollout(worker, agent, answers: list[str], timeout_s: float = 30.0, num_generations: int = 1):
+    records = [
+        {
+            "message_log": [{"role": "user", "content": f"{i}+1=", "token_ids": torch.tensor([1])}],
+            "extra_env_info": {"ground_truth": answer},
+            "task_name": "t",
+            "idx": i,
+        }
+        for i, answer in enumerate(answers)
+    ]
+    batch = records_to_rollout_batch(records, num_generations)
+    task = AgentTask("t", agent, timeout_s)
+    return run_agent_rollout(worker, batch, worker.tokenizer, {"t": task}, max_seq_len=512, seed=7)
+
+
+def test_training_tokens_are_the_sampled_tokens_across_turns(worker):
+    """Two calls per episode: each assistant turn of the trajectory holds exactly the ids the endpoint
+    returned, the second call's prompt is the first call's prompt and reply plus the new user turn's tokens,
+    and re-tokenizing the replies' text would have changed some of them."""
+    from agents_for_tests import two_turns
+
+    SEEN.clear()
+    rollouts, metrics = rollout(worker, two_turns, ["2", "3", "4", "5"])
+    retokenized_differs = 0
+    for i, log in enumerate(rollouts["message_log"]):
+        calls = SEEN[f"{i}+1="]
+        replies = [m for m in log if m["role"] == "assistant"]
+        assert [r["token_ids"].tolist() for r in replies] == [c["token_ids"] for c in calls]
+        assert all(len(r["generation_logprobs"]) == len(r["token_ids"]) for r in replies)
+        second_prompt = calls[1]["prompt_token_ids"]
+        assert flat_token_ids(log)[: len(second_prompt)].tolist() == second_prompt
+        assert second_prompt[: len(calls[0]["prompt_token_ids"])] == calls[0]["prompt_token_ids"]
+        for call in calls:
+            again = worker.tokenizer(call["text"], add_special_tokens=False)["input_ids"]
+            retokenized_differs += again != call["token_ids"][: len(again)] or len(again) != len(
+                call["token_ids"]
+            )
+    assert retokenized_differs > 0
+    assert rollouts["num_turns"].tolist() == [2, 2, 2, 2] and not rollouts["failed"].any()
+    assert metrics["env/failed_episodes"] == 0.0 and metrics["env/agent_resequenced"] == 0.0
+
+
+def test_a_raising_hanging_or_nan_agent_costs_only_its_episode(worker, caplog):
+    """Rows by kind, in groups of two of the same record: a failed episode is flagged (left out of the loss)
+    and takes its group peer's reward; an edit of an earlier turn ends the sequence and is counted."""
+    from agents_for_tests import misbehaving
+
+    kinds = ["ok", "raise", "hang", "nan", "edit"]
+    with caplog.at_level("WARNING"):
+        rollouts, metrics = rollout(worker, misbehaving, kinds, timeout_s=2.0, num_generations=2)
+    failed = rollouts["failed"].tolist()
+    assert failed == [False, False, True, True, True, True, True, True, False, False]
+    assert metrics["env/failed_episodes"] == 6.0 and metrics["env/agent_resequenced"] == 2.0
+    rewards = rollouts["total_reward"].tolist()
+    assert all(not math.isnan(r) for r in rewards) and rewards[2:8] == [0.0] * 6  # no peer succeeded
+    assert "the agent's tool crashed" in caplog.text
+    edit_log = rollouts["message_log"][8]
+    assert sum(m["role"] == "assistant" for m in edit_log) == 1  # the edited call is not merged in
+
+
+def test_a_hundred_concurrent_episodes_complete(worker):
+    from agents_for_tests import misbehaving
+
+    rollouts, metrics = rollout(worker, misbehaving, ["ok"] * 100)
+    assert not rollouts["failed"].any() and metrics["mean_turns"] == 1.0
+
+
+@pytest.mark.slow
+def test_grpo_trains_an_openai_client_agent(ray_session, tmp_path):
+    metrics = run_grpo(
+        tmp_path / "run",
+        **{
+            "grpo.max_num_steps": 2,
+            "grpo.val_period": 0,
+            "grpo.max_seq_len": 96,
+            "env.arithmetic": f"{{_override_: true, agent: '{AGENTS}:two_turns'}}",
+            "checkpointing.enabled": "false",
+        },
+    )
+    for step in (1, 2):
+        assert metrics[step]["train/rollout/mean_turns"] == 2.0
+        assert metrics[step]["train/rollout/env/failed_episodes"] == 0.0
+        assert math.isfinite(metrics[step]["train/loss"])
