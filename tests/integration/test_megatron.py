@@ -125,7 +125,7 @@ def test_megatron_layout_gives_dtensor_logprobs_and_losses(runs, layout):
     torch.testing.assert_close(run.initial_logprobs, baseline.initial_logprobs, atol=1e-5, rtol=0)
     for key in ("loss", "grad_norm", "num_valid_tokens"):
         assert values(run.sft, key) == pytest.approx(values(baseline.sft, key), abs=1e-5), key
-    for key in ("loss", "grad_norm", "kl"):
+    for key in ("loss", "grad_norm", "kl_penalty"):
         assert values(run.grpo, key) == pytest.approx(values(baseline.grpo, key), abs=1e-5), key
     assert values(baseline.sft, "loss")[2] < values(baseline.sft, "loss")[0]  # it did learn
 

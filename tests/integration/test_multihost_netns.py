@@ -304,7 +304,10 @@ def test_async_grpo_across_hosts_survives_the_loss_of_one(hosts, tmp_path):
     steps = metrics_by_step(log_dir)
     assert all(step in steps for step in range(1, 6))
     for step in range(1, 6):
-        assert 1.0 <= steps[step]["train/token_mult_prob_error"] <= 1.01, (step, steps[step])
+        assert 1.0 - 1e-6 <= steps[step]["train/token_mult_prob_error"] <= 1.01, (
+            step,
+            steps[step],
+        )  # a mean of values >= 1, in float32
     assert (log_dir / "hf_model" / "config.json").exists()
 
 

@@ -175,7 +175,8 @@ def test_dataset_name_typo_is_a_config_error_not_a_hub_lookup():
     assert config_error(sft.SFTConfig, SFT_TINY, "data.dataset=arithmetc") == (
         "data.dataset: 'arithmetc' is not a built-in task (arithmetic, arithmetic_preference, "
         "sliding_puzzle, math_words, math_steps, multiplication, red_squares, constrained_lists), a "
-        ".jsonl/.json/.parquet/.csv file, or a Hugging Face dataset name (org/name); did you mean "
+        ".jsonl/.json/.parquet/.csv file, a Hugging Face dataset name (org/name) or reasoning_gym:<task>; "
+        "did you mean "
         "'arithmetic'? "
         "(from command line)"
     )
