@@ -413,6 +413,11 @@ def main(args: argparse.Namespace) -> int:
         resolve_environment_class(args.cls)(**kwargs), args.host, args.port, token, limits
     )
     print(f"serving environment {args.cls} at {server.url} (Ctrl-C stops)", flush=True)
+    return serve_until_interrupted(server)
+
+
+def serve_until_interrupted(server: JsonServer) -> int:
+    """Serve until Ctrl-C, then close the socket; the command's exit status."""
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -30,6 +30,7 @@ from posttrain.environments.server import (
     JsonServer,
     ServerLimits,
     add_limit_arguments,
+    serve_until_interrupted,
     server_token,
 )
 from posttrain.workers.generation.config import GenerationConfig
@@ -394,10 +395,4 @@ def main(args: argparse.Namespace) -> int:
         batcher, worker.tokenizer, args.model, args.host, args.port, token, limits, args.max_tokens
     )
     print(f"serving {args.model} at {server.url}/v1 (OpenAI API; Ctrl-C stops)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
-    return 0
+    return serve_until_interrupted(server)
