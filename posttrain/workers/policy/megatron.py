@@ -89,20 +89,6 @@ def pad_to(tensor: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return torch.nn.functional.pad(tensor, (0, cols - tensor.shape[1], 0, rows - tensor.shape[0]))
 
 
-def write_hf_dir(
-    weights: dict[str, torch.Tensor], hf_config: Any, layout: Any, tokenizer: Any, out_dir: str | Path
-) -> None:
-    """A Hugging Face directory (safetensors, config, tokenizer) of full HF-named `weights`."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    auto_class = AutoModelForSequenceClassification if layout.reward_model else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto_class.from_config(hf_config, dtype=torch.float32)
-    model.load_state_dict(weights, strict=True, assign=True)
-    model.tie_weights()
-    native_checkpoint.write_hf_dir(model, tokenizer, Path(out_dir))
-
-
 class MegatronPolicyWorker(PolicyWorker):
     """One rank of the policy on Megatron Core. Micro-batching, global counts, metric reductions and the
     reference-weight swap are the base worker's; the model, schedule, optimizer and state I/O are
@@ -475,7 +461,8 @@ class MegatronPolicyWorker(PolicyWorker):
     def _write_hf_dir(self, weights: dict[str, torch.Tensor], out_dir: str) -> None:
         """Rank 0 writes `weights` (HF names) as a Hugging Face directory; all ranks wait (collective)."""
         if self.rank == 0:
-            write_hf_dir(weights, self.hf_config, self.layout, self.tokenizer, out_dir)
+            model = native_checkpoint.model_with_weights(weights, self.hf_config)
+            native_checkpoint.write_hf_dir(model, self.tokenizer, Path(out_dir))
         dist.barrier()
 
     # -- native checkpoints ----------------------------------------------------------------------------------

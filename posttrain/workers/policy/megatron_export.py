@@ -8,9 +8,10 @@ from pathlib import Path
 
 import torch
 
+from posttrain.utils import native_checkpoint
 from posttrain.workers.policy import megatron_convert
 from posttrain.workers.policy.base import ensure_process_group
-from posttrain.workers.policy.megatron import MEGATRON_DIR, import_megatron, megatron_context, write_hf_dir
+from posttrain.workers.policy.megatron import MEGATRON_DIR, import_megatron, megatron_context
 
 
 def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> Path:
@@ -39,5 +40,7 @@ def export_megatron_checkpoint(policy_dir: str | Path, out_dir: str | Path) -> P
     weights = megatron_convert.megatron_to_hf(
         {name: p.detach().float() for name, p in model.named_parameters()}, 0, layout
     )
-    write_hf_dir(weights, hf_config, layout, AutoTokenizer.from_pretrained(policy_dir / "tokenizer"), out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir / "tokenizer")
+    model = native_checkpoint.model_with_weights(weights, hf_config)
+    native_checkpoint.write_hf_dir(model, tokenizer, out_dir)
     return out_dir
