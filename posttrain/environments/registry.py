@@ -29,6 +29,7 @@ _REGISTRY: dict[str, type[EnvironmentInterface] | str] = {
     "reward_function": RewardFunctionEnvironment,
     "reasoning_gym": "posttrain.environments.reasoning_gym:ReasoningGymEnvironment",
     "agent": "posttrain.environments.agent:AgentEnvironment",
+    "openenv": "posttrain.environments.openenv:OpenEnvEnvironment",
 }
 
 
@@ -54,8 +55,15 @@ class EnvironmentConfig:
     an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see docs/serve.md)"""
     agent_timeout_s: float = 120.0
     """seconds an agent's episode may take; a slower one fails (left out of the loss, counted)"""
+    openenv: str | None = None
+    """URL of an OpenEnv environment server, one episode per sample (replaces cls; kwargs: action_key,
+    observation_key, reset_columns, max_sessions)"""
 
     def validate(self) -> None:
+        if self.openenv is not None and (self.reward, self.agent, self.cls) != (None, None, "exact_match"):
+            raise ConfigError(
+                "openenv", "an OpenEnv server is its own environment: remove reward, agent, cls"
+            )
         if self.reward is not None and self.cls not in ("exact_match", "reward_function"):
             raise ConfigError(
                 "reward",
@@ -75,6 +83,8 @@ class EnvironmentConfig:
         when `agent` is)."""
         if self.agent is not None:
             return "agent"
+        if self.openenv is not None:
+            return "openenv"
         return "reward_function" if self.reward is not None else self.cls
 
 
@@ -106,6 +116,8 @@ def resolve_environment(cfg: EnvironmentConfig) -> tuple[type[EnvironmentInterfa
     """The class and keyword arguments of one task's environment, resolved on the driver: a reward
     function is looked up here and passed as an object, so actors need no registry of their own."""
     cls = resolve_environment_class(cfg.environment)
+    if cfg.openenv is not None:
+        return cls, {"url": cfg.openenv, **cfg.kwargs}
     if cfg.reward is None:
         return cls, dict(cfg.kwargs)
     return cls, {"reward": resolve_reward(cfg.reward), "batched": cfg.reward_batched, **cfg.kwargs}
