@@ -73,18 +73,20 @@ def command_writing(model_dir: Path, configs_dir: Path = Path("configs")) -> str
 
 
 def missing_run_files(policy_cfg: PolicyConfig, data_cfg: DataConfig) -> list[ConfigError]:
-    """One error per missing input of a training run: its data files and, unless built from a config,
-    its model and tokenizer directories."""
-    problems = data_cfg.missing_files()
-    if policy_cfg.model is not None and policy_cfg.model.from_config is not None:
-        return problems
-    for key, name in (
-        ("policy.model_name", policy_cfg.model_name),
-        ("policy.tokenizer_name", policy_cfg.tokenizer_name),
-    ):
+    """One error per missing input of a training run: its data files and its model's directories."""
+    return data_cfg.missing_files() + missing_model_files("policy", policy_cfg)
+
+
+def missing_model_files(section: str, model_cfg: PolicyConfig) -> list[ConfigError]:
+    """One error per missing model or tokenizer directory of the model section `section` (a policy, a
+    critic, a teacher); none for a model built from a config."""
+    if model_cfg.model is not None and model_cfg.model.from_config is not None:
+        return []
+    problems = []
+    for key, name in (("model_name", model_cfg.model_name), ("tokenizer_name", model_cfg.tokenizer_name)):
         try:
             if name:
-                check_model_exists(key, name)
+                check_model_exists(f"{section}.{key}", name)
         except ConfigError as error:
             problems.append(error)
     return problems

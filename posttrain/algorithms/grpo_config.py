@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from posttrain.algorithms.checks import check_loop_lengths, check_parallelism
+from posttrain.algorithms.checks import check_loop_lengths, check_parallelism, missing_model_files
 from posttrain.algorithms.critic import CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig
 from posttrain.algorithms.health import HealthConfig
@@ -266,10 +266,16 @@ class GRPOConfig(TrainingConfig):
             )
 
     def missing_files(self) -> list[ConfigError]:
-        """Missing data files, model directories, reward and environment files and grader files, one
-        error each (run before anything starts)."""
+        """Missing data files, model directories (the critic's and teacher's too, where the estimator uses
+        them), reward and environment files and grader files, one error each (run before anything starts)."""
+        helper = {
+            "gae": ("critic.model", self.critic.model),
+            "on_policy_distillation": ("teacher.model", self.teacher.model),
+        }
+        section, model = helper.get(self.grpo.advantage_estimator, ("", None))
         return (
             super().missing_files()
+            + (missing_model_files(section, model) if model is not None else [])
             + environment_file_problems(self.env)
             + grader_problems("grpo.val_grader", self.grpo.val_grader)
         )

@@ -171,6 +171,24 @@ def test_missing_model_of_a_tiny_config_names_the_key_and_the_command_that_makes
     )
 
 
+def test_missing_critic_and_teacher_models_are_named_when_the_config_loads(tmp_path):
+    """The helper model the estimator uses is checked with the policy's, before a cluster starts; the other
+    estimators' helper sections are not looked at (grpo_tiny's policy model is not built in this test)."""
+    typo = str(tmp_path / "no_such_model")
+    grpo_tiny = str(CONFIGS / "grpo_tiny.yaml")
+    for estimator, key in (
+        ("gae", "critic.model.model_name"),
+        ("on_policy_distillation", "teacher.model.model_name"),
+    ):
+        cfg = load_typed_config(
+            grpo.GRPOConfig, grpo_tiny, [f"grpo.advantage_estimator={estimator}", f"{key}={typo}"]
+        )
+        problems = [str(problem).split(" does not exist")[0] for problem in cfg.missing_files()]
+        assert problems[1:] == [f"{key}: {typo}"] and problems[0].startswith("policy.model_name: ")
+    cfg = load_typed_config(grpo.GRPOConfig, grpo_tiny, [f"teacher.model.model_name={typo}"])
+    assert [str(problem).split(":")[0] for problem in cfg.missing_files()] == ["policy.model_name"]
+
+
 def test_dataset_name_typo_is_a_config_error_not_a_hub_lookup():
     assert config_error(sft.SFTConfig, SFT_TINY, "data.dataset=arithmetc") == (
         "data.dataset: 'arithmetc' is not a built-in task (arithmetic, arithmetic_preference, "
