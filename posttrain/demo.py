@@ -18,6 +18,7 @@ untrained model, after SFT, after GRPO and of the control, and the time of each 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -222,8 +223,15 @@ def run_grpo_stage(cfg: DemoConfig, out: Path) -> dict[str, Any]:
     run.policy.export_hf(str(out / "grpo" / "hf_model"))
     run.shutdown()
     records = read_metrics(out / "grpo" / "metrics.jsonl")
+    steps, step_times = metric_series(records, "train/step_time")
+    trained_by_step = dict(zip(steps, itertools.accumulate(step_times)))
+    val_steps, val_accuracy = metric_series(records, "val/accuracy")
+    by_time = [(0.0, start_accuracy)] + [
+        (trained_by_step[s], a) for s, a in zip(val_steps, val_accuracy) if s in trained_by_step
+    ]
     return {
         "grpo_start_accuracy": start_accuracy,
+        "grpo_accuracy_by_time": by_time,
         "grpo_accuracy": final["accuracy"],
         "grpo_steps": run.step,
         "grpo_train_s": sum(metric_series(records, "train/step_time")[1]),
@@ -233,30 +241,48 @@ def run_grpo_stage(cfg: DemoConfig, out: Path) -> dict[str, Any]:
 
 def run_sft_control(cfg: DemoConfig, out: Path, seconds: float) -> dict[str, Any]:
     """SFT continued from the SFT stage's model on the same labelled examples until its training time
-    (validation excluded) reaches `seconds`, GRPO's; greedy accuracy on the same held-out prompts."""
+    (validation excluded) reaches `seconds`, GRPO's; greedy accuracy on the same held-out prompts at each
+    quarter of that time (its curve against training seconds, like GRPO's)."""
     run = sft.setup(sft_config(cfg, out / "sft_control", out / "sft" / "hf_model", control=True))
     probe = AccuracyProbe(run, cfg)
-    trained = 0.0
+    trained, by_time = 0.0, [(0.0, probe.accuracy(refit=False))]
     while trained < seconds and run.step < run.total_steps:
         start = time.perf_counter()
         sft.sft_train(run, num_steps=cfg.sft_check_every)
         trained += time.perf_counter() - start
-    accuracy = probe.accuracy()
+        if trained >= seconds * len(by_time) / 4 or trained >= seconds:
+            by_time.append((trained, probe.accuracy()))
     probe.shutdown()
     run.shutdown()
-    return {"sft_control_accuracy": accuracy, "sft_control_steps": run.step, "sft_control_train_s": trained}
+    return {
+        "sft_control_accuracy": by_time[-1][1],
+        "sft_control_steps": run.step,
+        "sft_control_train_s": trained,
+        "sft_control_accuracy_by_time": by_time,
+    }
 
 
-def plot_demo(out: Path, sft_curve: list) -> Path:
+def columns(points: list) -> tuple[list, list]:
+    """[(x, y), ...] -> ([x, ...], [y, ...])."""
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def plot_demo(out: Path, summary: dict[str, Any]) -> Path:
+    """The SFT stage's validation curve by step, GRPO's train reward by step, and GRPO's validation curve
+    beside the SFT control's against seconds of training after the SFT stage."""
     records = read_metrics(out / "grpo" / "metrics.jsonl")
+    after_sft = {"GRPO": summary["grpo_accuracy_by_time"]}
+    if "sft_control_accuracy_by_time" in summary:
+        after_sft["SFT control"] = summary["sft_control_accuracy_by_time"]
     return plot_curves(
         {
-            "SFT val accuracy": ([s for s, _ in sft_curve], [a for _, a in sft_curve]),
+            "SFT val accuracy": columns(summary["sft_accuracy_curve"]),
             "GRPO train reward": metric_series(records, "train/reward_mean"),
-            "GRPO val accuracy": metric_series(records, "val/accuracy"),
+            "val accuracy after SFT": {name: columns(points) for name, points in after_sft.items()},
         },
         out / "curves.png",
         title="posttrain demo: 2-digit addition",
+        xlabels={"val accuracy after SFT": "training seconds after the SFT stage"},
     )
 
 
@@ -283,7 +309,7 @@ def run_demo(cfg: DemoConfig, out: Path) -> dict[str, Any]:
             ray.shutdown()
     summary["wall_time_s"] = {"build_model": t1 - t0, "sft": t2 - t1, "grpo": t3 - t2, "total": t3 - t0}
     summary["grpo_gain_points"] = 100 * (summary["grpo_accuracy"] - summary["sft_accuracy"])
-    summary["curves_png"] = str(plot_demo(out, summary["sft_accuracy_curve"]))
+    summary["curves_png"] = str(plot_demo(out, summary))
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def read_metrics(jsonl_path: str | Path) -> list[dict]:
@@ -19,22 +20,26 @@ def metric_series(records: list[dict], key: str, step_offset: int = 0) -> tuple[
 
 
 def plot_curves(
-    series: dict[str, tuple[list[int], list[float]]], out_png: str | Path, title: str = ""
+    series: dict[str, Any], out_png: str | Path, title: str = "", xlabels: dict[str, str] | None = None
 ) -> Path:
-    """One panel per named series (name -> (steps, values)); returns the PNG path."""
+    """One panel per named series, drawn against steps unless `xlabels` names the panel's x axis: a series
+    is (xs, values), or a dict of labelled (xs, values) lines drawn in one panel. Returns the PNG path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [name for name, (steps, _) in series.items() if steps]
+    panels = {name: lines if isinstance(lines, dict) else {"": lines} for name, lines in series.items()}
+    names = [name for name, lines in panels.items() if any(xs for xs, _ in lines.values())]
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 2.6 * max(1, len(names))), squeeze=False)
     for ax, name in zip(axes[:, 0], names):
-        steps, values = series[name]
-        ax.plot(steps, values, marker="o" if len(steps) < 40 else None, markersize=3)
+        for label, (xs, values) in panels[name].items():
+            ax.plot(xs, values, marker="o" if len(xs) < 40 else None, markersize=3, label=label or None)
+        if len(panels[name]) > 1:
+            ax.legend()
         ax.set_ylabel(name)
+        ax.set_xlabel((xlabels or {}).get(name, "step"))
         ax.grid(alpha=0.3)
-    axes[-1, 0].set_xlabel("step")
     if title:
         fig.suptitle(title)
     fig.tight_layout()

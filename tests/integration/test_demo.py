@@ -41,6 +41,18 @@ def test_short_demo_writes_run_directory_plot_and_summary(ray_session, tmp_path)
     assert "control: SFT continued for GRPO's" in result.stdout
     assert summary["sft_control_train_s"] >= summary["grpo_train_s"] > 0
     assert summary["sft_control_steps"] > 0 and 0.0 <= summary["sft_control_accuracy"] <= 1.0
+    # The plot's after-SFT panel: GRPO's and the control's validation accuracy against training seconds.
+    grpo_curve, control_curve = summary["grpo_accuracy_by_time"], summary["sft_control_accuracy_by_time"]
+    assert grpo_curve[0] == [0.0, summary["grpo_start_accuracy"]] and len(grpo_curve) == 3  # val at 0, 1, 2
+    assert (
+        grpo_curve[-1][0] == pytest.approx(summary["grpo_train_s"])
+        and grpo_curve[-1][1] == summary["grpo_accuracy"]
+    )
+    assert control_curve[0][0] == 0.0 and control_curve[-1] == [
+        summary["sft_control_train_s"],
+        summary["sft_control_accuracy"],
+    ]
+    assert [t for t, _ in control_curve] == sorted(t for t, _ in control_curve) and len(control_curve) >= 2
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for stage in ("sft", "grpo", "sft_control"):
         assert (out / stage / "config.yaml").exists() and (out / stage / "metrics.jsonl").exists()
