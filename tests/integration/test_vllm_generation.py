@@ -312,3 +312,71 @@ def test_vllm_one_seed_per_batch_samples_each_request_independently(vllm_generat
     assert len(samples) > 8
     assert unpadded_outputs(first) == unpadded_outputs(again)
     torch.testing.assert_close(first["logprobs"], again["logprobs"], rtol=0, atol=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_an_agent_trains_on_the_tokens_vllm_sampled(vllm_generation, tokenizer):
+    """The agent environment's endpoint batches episodes into the vLLM workers: each assistant turn of the
+    trajectory holds ids the endpoint returned, and the trajectory starts with the second call's prompt."""
+    from agents_for_tests import SEEN, two_turns
+
+    from posttrain.environments.agent import AgentTask
+    from posttrain.experience.agent_rollouts import run_agent_rollout
+    from posttrain.experience.rollouts import flat_token_ids, records_to_rollout_batch
+
+    records = [
+        {
+            "message_log": [{"role": "user", "content": f"{i}+1=", "token_ids": torch.tensor([1])}],
+            "extra_env_info": {"ground_truth": str(i + 1)},
+            "task_name": "t",
+            "idx": i,
+        }
+        for i in range(3)
+    ]
+    SEEN.clear()
+    batch = records_to_rollout_batch(records, 2)
+    task = AgentTask("t", two_turns, 120.0)
+    rollouts, metrics = run_agent_rollout(
+        vllm_generation, batch, tokenizer, {"t": task}, max_seq_len=512, seed=7
+    )
+    assert rollouts["num_turns"].tolist() == [2] * 6 and metrics["env/failed_episodes"] == 0.0
+    for log in rollouts["message_log"]:
+        calls = {tuple(c["token_ids"]): c for c in SEEN[log[0]["content"]]}  # both episodes of the prompt
+        replies = [tuple(m["token_ids"].tolist()) for m in log if m["role"] == "assistant"]
+        assert len(replies) == 2 and all(reply in calls for reply in replies)
+        second_prompt = calls[replies[1]]["prompt_token_ids"]
+        assert flat_token_ids(log)[: len(second_prompt)].tolist() == second_prompt
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed")
+def test_posttrain_serve_on_vllm_answers_the_openai_client(model_dir, prompts, tokenizer):
+    """`posttrain serve --backend vllm` in its own process: a greedy text completion from the `openai` client
+    is the reference greedy decode of the same prompt."""
+    import os
+    import subprocess
+    import sys
+
+    import openai
+
+    command = [sys.executable, "-m", "posttrain.cli", "serve", "--backend", "vllm", "--model", str(model_dir)]
+    command += ["--port", "0", "--vllm-memory", "0.1"]
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        line = ""
+        while not line.startswith("serving ") and server.poll() is None:  # vLLM logs to stdout first
+            line = server.stdout.readline()
+        assert " at http://127.0.0.1:" in line, f"the server stopped ({server.returncode})"
+        client = openai.OpenAI(base_url=line.split(" at ")[1].split()[0], api_key="unused", max_retries=0)
+        prompt_ids = prompts["input_ids"][2, : int(prompts["input_lengths"][2])].tolist()
+        response = client.completions.create(
+            model="served", prompt=prompt_ids, temperature=0, max_tokens=MAX_NEW_TOKENS
+        )
+        expected = reference_greedy(load_model(model_dir), prompt_ids, tokenizer.eos_token_id)
+        assert response.choices[0].model_extra["token_ids"] == expected[len(prompt_ids) :]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)

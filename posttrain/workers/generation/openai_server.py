@@ -4,7 +4,8 @@ concurrent requests, bad JSON answered with a 4xx). Concurrent requests are batc
 `batch_wait_s` for others with the same sampling settings, and each batch is one `generate` call. Every
 choice carries the token ids it was sampled as (`token_ids`, with `prompt_token_ids` on the response) and
 each token's logprob, so a trainer never has to re-tokenize text. `posttrain serve --model DIR` runs it on
-a model directory (a checkpoint's export or any Hugging Face model) with the Hugging Face backend in-process.
+a model directory (a checkpoint's export or any Hugging Face model) with the Hugging Face or vLLM backend
+in-process.
 
 Served: messages (the model's chat template; `tools` passed to it and Hermes `<tool_call>` replies returned
 as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed.
@@ -379,16 +380,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
     parser.add_argument("--token-env", default="POSTTRAIN_SERVE_TOKEN", help="variable holding the API key")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request sets none")
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend")
+    parser.add_argument(
+        "--vllm-memory", type=float, default=0.5, help="vLLM's share of GPU memory (of CPU memory on a CPU)"
+    )
     add_limit_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:
-    from posttrain.workers.generation.hf_worker import HFGenerationWorker
-
     limits = ServerLimits(
         args.max_body_bytes, args.max_episodes, args.episode_ttl_s, args.socket_timeout_s, args.max_workers
     )
-    worker = HFGenerationWorker(GenerationConfig(backend="hf", top_k=None), args.model)
+    cfg = GenerationConfig(backend=args.backend, top_k=None, vllm_gpu_memory_utilization=args.vllm_memory)
+    if args.backend == "vllm":
+        from posttrain.workers.generation.vllm_worker import VllmGenerationWorker as Worker
+    else:
+        from posttrain.workers.generation.hf_worker import HFGenerationWorker as Worker
+    worker = Worker(cfg, args.model)
     batcher = Batcher(worker, worker.pad_id)
     token = server_token(args.host, args.token_env)
     server = CompletionServer(
