@@ -125,7 +125,7 @@ def sft_config(cfg: DemoConfig, out: Path, model_dir: Path, control: bool = Fals
             max_num_epochs=100,
             max_num_steps=10**6 if control else cfg.sft_max_steps,
             val_period=cfg.sft_check_every,
-            val_max_samples=256,
+            max_val_samples=256,
         ),
         policy=policy,
         data=data_config(cfg, "prompt_response", cfg.sft_num_train),

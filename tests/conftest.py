@@ -65,7 +65,7 @@ SFT_OVERRIDES = (
     "policy.model.from_config.intermediate_size=256",
     "policy.optimizer.kwargs.lr=3e-3",
     f"sft.max_num_steps={FINAL_SFT_STEPS}",
-    "sft.val_max_samples=64",
+    "sft.max_val_samples=64",
     "sft.export_final_model=false",
     # Half a CPU each: one torch thread per worker (OMP_NUM_THREADS=1), so the float reductions, and
     # with them the model, do not depend on the machine's core count or on what else runs.

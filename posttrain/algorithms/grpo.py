@@ -70,7 +70,7 @@ from posttrain.distributed.shared_weights import shared_memory_supported
 from posttrain.distributed.virtual_cluster import RayVirtualCluster
 from posttrain.environments import EnvironmentPool, create_environments, tool_prompts
 from posttrain.environments.registry import check_record_tasks
-from posttrain.evals.graders import resolve_grader, reward_hacking_warning
+from posttrain.evals.graders import reward_hacking_warning
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import load_tokenizer
 from posttrain.models.vlm import processor_for
@@ -347,12 +347,8 @@ def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, f
             run.envs,
             cfg.max_seq_len,
             cfg.max_rollout_turns,
-            num_generations=cfg.val_num_generations,
-            greedy=cfg.val_greedy,
-            k=cfg.val_pass_k,
+            settings=cfg.validation,
             seed=cfg.seed,
-            grader=resolve_grader(cfg.val_grader),
-            pass_threshold=cfg.val_pass_threshold,
         )
     warning = reward_hacking_warning(result.metrics, result.samples, cfg.val_max_reward_gap)
     if warning:

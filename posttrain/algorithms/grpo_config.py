@@ -4,7 +4,7 @@ checks that span sections, run when the config loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar, Literal
 
 from posttrain.algorithms.checks import check_loop_lengths, check_parallelism, missing_model_files
 from posttrain.algorithms.critic import CriticConfig
@@ -18,6 +18,7 @@ from posttrain.environments import EnvironmentConfig
 from posttrain.environments.registry import environment_file_problems, match_task_to_environments
 from posttrain.environments.tool_env import ToolEnvironmentConfig
 from posttrain.evals.graders import grader_problems
+from posttrain.evals.validate import SamplingSettings
 from posttrain.workers.generation import GenerationConfig
 from posttrain.workers.policy import PolicyConfig
 from posttrain.workers.policy.config import policy_with_lr
@@ -76,6 +77,14 @@ class RewardScalingConfig:
 class GRPOLoopConfig:
     """The GRPO loop's own knobs."""
 
+    RENAMED: ClassVar[dict[str, str]] = {
+        "val_num_generations": "validation.num_tests_per_prompt",
+        "val_pass_k": "validation.k_value",
+        "val_greedy": "validation.greedy",
+        "val_pass_threshold": "validation.pass_threshold",
+        "val_grader": "validation.grader",
+    }
+
     num_prompts_per_step: int = 32
     """prompts per step"""
     num_generations_per_prompt: int = 8
@@ -114,18 +123,8 @@ class GRPOLoopConfig:
     """validate before the first step"""
     max_val_samples: int = 256
     """validation prompts used"""
-    val_num_generations: int = 1
-    """samples per validation prompt"""
-    val_greedy: bool = True
-    """greedy validation (needs val_num_generations 1)"""
-    val_pass_k: int = 1
-    """k of the reported validation pass@k"""
-    val_pass_threshold: float = 1.0
-    """a validation sample counts as solved in pass@k when its reward is >= this (1.0: partial credit is
-    not a pass)"""
-    val_grader: str | None = "final_number"
-    """strict grade of validation replies beside the reward ('final_number': the reply's last number equals
-    a numeric ground truth; file.py:function or module:function; null: none)"""
+    validation: SamplingSettings = field(default_factory=SamplingSettings)
+    """how validation prompts are sampled and graded (the keys of `posttrain eval`'s section)"""
     val_max_reward_gap: float = 0.1
     """warn when val reward exceeds the strict grade by more than this"""
     early_stop_val_accuracy: float | None = None
@@ -144,14 +143,6 @@ class GRPOLoopConfig:
                 "use_leave_one_out_baseline",
                 f"is an option of advantage_estimator 'grpo', not {self.advantage_estimator!r}",
             )
-        if self.val_greedy and self.val_num_generations > 1:
-            raise ConfigError(
-                "val_greedy",
-                f"greedy decoding gives val_num_generations={self.val_num_generations} identical samples; "
-                "set val_greedy=false to sample, or val_num_generations=1",
-            )
-        if self.val_pass_k > self.val_num_generations:
-            raise ConfigError("val_pass_k", f"{self.val_pass_k} needs val_num_generations >= it")
 
 
 @dataclass
@@ -277,7 +268,7 @@ class GRPOConfig(TrainingConfig):
             super().missing_files()
             + (missing_model_files(section, model) if model is not None else [])
             + environment_file_problems(self.env)
-            + grader_problems("grpo.val_grader", self.grpo.val_grader)
+            + grader_problems("grpo.validation.grader", self.grpo.validation.grader)
         )
 
 

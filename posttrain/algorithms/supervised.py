@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Generic
+from typing import ClassVar, Generic
 
 from transformers import PreTrainedTokenizerBase
 
@@ -44,22 +44,24 @@ from posttrain.workers.policy import Policy, PolicyConfig
 class LoopConfig:
     """The loop knobs of a supervised algorithm (the `sft`, `dpo` and `rm` sections)."""
 
+    RENAMED: ClassVar[dict[str, str]] = {"val_max_samples": "max_val_samples"}
+
     max_num_epochs: int = 1
     """passes over the training set (when max_num_steps is null)"""
     max_num_steps: int | None = None
     """optimizer steps; wins over max_num_epochs, the data loops as needed (null: epochs)"""
     val_period: int = 25
-    """validation every this many steps (and at the end)"""
+    """validate every this many steps and after the last (0: never)"""
     val_global_batch_size: int = 64
     """validation examples (conversations, or pairs for dpo/rm) per batch"""
-    val_max_samples: int | None = 256
+    max_val_samples: int | None = 256
     """validation examples used (None: all)"""
     export_final_model: bool = True
     """write <log_dir>/hf_model at the end"""
 
     def validate(self) -> None:
-        if self.val_period < 1:
-            raise ConfigError("val_period", f"must be >= 1, got {self.val_period}")
+        if self.val_period < 0:
+            raise ConfigError("val_period", f"must be >= 0 (0: never), got {self.val_period}")
         check_loop_lengths(self)
 
 
@@ -144,7 +146,7 @@ def setup_run(
             total_steps,
             teacher=teacher_policy,
         )
-        val_records = val_records[: loop.val_max_samples] if loop.val_max_samples else val_records
+        val_records = val_records[: loop.max_val_samples] if loop.max_val_samples else val_records
         run.val_data = val_batches(run, val_records)
         restored = restore_run(run.checkpoints, {"policy": policy}, loader)
         run.step = int(restored["step"]) if restored is not None else 0
@@ -185,7 +187,8 @@ def train(
             log_step(run.logger, run.policy, metrics, timer, run.step)
             info: dict[str, float] = {"step": run.step, "epoch": run.train_loader.epoch}
             step_val = None
-            if run.step % run.loop.val_period == 0 or run.step == last_step:
+            period = run.loop.val_period
+            if period and (run.step % period == 0 or run.step == last_step):
                 step_val = val_metrics = validate(run)
                 run.logger.log_metrics(val_metrics, run.step, prefix="val")
                 log_supervised_samples(

@@ -16,9 +16,9 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from posttrain.config.errors import MISSING_MARK, ConfigError, source_of
+from posttrain.config.errors import COMMAND_LINE, MISSING_MARK, ConfigError, source_of
 from posttrain.config.overrides import apply_overrides, parse_overrides
-from posttrain.config.schema import format_config_help, schema_defaults, validate_config
+from posttrain.config.schema import format_config_help, renamed_key, schema_defaults, validate_config
 from posttrain.config.tree import delete_key, drop_sources, iter_leaves, pop_override_marks, record_sources
 
 DEFAULTS_KEY = "defaults"
@@ -206,5 +206,9 @@ def load_typed_config(schema_cls: type[T], path: str | Path, overrides: Sequence
     file does not mention it, and a file's `optimizer.kwargs: {lr: ...}` keeps the other default keyword
     arguments, as the override `policy.optimizer.kwargs.lr=...` does (mappings holding sections, such as
     `env`, and lists are not filled in: a file's `env` replaces the default one)."""
+    for override in parse_overrides(overrides):
+        replacement = renamed_key(schema_cls, override.key)
+        if replacement is not None:
+            raise ConfigError(override.key, f"renamed: use {replacement}", COMMAND_LINE)
     loaded = load_config(path, overrides, defaults=lambda tree: schema_defaults(schema_cls, tree))
     return validate_config(schema_cls, loaded.cfg, loaded.sources)

@@ -108,6 +108,21 @@ def _schema_keys(schema_cls: type, prefix: str = "") -> list[str]:
     return keys
 
 
+def renamed_key(schema_cls: type, dotted: str) -> str | None:
+    """The replacement of the dotted key `dotted` where a section of the schema lists it as renamed (the
+    section's class attribute `RENAMED`: old name -> new name relative to the section), else None."""
+    section: type | None = schema_cls
+    parts = dotted.split(".")
+    for depth, part in enumerate(parts):
+        renamed = getattr(section, "RENAMED", {})
+        if part in renamed:
+            return ".".join([*parts[:depth], renamed[part]])
+        section = dataclass_in(typing.get_type_hints(section).get(part))
+        if section is None:
+            return None
+    return None
+
+
 def dataclass_in(tp: Any) -> type | None:
     """The dataclass of a field typed `X` or `X | None`, else None."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
@@ -214,7 +229,10 @@ class _Checker:
             raise self.error(key, f"expected a mapping ({schema_cls.__name__}), got {describe_value(value)}")
         hints = typing.get_type_hints(schema_cls)
         fields = {item.name: item for item in dataclasses.fields(schema_cls) if item.init}
+        renamed = getattr(schema_cls, "RENAMED", {})  # old name -> its replacement, relative to the section
         for name in value:
+            if name in renamed:
+                raise self.error(join_key(key, str(name)), f"renamed: use {join_key(key, renamed[name])}")
             if name not in fields:
                 unknown = join_key(key, str(name))
                 suggestion = optimizer_key(key, str(name), fields) or closest(unknown, self.all_keys)

@@ -91,8 +91,8 @@ def _reply(sample: dict[str, Any]) -> str:
 
 
 def all_constraints_met(sample: dict[str, Any]) -> float | None:
-    """Strict grade (`grpo.val_grader`, `eval.grader`): 1.0 when the reply meets all four constraints its
-    prompt asks for; None for a prompt of another task."""
+    """Strict grade (`grpo.validation.grader`, `eval.grader`): 1.0 when the reply meets all four constraints
+    its prompt asks for; None for a prompt of another task."""
     parsed = parse_prompt(sample["prompt"])
     return None if parsed is None else float(all(constraints_met(_reply(sample), parsed[0])))
 

@@ -12,7 +12,7 @@ score. The reward is the score on the judge's own final line (`parse_score`), sc
 without a score in range, a reply that is not text, and a judge that could not be reached score 0, that
 sample alone, and are counted in `num_errors` and by kind in `counts` (the first few logged with the
 judge's words). A reply can still persuade the judge: keep a strict grader on validation
-(`grpo.val_grader`) wherever the task has a checkable answer."""
+(`grpo.validation.grader`) wherever the task has a checkable answer."""
 
 from __future__ import annotations
 

@@ -40,8 +40,8 @@ _REGISTERED: dict[str, Grader] = {}
 
 
 def register_grader(function: Grader, name: str | None = None) -> str:
-    """Make `function` available as `grpo.val_grader` / `eval.grader: <name>` (default: its `__name__`);
-    returns the name. Graders run on the driver, so no actor needs to import it."""
+    """Make `function` available as `grpo.validation.grader` / `eval.grader: <name>` (default: its
+    `__name__`); returns the name. Graders run on the driver, so no actor needs to import it."""
     if not callable(function):
         raise TypeError(f"register_grader: {function!r} is not a function")
     name = name or function.__name__

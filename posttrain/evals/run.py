@@ -30,9 +30,9 @@ from posttrain.environments.registry import (
     environment_file_problems,
     match_task_to_environments,
 )
-from posttrain.evals.graders import grader_problems, resolve_grader, summarize_strict_grades
+from posttrain.evals.graders import grader_problems, summarize_strict_grades
 from posttrain.evals.metrics import eval_cons_k, eval_pass_k
-from posttrain.evals.validate import ValidationResult, run_validation
+from posttrain.evals.validate import SamplingSettings, ValidationResult, run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir, load_tokenizer
 from posttrain.models.vlm import processor_for
 from posttrain.utils.logger import Logger, LoggerConfig
@@ -43,20 +43,12 @@ from posttrain.workers.policy.on_disk import find_policy_checkpoint, hf_model_di
 
 # ------------------------------------------------------------------------------------------------ config
 @dataclass
-class EvalSettings:
-    """What is measured and where the results go (section `eval`)."""
+class EvalSettings(SamplingSettings):
+    """What is measured and where the results go (section `eval`): the sampling and grading of GRPO's
+    validation (`SamplingSettings`), and the evaluation's own keys."""
 
     metric: Literal["pass@k", "cons@k"] = "pass@k"
     """pass@k (unbiased estimator) or cons@k (majority vote over k samples)"""
-    k_value: int = 1
-    """k of pass@k / cons@k (>= 1, <= num_tests_per_prompt)"""
-    num_tests_per_prompt: int = 1
-    """n: samples generated per prompt"""
-    pass_threshold: float = 1.0
-    """a sample counts as solved in pass@k / cons@k when its reward is >= this (1.0: partial credit is not
-    a pass)"""
-    greedy: bool = True
-    """argmax decoding (needs num_tests_per_prompt 1); false: sample"""
     seed: int = 42
     """seed of the sampling (and of cons@k's subset draws)"""
     save_path: str = ""
@@ -72,24 +64,9 @@ class EvalSettings:
     """most tokens of a conversation; longer is truncated"""
     max_rollout_turns: int = 1
     """turns per episode (1: single-turn)"""
-    grader: str | None = "final_number"
-    """strict grade reported beside the reward ('final_number': the reply's last number equals a numeric
-    ground truth; file.py:function or module:function; null: none)"""
 
     def validate(self) -> None:
-        if self.k_value < 1:
-            raise ConfigError("k_value", f"must be >= 1, got {self.k_value}")
-        if self.num_tests_per_prompt < self.k_value:
-            raise ConfigError(
-                "num_tests_per_prompt",
-                f"must be >= eval.k_value={self.k_value}, got {self.num_tests_per_prompt}",
-            )
-        if self.greedy and self.num_tests_per_prompt > 1:
-            raise ConfigError(
-                "greedy",
-                f"greedy decoding gives num_tests_per_prompt={self.num_tests_per_prompt} identical samples; "
-                "set eval.greedy=false to sample, or eval.num_tests_per_prompt=1",
-            )
+        super().validate()
         for name in ("max_samples", "batch_size", "max_seq_len", "max_rollout_turns"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -230,7 +207,6 @@ def roll_out(
     would, so the result does not depend on being split here."""
     parts: list[ValidationResult] = []
     starts = range(0, len(records), cfg.batch_size)
-    grader = resolve_grader(cfg.grader)
     with StepProgress("eval", len(starts)) as progress:
         for batch_index, start in enumerate(starts):
             part = run_validation(
@@ -240,12 +216,9 @@ def roll_out(
                 envs,
                 cfg.max_seq_len,
                 cfg.max_rollout_turns,
-                num_generations=cfg.num_tests_per_prompt,
-                greedy=cfg.greedy,
-                k=cfg.k_value,
+                settings=cfg,
                 batch_size=cfg.batch_size,
                 seed=cfg.seed + start,
-                grader=grader,
             )
             parts.append(part)
             num_correct = sum(float(p.rewards.sum()) for p in parts)

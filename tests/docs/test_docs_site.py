@@ -49,7 +49,7 @@ def site(tmp_path_factory) -> Path:
 
 def test_the_site_builds_without_a_warning_and_generates_its_reference_pages(site):
     config_page = (site / "generated" / "config" / "index.html").read_text()
-    for key in ("grpo.val_grader", "policy.train_global_batch_size", "checkpointing.checkpoint_dir"):
+    for key in ("grpo.validation.grader", "policy.train_global_batch_size", "checkpointing.checkpoint_dir"):
         assert key in config_page  # from the schema, never typed by hand
     benchmarks = (site / "generated" / "benchmarks" / "index.html").read_text()
     assert (

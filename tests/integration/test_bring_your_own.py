@@ -159,7 +159,7 @@ def test_max_num_steps_wins_over_epochs_on_a_dataset_of_fewer_batches(ray_sessio
         "cluster.num_cpus_per_worker": 0.5,
         "data.num_train": 40,
         "data.num_val": 16,
-        "sft.val_max_samples": 16,
+        "sft.max_val_samples": 16,
         "sft.max_num_epochs": 1,
         "sft.max_num_steps": 5,
         "sft.val_period": 5,

@@ -34,7 +34,7 @@ def overrides(log_dir: Path, **extra) -> list[str]:
         "policy.train_global_batch_size": 8,
         "policy.train_micro_batch_size": 8,
         "cluster.num_cpus_per_worker": 0.5,
-        "sft.val_max_samples": 8,
+        "sft.max_val_samples": 8,
         "sft.val_period": 100,
         "data.num_train": 64,
         "data.num_val": 8,

@@ -142,7 +142,7 @@ def run_long_sft(log_dir, **extra) -> dict[int, float]:
         "logger.log_dir": str(log_dir),
         "sft.max_num_steps": 2,
         "sft.val_period": 2,
-        "sft.val_max_samples": 8,
+        "sft.max_val_samples": 8,
         "sft.val_global_batch_size": 8,
         "sft.export_final_model": "false",
         "policy.train_global_batch_size": 4,

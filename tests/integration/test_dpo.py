@@ -26,7 +26,7 @@ def overrides(log_dir, model_dir, **extra):
         "cluster.num_cpus_per_worker": 0.5,
         "data.num_train": 2048,
         "data.num_val": 256,
-        "dpo.val_max_samples": 256,
+        "dpo.max_val_samples": 256,
         "dpo.max_num_steps": NUM_STEPS,
         "dpo.val_period": 20,
         "checkpointing.save_period": 20,

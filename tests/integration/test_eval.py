@@ -17,6 +17,7 @@ from posttrain.data import DataConfig
 from posttrain.distributed.virtual_cluster import ClusterConfig
 from posttrain.evals import eval_cons_k, eval_pass_k
 from posttrain.evals.run import EvalConfig, EvalModelConfig, EvalSettings, run_eval
+from posttrain.evals.validate import SamplingSettings
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.utils.checkpoint import CheckpointingConfig
 from posttrain.utils.logger import LoggerConfig
@@ -130,9 +131,7 @@ def grpo_run_dir(ray_session, tmp_path_factory) -> Path:
             val_period=1,
             val_at_start=True,
             max_val_samples=NUM_VAL,
-            val_num_generations=2,
-            val_greedy=False,
-            val_pass_k=2,
+            validation=SamplingSettings(num_tests_per_prompt=2, k_value=2, greedy=False),
             max_seq_len=MAX_SEQ_LEN,
             seed=VAL_SEED,
         ),

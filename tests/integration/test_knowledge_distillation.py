@@ -58,7 +58,7 @@ def run_kd(log_dir, teacher_dir, **extra) -> dict[int, dict]:
         "distillation.teacher.model_name": str(teacher_dir),
         "sft.max_num_steps": 60,
         "sft.val_period": 30,
-        "sft.val_max_samples": 128,
+        "sft.max_val_samples": 128,
         "sft.export_final_model": "false",
         "cluster.num_cpus_per_worker": 0.5,
         **extra,

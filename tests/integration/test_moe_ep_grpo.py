@@ -69,7 +69,7 @@ def test_sft_from_the_expert_parallel_config_learns_and_exports_every_expert(ray
         f"logger.log_dir={tmp_path}",
         "sft.max_num_steps=30",
         "sft.val_period=30",
-        "sft.val_max_samples=32",
+        "sft.max_val_samples=32",
         "policy.train_global_batch_size=32",
         "data.num_train=960",
         "data.num_val=32",

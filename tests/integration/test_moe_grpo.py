@@ -31,7 +31,7 @@ def sft_moe_model(log_dir: Path) -> Path:
         "policy.moe.load_balancing_coef=0.01",
         "policy.optimizer.kwargs.lr=3e-3",
         "sft.max_num_steps=600",
-        "sft.val_max_samples=64",
+        "sft.max_val_samples=64",
         "sft.export_final_model=false",
         "cluster.num_cpus_per_worker=0.5",
     ]

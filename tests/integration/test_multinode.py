@@ -180,7 +180,7 @@ def test_dpo_with_one_worker_per_node_equals_the_one_node_run(cluster, tmp_path)
             "policy.train_micro_batch_size": 8,
             "data.num_train": 64,
             "data.num_val": 16,
-            "dpo.val_max_samples": 16,
+            "dpo.max_val_samples": 16,
             "dpo.max_num_steps": 2,
             "dpo.val_period": 1000,
             "dpo.export_final_model": "false",

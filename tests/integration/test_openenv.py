@@ -130,7 +130,7 @@ def test_grpo_plays_the_shipped_guessing_game(ray_session, server_url, tmp_path)
             "data.max_length": 128,
             "grpo.max_num_steps": 2,
             "grpo.val_period": 0,
-            "grpo.val_grader": "null",
+            "grpo.validation.grader": "null",
             "checkpointing.enabled": "false",
         },
     )

@@ -182,7 +182,7 @@ def sft_losses(smollm2_dir, log_dir, workers: int) -> dict[int, float]:
                 "logger.tensorboard_enabled": "false",
                 "sft.max_num_steps": 1,
                 "sft.val_period": 100,
-                "sft.val_max_samples": 4,
+                "sft.max_val_samples": 4,
                 "sft.export_final_model": "false",
                 "policy.train_global_batch_size": 4,
                 "policy.train_micro_batch_size": 2,

@@ -30,7 +30,7 @@ def overrides(log_dir, model_dir, **extra):
         "cluster.num_cpus_per_worker": 0.5,
         "data.num_train": 6400,
         "data.num_val": 256,
-        "rm.val_max_samples": 256,
+        "rm.max_val_samples": 256,
         "rm.max_num_steps": NUM_STEPS,
         "rm.val_period": 60,
         "checkpointing.enabled": "false",

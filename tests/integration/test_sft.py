@@ -33,7 +33,7 @@ def tiny_overrides(log_dir, **extra):
         "policy.train_global_batch_size": 16,
         "policy.train_micro_batch_size": 8,
         "cluster.num_cpus_per_worker": 0.5,
-        "sft.val_max_samples": 32,
+        "sft.max_val_samples": 32,
         "data.num_train": 400,
         "data.num_val": 32,
     }

@@ -76,6 +76,58 @@ def test_val_global_batch_size_below_one_is_an_error(value):
     assert message == f"dpo.val_global_batch_size: must be >= 1, got {value} (from command line)"
 
 
+def test_renamed_keys_answer_with_their_replacement(tmp_path):
+    """From the command line and from a file, in GRPO's section and the supervised loops' sections."""
+    grpo_tiny = str(CONFIGS / "grpo_tiny.yaml")
+    for old, new in (
+        ("val_num_generations", "num_tests_per_prompt"),
+        ("val_pass_k", "k_value"),
+        ("val_greedy", "greedy"),
+        ("val_pass_threshold", "pass_threshold"),
+        ("val_grader", "grader"),
+    ):
+        assert config_error(grpo.GRPOConfig, grpo_tiny, f"grpo.{old}=1") == (
+            f"grpo.{old}: renamed: use grpo.validation.{new} (from command line)"
+        )
+    assert config_error(sft.SFTConfig, SFT_TINY, "sft.val_max_samples=8") == (
+        "sft.val_max_samples: renamed: use sft.max_val_samples (from command line)"
+    )
+    path = tmp_path / "old.yaml"
+    path.write_text(f"defaults: {CONFIGS / 'dpo_tiny.yaml'}\ndpo:\n  val_max_samples: 8\n")
+    assert config_error(dpo.DPOConfig, str(path)) == (
+        f"dpo.val_max_samples: renamed: use dpo.max_val_samples (from {path})"
+    )
+
+
+def test_grpo_validation_and_eval_share_one_sampling_rule():
+    """The same keys, defaults and messages in `grpo.validation` and `eval`; val_period 0 (never) is valid
+    in every loop."""
+    from posttrain.evals.run import EvalConfig
+
+    grpo_tiny, eval_tiny = str(CONFIGS / "grpo_tiny.yaml"), str(CONFIGS / "eval_tiny.yaml")
+    message = (
+        "greedy decoding gives num_tests_per_prompt=4 identical samples; set greedy=false to sample, or "
+    )
+    message += "num_tests_per_prompt=1"
+    assert config_error(grpo.GRPOConfig, grpo_tiny, "grpo.validation.num_tests_per_prompt=4") == (
+        f"grpo.validation.greedy: {message}"
+    )
+    assert (
+        config_error(EvalConfig, eval_tiny, "eval.greedy=true", "eval.k_value=1")
+        == f"eval.greedy: {message} (from command line)"
+    )
+    for section, schema, path in (
+        ("grpo.validation", grpo.GRPOConfig, grpo_tiny),
+        ("eval", EvalConfig, eval_tiny),
+    ):
+        n = f"{section}.num_tests_per_prompt=2"
+        assert config_error(schema, path, f"{section}.k_value=3", f"{section}.greedy=false", n) == (
+            f"{section}.num_tests_per_prompt: must be >= k_value=3, got 2 (from command line)"
+        )
+    assert sft_config("sft.val_period=0").sft.val_period == 0
+    assert "must be >= 0 (0: never), got -1" in config_error(sft.SFTConfig, SFT_TINY, "sft.val_period=-1")
+
+
 # -- cluster -------------------------------------------------------------------------------------------
 
 

@@ -93,7 +93,7 @@ def test_check_config_names_each_missing_file_on_one_line(capsys, tmp_path):
         f"policy.model_name={tmp_path / 'no_model'}",
         "data.dataset=no_such_questions.jsonl",
         f"+env.arithmetic.reward={tmp_path / 'no_rewards.py'}:score",
-        f"grpo.val_grader={tmp_path / 'no_graders.py'}:grade",
+        f"grpo.validation.grader={tmp_path / 'no_graders.py'}:grade",
     )
     assert len(lines) == 4
     for key, words in (
@@ -103,7 +103,7 @@ def test_check_config_names_each_missing_file_on_one_line(capsys, tmp_path):
             f"no_such_questions.jsonl does not exist (looked for {REPO}/no_such_questions.jsonl)",
         ),
         ("env.arithmetic.reward", "no_rewards.py"),
-        ("grpo.val_grader", "no_graders.py"),
+        ("grpo.validation.grader", "no_graders.py"),
     ):
         assert any(f": {key}: " in line and words in line for line in lines), (key, lines)
     assert (
