@@ -15,7 +15,11 @@ from posttrain.algorithms.run import TrainingConfig
 from posttrain.algorithms.teacher import TeacherConfig
 from posttrain.config import ConfigError
 from posttrain.environments import EnvironmentConfig
-from posttrain.environments.registry import environment_file_problems, match_task_to_environments
+from posttrain.environments.registry import (
+    default_task_name,
+    environment_file_problems,
+    match_task_to_environments,
+)
 from posttrain.environments.tool_env import ToolEnvironmentConfig
 from posttrain.evals.graders import grader_problems
 from posttrain.evals.validate import SamplingSettings
@@ -163,6 +167,9 @@ class GRPOConfig(TrainingConfig):
     """rollout sampling"""
     env: dict[str, EnvironmentConfig] = field(default_factory=lambda: {"arithmetic": EnvironmentConfig()})
     """task name -> environment"""
+
+    def __post_init__(self) -> None:
+        default_task_name(self.data, self.env)
 
     def validate(self) -> None:
         check_parallelism(self.policy, self.cluster)

@@ -137,14 +137,16 @@ def tool_prompts(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, ToolPrompt
     return prompts
 
 
-def match_task_to_environments(data_cfg: DataConfig, env_cfgs: dict[str, EnvironmentConfig]) -> None:
+def default_task_name(data_cfg: DataConfig, env_cfgs: dict[str, EnvironmentConfig]) -> None:
     """Rows without a task column go to `data.task_name`; unset, it becomes the one task of `env` (so the
-    defaults agree). A `data.task_name` without an environment is a config error naming both keys."""
-    if data_cfg.task_name is None:
-        if len(env_cfgs) == 1:
-            data_cfg.task_name = next(iter(env_cfgs))
-        return
-    if data_cfg.task_name not in env_cfgs:
+    defaults agree). Run when a config is built (`__post_init__`), before its checks."""
+    if data_cfg.task_name is None and len(env_cfgs) == 1:
+        data_cfg.task_name = next(iter(env_cfgs))
+
+
+def match_task_to_environments(data_cfg: DataConfig, env_cfgs: dict[str, EnvironmentConfig]) -> None:
+    """A `data.task_name` without an environment is a config error naming both keys."""
+    if data_cfg.task_name is not None and data_cfg.task_name not in env_cfgs:
         task = data_cfg.task_name
         raise ConfigError(
             "data.task_name",

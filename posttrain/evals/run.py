@@ -27,6 +27,7 @@ from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualClust
 from posttrain.environments import EnvironmentConfig, create_environments, tool_prompts
 from posttrain.environments.registry import (
     check_record_tasks,
+    default_task_name,
     environment_file_problems,
     match_task_to_environments,
 )
@@ -107,6 +108,9 @@ class EvalConfig:
     """Ray cluster and placement"""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     """where the results are logged, as in training (log_dir None: eval.save_path)"""
+
+    def __post_init__(self) -> None:
+        default_task_name(self.data, self.env)
 
     def validate(self) -> None:
         match_task_to_environments(self.data, self.env)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.config import config_to_dict, validate_config
+from posttrain.config import ConfigError, config_to_dict, validate_config
 from posttrain.utils.metrics import as_number
 from posttrain.utils.sample_printer import SamplePrinter
 
@@ -96,9 +96,9 @@ class LoggerConfig:
     gpu_flush_interval: float | None = None
     """Alias of gpu_monitoring.flush_interval (a flat name some configs use)."""
 
-    def validate(self) -> None:
-        """Fold the flat GPU-monitoring aliases into `gpu_monitoring`; an alias that contradicts the nested
-        key raises, naming the nested key to keep."""
+    def __post_init__(self) -> None:
+        """Fold the flat GPU-monitoring aliases into `gpu_monitoring` when the config is built; an alias that
+        contradicts the nested key raises, naming the nested key to keep."""
         defaults = GPUMonitoringConfig()
         for alias, name in (
             ("gpu_collection_interval", "collection_interval"),
@@ -109,9 +109,9 @@ class LoggerConfig:
                 continue
             nested = getattr(self.gpu_monitoring, name)
             if nested != getattr(defaults, name) and nested != value:
-                raise ValueError(
-                    f"logger.{alias}={value} contradicts logger.gpu_monitoring.{name}={nested}; "
-                    f"set only logger.gpu_monitoring.{name}"
+                raise ConfigError(
+                    alias,
+                    f"{value} contradicts gpu_monitoring.{name}={nested}; set only gpu_monitoring.{name}",
                 )
             setattr(self.gpu_monitoring, name, float(value))
             setattr(self, alias, None)

@@ -170,3 +170,11 @@ def test_importing_the_configs_loads_neither_ray_nor_a_backend():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_architecture_docs_table_is_this_map():
+    """docs/architecture.md's module map lists exactly these packages, each in its layer."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architecture.md").read_text()
+    rows = [line.split("|") for line in text.splitlines() if line[:4] in {f"| {n} " for n in range(10)}]
+    documented = {f"posttrain.{name.strip(' `')}": int(row[1]) for row in rows for name in row[2].split(",")}
+    assert documented == {name: layer for name, layer in LAYERS.items() if name != "posttrain"}

@@ -89,7 +89,7 @@ def test_gpu_monitoring_example_config_and_flat_interval_names():
     )
     assert (flat.gpu_monitoring.collection_interval, flat.gpu_monitoring.flush_interval) == (3.0, 6.0)
     assert flat.gpu_collection_interval is None  # folded: one place holds the value
-    with pytest.raises(ValueError, match=r"set only logger\.gpu_monitoring\.flush_interval"):
+    with pytest.raises(ValueError, match=r"gpu_flush_interval: .*set only gpu_monitoring\.flush_interval"):
         validate_config(LoggerConfig, {"gpu_flush_interval": 6, "gpu_monitoring": {"flush_interval": 2}})
 
 
