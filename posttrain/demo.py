@@ -29,20 +29,14 @@ from typing import Any
 import ray
 
 from posttrain.algorithms import grpo, sft
-from posttrain.algorithms.grpo_async import AsyncGRPOConfig
-from posttrain.algorithms.loss import ClippedPGLossConfig
-from posttrain.algorithms.supervised import LoopConfig
-from posttrain.config import COMMAND_LINE, parse_overrides, validate_config
-from posttrain.data import DataConfig, load_datasets
+from posttrain.config import COMMAND_LINE, load_typed_config, parse_overrides, validate_config
+from posttrain.data import load_datasets
 from posttrain.distributed.virtual_cluster import join_ray, start_local_ray
 from posttrain.environments import EnvironmentConfig, create_environments
 from posttrain.evals.validate import run_validation
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.utils.checkpoint import CheckpointingConfig
-from posttrain.utils.logger import LoggerConfig
 from posttrain.utils.plot import metric_series, plot_curves, read_metrics
 from posttrain.workers.generation import GenerationConfig, make_generation
-from posttrain.workers.policy.config import OptimizerConfig, PolicyConfig, SchedulerConfig
 
 
 @dataclass
@@ -93,89 +87,78 @@ TINY_MODEL = ModelFromConfig(
 )
 
 
-def data_config(cfg: DemoConfig, fmt: str, num_train: int = 8000) -> DataConfig:
-    return DataConfig(
-        dataset="arithmetic",
-        format=fmt,
-        num_digits=cfg.num_digits,
-        num_train=num_train,
-        num_val=cfg.num_val,
-        max_length=32,
-        seed=cfg.seed,
-    )
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def load_stage_config(schema: type, stage: str, values: dict[str, Any]) -> Any:
+    """`configs/demo_<stage>.yaml` with `values` set over it, loaded and validated like any run's config."""
+    path = CONFIGS / f"demo_{stage}.yaml"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: posttrain demo reads its stage configs from a clone")
+    overrides = [
+        f"{key}={json.dumps(value) if not isinstance(value, (str, Path)) else value}"
+        for key, value in values.items()
+    ]
+    return load_typed_config(schema, path, overrides)
+
+
+def data_values(cfg: DemoConfig) -> dict[str, Any]:
+    return {"data.num_digits": cfg.num_digits, "data.num_val": cfg.num_val, "data.seed": cfg.seed}
 
 
 def sft_config(cfg: DemoConfig, out: Path, model_dir: Path, control: bool = False) -> sft.SFTConfig:
     """The SFT stage's config; `control`: the control's, from the SFT model (no warm-up, no step cap)."""
-    policy = PolicyConfig(
-        model_name=str(model_dir),
-        train_global_batch_size=64,
-        train_micro_batch_size=64,
-        logprob_batch_size=128,
-        optimizer=OptimizerConfig(kwargs={"lr": cfg.sft_lr, "weight_decay": 0.0, "betas": [0.9, 0.98]}),
-        scheduler=[
-            SchedulerConfig("LinearLR", {"start_factor": 1.0 if control else 0.05, "total_iters": 20}),
-            SchedulerConfig("ConstantLR", {"factor": 1.0, "total_iters": 1}),
-        ],
-        scheduler_milestones=[20],
-        seed=cfg.seed,
-    )
-    return sft.SFTConfig(
-        sft=LoopConfig(
-            max_num_epochs=100,
-            max_num_steps=10**6 if control else cfg.sft_max_steps,
-            val_period=cfg.sft_check_every,
-            max_val_samples=256,
-        ),
-        policy=policy,
-        data=data_config(cfg, "prompt_response", cfg.sft_num_train),
-        logger=LoggerConfig(log_dir=str(out)),
-        checkpointing=CheckpointingConfig(save_period=10**9, keep_top_k=1),
-    )
+    values = {
+        "policy.model_name": model_dir,
+        "logger.log_dir": out,
+        "sft.max_num_steps": 10**6 if control else cfg.sft_max_steps,
+        "sft.val_period": cfg.sft_check_every,
+        "policy.optimizer.kwargs.lr": cfg.sft_lr,
+        "policy.seed": cfg.seed,
+        "data.num_train": cfg.sft_num_train,
+        **data_values(cfg),
+    }
+    if control:
+        values["policy.scheduler.0.kwargs.start_factor"] = 1.0
+    return load_stage_config(sft.SFTConfig, "sft", values)
 
 
 def grpo_config(cfg: DemoConfig, out: Path, model_dir: Path) -> grpo.GRPOConfig:
+    """The GRPO stage's config. Async: generation on a worker of its own, stale samples weighted by the
+    truncated importance-sampling ratio."""
     num_samples = cfg.num_prompts_per_step * cfg.num_generations_per_prompt
-    policy = PolicyConfig(
-        model_name=str(model_dir),
-        train_global_batch_size=num_samples,
-        train_micro_batch_size=num_samples,
-        logprob_batch_size=num_samples,
-        optimizer=OptimizerConfig(kwargs={"lr": cfg.grpo_lr, "betas": [0.9, 0.98]}),
-        seed=cfg.seed,
-    )
-    # Async: generation on a worker of its own; stale data weighted by the truncated IS ratio.
-    async_grpo = AsyncGRPOConfig(enabled=cfg.grpo_async, max_trajectory_age_steps=cfg.grpo_max_trajectory_age)
-    return grpo.GRPOConfig(
-        grpo=grpo.GRPOLoopConfig(
-            num_prompts_per_step=cfg.num_prompts_per_step,
-            num_generations_per_prompt=cfg.num_generations_per_prompt,
-            max_num_steps=cfg.grpo_steps,
-            max_seq_len=32,
-            val_period=cfg.grpo_val_period,
-            val_at_start=False,
-            max_val_samples=cfg.num_val,
-            seed=cfg.seed,
-            async_grpo=async_grpo,
-        ),
-        loss=ClippedPGLossConfig(
-            use_importance_sampling_correction=cfg.grpo_async,
-            truncated_importance_sampling_ratio=2.0 if cfg.grpo_async else None,
-        ),
-        policy=policy,
-        generation=GenerationConfig(max_new_tokens=8, seed=cfg.seed, colocated=not cfg.grpo_async),
-        data=data_config(cfg, "rl"),
-        env={"arithmetic": EnvironmentConfig(cls="exact_match")},
-        logger=LoggerConfig(log_dir=str(out / "grpo"), num_val_samples_to_print=4),
-        checkpointing=CheckpointingConfig(save_period=50, keep_top_k=2),
-    )
+    values = {
+        "policy.model_name": model_dir,
+        "logger.log_dir": out / "grpo",
+        "grpo.num_prompts_per_step": cfg.num_prompts_per_step,
+        "grpo.num_generations_per_prompt": cfg.num_generations_per_prompt,
+        "grpo.max_num_steps": cfg.grpo_steps,
+        "grpo.val_period": cfg.grpo_val_period,
+        "grpo.max_val_samples": cfg.num_val,
+        "grpo.seed": cfg.seed,
+        "grpo.async_grpo.enabled": cfg.grpo_async,
+        "grpo.async_grpo.max_trajectory_age_steps": cfg.grpo_max_trajectory_age,
+        "loss.use_importance_sampling_correction": cfg.grpo_async,
+        "loss.truncated_importance_sampling_ratio": 2.0 if cfg.grpo_async else None,
+        "policy.train_global_batch_size": num_samples,
+        "policy.train_micro_batch_size": num_samples,
+        "policy.logprob_batch_size": num_samples,
+        "policy.optimizer.kwargs.lr": cfg.grpo_lr,
+        "policy.seed": cfg.seed,
+        "generation.seed": cfg.seed,
+        "generation.colocated": not cfg.grpo_async,
+        **data_values(cfg),
+    }
+    return load_stage_config(grpo.GRPOConfig, "grpo", values)
 
 
 class AccuracyProbe:
     """Greedy validation accuracy of a policy's current weights (a colocated HF generation worker)."""
 
     def __init__(self, run: sft.SFTRun, cfg: DemoConfig):
-        _, self.val_records, _ = load_datasets(data_config(cfg, "rl"), run.tokenizer)
+        _, self.val_records, _ = load_datasets(
+            grpo_config(cfg, Path("unused"), Path("unused")).data, run.tokenizer
+        )
         self.generation = make_generation(
             run.cluster, GenerationConfig(max_new_tokens=8), run.cfg.policy.model_name
         )
