@@ -23,12 +23,12 @@ class AgentTask:
 
     task: str
     fn: Callable[..., Any]
-    timeout_s: float
+    timeout_s: float | None  # None: `fn` keeps its own time (a command's starts with its process)
 
     @classmethod
     def load(cls, task: str, cfg: Any) -> AgentTask:
         if cfg.agent_command is not None:
-            return cls(task, command_agent(list(cfg.agent_command)), cfg.agent_timeout_s)
+            return cls(task, command_agent(list(cfg.agent_command), cfg.agent_timeout_s), None)
         fn = import_attribute(cfg.agent, kind="agent")
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"env.{task}.agent: {cfg.agent} must be an async function (client, row) -> float")
@@ -38,22 +38,32 @@ class AgentTask:
         """Nothing runs between rollouts."""
 
 
-def command_agent(argv: list[str]) -> Callable[..., Any]:
+def command_agent(argv: list[str], timeout_s: float) -> Callable[..., Any]:
     """The agent function of a command: each episode runs `argv` with OPENAI_BASE_URL (the episode's
     endpoint) and OPENAI_API_KEY set, writes the row as JSON to its stdin and reads the reward from the last
-    line it prints. A non-zero exit or a last line that is not a number raises (the episode fails, with the
-    end of its stderr); a timed-out episode's process is killed."""
+    line it prints. At most twice the machine's CPU count of processes run at once (the others wait their
+    turn; `timeout_s` counts from a process's start, and a process past it is killed). A non-zero exit, a
+    timeout or a last line that is not a number raises: the episode fails, with the end of its stderr."""
+    limit: list[Any] = [None, None]  # the event loop of this batch of episodes and its semaphore
 
     async def run(client: Any, row: dict[str, Any]) -> float:
+        if limit[0] is not asyncio.get_running_loop():
+            limit[:] = [asyncio.get_running_loop(), asyncio.Semaphore(2 * (os.cpu_count() or 1))]
         env = {**os.environ, "OPENAI_BASE_URL": str(client.base_url), "OPENAI_API_KEY": client.api_key}
         pipe = asyncio.subprocess.PIPE
-        process = await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env)
-        try:
-            out, err = await process.communicate(json.dumps(row, default=str).encode())
-        finally:
-            if process.returncode is None:  # cancelled: the episode timed out
-                process.kill()
-                await process.wait()
+        async with limit[1]:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env
+            )
+            try:
+                row_json = json.dumps(row, default=str).encode()
+                out, err = await asyncio.wait_for(process.communicate(row_json), timeout_s)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"{argv[0]} took longer than {timeout_s:g} s") from None
+            finally:
+                if process.returncode is None:  # timed out, or the rollout is stopping
+                    process.kill()
+                    await process.wait()
         if process.returncode != 0:
             tail = err.decode(errors="replace")[-2000:]
             raise RuntimeError(f"{argv[0]} exited with status {process.returncode}: {tail}")

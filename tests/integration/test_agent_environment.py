@@ -99,23 +99,27 @@ def test_a_hundred_concurrent_episodes_complete(worker):
 def test_an_agent_command_runs_each_episode_and_its_failures_cost_only_theirs(worker, caplog):
     """`agent_command`: a Python script using the openai client from its environment; its reward (the share
     of digits in the reply it got) equals the same function of the trajectory's tokens, decoded. A non-zero
-    exit, a last line that is not a number and a hang fail their episodes, with the stderr's end logged."""
+    exit, a last line that is not a number and a command past its timeout (killed) fail their episodes, with
+    the stderr's end or the reason logged."""
     import sys
 
     from posttrain.environments.agent import command_agent
 
-    agent = command_agent([sys.executable, "tests/integration/command_agent.py"])
+    agent = command_agent([sys.executable, "tests/integration/command_agent.py"], timeout_s=120.0)
     with caplog.at_level("WARNING"):
-        rollouts, metrics = rollout(worker, agent, ["ok", "ok", "exit", "garbage", "hang"], timeout_s=10.0)
-    assert rollouts["failed"].tolist() == [False, False, True, True, True]
-    assert metrics["env/failed_episodes"] == 3.0 and "the agent's sandbox is gone" in caplog.text
+        rollouts, metrics = rollout(worker, agent, ["ok", "ok", "exit", "garbage"], timeout_s=None)
+    assert rollouts["failed"].tolist() == [False, False, True, True]
+    assert metrics["env/failed_episodes"] == 2.0 and "the agent's sandbox is gone" in caplog.text
     for i in (0, 1):
         reply = [m for m in rollouts["message_log"][i] if m["role"] == "assistant"]
         text = worker.tokenizer.decode(reply[0]["token_ids"], skip_special_tokens=True)
         assert len(reply) == 1 and 1 <= len(reply[0]["token_ids"]) <= 5
-        assert rollouts["total_reward"][i].item() == pytest.approx(
-            sum(c.isdigit() for c in text) / max(1, len(text))
-        )
+        digits = sum(c.isdigit() for c in text) / max(1, len(text))
+        assert rollouts["total_reward"][i].item() == pytest.approx(digits)
+    sleeper = command_agent([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=2.0)
+    with caplog.at_level("WARNING"):
+        rollouts, _ = rollout(worker, sleeper, ["x"], timeout_s=None)
+    assert rollouts["failed"].tolist() == [True] and "took longer than 2 s" in caplog.text
 
 
 @pytest.mark.slow
