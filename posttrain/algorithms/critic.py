@@ -60,18 +60,8 @@ class CriticConfig:
                 raise ConfigError(key, f"{getattr(self, key)} must be in [0, 1]")
 
 
-@dataclass
-class CriticEstimate:
-    """What the critic adds to a batch, each [B, T]: advantages (whitened if configured), the returns the
-    value loss aims at, and the values that computed them (prev_values, the value clip's centre)."""
-
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    prev_values: torch.Tensor
-
-
 class Critic:
-    """The value model's worker group and its two stages: `estimate` (values -> GAE) and `train`."""
+    """The value model's worker group and its two stages: `estimate` (values and returns) and `train`."""
 
     def __init__(
         self, cluster: RayVirtualCluster, cfg: CriticConfig, policy_model_name: str, bundle_share: float
@@ -84,15 +74,14 @@ class Critic:
 
     def estimate(
         self, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor
-    ) -> CriticEstimate:
-        """GAE advantages and returns of sequence rewards [B] on the trained tokens token_mask [B, T]."""
+    ) -> dict[str, torch.Tensor]:
+        """What the critic adds to a batch for its sequence rewards [B] on the trained tokens token_mask
+        [B, T], each [B, T]: `returns` R_t = A_t + V_t (GAE's A_t) that the value loss aims at, and the
+        values that computed them, `prev_values` (the value clip's centre, the `gae` estimator's input)."""
         values = self.model.get_values(train_data)["values"] * token_mask  # [B, T]
         token_rewards = adv.terminal_token_rewards(rewards, token_mask)  # [B, T]
         gae = adv.gae_advantages(token_rewards, values, token_mask, self.cfg.gamma, self.cfg.lam)
-        advantages = gae.advantages
-        if self.cfg.whiten_advantages:
-            advantages = adv.masked_whiten(advantages, token_mask)
-        return CriticEstimate(advantages, gae.returns, values)
+        return {"returns": gae.returns, "prev_values": values}
 
     def train(self, train_data: BatchedDataDict) -> dict[str, float]:
         """One value-loss step per global batch of the critic; train_data holds returns and prev_values."""
