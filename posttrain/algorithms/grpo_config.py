@@ -261,14 +261,11 @@ class GRPOConfig(TrainingConfig):
     def missing_files(self) -> list[ConfigError]:
         """Missing data files, model directories (the critic's and teacher's too, where the estimator uses
         them), reward and environment files and grader files, one error each (run before anything starts)."""
-        helper = {
-            "gae": ("critic.model", self.critic.model),
-            "on_policy_distillation": ("teacher.model", self.teacher.model),
-        }
-        section, model = helper.get(self.grpo.advantage_estimator, ("", None))
+        helper = ESTIMATORS[self.grpo.advantage_estimator].helper
+        models = {"critic": self.critic.model, "teacher": self.teacher.model}
         return (
             super().missing_files()
-            + (missing_model_files(section, model) if model is not None else [])
+            + (missing_model_files(f"{helper}.model", models[helper]) if helper in models else [])
             + environment_file_problems(self.env)
             + grader_problems("grpo.validation.grader", self.grpo.validation.grader)
         )
