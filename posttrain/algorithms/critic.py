@@ -1,15 +1,16 @@
 """PPO's critic on GRPO's loop (`grpo.advantage_estimator: gae`): a value model beside the policy, the
-per-token GAE advantages it gives, and its clipped value-loss update.
+values and returns it gives GAE, and its clipped value-loss update.
 
 Algorithm as implemented (PPO, Schulman et al. 2017, arXiv:1707.06347, with GAE, arXiv:1506.02438): the
 critic is the policy's architecture with a linear value head on every position (`critic.model.model_kind:
 value_model`, started from the policy's weights unless `critic.model.model_name` names others; a new head
 starts at zero, so the first advantages are the rewards). Each step it computes V_t for the batch's trained
 (assistant) tokens, the sequence reward sits on the last of them, GAE with `critic.gamma` and `critic.lam`
-gives A_t and the returns R_t = A_t + V_t, and A_t is whitened over the batch's trained tokens. The policy
-then takes its clipped policy-gradient step on A_t, and the critic one step of the clipped value loss toward
-R_t. Departures from the paper: no per-token KL penalty in the reward (the KL penalty, if any, is the
-loss's), and one epoch over each batch, as in GRPO's loop.
+gives A_t and the returns R_t = A_t + V_t, and A_t is whitened over the batch's trained tokens (A_t is the
+`gae` entry of `advantages.ESTIMATORS`, R_t this module's). The policy then takes its clipped
+policy-gradient step on A_t, and the critic one step of the clipped value loss toward R_t. Departures from
+the paper: no per-token KL penalty in the reward (the KL penalty, if any, is the loss's), and one epoch
+over each batch, as in GRPO's loop.
 
 Run: posttrain ppo --config configs/ppo_tiny.yaml"""
 
