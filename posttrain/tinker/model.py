@@ -39,7 +39,8 @@ def token_loss(
 ) -> torch.Tensor:
     """Per-token loss [T] of `loss_fn` from the model's `logprobs` [T] of the target tokens; the loss of a
     datum is its sum. cross_entropy: -w * logp. importance_sampling: -(p / q) * A, q the sampler's
-    probability. ppo: -min(r * A, clip(r, 1 - low, 1 + high) * A) with r = p / q. cispo: -sg(clip(r)) * A * logp."""
+    probability. ppo: -min(r * A, clip(r, 1 - low, 1 + high) * A) with r = p / q. cispo:
+    -sg(clip(r)) * A * logp."""
     if loss_fn == "cross_entropy":
         return -inputs["weights"] * logprobs
     ratio = torch.exp(logprobs - inputs["logprobs"])
@@ -67,6 +68,15 @@ def check_datum(datum: Datum, loss_fn: str | None, max_tokens: int) -> None:
         if datum.inputs[name].numel() != len(datum.tokens):
             got = datum.inputs[name].numel()
             raise UserError(f"loss_fn_inputs[{name!r}] has {got} values for {len(datum.tokens)} tokens")
+
+
+def saved_lora_rank(directory: Path) -> int | None:
+    """The LoRA rank (None: all weights) of the latest state saved under `directory`."""
+    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(directory), metric_name=None))
+    path = manager.get_latest_intact_checkpoint_path()
+    if path is None:
+        raise UserError(f"no intact saved state at {directory.name}")
+    return (manager.load_training_info(path) or {}).get("lora_rank")
 
 
 class TrainedModel:
@@ -109,7 +119,7 @@ class TrainedModel:
                 outputs.append({"logprobs": logprobs.detach(), "elementwise_loss": losses.detach()})
         if backward:
             total.backward()
-        return outputs, {"loss:sum": float(total)}
+        return outputs, {"loss:sum": float(total.detach())}
 
     def optim_step(self, adam: dict[str, float]) -> dict[str, float]:
         """One AdamW step with the request's parameters on the accumulated gradients, which it then clears."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posttrain.tinker.model import LOSS_INPUTS, TrainedModel, UserError, check_datum
+from posttrain.tinker.model import LOSS_INPUTS, TrainedModel, UserError, check_datum, saved_lora_rank
 from posttrain.tinker.wire import (
     forward_backward_output,
     parse_forward_backward,
@@ -104,13 +104,18 @@ class TinkerService:
         lora = body.get("lora_config")
         if lora is None and not self.cfg.allow_full_weights:
             raise UserError("this server trains LoRA adapters only (allow_full_weights is off); give a rank")
-        if len(self.models) >= self.cfg.max_models:
-            raise UserError(f"the server holds {self.cfg.max_models} models already")
         rank = None if lora is None else int(lora["rank"])
         seed = self.cfg.seed if lora is None or lora.get("seed") is None else int(lora["seed"])
         model_id = uuid.uuid4().hex
-        self.models[model_id] = (tenant, TrainedModel(self.cfg.base_model, rank, self.cfg.lora_alpha, seed))
+        self.add_model(tenant, model_id, TrainedModel(self.cfg.base_model, rank, self.cfg.lora_alpha, seed))
         return {"model_id": model_id, "type": "create_model"}
+
+    def add_model(self, tenant: str, model_id: str, model: TrainedModel) -> None:
+        if len(self.models) >= self.cfg.max_models:
+            raise UserError(f"the server holds {self.cfg.max_models} models already")
+        if model_id in self.models:
+            raise UserError(f"model_id {model_id!r} exists already")
+        self.models[model_id] = (tenant, model)
 
     def forward_backward(self, tenant: str, body: bytes) -> bytes:
         msg, data = parse_forward_backward(body)
@@ -155,12 +160,19 @@ class TinkerService:
         return {"path": path, "type": "save_weights"}
 
     def load_state(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
-        model = self.model(tenant, body["model_id"])
+        """Load a saved state into a model; without a model_id, into a new model (the SDK's
+        create_training_client_from_state), named as the SDK names it: <session>:train:<seq>."""
         name = str(body["path"]).rstrip("/").rsplit("/", 1)[-1]
-        if not NAME_PATTERN.match(name) or not (self.tenant_dir(tenant) / name).is_dir():
+        directory = self.tenant_dir(tenant) / name
+        if not NAME_PATTERN.match(name) or not directory.is_dir():
             raise UserError(f"no saved state {body['path']!r}")
-        model.load_state(self.tenant_dir(tenant) / name, with_optimizer=bool(body.get("optimizer")))
-        return {"path": body["path"], "type": "load_weights"}
+        model_id = body.get("model_id")
+        if model_id is None:
+            model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
+            rank = saved_lora_rank(directory)
+            self.add_model(tenant, model_id, TrainedModel(self.cfg.base_model, rank, self.cfg.lora_alpha, 0))
+        self.model(tenant, model_id).load_state(directory, with_optimizer=bool(body.get("optimizer")))
+        return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
 
     def save_for_sampler(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         model = self.model(tenant, body["model_id"])
@@ -169,7 +181,9 @@ class TinkerService:
         self.workers.pop(path, None)  # a path saved again has new weights
         answer = {"path": path, "type": "save_weights_for_sampler"}
         if body.get("path") is None:  # an unnamed save: the SDK samples it through a session at once
-            answer["sampling_session_id"] = self.create_sampling_session(tenant, {"model_path": path})["sampling_session_id"]
+            answer["sampling_session_id"] = self.create_sampling_session(tenant, {"model_path": path})[
+                "sampling_session_id"
+            ]
         return answer
 
     def create_sampling_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
