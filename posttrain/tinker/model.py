@@ -62,25 +62,26 @@ def check_datum(datum: Datum, loss_fn: str | None, max_tokens: int) -> None:
     needed = LOSS_INPUTS[loss_fn] if loss_fn else ("target_tokens",)
     for name in needed:
         if name not in datum.inputs:
-            raise UserError(
-                f"loss {loss_fn!r} needs loss_fn_inputs[{name!r}], the datum has {sorted(datum.inputs)}"
-            )
-        if datum.inputs[name].numel() != len(datum.tokens):
-            got = datum.inputs[name].numel()
+            raise UserError(f"loss {loss_fn!r} needs loss_fn_inputs[{name!r}], given {sorted(datum.inputs)}")
+        if (got := datum.inputs[name].numel()) != len(datum.tokens):
             raise UserError(f"loss_fn_inputs[{name!r}] has {got} values for {len(datum.tokens)} tokens")
 
 
-def saved_lora_rank(directory: Path) -> int | None:
-    """The LoRA rank (None: all weights) of the latest state saved under `directory`."""
-    manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(directory), metric_name=None))
+def state_manager(directory: Path) -> CheckpointManager:
+    return CheckpointManager(CheckpointingConfig(checkpoint_dir=str(directory), metric_name=None))
+
+
+def latest_state(directory: Path) -> tuple[Path, dict[str, Any]]:
+    """The latest intact state saved under `directory` (its manifest verified) and its info."""
+    manager = state_manager(directory)
     path = manager.get_latest_intact_checkpoint_path()
     if path is None:
         raise UserError(f"no intact saved state at {directory.name}")
-    return (manager.load_training_info(path) or {}).get("lora_rank")
+    return path, manager.load_training_info(path) or {}
 
 
 class TrainedModel:
-    """A model of one tenant: `lora_rank` None trains all weights; Adam state is created at the first step."""
+    """A model of one tenant: `lora_rank` None trains all weights; one AdamW over its trainable weights."""
 
     def __init__(self, base_model: str, lora_rank: int | None, lora_alpha: float, seed: int) -> None:
         torch.manual_seed(seed)  # the adapters' initialisation
@@ -147,25 +148,19 @@ class TrainedModel:
     def trainable_state(self) -> dict[str, torch.Tensor]:
         return {name: p.detach().clone() for name, p in self.model.named_parameters() if p.requires_grad}
 
-    def save_state(self, directory: Path, with_optimizer: bool) -> Path:
-        """Write the trainable weights (and the optimizer) as a finalized checkpoint under `directory`."""
-        manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(directory), metric_name=None))
+    def save_state(self, directory: Path) -> None:
+        """Write the trainable weights and the optimizer as a finalized checkpoint under `directory`."""
+        manager = state_manager(directory)
         path = manager.init_tmp_checkpoint(
             self.num_steps, {"step": self.num_steps, "lora_rank": self.lora_rank}
         )
         torch.save(self.trainable_state(), path / "weights.pt")
-        if with_optimizer:
-            torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
+        torch.save(self.optimizer.state_dict(), path / "optimizer.pt")
         manager.finalize_checkpoint(path)
-        return directory
 
     def load_state(self, directory: Path, with_optimizer: bool) -> None:
-        """Load the latest intact checkpoint under `directory` (its manifest verified first)."""
-        manager = CheckpointManager(CheckpointingConfig(checkpoint_dir=str(directory), metric_name=None))
-        path = manager.get_latest_intact_checkpoint_path()
-        if path is None:
-            raise UserError(f"no saved state at {directory.name}")
-        info: dict[str, Any] = manager.load_training_info(path) or {}
+        """Load the latest state under `directory`: the weights, and the Adam state `with_optimizer`."""
+        path, info = latest_state(directory)
         if info.get("lora_rank") != self.lora_rank:
             raise UserError(f"the state has lora_rank {info.get('lora_rank')}, this model {self.lora_rank}")
         weights = torch.load(path / "weights.pt", weights_only=True)
@@ -174,7 +169,5 @@ class TrainedModel:
                 if param.requires_grad:
                     param.copy_(weights[name])
         if with_optimizer:
-            if not (path / "optimizer.pt").exists():
-                raise UserError("the state was saved without its optimizer")
             self.optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
         self.num_steps = int(info.get("step", 0))

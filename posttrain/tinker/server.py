@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hmac
-import json
 import logging
 import uuid
 from typing import Any
@@ -49,7 +48,7 @@ class TinkerServer(JsonServer):
         self.service, self.keys = service, keys
 
     def routes(self) -> dict[str, Any]:
-        """Path -> (handler of (tenant, body, idempotency key), whether its answer is a future)."""
+        """Path -> (handler(tenant, body), whether its answer is a future the SDK polls)."""
         service = self.service
         return {
             "/api/v1/create_model": (service.create_model, True),
@@ -59,27 +58,16 @@ class TinkerServer(JsonServer):
             "/api/v1/load_weights": (service.load_state, True),
             "/api/v1/save_weights_for_sampler": (service.save_for_sampler, True),
             "/api/v1/asample": (service.sample, True),
-            "/api/v1/create_sampling_session": (self.sampling_session, False),
-            "/api/v1/retrieve_future": (
-                lambda tenant, body: service.retrieve(tenant, body["request_id"]),
-                False,
-            ),
+            "/api/v1/create_sampling_session": (service.create_sampling_session, False),
+            "/api/v1/retrieve_future": (service.retrieve, False),
             "/api/v1/get_info": (self.info, False),
-            "/api/v1/create_session": (
-                lambda *_: {"session_id": uuid.uuid4().hex, "type": "create_session"},
-                False,
-            ),
+            "/api/v1/create_session": (lambda *_: {"session_id": uuid.uuid4().hex}, False),
             "/api/v1/session_heartbeat": (lambda *_: {"type": "session_heartbeat"}, False),
             "/api/v1/client/config": (lambda *_: {"use_pyqwest_transport": False}, False),
             "/api/v1/client/dynamic_config": (lambda *_: {}, False),
             "/api/v1/telemetry": (lambda *_: {"status": "accepted"}, False),
             "/api/v1/get_server_capabilities": (self.capabilities, False),
         }
-
-    def sampling_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
-        with self.service.lock:
-            answer = self.service.create_sampling_session(tenant, body)
-        return answer
 
     def info(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         model = self.service.model(tenant, body["model_id"])
@@ -197,5 +185,4 @@ def main(args: argparse.Namespace) -> int:
     service = TinkerService(load_config(args.config))
     server = TinkerServer(service, args.host, args.port, keys.split(",") if keys else None, limits)
     print(f"serving Tinker at {server.url} (TINKER_BASE_URL; Ctrl-C stops)", flush=True)
-    print(json.dumps({"base_model": service.cfg.base_model}), flush=True)
     return serve_until_interrupted(server)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from posttrain.tinker.model import LOSS_INPUTS, TrainedModel, UserError, check_datum, saved_lora_rank
+from posttrain.tinker.model import LOSS_INPUTS, TrainedModel, UserError, check_datum, latest_state
 from posttrain.tinker.wire import (
     forward_backward_output,
     parse_forward_backward,
@@ -88,7 +88,9 @@ class TinkerService:
                 self.answers[(tenant, key)] = answer
             return answer
 
-    def retrieve(self, tenant: str, request_id: str) -> Any:
+    def retrieve(self, tenant: str, body: dict[str, Any]) -> Any:
+        """The result kept under `body["request_id"]`, for its tenant only."""
+        request_id = body["request_id"]
         owner, result = self.results.get(request_id, (None, None))
         if owner != tenant:
             return {"error": f"unknown request {request_id}", "category": "user"}
@@ -124,20 +126,12 @@ class TinkerService:
             raise UserError(f"loss_fn {msg.loss_fn!r} is not served; served: {sorted(LOSS_INPUTS)}")
         if not data:
             raise UserError("forward_backward needs at least one datum")
-        for datum in data:
+        for datum in data:  # forward only: the loss inputs it lacks count as zeros
             check_datum(datum, None if msg.forward_only else msg.loss_fn, self.cfg.max_tokens_per_datum)
+            for name in LOSS_INPUTS[msg.loss_fn]:
+                datum.inputs.setdefault(name, torch.zeros(len(datum.tokens)))
         config = {key: float(value) for key, value in msg.loss_fn_config.items()}
-        loss_fn = (
-            msg.loss_fn
-            if not msg.forward_only
-            or all(name in datum.inputs for datum in data for name in LOSS_INPUTS[msg.loss_fn])
-            else "cross_entropy_forward"
-        )
-        if loss_fn == "cross_entropy_forward":  # forward without the loss inputs: logprobs only
-            for datum in data:
-                datum.inputs.setdefault("weights", torch.zeros(len(datum.tokens)))
-            loss_fn = "cross_entropy"
-        outputs, metrics = model.forward_backward(data, loss_fn, config, backward=not msg.forward_only)
+        outputs, metrics = model.forward_backward(data, msg.loss_fn, config, backward=not msg.forward_only)
         return forward_backward_output(outputs, metrics)
 
     def optim_step(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -156,7 +150,7 @@ class TinkerService:
     def save_state(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         model = self.model(tenant, body["model_id"])
         name, path = self.state_path(tenant, body, "weights")
-        model.save_state(self.tenant_dir(tenant) / name, with_optimizer=True)
+        model.save_state(self.tenant_dir(tenant) / name)
         return {"path": path, "type": "save_weights"}
 
     def load_state(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +163,7 @@ class TinkerService:
         model_id = body.get("model_id")
         if model_id is None:
             model_id = f"{body['session_id']}:train:{body['model_seq_id']}"
-            rank = saved_lora_rank(directory)
+            rank = latest_state(directory)[1].get("lora_rank")
             self.add_model(tenant, model_id, TrainedModel(self.cfg.base_model, rank, self.cfg.lora_alpha, 0))
         self.model(tenant, model_id).load_state(directory, with_optimizer=bool(body.get("optimizer")))
         return {"path": body["path"], "model_id": model_id, "type": "load_weights"}
@@ -181,9 +175,7 @@ class TinkerService:
         self.workers.pop(path, None)  # a path saved again has new weights
         answer = {"path": path, "type": "save_weights_for_sampler"}
         if body.get("path") is None:  # an unnamed save: the SDK samples it through a session at once
-            answer["sampling_session_id"] = self.create_sampling_session(tenant, {"model_path": path})[
-                "sampling_session_id"
-            ]
+            answer = self.create_sampling_session(tenant, {"model_path": path}) | answer  # its type stays
         return answer
 
     def create_sampling_session(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -10,15 +10,13 @@ import torch
 
 from posttrain.tinker.model import Datum, UserError
 
-INSTALL_HINT = "serve-tinker needs the Tinker SDK's wire format: pip install 'posttrain[tinker]'"
-
 
 def public_pb() -> Any:
     """The SDK's protobuf module (imported when the service starts)."""
     try:
         from tinker.proto import tinker_public_pb2
     except ImportError as error:
-        raise ImportError(INSTALL_HINT) from error
+        raise ImportError("serve-tinker needs the Tinker SDK: pip install 'posttrain[tinker]'") from error
     return tinker_public_pb2
 
 
