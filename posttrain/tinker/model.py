@@ -90,6 +90,7 @@ class TrainedModel:
         if lora_rank is not None:
             model = wrap_with_lora(model, self.lora, base_model=base_model)
         self.model, self.lora_rank, self.num_steps = model, lora_rank, 0
+        self.vocab_size = model.config.vocab_size
         self.params = [param for param in model.parameters() if param.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
 
@@ -106,6 +107,8 @@ class TrainedModel:
             input_ids[row, : lengths[row]] = torch.tensor(datum.tokens)
             mask[row, : lengths[row]] = 1
             targets[row, : lengths[row]] = datum.inputs["target_tokens"].long()
+        if min(input_ids.min(), targets.min()) < 0 or max(input_ids.max(), targets.max()) >= self.vocab_size:
+            raise UserError(f"a token id is outside the model's vocabulary of {self.vocab_size}")
         self.model.train(backward)
         with torch.set_grad_enabled(backward):
             logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()  # [B, T, V]
