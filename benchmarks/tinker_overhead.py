@@ -92,7 +92,7 @@ def main() -> None:
         "max_relative_loss_gap": max(gaps),
         "notes": [
             "model: llama, hidden 128, 4 layers, as configs/sft_tiny.yaml; one torch thread",
-            "overhead: the median over steps of (SDK over loopback) - (in-process) step time; target <= 50 ms",
+            "overhead: median over steps of (SDK over loopback) - (in-process) step time; target <= 50 ms",
             "max_relative_loss_gap: the two runs' losses agree (same model, same batches)",
         ],
     }
