@@ -6,6 +6,7 @@ retried request runs once, tenants stay apart, and client errors reach the SDK a
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -16,7 +17,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
-from posttrain.tinker.server import TinkerServer  # noqa: E402
+from posttrain.tinker.server import TinkerServer, load_config  # noqa: E402
 from posttrain.tinker.service import TinkerService, TinkerServiceConfig  # noqa: E402
 from posttrain.workers.generation.config import GenerationConfig  # noqa: E402
 from posttrain.workers.generation.hf_worker import HFGenerationWorker  # noqa: E402
@@ -198,6 +199,10 @@ def test_client_errors_reach_the_sdk(served):
         training.forward_backward([datum(list(range(1, 19)))], "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="no saved state"):
         training.load_state("tinker://x/weights/never-saved").result()
+    with pytest.raises(tinker.RequestFailedError, match="outside the model's vocabulary"):
+        training.forward_backward([datum([1, 2, 10**6])], "cross_entropy").result()
+    with pytest.raises(tinker.RequestFailedError, match="not served"):
+        training.forward_backward([datum(SEQUENCES[0])], "dro").result()
     # the SDK creates LoRA clients only; a create_model without lora_config asks for all weights
     headers = {"X-API-Key": "tml-alice"}
     answer = httpx.post(f"{server.url}/api/v1/create_model", json={"base_model": "m"}, headers=headers)
@@ -213,3 +218,13 @@ def test_client_errors_reach_the_sdk(served):
     assert bad_json.status_code == 400
     no_key = httpx.post(f"{server.url}/api/v1/create_session", json={})
     assert no_key.status_code == 401
+
+
+def test_the_shipped_config_loads_and_a_server_beyond_loopback_needs_keys(tmp_path):
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tinker_tiny.yaml"))
+    assert cfg.base_model == "/tmp/posttrain-tiny" and not cfg.allow_full_weights
+    (tmp_path / "bad.yaml").write_text("base_model: m\nlora_rank: 8\n")
+    with pytest.raises(ValueError, match=r"unknown keys \['lora_rank'\]"):
+        load_config(str(tmp_path / "bad.yaml"))
+    with pytest.raises(ValueError, match="beyond loopback"):
+        TinkerServer(TinkerService(cfg), host="0.0.0.0")
