@@ -84,7 +84,11 @@ def main() -> None:
     served_ms, direct_ms = served_ms[2:], direct_ms[2:]  # the first steps warm up both
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+        "machine": {
+            "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+        },
         "batch": f"{args.batch_size} datums x {args.length} tokens, LoRA rank 8, {args.steps} steps",
         "direct_step_ms": statistics.median(direct_ms),
         "loopback_step_ms": statistics.median(served_ms),
