@@ -17,6 +17,7 @@ tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 from posttrain.models.build import ModelFromConfig, build_model_dir  # noqa: E402
+from posttrain.tinker.model import Datum  # noqa: E402
 from posttrain.tinker.server import TinkerServer, load_config  # noqa: E402
 from posttrain.tinker.service import TinkerService, TinkerServiceConfig  # noqa: E402
 from posttrain.workers.generation.config import GenerationConfig  # noqa: E402
@@ -228,3 +229,28 @@ def test_the_shipped_config_loads_and_a_server_beyond_loopback_needs_keys(tmp_pa
         load_config(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="beyond loopback"):
         TinkerServer(TinkerService(cfg), host="0.0.0.0")
+
+
+def test_a_full_weight_model_trains_and_its_sampler_computes_what_it_computes(served):
+    """allow_full_weights (no SDK call asks for it): a step moves every weight, and the generation worker
+    loaded with the sampler weights gives the trained model's logits."""
+    _, cfg = served
+    service = TinkerService(TinkerServiceConfig(base_model=cfg.base_model, allow_full_weights=True))
+    model_id = service.create_model("tml-alice", {"base_model": cfg.base_model})["model_id"]
+    model = service.models[model_id][1]
+    assert model.lora_rank is None and len(model.params) == len(list(model.model.parameters()))
+    data = [
+        Datum(
+            tokens[:-1], {"target_tokens": torch.tensor(tokens[1:]), "weights": torch.ones(len(tokens) - 1)}
+        )
+        for tokens in SEQUENCES
+    ]
+    before, _ = model.forward_backward(data, "cross_entropy", {}, backward=True)
+    model.optim_step(ADAM.model_dump())
+    after, _ = model.forward_backward(data, "cross_entropy", {}, backward=False)
+    assert (after[0]["logprobs"] - before[0]["logprobs"]).abs().max() > 1e-3
+    worker = HFGenerationWorker(GenerationConfig(top_k=None), cfg.base_model)
+    worker.update_weights(model.sampler_weights())
+    ids = torch.tensor([SEQUENCES[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(worker.model(input_ids=ids).logits, model.model(input_ids=ids).logits)
