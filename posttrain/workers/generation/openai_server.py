@@ -8,8 +8,11 @@ a model directory (a checkpoint's export or any Hugging Face model) with the Hug
 in-process.
 
 Served: messages (the model's chat template; `tools` passed to it and Hermes `<tool_call>` replies returned
-as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed.
-Not served: streaming, `top_logprobs`, penalties, `logit_bias`, `response_format` (answered 400)."""
+as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed, and
+`stream` on chat completions: the whole reply is generated first, then sent as one server-sent event per
+choice and `[DONE]` (clients that always stream, like agent harnesses, work; nothing arrives early).
+Not served: streaming of `/v1/completions`, `top_logprobs`, penalties, `logit_bias`, `response_format`
+(answered 400)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from posttrain.environments.server import (
 )
 from posttrain.workers.generation.config import GenerationConfig
 
-UNSERVED = ["stream", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"]
+UNSERVED = ["top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"]
 UNSERVED.append("response_format")
 
 
@@ -196,6 +199,8 @@ class CompletionServer(JsonServer):
         return self._response("chat.completion", prompt, choices, usage)
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("stream"):
+            raise BadRequest("not served: stream (on /v1/completions)")
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -365,12 +370,39 @@ class CompletionHandler(EnvironmentHandler):
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             answer = routes[path](body, episode) if episode else routes[path](body)
-            self._reply(200, answer)
+            if body.get("stream"):
+                self._reply_events(stream_events(answer))
+            else:
+                self._reply(200, answer)
         except BadRequest as error:
             self._reply(error.status, {"error": {"message": str(error), "type": "invalid_request_error"}})
         except Exception as error:  # generation failed: say so rather than drop the connection
             message = f"generation failed: {type(error).__name__}: {error}"[:500]
             self._reply(500, {"error": {"message": message, "type": "server_error"}})
+
+
+    def _reply_events(self, events: list[dict]) -> None:
+        data = b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def stream_events(completion: dict[str, Any]) -> list[dict]:
+    """A chat completion as `chat.completion.chunk` events: one per choice whose delta is the whole message
+    (tool calls numbered by `index`), the usage on the last."""
+    events = []
+    for choice in completion["choices"]:
+        delta = dict(choice.pop("message"))
+        if "tool_calls" in delta:
+            delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(delta["tool_calls"])]
+        chunk = {**completion, "object": "chat.completion.chunk", "choices": [{**choice, "delta": delta}]}
+        events.append(chunk)
+    for event in events[:-1]:
+        event.pop("usage")
+    return events
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
