@@ -75,7 +75,9 @@ def verifiers_agent(source: str, overrides: dict[str, Any]) -> Callable[..., Any
     try:
         import verifiers.v1 as vf
     except ImportError as error:
-        raise ImportError(f"verifiers: needs the verifiers package: pip install 'posttrain[envs]' ({error})")
+        raise ImportError(
+            f"verifiers: needs the verifiers package: pip install 'posttrain[envs]' ({error})"
+        ) from None
 
     config = env_config(source, overrides)
     task_type = type(vf.load_environment(config).taskset).task_type()
@@ -83,8 +85,9 @@ def verifiers_agent(source: str, overrides: dict[str, Any]) -> Callable[..., Any
     async def play(client: Any, row: dict[str, Any]) -> float:
         env = vf.load_environment(config)  # its serving resources are per episode: episodes run concurrently
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var="POSTTRAIN_EPISODE_KEY")
+        task = task_of(row, task_type, config)
         async with env.serving():
-            episode = await env.run_episode(task_of(row, task_type, config), vf.ModelContext("policy", endpoint))
+            episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
         return episode_reward(episode)
 
     return play

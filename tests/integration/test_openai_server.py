@@ -108,7 +108,10 @@ def test_a_streamed_chat_completion_is_the_whole_reply_in_one_event(served):
     stream."""
     server, _, client = served
     whole = client.chat.completions.create(model="tiny", messages=MESSAGES, seed=5, max_tokens=6)
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, seed=5, max_tokens=6, stream=True))
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, seed=5, max_tokens=6, stream=True
+    )
+    chunks = list(stream)
     assert len(chunks) == 1 and chunks[0].object == "chat.completion.chunk"
     (choice,) = chunks[0].choices
     assert choice.delta.content == whole.choices[0].message.content

@@ -109,8 +109,9 @@ def test_an_environment_that_raises_costs_only_its_episode(worker, caplog):
     rewards = rollouts["total_reward"].tolist()
     assert rewards[2:4] == [0.0, 0.0]  # no peer of the failed group succeeded
     for i in (4, 5):
-        reply = worker.worker.tokenizer.decode(rollouts["message_log"][i][1]["token_ids"], skip_special_tokens=True)
-        assert rewards[i] == pytest.approx(vf_env.SCORED[("2+1=", reply.strip())], rel=1e-6)
+        reply_ids = rollouts["message_log"][i][1]["token_ids"]
+        reply = worker.worker.tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
+        assert rewards[i] == pytest.approx(vf_env.SCORED[("2+1=", reply)], rel=1e-6)
 
 
 def test_a_verifiers_environment_is_its_own_scorer():

@@ -380,7 +380,6 @@ class CompletionHandler(EnvironmentHandler):
             message = f"generation failed: {type(error).__name__}: {error}"[:500]
             self._reply(500, {"error": {"message": message, "type": "server_error"}})
 
-
     def _reply_events(self, events: list[dict]) -> None:
         data = b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
         self.send_response(200)
