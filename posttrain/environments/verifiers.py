@@ -58,6 +58,23 @@ def task_of(row: dict[str, Any], task_type: type, config: Any) -> Any:
     return task_type(data_type.model_validate(fields), config.taskset.task)
 
 
+def write_tasks(source: str, path: str) -> int:
+    """Write the tasks of the taskset `source` (its `load()`) to the JSONL file `path` as data rows, each a
+    task's wire data; returns how many. A task whose prompt is not text (Messages) is a ValueError."""
+    import verifiers.v1 as vf
+
+    taskset = vf.load_environment(env_config(source, {})).taskset
+    if not taskset.bounded:
+        raise ValueError(f"the taskset of {source} is infinite: bound it in its config to write its tasks")
+    rows = []
+    for task in taskset:
+        if not isinstance(task.data.prompt, str):
+            raise ValueError(f"task {task.data.idx}: its prompt is Messages; posttrain's rows take text")
+        rows.append(task.data.model_dump_json(exclude_defaults=True) + "\n")
+    Path(path).write_text("".join(rows))
+    return len(rows)
+
+
 def episode_reward(episode: Any) -> float:
     """The reward of a finished single-agent episode; EpisodeFailed when it failed."""
     if not episode.ok:

@@ -6,6 +6,7 @@ an environment that raises costs only its episode, and GRPO trains on such episo
 
 The harness program's packages come through uv (from the package index, on the first run)."""
 
+import json
 import math
 import os
 import sys
@@ -18,6 +19,7 @@ from test_grpo import run_grpo
 from posttrain.config import ConfigError
 from posttrain.environments.agent import AgentTask
 from posttrain.environments.registry import EnvironmentConfig
+from posttrain.environments.verifiers import env_config, task_of, write_tasks
 from posttrain.experience.agent_rollouts import run_agent_rollout
 from posttrain.experience.rollouts import records_to_rollout_batch
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -119,6 +121,20 @@ def test_a_verifiers_environment_is_its_own_scorer():
         EnvironmentConfig(verifiers=ENV_FILE, reward="rewards.py:fn").validate()
     with pytest.raises(FileNotFoundError, match="no verifiers taskset file"):
         AgentTask.load("t", EnvironmentConfig(verifiers="missing_env.py"))
+
+
+def test_a_tasksets_tasks_become_data_rows_that_rebuild_them(tmp_path):
+    """write_tasks: one row per task of the taskset's load(), its wire data; a row read back through
+    posttrain's data columns (the answer as ground_truth) is the same task."""
+    rows_file = tmp_path / "tasks.jsonl"
+    assert write_tasks(ENV_FILE, str(rows_file)) == 4
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert [(r["prompt"], r["answer"], r["idx"]) for r in rows] == [
+        (f"{i}+1=", str(i + 1), i) for i in range(4)
+    ]
+    config = env_config(ENV_FILE, {})
+    task = task_of({"prompt": "2+1=", "ground_truth": "3", "idx": 2}, vf_env.SumTask, config)
+    assert task.data == vf_env.SumData(**rows[2])
 
 
 @pytest.mark.slow
