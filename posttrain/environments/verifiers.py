@@ -103,8 +103,11 @@ def verifiers_agent(source: str, overrides: dict[str, Any]) -> Callable[..., Any
         env = vf.load_environment(config)  # its serving resources are per episode: episodes run concurrently
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var="POSTTRAIN_EPISODE_KEY")
         task = task_of(row, task_type, config)
-        async with env.serving():
-            episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
+        try:
+            async with env.serving():
+                episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
+        except SystemExit as stop:  # verifiers exits for a missing Prime login: only this episode fails
+            raise EpisodeFailed(f"the verifiers episode stopped: {stop}") from None
         return episode_reward(episode)
 
     return play
