@@ -58,6 +58,21 @@ def task_of(row: dict[str, Any], task_type: type, config: Any) -> Any:
     return task_type(data_type.model_validate(fields), config.taskset.task)
 
 
+def check_tunnel_login(config: Any) -> None:
+    """A remote runtime reaches the model through a Prime tunnel, which needs a Prime login; verifiers
+    exits the process without one, mid-episode, so it is checked here, before training."""
+    from verifiers.v1.configs.agent import agent_config_fields
+    from verifiers.v1.runtimes import runtime_is_local
+    from verifiers.v1.utils.prime import ensure_prime_auth
+
+    if all(runtime_is_local(agent.runtime) for agent in agent_config_fields(config).values()):
+        return
+    try:
+        ensure_prime_auth()
+    except SystemExit as stop:
+        raise RuntimeError(f"verifiers: a remote agent runtime needs a Prime tunnel: {stop}") from None
+
+
 def write_tasks(source: str, path: str) -> int:
     """Write the tasks of the taskset `source` (its `load()`) to the JSONL file `path` as data rows, each a
     task's wire data; returns how many. A task whose prompt is not text (Messages) is a ValueError."""
@@ -98,16 +113,14 @@ def verifiers_agent(source: str, overrides: dict[str, Any]) -> Callable[..., Any
 
     config = env_config(source, overrides)
     task_type = type(vf.load_environment(config).taskset).task_type()
+    check_tunnel_login(config)
 
     async def play(client: Any, row: dict[str, Any]) -> float:
         env = vf.load_environment(config)  # its serving resources are per episode: episodes run concurrently
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var="POSTTRAIN_EPISODE_KEY")
         task = task_of(row, task_type, config)
-        try:
-            async with env.serving():
-                episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
-        except SystemExit as stop:  # verifiers exits for a missing Prime login: only this episode fails
-            raise EpisodeFailed(f"the verifiers episode stopped: {stop}") from None
+        async with env.serving():
+            episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
         return episode_reward(episode)
 
     return play

@@ -123,6 +123,15 @@ def test_a_verifiers_environment_is_its_own_scorer():
         AgentTask.load("t", EnvironmentConfig(verifiers="missing_env.py"))
 
 
+def test_a_remote_runtime_without_a_prime_login_stops_before_training(monkeypatch, tmp_path):
+    """verifiers would exit the process mid-episode; the adapter refuses at load."""
+    monkeypatch.delenv("PRIME_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no Prime CLI config either
+    remote = {"agent": {"harness": {"id": "null"}, "runtime": {"type": "prime"}}}
+    with pytest.raises(RuntimeError, match="needs a Prime tunnel: not authenticated with prime"):
+        AgentTask.load("t", EnvironmentConfig(verifiers=ENV_FILE, kwargs=remote))
+
+
 def test_a_tasksets_tasks_become_data_rows_that_rebuild_them(tmp_path):
     """write_tasks: one row per task of the taskset's load(), its wire data; a row read back through
     posttrain's data columns (the answer as ground_truth) is the same task."""
