@@ -8,11 +8,9 @@ a model directory (a checkpoint's export or any Hugging Face model) with the Hug
 in-process.
 
 Served: messages (the model's chat template; `tools` passed to it and Hermes `<tool_call>` replies returned
-as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed, and
-`stream` on chat completions: the whole reply is generated first, then sent as one server-sent event per
-choice and `[DONE]` (clients that always stream, like agent harnesses, work; nothing arrives early).
-Not served: streaming of `/v1/completions`, `top_logprobs`, penalties, `logit_bias`, `response_format`
-(answered 400)."""
+as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed;
+`stream` on chat completions, sent whole as one event per choice. Not served: streaming of
+`/v1/completions`, `top_logprobs`, penalties, `logit_bias`, `response_format` (answered 400)."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ from posttrain.environments.server import (
 )
 from posttrain.workers.generation.config import GenerationConfig
 
-UNSERVED = ["top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"]
-UNSERVED.append("response_format")
+UNSERVED = ["top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "response_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,28 +377,24 @@ class CompletionHandler(EnvironmentHandler):
             message = f"generation failed: {type(error).__name__}: {error}"[:500]
             self._reply(500, {"error": {"message": message, "type": "server_error"}})
 
-    def _reply_events(self, events: list[dict]) -> None:
-        data = b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
 
 def stream_events(completion: dict[str, Any]) -> list[dict]:
-    """A chat completion as `chat.completion.chunk` events: one per choice whose delta is the whole message
-    (tool calls numbered by `index`), the usage on the last."""
-    events = []
-    for choice in completion["choices"]:
-        delta = dict(choice.pop("message"))
-        if "tool_calls" in delta:
-            delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(delta["tool_calls"])]
-        chunk = {**completion, "object": "chat.completion.chunk", "choices": [{**choice, "delta": delta}]}
-        events.append(chunk)
-    for event in events[:-1]:
-        event.pop("usage")
-    return events
+    """A chat completion as `chat.completion.chunk` events, one per choice whose delta is the whole message
+    (tool calls numbered by `index`)."""
+    return [
+        {
+            **completion,
+            "object": "chat.completion.chunk",
+            "choices": [{**c, "delta": numbered(c.pop("message"))}],
+        }
+        for c in completion["choices"]
+    ]
+
+
+def numbered(message: dict) -> dict:
+    """`message` with its tool calls numbered (`index`), as a stream's delta carries them."""
+    calls = [{**call, "index": i} for i, call in enumerate(message.get("tool_calls", []))]
+    return {**message, "tool_calls": calls} if calls else message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
