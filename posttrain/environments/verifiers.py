@@ -7,7 +7,7 @@ A data row is a task's wire data, as verifiers' own env server receives it: the 
 fields of the taskset's `TaskData` type (the prompt; the answer column reaches the `answer` field) are
 validated into it and wrapped in its `Task`. The reward is the one trace's reward: the sum of the task's
 weighted rewards. `env.<task>.kwargs` is the verifiers env config (`agent.harness`, `agent.runtime`, ...)
-over the taskset; the agent's program runs in a local subprocess unless it names another runtime."""
+over the taskset (`env_config` says what it defaults to here)."""
 
 from __future__ import annotations
 
@@ -42,12 +42,17 @@ def taskset_id(source: str) -> str:
 
 
 def env_config(source: str, overrides: dict[str, Any]) -> Any:
-    """The verifiers env config of `source` with `overrides`; the agent's runtime defaults to a local
-    subprocess (verifiers' default, a Prime sandbox, needs a Prime account and a tunnel)."""
+    """The verifiers env config of `source` with `overrides`. Unless they say otherwise, the agent runs in a
+    local subprocess (verifiers' default, a Prime sandbox, needs a Prime account and a tunnel), and with the
+    tool-less `null` harness where verifiers would pick `bash`, whose shell would then be this host's."""
     import verifiers.v1 as vf
 
-    agent = {"runtime": LOCAL_RUNTIME, **overrides.get("agent", {})}
-    return vf.resolve_env_config({**overrides, "taskset": {"id": taskset_id(source)}, "agent": agent})
+    taskset = taskset_id(source)
+    defaults: dict[str, Any] = {"runtime": LOCAL_RUNTIME}
+    if vf.default_harness_id(taskset) == "bash":  # the taskset bundles no harness of its own
+        defaults["harness"] = {"id": "null"}
+    agent = {**defaults, **overrides.get("agent", {})}
+    return vf.resolve_env_config({**overrides, "taskset": {"id": taskset}, "agent": agent})
 
 
 def task_of(row: dict[str, Any], task_type: type, config: Any) -> Any:

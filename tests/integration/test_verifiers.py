@@ -123,6 +123,13 @@ def test_a_verifiers_environment_is_its_own_scorer():
         AgentTask.load("t", EnvironmentConfig(verifiers="missing_env.py"))
 
 
+def test_the_agent_runs_locally_and_without_a_shell_unless_the_config_says_otherwise():
+    default = env_config(ENV_FILE, {}).agent
+    assert (default.runtime.type, default.harness.id) == ("subprocess", "null")
+    chosen = env_config(ENV_FILE, {"agent": {"harness": {"id": "bash"}, "runtime": {"type": "docker"}}}).agent
+    assert (chosen.runtime.type, chosen.harness.id) == ("docker", "bash")
+
+
 def test_a_remote_runtime_without_a_prime_login_stops_before_training(monkeypatch, tmp_path):
     """verifiers would exit the process mid-episode; the adapter refuses at load."""
     monkeypatch.delenv("PRIME_API_KEY", raising=False)
