@@ -91,15 +91,8 @@ class EnvironmentConfig:
             raise ConfigError("agent_command", "an agent is a function (agent) or a command: set one of them")
         if self.agent_command == []:
             raise ConfigError("agent_command", "is empty: give the command and its arguments as a list")
-        if self.verifiers is not None and (self.reward, self.agent, self.agent_command, self.cls) != (
-            None,
-            None,
-            None,
-            "exact_match",
-        ):
-            raise ConfigError(
-                "verifiers", "a verifiers environment scores itself: remove reward, agent, agent_command, cls"
-            )
+        if self.verifiers is not None and (self.agent is not None or self.agent_command is not None):
+            raise ConfigError("verifiers", "a verifiers environment is its own agent: remove agent, agent_command")
         if self.is_agent and (self.reward is not None or self.cls != "exact_match"):
             raise ConfigError("agent", "an agent computes its own reward: remove reward and cls")
 

@@ -117,8 +117,10 @@ def test_an_environment_that_raises_costs_only_its_episode(worker, caplog):
 
 
 def test_a_verifiers_environment_is_its_own_scorer():
-    with pytest.raises(ConfigError, match="verifiers environment scores itself"):
+    with pytest.raises(ConfigError, match="computes its own reward: remove reward"):
         EnvironmentConfig(verifiers=ENV_FILE, reward="rewards.py:fn").validate()
+    with pytest.raises(ConfigError, match="verifiers environment is its own agent"):
+        EnvironmentConfig(verifiers=ENV_FILE, agent_command=["python", "agent.py"]).validate()
     with pytest.raises(FileNotFoundError, match="no verifiers taskset file"):
         AgentTask.load("t", EnvironmentConfig(verifiers="missing_env.py"))
 
