@@ -92,7 +92,9 @@ class EnvironmentConfig:
         if self.agent_command == []:
             raise ConfigError("agent_command", "is empty: give the command and its arguments as a list")
         if self.verifiers is not None and (self.agent is not None or self.agent_command is not None):
-            raise ConfigError("verifiers", "a verifiers environment is its own agent: remove agent, agent_command")
+            raise ConfigError(
+                "verifiers", "a verifiers environment is its own agent: remove agent_command, agent"
+            )
         if self.is_agent and (self.reward is not None or self.cls != "exact_match"):
             raise ConfigError("agent", "an agent computes its own reward: remove reward and cls")
 
