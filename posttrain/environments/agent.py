@@ -33,7 +33,7 @@ class AgentTask:
         if cfg.verifiers is not None:
             from posttrain.environments.verifiers import verifiers_agent
 
-            return cls(task, verifiers_agent(cfg.verifiers, cfg.kwargs), cfg.agent_timeout_s)
+            return cls(task, verifiers_agent(cfg.verifiers, cfg.kwargs, cfg.agent_timeout_s), None)
         fn = import_attribute(cfg.agent, kind="agent")
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"env.{task}.agent: {cfg.agent} must be an async function (client, row) -> float")

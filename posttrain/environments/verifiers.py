@@ -11,7 +11,9 @@ over the taskset (`env_config` says what it defaults to here)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -106,9 +108,11 @@ def episode_reward(episode: Any) -> float:
     return float(episode.traces[0].reward)
 
 
-def verifiers_agent(source: str, overrides: dict[str, Any]) -> Callable[..., Any]:
+def verifiers_agent(source: str, overrides: dict[str, Any], timeout_s: float) -> Callable[..., Any]:
     """The agent function (client, row) -> reward that plays one episode of the verifiers environment
-    `source`; the environment is loaded here once, so a bad taskset or config fails before training."""
+    `source`; the environment is loaded here once, so a bad taskset or config fails before training. An
+    episode starts a harness process: at most twice the machine's CPU count of episodes run at once (the
+    others wait their turn), and `timeout_s` counts from an episode's start."""
     try:
         import verifiers.v1 as vf
     except ImportError as error:
@@ -119,13 +123,20 @@ def verifiers_agent(source: str, overrides: dict[str, Any]) -> Callable[..., Any
     config = env_config(source, overrides)
     task_type = type(vf.load_environment(config).taskset).task_type()
     check_tunnel_login(config)
+    limit: list[Any] = [None, None]  # the event loop of this batch of episodes and its semaphore
 
     async def play(client: Any, row: dict[str, Any]) -> float:
+        if limit[0] is not asyncio.get_running_loop():
+            limit[:] = [asyncio.get_running_loop(), asyncio.Semaphore(2 * (os.cpu_count() or 1))]
         env = vf.load_environment(config)  # its serving resources are per episode: episodes run concurrently
         endpoint = vf.EvalClientConfig(base_url=str(client.base_url), api_key_var="POSTTRAIN_EPISODE_KEY")
         task = task_of(row, task_type, config)
-        async with env.serving():
-            episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
+        async with limit[1]:
+            try:
+                async with asyncio.timeout(timeout_s), env.serving():
+                    episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
+            except TimeoutError:
+                raise EpisodeFailed(f"the verifiers episode took longer than {timeout_s:g} s") from None
         return episode_reward(episode)
 
     return play

@@ -123,6 +123,8 @@ def test_a_verifiers_environment_is_its_own_scorer():
         EnvironmentConfig(verifiers=ENV_FILE, agent_command=["python", "agent.py"]).validate()
     with pytest.raises(FileNotFoundError, match="no verifiers taskset file"):
         AgentTask.load("t", EnvironmentConfig(verifiers="missing_env.py"))
+    task = AgentTask.load("t", EnvironmentConfig(verifiers=ENV_FILE, agent_timeout_s=30.0))
+    assert task.timeout_s is None  # an episode keeps its own time, from its start
 
 
 def test_the_agent_runs_locally_and_without_a_shell_unless_the_config_says_otherwise():
