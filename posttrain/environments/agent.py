@@ -1,6 +1,7 @@
-"""Agents that bring their own loop (`env.<task>.agent: file.py:fn`, or `env.<task>.agent_command: [...]`
-for an agent in any language): the task's configuration on the driver (`AgentTask`) and the registered
-name `agent` (`AgentEnvironment`), which never steps: an agent task's episodes run through
+"""Agents that bring their own loop (`env.<task>.agent: file.py:fn`, `env.<task>.agent_command: [...]` for
+an agent in any language, or a verifiers environment's rollout: `env.<task>.verifiers`,
+`environments/verifiers.py`): the task's configuration on the driver (`AgentTask`) and the registered name
+`agent` (`AgentEnvironment`), which never steps: an agent task's episodes run through
 `experience/agent_rollouts.py`."""
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class AgentTask:
     def load(cls, task: str, cfg: Any) -> AgentTask:
         if cfg.agent_command is not None:
             return cls(task, command_agent(list(cfg.agent_command), cfg.agent_timeout_s), None)
+        if cfg.verifiers is not None:
+            from posttrain.environments.verifiers import verifiers_agent
+
+            return cls(task, verifiers_agent(cfg.verifiers, cfg.kwargs, cfg.agent_timeout_s), None)
         fn = import_attribute(cfg.agent, kind="agent")
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"env.{task}.agent: {cfg.agent} must be an async function (client, row) -> float")

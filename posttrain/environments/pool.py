@@ -99,7 +99,8 @@ class EnvironmentPool:
 
 
 def create_environments(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, Any]:
-    """One pool per task name; an agent task gets its `AgentTask` (its agent runs in the driver)."""
+    """One pool per task name; an agent task (an agent, an agent command, a verifiers environment) gets its
+    `AgentTask`, which runs in the driver."""
     from posttrain.environments.agent import AgentTask
 
     return {

@@ -58,6 +58,10 @@ class EnvironmentConfig:
     """an agent in any language, as a command: run once per episode with OPENAI_BASE_URL (the episode's
     endpoint) and OPENAI_API_KEY in its environment and the row as JSON on stdin; its last line of output is
     the reward (replaces cls)"""
+    verifiers: str | None = None
+    """a verifiers 0.4.0 environment, its taskset id or path/to/taskset.py: each episode is its own rollout
+    and scoring against the policy (replaces cls; kwargs: the verifiers env config; see
+    docs/bring-your-environment.md)"""
     agent_timeout_s: float = 120.0
     """seconds an agent's episode may take; a slower one fails (left out of the loss, counted)"""
     openenv: str | None = None
@@ -87,13 +91,17 @@ class EnvironmentConfig:
             raise ConfigError("agent_command", "an agent is a function (agent) or a command: set one of them")
         if self.agent_command == []:
             raise ConfigError("agent_command", "is empty: give the command and its arguments as a list")
+        if self.verifiers is not None and (self.agent is not None or self.agent_command is not None):
+            raise ConfigError(
+                "verifiers", "a verifiers environment is its own agent: remove agent_command, agent"
+            )
         if self.is_agent and (self.reward is not None or self.cls != "exact_match"):
             raise ConfigError("agent", "an agent computes its own reward: remove reward and cls")
 
     @property
     def is_agent(self) -> bool:
-        """An agent runs this task's episodes (`agent` or `agent_command`)."""
-        return self.agent is not None or self.agent_command is not None
+        """An agent runs this task's episodes (`agent`, `agent_command` or a `verifiers` environment)."""
+        return self.agent is not None or self.agent_command is not None or self.verifiers is not None
 
     @property
     def environment(self) -> str:

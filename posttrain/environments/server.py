@@ -357,6 +357,15 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _reply_events(self, events: list[dict[str, Any]]) -> None:
+        """200 with `events` as server-sent events, then `[DONE]` (OpenAI's stream framing), in one body."""
+        data = b"".join(f"data: {json.dumps(event)}\n\n".encode() for event in events) + b"data: [DONE]\n\n"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
     def log_message(self, format: str, *args: Any) -> None:  # quiet: one line per request is noise
         return
 

@@ -92,7 +92,7 @@ def test_bad_requests_are_4xx_naming_the_problem(served):
     assert bad_json.status_code == 400 and "not JSON" in bad_json.json()["error"]["message"]
     for body, message in (
         ({"messages": MESSAGES, "n": 0}, "n must be an integer in [1, 64]"),
-        ({"messages": MESSAGES, "stream": True}, "not served: stream"),
+        ({"messages": MESSAGES, "top_logprobs": 2}, "not served: top_logprobs"),
         ({"messages": []}, "messages must be a non-empty list"),
     ):
         answer = requests.post(url, data=json.dumps(body), headers=headers, timeout=10)
@@ -100,6 +100,25 @@ def test_bad_requests_are_4xx_naming_the_problem(served):
     with pytest.raises(openai.BadRequestError, match="top_p must be"):
         client.chat.completions.create(model="tiny", messages=MESSAGES, top_p=0)
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_a_streamed_chat_completion_is_the_whole_reply_in_one_event(served):
+    """stream=True with seed 5: the `openai` client's stream yields one chunk whose delta holds the same
+    text and token ids as the non-streamed call with that seed, then ends; `/v1/completions` does not
+    stream."""
+    server, _, client = served
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, seed=5, max_tokens=6)
+    stream = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, seed=5, max_tokens=6, stream=True
+    )
+    chunks = list(stream)
+    assert len(chunks) == 1 and chunks[0].object == "chat.completion.chunk"
+    (choice,) = chunks[0].choices
+    assert choice.delta.content == whole.choices[0].message.content
+    assert choice.model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
+    assert choice.finish_reason == whole.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError, match="not served: stream"):
+        client.completions.create(model="tiny", prompt="12+34=", max_tokens=2, stream=True)
 
 
 def test_beyond_loopback_a_key_is_required_and_checked(served):

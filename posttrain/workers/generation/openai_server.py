@@ -8,8 +8,9 @@ a model directory (a checkpoint's export or any Hugging Face model) with the Hug
 in-process.
 
 Served: messages (the model's chat template; `tools` passed to it and Hermes `<tool_call>` replies returned
-as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed.
-Not served: streaming, `top_logprobs`, penalties, `logit_bias`, `response_format` (answered 400)."""
+as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed;
+`stream` on chat completions, sent whole as one event per choice. Not served: streaming of
+`/v1/completions`, `top_logprobs`, penalties, `logit_bias`, `response_format` (answered 400)."""
 
 from __future__ import annotations
 
@@ -36,8 +37,7 @@ from posttrain.environments.server import (
 )
 from posttrain.workers.generation.config import GenerationConfig
 
-UNSERVED = ["stream", "top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias"]
-UNSERVED.append("response_format")
+UNSERVED = ["top_logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "response_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +196,8 @@ class CompletionServer(JsonServer):
         return self._response("chat.completion", prompt, choices, usage)
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body.get("stream"):
+            raise BadRequest("not served: stream (on /v1/completions)")
         prompt = body.get("prompt")
         if isinstance(prompt, str):
             prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
@@ -365,12 +367,34 @@ class CompletionHandler(EnvironmentHandler):
             if not isinstance(body, dict):
                 raise BadRequest("the body must be a JSON object")
             answer = routes[path](body, episode) if episode else routes[path](body)
-            self._reply(200, answer)
+            if body.get("stream"):
+                self._reply_events(stream_events(answer))
+            else:
+                self._reply(200, answer)
         except BadRequest as error:
             self._reply(error.status, {"error": {"message": str(error), "type": "invalid_request_error"}})
         except Exception as error:  # generation failed: say so rather than drop the connection
             message = f"generation failed: {type(error).__name__}: {error}"[:500]
             self._reply(500, {"error": {"message": message, "type": "server_error"}})
+
+
+def stream_events(completion: dict[str, Any]) -> list[dict]:
+    """A chat completion as `chat.completion.chunk` events, one per choice whose delta is the whole message
+    (tool calls numbered by `index`)."""
+    return [
+        {
+            **completion,
+            "object": "chat.completion.chunk",
+            "choices": [{**c, "delta": numbered(c.pop("message"))}],
+        }
+        for c in completion["choices"]
+    ]
+
+
+def numbered(message: dict) -> dict:
+    """`message` with its tool calls numbered (`index`), as a stream's delta carries them."""
+    calls = [{**call, "index": i} for i, call in enumerate(message.get("tool_calls", []))]
+    return {**message, "tool_calls": calls} if calls else message
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
