@@ -92,14 +92,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 def load_stage_config(schema: type, stage: str, values: dict[str, Any]) -> Any:
     """`configs/demo_<stage>.yaml` with `values` set over it, loaded and validated like any run's config."""
-    path = CONFIGS / f"demo_{stage}.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: posttrain demo reads its stage configs from a clone")
-    overrides = [
-        f"{key}={json.dumps(value) if not isinstance(value, (str, Path)) else value}"
-        for key, value in values.items()
-    ]
-    return load_typed_config(schema, path, overrides)
+    overrides = [f"{key}={json.dumps(str(v) if isinstance(v, Path) else v)}" for key, v in values.items()]
+    return load_typed_config(schema, CONFIGS / f"demo_{stage}.yaml", overrides)
 
 
 def data_values(cfg: DemoConfig) -> dict[str, Any]:

@@ -111,12 +111,10 @@ def _schema_keys(schema_cls: type, prefix: str = "") -> list[str]:
 def renamed_key(schema_cls: type, dotted: str) -> str | None:
     """The replacement of the dotted key `dotted` where a section of the schema lists it as renamed (the
     section's class attribute `RENAMED`: old name -> new name relative to the section), else None."""
-    section: type | None = schema_cls
-    parts = dotted.split(".")
+    section, parts = schema_cls, dotted.split(".")
     for depth, part in enumerate(parts):
-        renamed = getattr(section, "RENAMED", {})
-        if part in renamed:
-            return ".".join([*parts[:depth], renamed[part]])
+        if part in getattr(section, "RENAMED", {}):
+            return ".".join([*parts[:depth], section.RENAMED[part]])
         section = dataclass_in(typing.get_type_hints(section).get(part))
         if section is None:
             return None

@@ -374,30 +374,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `posttrain serve-env` options."""
     parser.add_argument("--cls", required=True, help="registered environment name, or file.py:Class")
     parser.add_argument("--kwargs", default=None, help="keyword arguments as JSON, e.g. '{\"max_moves\": 5}'")
+    add_server_arguments(parser, 8765, "POSTTRAIN_ENV_TOKEN")
+
+
+LIMIT_OPTIONS = {
+    "max_body_bytes": "largest request body",
+    "max_episodes": "episodes held at once",
+    "episode_ttl_s": "seconds after which an idle episode is forgotten",
+    "socket_timeout_s": "seconds a connection may stay silent",
+    "max_workers": "requests handled at once",
+}
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, port: int, token_env: str) -> None:
+    """The options every served endpoint takes: --host (loopback by default), --port, --token-env (the
+    variable holding the key or keys; beyond loopback, generated when unset) and its `ServerLimits`."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8765, help="port (0: any free one)")
-    token_help = "environment variable that holds the token (beyond loopback: generated when unset)"
-    parser.add_argument("--token-env", default="POSTTRAIN_ENV_TOKEN", help=token_help)
-    add_limit_arguments(parser)
-
-
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `ServerLimits` options of a served endpoint."""
+    parser.add_argument("--port", type=int, default=port, help=f"port ({port}; 0: any free one)")
+    parser.add_argument("--token-env", default=token_env, help="variable holding the API key or keys")
     defaults = ServerLimits()
-    for name, help_text in (
-        ("max_body_bytes", "largest request body"),
-        ("max_episodes", "episodes held at once"),
-        ("episode_ttl_s", "seconds after which an idle episode is forgotten"),
-        ("socket_timeout_s", "seconds a connection may stay silent"),
-        ("max_workers", "requests handled at once"),
-    ):
+    for name, help_text in LIMIT_OPTIONS.items():
         default = getattr(defaults, name)
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            type=type(default),
-            default=default,
-            help=f"{help_text} ({default})",
-        )
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(flag, type=type(default), default=default, help=f"{help_text} ({default})")
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The `ServerLimits` of parsed `add_server_arguments` options."""
+    return ServerLimits(**{name: getattr(args, name) for name in LIMIT_OPTIONS})
 
 
 def server_token(host: str, token_env: str) -> str | None:
@@ -411,9 +415,7 @@ def server_token(host: str, token_env: str) -> str | None:
 
 def main(args: argparse.Namespace) -> int:
     kwargs = json.loads(args.kwargs) if args.kwargs else {}
-    limits = ServerLimits(
-        args.max_body_bytes, args.max_episodes, args.episode_ttl_s, args.socket_timeout_s, args.max_workers
-    )
+    limits = server_limits(args)
     if not is_loopback(args.host):
         print(
             f"serve-env: WARNING: listening on {args.host}, beyond loopback: any host that can reach this "

@@ -22,10 +22,6 @@ from typing import Any
 LOCAL_RUNTIME = {"type": "subprocess"}
 
 
-class EpisodeFailed(RuntimeError):
-    """A verifiers episode that did not complete (its errors, as verifiers recorded them)."""
-
-
 def taskset_id(source: str) -> str:
     """The taskset id `source` names: an installed taskset's id as it is, a `.py` file's module name (the
     file imported under it, so that verifiers' loader finds it)."""
@@ -98,13 +94,14 @@ def write_tasks(source: str, path: str) -> int:
 
 
 def episode_reward(episode: Any) -> float:
-    """The reward of a finished single-agent episode; EpisodeFailed when it failed."""
+    """The reward of a finished single-agent episode; a RuntimeError with verifiers' record of its errors
+    when it failed."""
     if not episode.ok:
         errors = [*episode.errors, *(e for trace in episode.traces for e in trace.errors)]
         details = "\n".join(f"{e.type}: {e.message}\n{e.traceback or ''}".strip() for e in errors)
-        raise EpisodeFailed(f"the verifiers episode failed:\n{details or 'no error recorded'}")
+        raise RuntimeError(f"the verifiers episode failed:\n{details or 'no error recorded'}")
     if len(episode.traces) != 1:
-        raise EpisodeFailed(f"a multi-agent episode ({len(episode.traces)} traces): not supported")
+        raise RuntimeError(f"a multi-agent episode ({len(episode.traces)} traces): not supported")
     return float(episode.traces[0].reward)
 
 
@@ -136,7 +133,7 @@ def verifiers_agent(source: str, overrides: dict[str, Any], timeout_s: float) ->
                 async with asyncio.timeout(timeout_s), env.serving():
                     episode = await env.run_episode(task, vf.ModelContext("policy", endpoint))
             except TimeoutError:
-                raise EpisodeFailed(f"the verifiers episode took longer than {timeout_s:g} s") from None
+                raise RuntimeError(f"the verifiers episode took longer than {timeout_s:g} s") from None
         return episode_reward(episode)
 
     return play

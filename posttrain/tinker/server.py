@@ -7,22 +7,21 @@ server does not serve answer 404 with the route named."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hmac
 import logging
 import uuid
 from typing import Any
 
-import yaml
-
+from posttrain.config import load_typed_config
 from posttrain.environments.server import (
     LOOPBACK_NAMES,
     BadRequest,
     EnvironmentHandler,
     JsonServer,
     ServerLimits,
-    add_limit_arguments,
+    add_server_arguments,
     serve_until_interrupted,
+    server_limits,
     server_token,
 )
 from posttrain.tinker.service import TinkerService, TinkerServiceConfig
@@ -152,32 +151,18 @@ class TinkerHandler(EnvironmentHandler):
 
 
 def load_config(path: str) -> TinkerServiceConfig:
-    """The service config from a YAML file; an unknown key is an error naming the known ones."""
-    with open(path) as handle:
-        raw = yaml.safe_load(handle) or {}
-    known = {field.name for field in dataclasses.fields(TinkerServiceConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; known: {sorted(known)}")
-    cfg = TinkerServiceConfig(**raw)
-    cfg.validate()
-    return cfg
+    """The service config from a YAML file, loaded and checked like every posttrain config."""
+    return load_typed_config(TinkerServiceConfig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `posttrain serve-tinker` options."""
     parser.add_argument("--config", required=True, help="YAML file of the service (see docs/tinker.md)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8001, help="port (0: any free one)")
-    keys_help = "variable holding the accepted API keys, comma-separated (required beyond loopback)"
-    parser.add_argument("--token-env", default="POSTTRAIN_TINKER_KEYS", help=keys_help)
-    add_limit_arguments(parser)
+    add_server_arguments(parser, 8001, "POSTTRAIN_TINKER_KEYS")  # keys comma-separated
 
 
 def main(args: argparse.Namespace) -> int:
-    limits = ServerLimits(
-        args.max_body_bytes, args.max_episodes, args.episode_ttl_s, args.socket_timeout_s, args.max_workers
-    )
+    limits = server_limits(args)
     keys = server_token(args.host, args.token_env)
     if keys is not None and not all(key.startswith("tml-") for key in keys.split(",")):
         keys = ",".join(f"tml-{key}" for key in keys.split(","))  # a generated token gets the SDK's prefix

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from posttrain.config import ConfigError
 from posttrain.tinker.model import LOSS_INPUTS, TrainedModel, UserError, check_datum, latest_state
 from posttrain.tinker.wire import (
     forward_backward_output,
@@ -48,8 +49,9 @@ class TinkerServiceConfig:
     """Seed of a LoRA adapter's initialisation when the request gives none."""
 
     def validate(self) -> None:
-        if self.max_tokens_per_datum < 1 or self.max_models < 1:
-            raise ValueError("max_tokens_per_datum and max_models must be >= 1")
+        for key in ("max_tokens_per_datum", "max_models"):
+            if getattr(self, key) < 1:
+                raise ConfigError(key, f"must be >= 1, got {getattr(self, key)}")
 
 
 class TinkerService:

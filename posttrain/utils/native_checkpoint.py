@@ -290,12 +290,6 @@ def load_rng_state_if_saved(path: str | Path, rank: int) -> bool:
 
 
 # -- Hugging Face export ----------------------------------------------------------------------------
-def is_sequence_classifier(model_config: Any) -> bool:
-    """True when an HF config's architecture is a sequence classifier (a reward model)."""
-    architectures = getattr(model_config, "architectures", None) or [""]
-    return architectures[0].endswith("ForSequenceClassification")
-
-
 def auto_class(model_config: Any) -> Any:
     """The transformers auto class that loads a model of `model_config`: a sequence classifier when its
     architecture names one (a reward model), a token classifier likewise (a value model), an

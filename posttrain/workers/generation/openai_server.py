@@ -31,8 +31,9 @@ from posttrain.environments.server import (
     EnvironmentHandler,
     JsonServer,
     ServerLimits,
-    add_limit_arguments,
+    add_server_arguments,
     serve_until_interrupted,
+    server_limits,
     server_token,
 )
 from posttrain.workers.generation.config import GenerationConfig
@@ -400,21 +401,16 @@ def numbered(message: dict) -> dict:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The `posttrain serve` options."""
     parser.add_argument("--model", required=True, help="a model directory (a run's hf_model, an export)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-    parser.add_argument("--token-env", default="POSTTRAIN_SERVE_TOKEN", help="variable holding the API key")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request sets none")
     parser.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="generation backend")
     parser.add_argument(
         "--vllm-memory", type=float, default=0.5, help="vLLM's share of GPU memory (of CPU memory on a CPU)"
     )
-    add_limit_arguments(parser)
+    add_server_arguments(parser, 8000, "POSTTRAIN_SERVE_TOKEN")
 
 
 def main(args: argparse.Namespace) -> int:
-    limits = ServerLimits(
-        args.max_body_bytes, args.max_episodes, args.episode_ttl_s, args.socket_timeout_s, args.max_workers
-    )
+    limits = server_limits(args)
     cfg = GenerationConfig(backend=args.backend, top_k=None, vllm_gpu_memory_utilization=args.vllm_memory)
     if args.backend == "vllm":
         from posttrain.workers.generation.vllm_worker import VllmGenerationWorker as Worker
