@@ -103,6 +103,6 @@ def create_environments(env_cfgs: dict[str, EnvironmentConfig]) -> dict[str, Any
     from posttrain.environments.agent import AgentTask
 
     return {
-        task: AgentTask.load(task, cfg) if cfg.agent is not None else EnvironmentPool(task, cfg)
+        task: AgentTask.load(task, cfg) if cfg.is_agent else EnvironmentPool(task, cfg)
         for task, cfg in env_cfgs.items()
     }

@@ -53,6 +53,9 @@ class EnvironmentConfig:
     agent: str | None = None
     """an agent that brings its own loop, file.py:fn or module:fn: `async def fn(client, row) -> float`, with
     an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see docs/serve.md)"""
+    agent_command: list[str] | None = None
+    """an agent as a program, argv run once per episode: the row as JSON on stdin, OPENAI_BASE_URL and
+    OPENAI_API_KEY in its environment, the reward printed as its last stdout line (replaces cls)"""
     agent_timeout_s: float = 120.0
     """seconds an agent's episode may take; a slower one fails (left out of the loss, counted)"""
     openenv: str | None = None
@@ -60,7 +63,8 @@ class EnvironmentConfig:
     observation_key, reset_columns, max_sessions)"""
 
     def validate(self) -> None:
-        if self.openenv is not None and (self.reward, self.agent, self.cls) != (None, None, "exact_match"):
+        replaced = self.reward is not None or self.is_agent or self.cls != "exact_match"
+        if self.openenv is not None and replaced:
             raise ConfigError(
                 "openenv", "an OpenEnv server is its own environment: remove reward, agent, cls"
             )
@@ -74,14 +78,23 @@ class EnvironmentConfig:
             raise ConfigError("reward", "cls reward_function needs reward: path/to/rewards.py:fn")
         if self.reward_batched and self.reward is None:
             raise ConfigError("reward_batched", "is an option of reward: set reward too")
-        if self.agent is not None and (self.reward is not None or self.cls != "exact_match"):
+        if self.agent is not None and self.agent_command is not None:
+            raise ConfigError("agent_command", "agent and agent_command are both set: keep one of them")
+        if self.agent_command is not None and not self.agent_command:
+            raise ConfigError("agent_command", "is empty: give the program's argv, e.g. [python, agent.py]")
+        if self.is_agent and (self.reward is not None or self.cls != "exact_match"):
             raise ConfigError("agent", "an agent computes its own reward: remove reward and cls")
+
+    @property
+    def is_agent(self) -> bool:
+        """Whether an agent (`agent` or `agent_command`) runs this task's episodes."""
+        return self.agent is not None or self.agent_command is not None
 
     @property
     def environment(self) -> str:
         """The environment's registered name or import spec (`reward_function` when `reward` is set, `agent`
-        when `agent` is)."""
-        if self.agent is not None:
+        or `agent_command` is)."""
+        if self.is_agent:
             return "agent"
         if self.openenv is not None:
             return "openenv"

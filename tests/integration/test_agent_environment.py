@@ -4,13 +4,16 @@ byte-level tokenizer, whose re-tokenization of the text would change them), a fa
 episode, and GRPO trains on agent episodes end to end."""
 
 import math
+import sys
 
 import pytest
 import torch
 from agents_for_tests import SEEN
 from test_grpo import run_grpo
 
-from posttrain.environments.agent import AgentTask
+from posttrain.config import ConfigError
+from posttrain.environments import EnvironmentConfig
+from posttrain.environments.agent import AgentTask, command_agent
 from posttrain.experience.agent_rollouts import run_agent_rollout
 from posttrain.experience.rollouts import flat_token_ids, records_to_rollout_batch
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -87,6 +90,31 @@ def test_a_raising_hanging_or_nan_agent_costs_only_its_episode(worker, caplog):
     assert "the agent's tool crashed" in caplog.text
     edit_log = rollouts["message_log"][8]
     assert sum(m["role"] == "assistant" for m in edit_log) == 1  # the edited call is not merged in
+
+
+def test_an_agent_program_plays_its_episode_and_a_failing_one_costs_only_its_own(worker, caplog):
+    """`agent_command`: a Python program with the `openai` client, one process per episode. Its reward is its
+    last stdout line (here 1 + the reply's token count, so it read the real reply); a non-zero exit or a last
+    line that is not a number fails the episode, logged with the program's stderr."""
+    program = command_agent([sys.executable, "tests/integration/command_agent_for_tests.py"])
+    with caplog.at_level("WARNING"):
+        rollouts, metrics = rollout(worker, program, ["ok", "exit", "junk", "ok"], timeout_s=300.0)
+    assert rollouts["failed"].tolist() == [False, True, True, False]
+    assert metrics["env/failed_episodes"] == 2.0
+    for i in (0, 3):
+        reply = [m for m in rollouts["message_log"][i] if m["role"] == "assistant"][0]
+        assert rollouts["total_reward"][i] == 1.0 + len(reply["token_ids"])
+    assert "gave up on '1+1='" in caplog.text and "exited with 1" in caplog.text
+
+
+def test_an_agent_task_names_exactly_one_agent():
+    with pytest.raises(ConfigError, match="agent and agent_command are both set"):
+        EnvironmentConfig(agent="a.py:fn", agent_command=["python", "a.py"]).validate()
+    with pytest.raises(ConfigError, match="agent_command: is empty"):
+        EnvironmentConfig(agent_command=[]).validate()
+    with pytest.raises(ConfigError, match="computes its own reward"):
+        EnvironmentConfig(agent_command=["python", "a.py"], reward="r.py:fn").validate()
+    assert EnvironmentConfig(agent_command=["python", "a.py"]).environment == "agent"
 
 
 def test_a_hundred_concurrent_episodes_complete(worker):
