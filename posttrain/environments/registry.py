@@ -52,7 +52,8 @@ class EnvironmentConfig:
     """call reward once per batch: fn(replies, **columns) -> list"""
     agent: str | None = None
     """an agent that brings its own loop, file.py:fn or module:fn: `async def fn(client, row) -> float`, with
-    an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see docs/serve.md)"""
+    an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see
+    docs/bring-your-agent.md)"""
     agent_command: list[str] | None = None
     """an agent as a program, argv run once per episode: the row as JSON on stdin, OPENAI_BASE_URL and
     OPENAI_API_KEY in its environment, the reward printed as its last stdout line (replaces cls)"""
