@@ -3,12 +3,12 @@ generations of up to 64 new tokens, exact-match rewards on 2-digit additions), w
 between the built-in rollout (the `exact_match` environment's actors) and the same single-turn task played
 by an `openai`-client agent (`single_turn` below: one chat completion of the same prompt, the reward by the
 same comparison) through the endpoint over the same generation worker. Same weights, data order and
-settings; only the rollout path differs. Reported: each path's median step time (and of its rollout
-stage), its generated tokens per step, the ratio agent / built-in of the step time per generated token
-(equal work), and of the plain step time.
+settings; only the rollout path differs; which path goes first alternates pair by pair. Reported: each
+path's median step and rollout-stage time and generated tokens per step, and the ratios agent / built-in
+of `ratios` (target: at most 1.10).
 
-Run (one invocation, ~3 min on 2 cores):
-  .venv/bin/python benchmarks/agent_overhead.py --pairs 6 --out benchmarks/reference/agent_overhead_cpu.json
+Run (one invocation; 12 steps, ~4 min on 2 idle cores):
+  .venv/bin/python benchmarks/agent_overhead.py --pairs 5 --out benchmarks/reference/agent_overhead_cpu.json
 """
 
 from __future__ import annotations
@@ -72,6 +72,22 @@ def summarize(steps: list[dict]) -> dict[str, float]:
         "s_per_1k_generated_tokens": 1000
         * sum(s["step_s"] for s in steps)
         / sum(s["generated_tokens"] for s in steps),
+    }
+
+
+def ratios(arms: dict[str, list[dict]]) -> dict[str, float]:
+    """Agent / built-in: the median over pairs of each pair's step-time ratio (the pair's two steps ran
+    back to back, so a change of the machine's load between pairs cancels), the ratio of median steps and
+    of median rollout stages, and of step time per generated token over all steps (equal work)."""
+    builtin, agent = arms["builtin"], arms["agent"]
+    summary = {arm: summarize(steps) for arm, steps in arms.items()}
+    per_pair = [a["step_s"] / b["step_s"] for a, b in zip(agent, builtin)]
+    return {
+        "ratio_median_of_pairs": statistics.median(per_pair),
+        "ratio_median_step": summary["agent"]["median_step_s"] / summary["builtin"]["median_step_s"],
+        "ratio_median_rollout": summary["agent"]["median_rollout_s"] / summary["builtin"]["median_rollout_s"],
+        "ratio_per_generated_token": summary["agent"]["s_per_1k_generated_tokens"]
+        / summary["builtin"]["s_per_1k_generated_tokens"],
     }
 
 

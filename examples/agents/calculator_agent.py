@@ -16,10 +16,15 @@ import asyncio
 import operator
 import re
 
-SYSTEM = (
-    "You have a calculator. To use it, reply with one line: CALC: <expression>. "
-    "For example, for 'What is 12 plus 34?' reply: CALC: 12 + 34"
-)
+SYSTEM = "You have a calculator. To use it, reply with one line: CALC: <expression>."
+# One worked exchange before the question: a 135M model imitates it far more often than it follows the
+# system prompt alone.
+EXAMPLE = [
+    {"role": "user", "content": "What is 12 plus 34?"},
+    {"role": "assistant", "content": "CALC: 12 + 34"},
+    {"role": "user", "content": "The calculator says: 46. Reply with the number only."},
+    {"role": "assistant", "content": "46"},
+]
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 CALL = re.compile(r"CALC:\s*([-+*() 0-9]+)")
 
@@ -48,7 +53,7 @@ def last_number(text: str) -> str | None:
 async def solve(client, row) -> float:
     """One episode: the question, maybe one calculator call, the final answer; 1.0 when it is right."""
     question = row["prompt"].replace(" Reply with the number only.", "")  # the calculator may be used
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
     first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=24)
     text = first.choices[0].message.content or ""
     call = CALL.search(text)
@@ -63,7 +68,9 @@ async def solve(client, row) -> float:
 if __name__ == "__main__":
     import openai
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
     parser.add_argument("--question", default="What is 51 minus 29? Reply with the number only.")
     parser.add_argument("--answer", default="22")

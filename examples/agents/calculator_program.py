@@ -7,7 +7,7 @@ import os
 import sys
 import urllib.request
 
-from calculator_agent import CALL, SYSTEM, calculate, last_number
+from calculator_agent import CALL, EXAMPLE, SYSTEM, calculate, last_number
 
 
 def complete(messages: list[dict], max_tokens: int) -> str:
@@ -21,7 +21,7 @@ def complete(messages: list[dict], max_tokens: int) -> str:
 
 row = json.load(sys.stdin)
 question = row["prompt"].replace(" Reply with the number only.", "")
-messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+messages = [{"role": "system", "content": SYSTEM}, *EXAMPLE, {"role": "user", "content": question}]
 text = complete(messages, 24)
 call = CALL.search(text)
 follow_up = f"The calculator says: {calculate(call.group(1))}. " if call else ""
