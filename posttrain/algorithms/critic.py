@@ -1,15 +1,16 @@
 """PPO's critic on GRPO's loop (`grpo.advantage_estimator: gae`): a value model beside the policy, the
-per-token GAE advantages it gives, and its clipped value-loss update.
+values and returns it gives GAE, and its clipped value-loss update.
 
 Algorithm as implemented (PPO, Schulman et al. 2017, arXiv:1707.06347, with GAE, arXiv:1506.02438): the
 critic is the policy's architecture with a linear value head on every position (`critic.model.model_kind:
 value_model`, started from the policy's weights unless `critic.model.model_name` names others; a new head
 starts at zero, so the first advantages are the rewards). Each step it computes V_t for the batch's trained
 (assistant) tokens, the sequence reward sits on the last of them, GAE with `critic.gamma` and `critic.lam`
-gives A_t and the returns R_t = A_t + V_t, and A_t is whitened over the batch's trained tokens. The policy
-then takes its clipped policy-gradient step on A_t, and the critic one step of the clipped value loss toward
-R_t. Departures from the paper: no per-token KL penalty in the reward (the KL penalty, if any, is the
-loss's), and one epoch over each batch, as in GRPO's loop.
+gives A_t and the returns R_t = A_t + V_t, and A_t is whitened over the batch's trained tokens (A_t is the
+`gae` entry of `advantages.ESTIMATORS`, R_t this module's). The policy then takes its clipped
+policy-gradient step on A_t, and the critic one step of the clipped value loss toward R_t. Departures from
+the paper: no per-token KL penalty in the reward (the KL penalty, if any, is the loss's), and one epoch
+over each batch, as in GRPO's loop.
 
 Run: posttrain ppo --config configs/ppo_tiny.yaml"""
 
@@ -60,18 +61,8 @@ class CriticConfig:
                 raise ConfigError(key, f"{getattr(self, key)} must be in [0, 1]")
 
 
-@dataclass
-class CriticEstimate:
-    """What the critic adds to a batch, each [B, T]: advantages (whitened if configured), the returns the
-    value loss aims at, and the values that computed them (prev_values, the value clip's centre)."""
-
-    advantages: torch.Tensor
-    returns: torch.Tensor
-    prev_values: torch.Tensor
-
-
 class Critic:
-    """The value model's worker group and its two stages: `estimate` (values -> GAE) and `train`."""
+    """The value model's worker group and its two stages: `estimate` (values and returns) and `train`."""
 
     def __init__(
         self, cluster: RayVirtualCluster, cfg: CriticConfig, policy_model_name: str, bundle_share: float
@@ -84,15 +75,14 @@ class Critic:
 
     def estimate(
         self, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor
-    ) -> CriticEstimate:
-        """GAE advantages and returns of sequence rewards [B] on the trained tokens token_mask [B, T]."""
+    ) -> dict[str, torch.Tensor]:
+        """What the critic adds to a batch for its sequence rewards [B] on the trained tokens token_mask
+        [B, T], each [B, T]: `returns` R_t = A_t + V_t (GAE's A_t) that the value loss aims at, and the
+        values that computed them, `prev_values` (the value clip's centre, the `gae` estimator's input)."""
         values = self.model.get_values(train_data)["values"] * token_mask  # [B, T]
         token_rewards = adv.terminal_token_rewards(rewards, token_mask)  # [B, T]
         gae = adv.gae_advantages(token_rewards, values, token_mask, self.cfg.gamma, self.cfg.lam)
-        advantages = gae.advantages
-        if self.cfg.whiten_advantages:
-            advantages = adv.masked_whiten(advantages, token_mask)
-        return CriticEstimate(advantages, gae.returns, values)
+        return {"returns": gae.returns, "prev_values": values}
 
     def train(self, train_data: BatchedDataDict) -> dict[str, float]:
         """One value-loss step per global batch of the critic; train_data holds returns and prev_values."""

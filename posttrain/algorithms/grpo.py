@@ -15,10 +15,11 @@ Every step also logs its learning-health signals and warns when learning stalls,
 the replies run away or the reward falls (`health.py`, `grpo.health`).
 
 Other advantage estimators run on the same loop (`grpo.advantage_estimator`, each described in
-`grpo_config.GRPOLoopConfig`, the formulas in `advantages.py`): `dr_grpo`, `reinforce_pp`,
-`reinforce_pp_baseline`, `gae` (PPO: `critic.py`), `on_policy_distillation` (`teacher.py`) and
-`rejection_sampling` (expert iteration: SFT's `NLLLoss` on the replies whose reward reaches
-`grpo.rejection_sampling_min_reward`, the others masked out; the next step samples from the updated policy).
+`grpo_config.GRPOLoopConfig`; `advantages.ESTIMATORS` gives each its formula, the helper model it reads and
+its loss): `dr_grpo`, `reinforce_pp`, `reinforce_pp_baseline`, `gae` (PPO: `critic.py`),
+`on_policy_distillation` (`teacher.py`) and `rejection_sampling` (expert iteration: SFT's `NLLLoss` on the
+replies whose reward reaches `grpo.rejection_sampling_min_reward`, the others masked out; the next step
+samples from the updated policy).
 
 Asynchronous GRPO (`grpo.async_grpo.enabled`) takes each step's batch from generation running ahead
 (`grpo_async.py` explains it); the loss corrects for the stale generator (`loss.py`).
@@ -34,7 +35,6 @@ Run: posttrain grpo --config configs/grpo_tiny.yaml
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -208,19 +208,18 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         check_run_directories(cfg, cluster.bundle_node_ids())
         # A PPO critic or a teacher takes a quarter of each bundle, as the policy then does, beside
         # generation's half.
-        with_critic = cfg.grpo.advantage_estimator == "gae"
-        with_teacher = cfg.grpo.advantage_estimator == "on_policy_distillation"
-        if with_teacher:
+        helper = adv.ESTIMATORS[cfg.grpo.advantage_estimator].helper
+        if helper == "teacher":
             check_same_tokenizer(tokenizer, cfg.teacher.model)
-        share = 0.25 if with_critic or with_teacher else 0.5
+        share = 0.5 if helper == "none" else 0.25
         policy = Policy(
             cluster,
             cfg.policy,
             init_reference_model=keeps_reference(cfg),
             bundle_share=share,
         )
-        critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if with_critic else None
-        teacher = Teacher(cluster, cfg.teacher, share) if with_teacher else None
+        critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if helper == "critic" else None
+        teacher = Teacher(cluster, cfg.teacher, share) if helper == "teacher" else None
         generation = make_generation(
             cluster if cfg.generation.colocated else None,
             cfg.generation,
@@ -317,24 +316,22 @@ def trained_token_mask(train_data: BatchedDataDict) -> torch.Tensor:
     return train_data["token_mask"].float() * train_data["sample_mask"].float().unsqueeze(1)
 
 
-def compute_advantages(cfg: GRPOLoopConfig, rewards: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
-    """Per-token advantages [B, T] of rewards [B] on the trained tokens (token_mask [B, T]), by
-    `cfg.advantage_estimator`."""
-    num_generations = cfg.num_generations_per_prompt
-    if cfg.advantage_estimator in ("gae", "on_policy_distillation"):
-        raise ValueError(f"advantage_estimator {cfg.advantage_estimator!r} is computed in add_advantages")
-    if cfg.advantage_estimator == "reinforce_pp":
-        return adv.reinforce_pp_advantages(rewards, token_mask)
-    if cfg.advantage_estimator == "reinforce_pp_baseline":
-        return adv.reinforce_pp_advantages(rewards, token_mask, num_generations)
-    if cfg.advantage_estimator == "rejection_sampling":  # 1 on the accepted replies (the loss is SFT's)
-        return adv.broadcast_advantages((rewards >= cfg.rejection_sampling_min_reward).float(), token_mask)
-    if cfg.advantage_estimator == "dr_grpo":
-        advantages = adv.dr_grpo_advantages(rewards, num_generations)  # [B]
-    else:
-        baseline = "leave_one_out" if cfg.use_leave_one_out_baseline else "mean"
-        advantages = adv.group_relative_advantages(rewards, num_generations, baseline, cfg.normalize_rewards)
-    return adv.broadcast_advantages(advantages, token_mask)  # [B, T]
+def estimator_inputs(cfg: GRPOConfig, **tensors: torch.Tensor) -> adv.EstimatorInputs:
+    """The advantage estimators' knobs from the config, with the helper model's `tensors` (values,
+    teacher_logprobs, student_logprobs: `adv.EstimatorInputs`)."""
+    loop = cfg.grpo
+    return adv.EstimatorInputs(
+        loop.num_generations_per_prompt,
+        "leave_one_out" if loop.use_leave_one_out_baseline else "mean",
+        loop.normalize_rewards,
+        loop.rejection_sampling_min_reward,
+        cfg.critic.gamma,
+        cfg.critic.lam,
+        cfg.critic.whiten_advantages,
+        cfg.teacher.whiten_advantages,
+        cfg.teacher.reward_weight,
+        **tensors,
+    )
 
 
 def validate(run: GRPORun, step: int, timer: Timer | None = None) -> dict[str, float]:
@@ -370,41 +367,34 @@ def checkpoint(run: GRPORun, force: bool = False) -> None:
 def add_advantages(
     run: GRPORun, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor, timer: Timer
 ) -> dict[str, float]:
-    """The advantages stage: the per-token advantages [B, T] of the rewards [B], into train_data (and, for
-    PPO, the critic's values and returns; for on-policy distillation, the teacher's logprobs). Returns
-    metrics."""
-    cfg = run.cfg.grpo
-    if run.critic is not None:  # PPO: per-token GAE from the critic's values
+    """The advantages stage: the helper model's tensors (the critic's values, with the returns its value
+    loss aims at; the teacher's logprobs, or its top-k targets instead of advantages), then the estimator's
+    per-token advantages [B, T] of the rewards [B], into train_data. Returns metrics."""
+    name = run.cfg.grpo.advantage_estimator
+    estimator, metrics = adv.ESTIMATORS[name], {}
+    tensors = {"student_logprobs": train_data["generation_logprobs"]}  # [B, T], the sampling policy's
+    if run.critic is not None:
         with timer.time("values"):
-            train_data.update(vars(run.critic.estimate(train_data, rewards, token_mask)))
-        return {}
-    if run.teacher is None:
-        with timer.time("advantages"):
-            train_data["advantages"] = compute_advantages(cfg, rewards, token_mask)
-        if cfg.advantage_estimator != "rejection_sampling":
-            return {}
-        accepted = (rewards >= cfg.rejection_sampling_min_reward).float()  # [B]
-        train_data["sample_mask"] = train_data["sample_mask"] * accepted  # the rejected replies train nothing
-        return {"rejection_sampling/accepted_share": float(accepted.mean())}
-    if run.teacher.cfg.top_k:  # supervised on the student's samples: the teacher's top-k as targets
+            train_data.update(run.critic.estimate(train_data, rewards, token_mask))
+        tensors["values"] = train_data["prev_values"]  # [B, T]
+    if run.teacher is not None and run.teacher.cfg.top_k:  # supervised: the teacher's top-k as targets
         with timer.time("teacher_topk"):
             train_data.update(topk_targets(run.teacher.model, train_data, run.teacher.cfg.top_k))
         train_data["advantages"] = torch.zeros_like(token_mask)
-        return {}
-    with timer.time("teacher_logprobs"):
-        teacher_logprobs = run.teacher.logprobs(train_data)  # [B, T]
+        return metrics
+    if run.teacher is not None:
+        with timer.time("teacher_logprobs"):
+            tensors["teacher_logprobs"] = run.teacher.logprobs(train_data)  # [B, T]
+        log_ratio = (tensors["student_logprobs"] - tensors["teacher_logprobs"]) * token_mask
+        metrics["distillation/reverse_kl"] = float(log_ratio.sum() / token_mask.sum().clamp(min=1.0))
+    inputs = estimator_inputs(run.cfg, **tensors)
     with timer.time("advantages"):
-        student_logprobs = train_data["generation_logprobs"]  # [B, T], the sampling policy's
-        advantages = adv.distillation_advantages(teacher_logprobs, student_logprobs, token_mask)
-        if run.teacher.cfg.whiten_advantages:
-            advantages = adv.masked_whiten(advantages, token_mask)
-        weight = run.teacher.cfg.reward_weight
-        if weight > 0:
-            group = dataclasses.replace(cfg, advantage_estimator="grpo")
-            advantages = advantages + weight * compute_advantages(group, rewards, token_mask)
-        train_data["advantages"] = advantages
-    reverse_kl = ((student_logprobs - teacher_logprobs) * token_mask).sum() / token_mask.sum().clamp(min=1.0)
-    return {"distillation/reverse_kl": float(reverse_kl)}
+        train_data["advantages"] = estimator.fn(rewards, token_mask, inputs)
+    if estimator.keep is not None:
+        kept = estimator.keep(rewards, inputs)  # [B]
+        train_data["sample_mask"] = train_data["sample_mask"] * kept  # the others train nothing
+        metrics[f"{name}/accepted_share"] = float(kept.mean())
+    return metrics
 
 
 # ------------------------------------------------------------------------------------------------- loop
@@ -422,8 +412,8 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     # generated the data is the loss's importance weight against generation_logprobs.
     single_update = train_data.size == run.cfg.policy.train_global_batch_size
     supervised = "teacher_topk_ids" in train_data  # on-policy distillation on the teacher's top-k
-    rejection_sampling = cfg.advantage_estimator == "rejection_sampling"  # SFT on the accepted replies
-    if not (single_update or supervised or rejection_sampling):
+    nll = adv.ESTIMATORS[cfg.advantage_estimator].loss == "nll"  # SFT's loss (rejection sampling)
+    if not (single_update or supervised or nll):
         with timer.time("logprobs"):
             train_data["prev_logprobs"] = run.policy.get_logprobs(train_data)["logprobs"]
     kl_measured = reference_due(run.cfg, run.step + 1)
@@ -433,7 +423,7 @@ def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
             train_data["reference_policy_logprobs"] = reference["reference_policy_logprobs"]
     with timer.time("training"):
         loss_fn = ClippedPGLoss(run.cfg.loss, prev_is_current=single_update)
-        loss_fn = KDLoss() if supervised else NLLLoss() if rejection_sampling else loss_fn
+        loss_fn = KDLoss() if supervised else NLLLoss() if nll else loss_fn
         metrics = mean_over_steps(run.policy.train(train_data, loss_fn))
     computed = metrics.get("num_computed_tokens", 0.0)  # positions the training forwards computed
     metrics["padding_share"] = 1.0 - metrics.get("num_real_tokens", 0.0) / computed if computed else 0.0

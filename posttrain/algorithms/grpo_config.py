@@ -4,8 +4,9 @@ checks that span sections, run when the config loads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar
 
+from posttrain.algorithms.advantages import ESTIMATORS
 from posttrain.algorithms.checks import check_loop_lengths, check_parallelism, missing_model_files
 from posttrain.algorithms.critic import CriticConfig
 from posttrain.algorithms.grpo_async import AsyncGRPOConfig
@@ -13,7 +14,7 @@ from posttrain.algorithms.health import HealthConfig
 from posttrain.algorithms.loss import ClippedPGLossConfig
 from posttrain.algorithms.run import TrainingConfig
 from posttrain.algorithms.teacher import TeacherConfig
-from posttrain.config import ConfigError
+from posttrain.config import ConfigError, closest
 from posttrain.environments import EnvironmentConfig
 from posttrain.environments.registry import (
     default_task_name,
@@ -31,16 +32,6 @@ from posttrain.workers.policy.config import policy_with_lr
 # collapsed held-out accuracy (63% -> 24% in 15 steps) and 2e-5 with four updates a step lost 4 points
 # (benchmarks/reference/time_to_accuracy_smollm2_cpu.json); the tiny recipes set their own, larger rate.
 GRPO_LR = 1e-6
-
-AdvantageEstimator = Literal[
-    "grpo",
-    "dr_grpo",
-    "reinforce_pp",
-    "reinforce_pp_baseline",
-    "gae",
-    "on_policy_distillation",
-    "rejection_sampling",
-]
 
 
 @dataclass
@@ -99,13 +90,13 @@ class GRPOLoopConfig:
     """turns per episode (1: single-turn)"""
     max_seq_len: int = 256
     """most tokens of a conversation; longer is truncated"""
-    advantage_estimator: AdvantageEstimator = "grpo"
-    """grpo: group baseline (with normalize_rewards, use_leave_one_out_baseline); dr_grpo: R - group mean,
-    no std (needs loss.constant_length_normalizer); reinforce_pp: rewards whitened over the batch's tokens
-    (REINFORCE++); reinforce_pp_baseline: R - group mean, then whitened over the batch's tokens; gae: PPO,
-    per-token GAE from the value model of the critic section; on_policy_distillation: log pi_teacher - log
-    pi_student per token (teacher section); rejection_sampling: SFT's loss on the replies with reward >=
-    rejection_sampling_min_reward"""
+    advantage_estimator: str = "grpo"
+    """an entry of `advantages.ESTIMATORS`. grpo: group baseline (with normalize_rewards,
+    use_leave_one_out_baseline); dr_grpo: R - group mean, no std (needs loss.constant_length_normalizer);
+    reinforce_pp: rewards whitened over the batch's tokens (REINFORCE++); reinforce_pp_baseline: R - group
+    mean, then whitened over the batch's tokens; gae: PPO, per-token GAE from the value model of the critic
+    section; on_policy_distillation: log pi_teacher - log pi_student per token (teacher section);
+    rejection_sampling: SFT's loss on the replies with reward >= rejection_sampling_min_reward"""
     rejection_sampling_min_reward: float = 1.0
     """advantage_estimator rejection_sampling: the least reward kept"""
     normalize_rewards: bool = True
@@ -142,6 +133,12 @@ class GRPOLoopConfig:
 
     def validate(self) -> None:
         check_loop_lengths(self)
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ConfigError(
+                "advantage_estimator",
+                f"unknown estimator {self.advantage_estimator!r}, not one of {', '.join(ESTIMATORS)}",
+                suggestion=closest(self.advantage_estimator, list(ESTIMATORS)),
+            )
         if self.use_leave_one_out_baseline and self.advantage_estimator != "grpo":
             raise ConfigError(
                 "use_leave_one_out_baseline",
@@ -190,10 +187,8 @@ class GRPOConfig(TrainingConfig):
         self.validate_async()
         match_task_to_environments(self.data, self.env)
         check_tool_environments(self.env, self.grpo.max_rollout_turns)
-        if (
-            self.grpo.advantage_estimator == "on_policy_distillation"
-            and self.teacher.model.model_name is None
-        ):
+        helper = ESTIMATORS[self.grpo.advantage_estimator].helper
+        if helper == "teacher" and self.teacher.model.model_name is None:
             raise ConfigError(
                 "teacher.model.model_name",
                 "on-policy distillation needs a teacher: a model directory or hub name",
@@ -205,7 +200,7 @@ class GRPOConfig(TrainingConfig):
                 "teacher.top_k",
                 "distillation on the teacher's top-k runs on the dtensor backend (policy and teacher)",
             )
-        if self.grpo.advantage_estimator == "gae":
+        if helper == "critic":
             check_parallelism(self.critic.model, self.cluster)
             if batch % self.critic.model.train_global_batch_size:
                 raise ConfigError(
@@ -266,14 +261,11 @@ class GRPOConfig(TrainingConfig):
     def missing_files(self) -> list[ConfigError]:
         """Missing data files, model directories (the critic's and teacher's too, where the estimator uses
         them), reward and environment files and grader files, one error each (run before anything starts)."""
-        helper = {
-            "gae": ("critic.model", self.critic.model),
-            "on_policy_distillation": ("teacher.model", self.teacher.model),
-        }
-        section, model = helper.get(self.grpo.advantage_estimator, ("", None))
+        helper = ESTIMATORS[self.grpo.advantage_estimator].helper
+        models = {"critic": self.critic.model, "teacher": self.teacher.model}
         return (
             super().missing_files()
-            + (missing_model_files(section, model) if model is not None else [])
+            + (missing_model_files(f"{helper}.model", models[helper]) if helper in models else [])
             + environment_file_problems(self.env)
             + grader_problems("grpo.validation.grader", self.grpo.validation.grader)
         )

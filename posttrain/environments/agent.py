@@ -1,6 +1,7 @@
-"""Agents that bring their own loop (`env.<task>.agent: file.py:fn`, or a program: `agent_command`): the
-task's configuration on the driver (`AgentTask`) and the registered name `agent` (`AgentEnvironment`),
-which never steps: an agent task's episodes run through `experience/agent_rollouts.py`."""
+"""Agents that bring their own loop (`env.<task>.agent: file.py:fn`, or `env.<task>.agent_command: [...]`
+for an agent in any language): the task's configuration on the driver (`AgentTask`) and the registered
+name `agent` (`AgentEnvironment`), which never steps: an agent task's episodes run through
+`experience/agent_rollouts.py`."""
 
 from __future__ import annotations
 
@@ -22,12 +23,12 @@ class AgentTask:
 
     task: str
     fn: Callable[..., Any]
-    timeout_s: float
+    timeout_s: float | None  # None: `fn` keeps its own time (a command's starts with its process)
 
     @classmethod
     def load(cls, task: str, cfg: Any) -> AgentTask:
         if cfg.agent_command is not None:
-            return cls(task, command_agent([str(arg) for arg in cfg.agent_command]), cfg.agent_timeout_s)
+            return cls(task, command_agent(list(cfg.agent_command), cfg.agent_timeout_s), None)
         fn = import_attribute(cfg.agent, kind="agent")
         if not inspect.iscoroutinefunction(fn):
             raise TypeError(f"env.{task}.agent: {cfg.agent} must be an async function (client, row) -> float")
@@ -37,35 +38,42 @@ class AgentTask:
         """Nothing runs between rollouts."""
 
 
-def command_agent(argv: list[str]) -> Callable[..., Any]:
-    """An agent function that runs the program `argv` for one episode: the row as JSON on its stdin, the
-    episode's endpoint as OPENAI_BASE_URL and OPENAI_API_KEY in its environment; its reward is the last line
-    it prints. A non-zero exit or a last line that is not a number raises (the episode fails, with the end
-    of the program's stderr); a cancelled episode (its timeout) kills the program."""
+def command_agent(argv: list[str], timeout_s: float) -> Callable[..., Any]:
+    """The agent function of a command: each episode runs `argv` with OPENAI_BASE_URL (the episode's
+    endpoint) and OPENAI_API_KEY set, writes the row as JSON to its stdin and reads the reward from the last
+    line it prints. At most twice the machine's CPU count of processes run at once (the others wait their
+    turn; `timeout_s` counts from a process's start, and a process past it is killed). A non-zero exit, a
+    timeout or a last line that is not a number raises: the episode fails, with the end of its stderr."""
+    limit: list[Any] = [None, None]  # the event loop of this batch of episodes and its semaphore
 
-    async def run_command(client: Any, row: dict[str, Any]) -> float:
-        endpoint = {"OPENAI_BASE_URL": str(client.base_url).rstrip("/"), "OPENAI_API_KEY": client.api_key}
+    async def run(client: Any, row: dict[str, Any]) -> float:
+        if limit[0] is not asyncio.get_running_loop():
+            limit[:] = [asyncio.get_running_loop(), asyncio.Semaphore(2 * (os.cpu_count() or 1))]
+        env = {**os.environ, "OPENAI_BASE_URL": str(client.base_url), "OPENAI_API_KEY": client.api_key}
         pipe = asyncio.subprocess.PIPE
-        process = await asyncio.create_subprocess_exec(
-            *argv, stdin=pipe, stdout=pipe, stderr=pipe, env={**os.environ, **endpoint}
-        )
-        try:
-            stdout, stderr = await process.communicate(json.dumps(row, default=str).encode())
-        finally:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-        lines = stdout.decode(errors="replace").strip().splitlines()
-        tail = stderr.decode(errors="replace")[-2000:]
+        async with limit[1]:
+            process = await asyncio.create_subprocess_exec(
+                *argv, stdin=pipe, stdout=pipe, stderr=pipe, env=env
+            )
+            try:
+                row_json = json.dumps(row, default=str).encode()
+                out, err = await asyncio.wait_for(process.communicate(row_json), timeout_s)
+            except asyncio.TimeoutError:
+                raise RuntimeError(f"{argv[0]} took longer than {timeout_s:g} s") from None
+            finally:
+                if process.returncode is None:  # timed out, or the rollout is stopping
+                    process.kill()
+                    await process.wait()
         if process.returncode != 0:
-            raise RuntimeError(f"{argv} exited with {process.returncode}; its stderr ends:\n{tail}")
+            tail = err.decode(errors="replace")[-2000:]
+            raise RuntimeError(f"{argv[0]} exited with status {process.returncode}: {tail}")
+        last = (out.decode(errors="replace").strip().splitlines() or [""])[-1]
         try:
-            return float(lines[-1])
-        except (IndexError, ValueError):
-            last = lines[-1] if lines else ""
-            raise ValueError(f"{argv} printed {last!r} last, not a reward; stderr ends:\n{tail}") from None
+            return float(last)
+        except ValueError:
+            raise RuntimeError(f"{argv[0]} printed {last!r} as its last line, not a reward") from None
 
-    return run_command
+    return run
 
 
 class AgentEnvironment(EnvironmentInterface):

@@ -4,6 +4,7 @@ reward function and hands them to the actors (`pool`) by value, so what a script
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +53,11 @@ class EnvironmentConfig:
     """call reward once per batch: fn(replies, **columns) -> list"""
     agent: str | None = None
     """an agent that brings its own loop, file.py:fn or module:fn: `async def fn(client, row) -> float`, with
-    an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see
-    docs/bring-your-agent.md)"""
+    an openai.AsyncOpenAI client on the policy scoped to the episode (replaces cls; see docs/serve.md)"""
     agent_command: list[str] | None = None
-    """an agent as a program, argv run once per episode: the row as JSON on stdin, OPENAI_BASE_URL and
-    OPENAI_API_KEY in its environment, the reward printed as its last stdout line (replaces cls)"""
+    """an agent in any language, as a command: run once per episode with OPENAI_BASE_URL (the episode's
+    endpoint) and OPENAI_API_KEY in its environment and the row as JSON on stdin; its last line of output is
+    the reward (replaces cls)"""
     agent_timeout_s: float = 120.0
     """seconds an agent's episode may take; a slower one fails (left out of the loss, counted)"""
     openenv: str | None = None
@@ -64,8 +65,11 @@ class EnvironmentConfig:
     observation_key, reset_columns, max_sessions)"""
 
     def validate(self) -> None:
-        replaced = self.reward is not None or self.is_agent or self.cls != "exact_match"
-        if self.openenv is not None and replaced:
+        if self.openenv is not None and (self.reward, self.is_agent, self.cls) != (
+            None,
+            False,
+            "exact_match",
+        ):
             raise ConfigError(
                 "openenv", "an OpenEnv server is its own environment: remove reward, agent, cls"
             )
@@ -80,21 +84,21 @@ class EnvironmentConfig:
         if self.reward_batched and self.reward is None:
             raise ConfigError("reward_batched", "is an option of reward: set reward too")
         if self.agent is not None and self.agent_command is not None:
-            raise ConfigError("agent_command", "agent and agent_command are both set: keep one of them")
-        if self.agent_command is not None and not self.agent_command:
-            raise ConfigError("agent_command", "is empty: give the program's argv, e.g. [python, agent.py]")
+            raise ConfigError("agent_command", "an agent is a function (agent) or a command: set one of them")
+        if self.agent_command == []:
+            raise ConfigError("agent_command", "is empty: give the command and its arguments as a list")
         if self.is_agent and (self.reward is not None or self.cls != "exact_match"):
             raise ConfigError("agent", "an agent computes its own reward: remove reward and cls")
 
     @property
     def is_agent(self) -> bool:
-        """Whether an agent (`agent` or `agent_command`) runs this task's episodes."""
+        """An agent runs this task's episodes (`agent` or `agent_command`)."""
         return self.agent is not None or self.agent_command is not None
 
     @property
     def environment(self) -> str:
         """The environment's registered name or import spec (`reward_function` when `reward` is set, `agent`
-        or `agent_command` is)."""
+        when an agent runs the episodes)."""
         if self.is_agent:
             return "agent"
         if self.openenv is not None:
@@ -208,9 +212,12 @@ def check_record_tasks(
 
 def environment_file_problems(env_cfgs: dict[str, EnvironmentConfig]) -> list[ConfigError]:
     """One error per task whose reward function or environment class cannot be loaded (a missing file, a
-    missing attribute, an unknown name), naming `env.<task>.reward` or `env.<task>.cls`."""
+    missing attribute, an unknown name), naming `env.<task>.reward` or `env.<task>.cls`, or whose agent
+    command is not found."""
     problems = []
     for task, cfg in env_cfgs.items():
+        if cfg.agent_command and shutil.which(cfg.agent_command[0]) is None:
+            problems.append(ConfigError(f"env.{task}.agent_command", f"{cfg.agent_command[0]} is not found"))
         key = f"env.{task}.reward" if cfg.reward is not None else f"env.{task}.cls"
         try:
             resolve_environment(cfg)

@@ -324,6 +324,16 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
 
     def _read_json(self) -> Any:
         """The request body decoded as JSON, its declared length checked against the cap first."""
+        data = self._read_body()
+        try:
+            return json.loads(data)
+        except RecursionError:
+            raise BadRequest("the body's JSON is nested too deeply") from None
+        except ValueError as error:
+            raise BadRequest(f"the body is not JSON: {error}") from None
+
+    def _read_body(self) -> bytes:
+        """The request body's bytes, its declared length checked against the cap first."""
         length = self.headers.get("Content-Length")
         if length is None:
             raise BadRequest("a Content-Length is required", 411)
@@ -337,12 +347,7 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
         except TimeoutError:
             self.close_connection = True
             raise BadRequest(f"the body did not arrive within {self.timeout} s", 408) from None
-        try:
-            return json.loads(data)
-        except RecursionError:
-            raise BadRequest("the body's JSON is nested too deeply") from None
-        except ValueError as error:
-            raise BadRequest(f"the body is not JSON: {error}") from None
+        return data
 
     def _reply(self, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()

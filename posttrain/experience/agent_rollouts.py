@@ -50,7 +50,7 @@ async def _run_episodes(agents: list[Any], rows: list[dict], base_urls: list[str
     )
 
 
-def failure(result: Any, num_calls: int, timeout_s: float) -> str | None:
+def failure(result: Any, num_calls: int, timeout_s: float | None) -> str | None:
     """Why an episode failed (None: it did not)."""
     if isinstance(result, asyncio.TimeoutError):
         return f"the agent took longer than {timeout_s:g} s"

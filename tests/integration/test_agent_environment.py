@@ -4,16 +4,13 @@ byte-level tokenizer, whose re-tokenization of the text would change them), a fa
 episode, and GRPO trains on agent episodes end to end."""
 
 import math
-import sys
 
 import pytest
 import torch
 from agents_for_tests import SEEN
 from test_grpo import run_grpo
 
-from posttrain.config import ConfigError
-from posttrain.environments import EnvironmentConfig
-from posttrain.environments.agent import AgentTask, command_agent
+from posttrain.environments.agent import AgentTask
 from posttrain.experience.agent_rollouts import run_agent_rollout
 from posttrain.experience.rollouts import flat_token_ids, records_to_rollout_batch
 from posttrain.models.build import ModelFromConfig, build_model_dir
@@ -92,36 +89,37 @@ def test_a_raising_hanging_or_nan_agent_costs_only_its_episode(worker, caplog):
     assert sum(m["role"] == "assistant" for m in edit_log) == 1  # the edited call is not merged in
 
 
-def test_an_agent_program_plays_its_episode_and_a_failing_one_costs_only_its_own(worker, caplog):
-    """`agent_command`: a Python program with the `openai` client, one process per episode. Its reward is its
-    last stdout line (here 1 + the reply's token count, so it read the real reply); a non-zero exit or a last
-    line that is not a number fails the episode, logged with the program's stderr."""
-    program = command_agent([sys.executable, "tests/integration/command_agent_for_tests.py"])
-    with caplog.at_level("WARNING"):
-        rollouts, metrics = rollout(worker, program, ["ok", "exit", "junk", "ok"], timeout_s=300.0)
-    assert rollouts["failed"].tolist() == [False, True, True, False]
-    assert metrics["env/failed_episodes"] == 2.0
-    for i in (0, 3):
-        reply = [m for m in rollouts["message_log"][i] if m["role"] == "assistant"][0]
-        assert rollouts["total_reward"][i] == 1.0 + len(reply["token_ids"])
-    assert "gave up on '1+1='" in caplog.text and "exited with 1" in caplog.text
-
-
-def test_an_agent_task_names_exactly_one_agent():
-    with pytest.raises(ConfigError, match="agent and agent_command are both set"):
-        EnvironmentConfig(agent="a.py:fn", agent_command=["python", "a.py"]).validate()
-    with pytest.raises(ConfigError, match="agent_command: is empty"):
-        EnvironmentConfig(agent_command=[]).validate()
-    with pytest.raises(ConfigError, match="computes its own reward"):
-        EnvironmentConfig(agent_command=["python", "a.py"], reward="r.py:fn").validate()
-    assert EnvironmentConfig(agent_command=["python", "a.py"]).environment == "agent"
-
-
 def test_a_hundred_concurrent_episodes_complete(worker):
     from agents_for_tests import misbehaving
 
     rollouts, metrics = rollout(worker, misbehaving, ["ok"] * 100)
     assert not rollouts["failed"].any() and metrics["mean_turns"] == 1.0
+
+
+def test_an_agent_command_runs_each_episode_and_its_failures_cost_only_theirs(worker, caplog):
+    """`agent_command`: a Python script using the openai client from its environment; its reward (the share
+    of digits in the reply it got) equals the same function of the trajectory's tokens, decoded. A non-zero
+    exit, a last line that is not a number and a command past its timeout (killed) fail their episodes, with
+    the stderr's end or the reason logged."""
+    import sys
+
+    from posttrain.environments.agent import command_agent
+
+    agent = command_agent([sys.executable, "tests/integration/command_agent.py"], timeout_s=120.0)
+    with caplog.at_level("WARNING"):
+        rollouts, metrics = rollout(worker, agent, ["ok", "ok", "exit", "garbage"], timeout_s=None)
+    assert rollouts["failed"].tolist() == [False, False, True, True]
+    assert metrics["env/failed_episodes"] == 2.0 and "the agent's sandbox is gone" in caplog.text
+    for i in (0, 1):
+        reply = [m for m in rollouts["message_log"][i] if m["role"] == "assistant"]
+        text = worker.tokenizer.decode(reply[0]["token_ids"], skip_special_tokens=True)
+        assert len(reply) == 1 and 1 <= len(reply[0]["token_ids"]) <= 5
+        digits = sum(c.isdigit() for c in text) / max(1, len(text))
+        assert rollouts["total_reward"][i].item() == pytest.approx(digits)
+    sleeper = command_agent([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=2.0)
+    with caplog.at_level("WARNING"):
+        rollouts, _ = rollout(worker, sleeper, ["x"], timeout_s=None)
+    assert rollouts["failed"].tolist() == [True] and "took longer than 2 s" in caplog.text
 
 
 @pytest.mark.slow

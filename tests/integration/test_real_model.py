@@ -12,6 +12,7 @@ from packaged_gguf import packaged_gguf
 from run_logs import as_overrides
 
 from posttrain.algorithms import grpo, sft
+from posttrain.algorithms.advantages import ESTIMATORS
 from posttrain.cli import main as posttrain_main
 from posttrain.config import load_typed_config
 from posttrain.environments import create_environments
@@ -275,5 +276,6 @@ def test_restating_the_question_earns_the_run_nothing(grpo_run):
             metadata.append(info)
     result = run.envs["math"].step(logs, metadata)
     assert result.rewards.tolist() == [0.0] * len(logs) and result.num_errors == 0
-    advantages = grpo.compute_advantages(run.cfg.grpo, result.rewards, torch.ones(len(logs), 1))
+    estimator = ESTIMATORS[run.cfg.grpo.advantage_estimator]
+    advantages = estimator.fn(result.rewards, torch.ones(len(logs), 1), grpo.estimator_inputs(run.cfg))
     assert advantages.abs().sum() == 0

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from posttrain.algorithms.advantages import (
+    ESTIMATORS,
+    EstimatorInputs,
     broadcast_advantages,
     distillation_advantages,
     dr_grpo_advantages,
@@ -191,3 +193,45 @@ def test_distillation_advantage_is_teacher_minus_student_logprob_on_trained_toke
     teacher = torch.tensor([[-1.0, math.log(0.25), math.log(0.5)]])
     advantages = distillation_advantages(teacher, student, torch.tensor([[0, 1, 1]]))
     torch.testing.assert_close(advantages, torch.tensor([[0.0, -math.log(2), math.log(2)]]))
+
+
+def test_every_estimator_of_the_table_gives_per_token_advantages_zero_off_the_mask():
+    """Each entry's fn: rewards [4] (two groups of two), token_mask [4, 3] with an untrained prompt column
+    and a sample without trained tokens, the critic's values and both policies' logprobs -> [4, 3], 0
+    wherever token_mask is 0 (nonzero somewhere, so a fn of zeros would not pass)."""
+    generator = torch.Generator().manual_seed(0)
+    token_mask = torch.tensor([[0, 1, 1], [0, 1, 0], [0, 0, 0], [0, 1, 1]]).float()
+    inputs = EstimatorInputs(
+        num_generations=2,
+        reward_weight=0.5,
+        values=torch.randn(4, 3, generator=generator) * token_mask,
+        teacher_logprobs=-torch.rand(4, 3, generator=generator),
+        student_logprobs=-torch.rand(4, 3, generator=generator),
+    )
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0])
+    for name, estimator in ESTIMATORS.items():
+        advantages = estimator.fn(rewards, token_mask, inputs)
+        assert advantages.shape == (4, 3), name
+        assert torch.equal(advantages * (1 - token_mask), torch.zeros(4, 3)), name
+        assert advantages.abs().sum() > 0, name
+        assert estimator.helper in ("none", "critic", "teacher") and estimator.loss in ("clipped_pg", "nll")
+
+
+def test_distillation_estimator_adds_the_weighted_group_advantage_to_teacher_minus_student():
+    """Unwhitened, reward_weight .5, no std division. teacher - student per token: [[1, 0], [1, -4],
+    [-2, 0], [-1, 2]], masked by [[1, 1], [1, 0], [1, 0], [0, 1]]: [[1, 0], [1, 0], [-2, 0], [0, 2]].
+    Rewards [1, 0 | 1, 1]: group means .5 and 1, so R - mean = [.5, -.5, 0, 0], times .5 = [.25, -.25, 0,
+    0] on each trained token. Sum: [[1.25, .25], [.75, 0], [-2, 0], [0, 2]]."""
+    token_mask = torch.tensor([[1, 1], [1, 0], [1, 0], [0, 1]]).float()
+    inputs = EstimatorInputs(
+        num_generations=2,
+        normalize_std=False,
+        whiten_distillation=False,
+        reward_weight=0.5,
+        teacher_logprobs=torch.tensor([[-1.0, -2.0], [-1.0, -5.0], [-3.0, -1.0], [-2.0, -2.0]]),
+        student_logprobs=torch.tensor([[-2.0, -2.0], [-2.0, -1.0], [-1.0, -1.0], [-1.0, -4.0]]),
+    )
+    advantages = ESTIMATORS["on_policy_distillation"].fn(
+        torch.tensor([1.0, 0.0, 1.0, 1.0]), token_mask, inputs
+    )
+    torch.testing.assert_close(advantages, torch.tensor([[1.25, 0.25], [0.75, 0.0], [-2.0, 0.0], [0.0, 2.0]]))

@@ -241,6 +241,18 @@ def test_missing_critic_and_teacher_models_are_named_when_the_config_loads(tmp_p
     assert [str(problem).split(":")[0] for problem in cfg.missing_files()] == ["policy.model_name"]
 
 
+def test_an_agent_command_is_checked_when_the_config_loads():
+    grpo_tiny = str(CONFIGS / "grpo_tiny.yaml")
+    both = "env.arithmetic={_override_: true, agent: 'a.py:fn', agent_command: [python, a.py]}"
+    assert config_error(grpo.GRPOConfig, grpo_tiny, both) == (
+        "env.arithmetic.agent_command: an agent is a function (agent) or a command: set one of them "
+        "(from command line)"
+    )
+    missing = "env.arithmetic={_override_: true, agent_command: [no-such-agent-binary, --fast]}"
+    cfg = load_typed_config(grpo.GRPOConfig, grpo_tiny, [missing])
+    assert "env.arithmetic.agent_command: no-such-agent-binary is not found" in map(str, cfg.missing_files())
+
+
 def test_dataset_name_typo_is_a_config_error_not_a_hub_lookup():
     assert config_error(sft.SFTConfig, SFT_TINY, "data.dataset=arithmetc") == (
         "data.dataset: 'arithmetc' is not a built-in task (arithmetic, arithmetic_preference, "

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.algorithms.grpo import GRPOConfig, compute_advantages
+from posttrain.algorithms.advantages import ESTIMATORS
+from posttrain.algorithms.grpo import GRPOConfig, estimator_inputs
 from posttrain.config import ConfigError, load_typed_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -22,7 +23,7 @@ def advantages_of(config: str, *overrides: str) -> torch.Tensor:
         "policy.train_micro_batch_size=64",
     ]
     cfg = load_typed_config(GRPOConfig, str(CONFIGS / config), [*groups_of_two, *overrides])
-    return compute_advantages(cfg.grpo, REWARDS, TOKEN_MASK)
+    return ESTIMATORS[cfg.grpo.advantage_estimator].fn(REWARDS, TOKEN_MASK, estimator_inputs(cfg))
 
 
 def test_grpo_divides_by_each_groups_std():
@@ -71,10 +72,14 @@ def test_leave_one_out_with_another_estimator_is_refused_naming_the_key():
     assert error.value.key == "grpo.use_leave_one_out_baseline"
 
 
-def test_an_unknown_estimator_is_refused_naming_the_key():
-    with pytest.raises(ConfigError) as error:
-        load_typed_config(GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), ["grpo.advantage_estimator=ppo2"])
-    assert error.value.key == "grpo.advantage_estimator"
+def test_an_unknown_estimator_is_refused_naming_the_key_and_listing_the_table():
+    for name, suggestion in (("ppo2", None), ("dr_grp", "dr_grpo")):
+        with pytest.raises(ConfigError) as error:
+            load_typed_config(
+                GRPOConfig, str(CONFIGS / "grpo_tiny.yaml"), [f"grpo.advantage_estimator={name}"]
+            )
+        assert error.value.key == "grpo.advantage_estimator" and error.value.suggestion == suggestion
+        assert all(known in error.value.message for known in ESTIMATORS), error.value.message
 
 
 def test_ppo_config_gets_a_value_model_critic_by_default():
@@ -172,8 +177,14 @@ def test_rejection_sampling_trains_sfts_loss_on_the_accepted_replies_alone():
         ["grpo.advantage_estimator=rejection_sampling", "grpo.num_generations_per_prompt=8"],
     )
     expected = torch.tensor([[0, 1, 1], [0, 0, 0], [0, 1, 0], [0, 1, 0]]).float()
-    torch.testing.assert_close(compute_advantages(cfg.grpo, REWARDS, TOKEN_MASK), expected)
-    train_data = {"token_mask": TOKEN_MASK, "sample_mask": torch.ones(4)}
+    torch.testing.assert_close(
+        ESTIMATORS["rejection_sampling"].fn(REWARDS, TOKEN_MASK, estimator_inputs(cfg)), expected
+    )
+    train_data = {
+        "token_mask": TOKEN_MASK,
+        "sample_mask": torch.ones(4),
+        "generation_logprobs": torch.zeros(4, 3),
+    }
     run = SimpleNamespace(cfg=cfg, critic=None, teacher=None)
     metrics = add_advantages(run, train_data, REWARDS, TOKEN_MASK, Timer())
     assert metrics == {"rejection_sampling/accepted_share": 0.75}

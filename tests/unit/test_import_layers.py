@@ -25,6 +25,7 @@ LAYERS = {
     "posttrain.experience": 3,
     "posttrain.evals": 3,
     "posttrain.algorithms": 4,  # the loops: sft, grpo, dpo, rm and their shared run plumbing
+    "posttrain.tinker": 4,  # the Tinker-compatible training service, over the policy and generation code
     "posttrain.cli": 5,
     "posttrain.demo": 5,
     "posttrain.export": 5,
@@ -34,7 +35,7 @@ LAYER_NAMES = [
     "distributed, data, loss math",
     "models, environments",
     "workers, experience, evals",
-    "algorithm loops",
+    "algorithm loops, tinker service",
     "commands",
 ]
 
