@@ -14,7 +14,8 @@ def complete(messages: list[dict], max_tokens: int) -> str:
     """One chat completion from the episode's endpoint: the reply's text."""
     body = json.dumps({"model": "policy", "messages": messages, "max_tokens": max_tokens}).encode()
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}
-    request = urllib.request.Request(f"{os.environ['OPENAI_BASE_URL']}/chat/completions", body, headers)
+    url = os.environ["OPENAI_BASE_URL"].rstrip("/") + "/chat/completions"
+    request = urllib.request.Request(url, body, headers)
     with urllib.request.urlopen(request) as response:
         return json.load(response)["choices"][0]["message"]["content"] or ""
 
