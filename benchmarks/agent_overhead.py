@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import torch  # noqa: E402
 from grpo_step import WORKLOADS, posttrain_config, prepare_model, write_prompts  # noqa: E402
 
 from posttrain.algorithms import grpo  # noqa: E402
@@ -43,6 +44,15 @@ async def single_turn(client, row) -> float:
     return float(
         strip_end_markers(reply.choices[0].message.content or "") == str(row["ground_truth"]).strip()
     )
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
 
 
 def timed_step(run, envs: dict) -> dict[str, float]:
@@ -127,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {
             "platform": platform.platform(),
+            "device": "cpu",
+            "processor": cpu_model(),
+            "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
             "python": platform.python_version(),
             "load_average_start": load_start,
