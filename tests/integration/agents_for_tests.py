@@ -41,3 +41,18 @@ async def misbehaving(client, row):
         edited = [*messages, {"role": "assistant", "content": "edited"}, {"role": "user", "content": "more"}]
         await client.chat.completions.create(model="policy", messages=edited, max_tokens=4)
     return 1.0 if reply.choices[0].message.content else 0.5
+
+
+async def one_tool_call(client, row):
+    """Offer a tool, send the reply back as returned (its tool call parsed out) with the tool's result, and
+    ask again: one episode of two calls."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = await client.chat.completions.create(
+        model="policy", messages=messages, tools=tools, max_tokens=40
+    )
+    message = reply.choices[0].message
+    assert message.tool_calls, message
+    messages += [message.model_dump(exclude_none=True), {"role": "tool", "content": "7"}]
+    await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=40)
+    return 1.0

@@ -89,6 +89,39 @@ def test_a_raising_hanging_or_nan_agent_costs_only_its_episode(worker, caplog):
     assert sum(m["role"] == "assistant" for m in edit_log) == 1  # the edited call is not merged in
 
 
+class ToolCallingGeneration:
+    """The worker's tokenizer and config, and a reply that is always one Hermes tool call: the model under
+    training would have to learn it first; the endpoint's handling of it is what is tested."""
+
+    def __init__(self, worker):
+        self.cfg, self.tokenizer = worker.cfg, worker.tokenizer
+        call = '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+        self.reply = self.tokenizer(call, add_special_tokens=False)["input_ids"]
+
+    def generate(self, data, greedy=False, seed=0):
+        rows, width = data["input_ids"].shape
+        output_ids = torch.cat([data["input_ids"], torch.tensor([self.reply] * rows)], dim=1)
+        lengths = torch.full((rows,), len(self.reply))  # the prompts are one width: one call per batch here
+        logprobs = torch.zeros(output_ids.shape)
+        return {
+            "output_ids": output_ids,
+            "logprobs": logprobs,
+            "generation_lengths": lengths,
+            "truncated": lengths < 0,
+        }
+
+
+def test_a_tool_call_sent_back_as_returned_continues_the_episode(worker):
+    """The reply's tool call comes back parsed (`tool_calls`, the markup out of `content`); an agent that
+    sends that message back with the tool's result continues its trajectory: two assistant turns, the tool
+    result between them, nothing resequenced."""
+    from agents_for_tests import one_tool_call
+
+    rollouts, metrics = rollout(ToolCallingGeneration(worker), one_tool_call, ["7"])
+    assert not rollouts["failed"].any() and metrics["env/agent_resequenced"] == 0.0
+    assert [m["role"] for m in rollouts["message_log"][0]][1:] == ["assistant", "tool", "assistant"]
+
+
 def test_a_hundred_concurrent_episodes_complete(worker):
     from agents_for_tests import misbehaving
 

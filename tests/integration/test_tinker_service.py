@@ -226,7 +226,10 @@ def test_the_shipped_config_loads_and_a_server_beyond_loopback_needs_keys(tmp_pa
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs" / "tinker_tiny.yaml"))
     assert cfg.base_model == "/tmp/posttrain-tiny" and not cfg.allow_full_weights
     (tmp_path / "bad.yaml").write_text("base_model: m\nlora_rank: 8\n")
-    with pytest.raises(ConfigError, match=r"^lora_rank: unknown key in TinkerServiceConfig; did you mean 'lora_alpha'.*bad.yaml"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^lora_rank: unknown key in TinkerServiceConfig; did you mean 'lora_alpha'.*bad.yaml",
+    ):
         load_config(str(tmp_path / "bad.yaml"))
     with pytest.raises(ValueError, match="beyond loopback"):
         TinkerServer(TinkerService(cfg), host="0.0.0.0")

@@ -194,6 +194,8 @@ class CompletionServer(JsonServer):
                 choice["finish_reason"] = "tool_calls"
             choice["message"] = message
             del choice["raw_text"]
+        if episode is not None and not episode.closed:  # continued by the reply as returned (calls parsed)
+            episode.sent[-1] = plain(choices[0]["message"])
         return self._response("chat.completion", prompt, choices, usage)
 
     def completion(self, body: dict[str, Any]) -> dict[str, Any]:
