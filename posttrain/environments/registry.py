@@ -69,11 +69,7 @@ class EnvironmentConfig:
     observation_key, reset_columns, max_sessions)"""
 
     def validate(self) -> None:
-        if self.openenv is not None and (self.reward, self.is_agent, self.cls) != (
-            None,
-            False,
-            "exact_match",
-        ):
+        if self.openenv is not None and (self.reward or self.is_agent or self.cls != "exact_match"):
             raise ConfigError(
                 "openenv", "an OpenEnv server is its own environment: remove reward, agent, cls"
             )
