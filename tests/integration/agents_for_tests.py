@@ -2,6 +2,10 @@
 
 import asyncio
 
+import torch
+
+from posttrain.experience.rollouts import records_to_rollout_batch
+
 SEEN: dict[str, list[dict]] = {}  # per row: what the endpoint answered each call (ids, prompt ids, text)
 
 
@@ -56,3 +60,17 @@ async def one_tool_call(client, row):
     messages += [message.model_dump(exclude_none=True), {"role": "tool", "content": "7"}]
     await client.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=40)
     return 1.0
+
+
+def agent_batch(answers: list[str], num_generations: int = 1):
+    """A rollout batch of task `t`: row i asks `i+1=`, its ground truth `answers[i]`, num_generations each."""
+    records = [
+        {
+            "message_log": [{"role": "user", "content": f"{i}+1=", "token_ids": torch.tensor([1])}],
+            "extra_env_info": {"ground_truth": answer},
+            "task_name": "t",
+            "idx": i,
+        }
+        for i, answer in enumerate(answers)
+    ]
+    return records_to_rollout_batch(records, num_generations)

@@ -7,12 +7,12 @@ import math
 
 import pytest
 import torch
-from agents_for_tests import SEEN
+from agents_for_tests import SEEN, agent_batch
 from test_grpo import run_grpo
 
 from posttrain.environments.agent import AgentTask
 from posttrain.experience.agent_rollouts import run_agent_rollout
-from posttrain.experience.rollouts import flat_token_ids, records_to_rollout_batch
+from posttrain.experience.rollouts import flat_token_ids
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.hf_worker import HFGenerationWorker
@@ -30,16 +30,7 @@ def worker(tmp_path_factory):
 
 
 def rollout(worker, agent, answers: list[str], timeout_s: float = 30.0, num_generations: int = 1):
-    records = [
-        {
-            "message_log": [{"role": "user", "content": f"{i}+1=", "token_ids": torch.tensor([1])}],
-            "extra_env_info": {"ground_truth": answer},
-            "task_name": "t",
-            "idx": i,
-        }
-        for i, answer in enumerate(answers)
-    ]
-    batch = records_to_rollout_batch(records, num_generations)
+    batch = agent_batch(answers, num_generations)
     task = AgentTask("t", agent, timeout_s)
     return run_agent_rollout(worker, batch, worker.tokenizer, {"t": task}, max_seq_len=512, seed=7)
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from agents_for_tests import agent_batch
 from test_grpo import run_grpo
 
 from posttrain.config import ConfigError
@@ -21,7 +21,6 @@ from posttrain.environments.agent import AgentTask
 from posttrain.environments.registry import EnvironmentConfig
 from posttrain.environments.verifiers import env_config, task_of, write_tasks
 from posttrain.experience.agent_rollouts import run_agent_rollout
-from posttrain.experience.rollouts import records_to_rollout_batch
 from posttrain.models.build import ModelFromConfig, build_model_dir
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.hf_worker import HFGenerationWorker
@@ -63,16 +62,7 @@ def uv_on_path(monkeypatch):
 
 
 def rollout(worker, answers: list[str], num_generations: int = 1):
-    records = [
-        {
-            "message_log": [{"role": "user", "content": f"{i}+1=", "token_ids": torch.tensor([1])}],
-            "extra_env_info": {"ground_truth": answer},
-            "task_name": "t",
-            "idx": i,
-        }
-        for i, answer in enumerate(answers)
-    ]
-    batch = records_to_rollout_batch(records, num_generations)
+    batch = agent_batch(answers, num_generations)
     cfg = EnvironmentConfig(verifiers=ENV_FILE, kwargs=HARNESS, agent_timeout_s=120.0)
     cfg.validate()
     task = AgentTask.load("t", cfg)
