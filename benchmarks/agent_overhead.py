@@ -1,5 +1,6 @@
 """What the agent environment costs: one GRPO run on grpo_step.py's `tiny` workload (2 prompts x 8
-generations of up to 64 new tokens, exact-match rewards on 2-digit additions), whose steps alternate
+generations of up to 64 new tokens, exact-match rewards on 2-digit additions) or, with `--model smollm2`,
+its released-SmolLM2 workload (8 prompts x 4 generations of up to 32 tokens), whose steps alternate
 between the built-in rollout (the `exact_match` environment's actors) and the same single-turn task played
 by an `openai`-client agent (`single_turn` below: one chat completion of the same prompt, the reward by the
 same comparison) through the endpoint over the same generation worker. Same weights, data order and
@@ -7,8 +8,10 @@ settings; only the rollout path differs; which path goes first alternates pair b
 path's median step and rollout-stage time and generated tokens per step, and the ratios agent / built-in
 of `ratios` (target: at most 1.10).
 
-Run (one invocation; 12 steps, ~4 min on 2 idle cores):
-  .venv/bin/python benchmarks/agent_overhead.py --pairs 5 --out benchmarks/reference/agent_overhead_cpu.json
+Run (one invocation; 18 steps, ~4 min on 2 idle cores; SmolLM2 with 4 pairs ~4 min):
+  .venv/bin/python benchmarks/agent_overhead.py --pairs 8 --out benchmarks/reference/agent_overhead_cpu.json
+  .venv/bin/python benchmarks/agent_overhead.py --model smollm2 --pairs 4 \
+      --out benchmarks/reference/agent_overhead_smollm2_cpu.json
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ from posttrain.algorithms import grpo  # noqa: E402
 from posttrain.environments.agent import AgentTask  # noqa: E402
 from posttrain.environments.answers import strip_end_markers  # noqa: E402
 from posttrain.utils.timer import Timer  # noqa: E402
+
+WORKLOAD = ["tiny"]  # the workload of this invocation
+WORKLOAD_TEXT = {
+    "tiny": "tiny: 2 prompts x 8 generations, up to 64 new tokens, exact match",
+    "smollm2": "SmolLM2-135M-Instruct: 8 prompts x 4 generations, up to 32 new tokens, exact match",
+}
 
 
 async def single_turn(client, row) -> float:
@@ -63,7 +72,7 @@ def timed_step(run, envs: dict) -> dict[str, float]:
     metrics = grpo.grpo_step(run, timer)
     run.step += 1
     seconds = time.perf_counter() - start
-    workload = WORKLOADS["tiny"]
+    workload = WORKLOADS[WORKLOAD[0]]
     tokens = metrics["rollout/mean_generated_length"] * workload.num_prompts * workload.num_generations
     rollout = timer.get_timing_metrics(reduction="sum").get("generation", 0.0)
     return {
@@ -105,11 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6, help="timed (built-in, agent) step pairs")
     parser.add_argument("--warmup", type=int, default=1, help="untimed pairs first")
+    parser.add_argument("--model", choices=["tiny", "smollm2"], default="tiny", help="the workload")
+    parser.add_argument("--model-dir", default=str(ROOT / "models" / "smollm2-135m-instruct"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
-    workload = WORKLOADS["tiny"]
+    workload = WORKLOADS[args.model]
+    WORKLOAD[0] = args.model
     work_dir = Path(tempfile.mkdtemp(prefix="agent_overhead_"))
-    model_dir = prepare_model(argparse.Namespace(), workload, work_dir)
+    model_dir = prepare_model(args, workload, work_dir)
     data_file = work_dir / "prompts.jsonl"
     write_prompts(data_file, workload, workload.num_prompts * (args.warmup + args.pairs) * 2)
     cfg = posttrain_config(workload, model_dir, data_file, work_dir / "log", "cpu", None)
@@ -130,9 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         run.rollouts.collector.envs = builtin_envs  # the run shuts its own environments down
         run.shutdown()
     summary = {arm: summarize(steps) for arm, steps in arms.items()}
-    per_token = (
-        summary["agent"]["s_per_1k_generated_tokens"] / summary["builtin"]["s_per_1k_generated_tokens"]
-    )
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {
@@ -145,18 +154,13 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_start": load_start,
             "load_average_end": os.getloadavg(),
         },
-        "workload": "tiny: 2 prompts x 8 generations, up to 64 new tokens, exact match",
+        "workload": WORKLOAD_TEXT[args.model],
         "pairs": args.pairs,
         "summary": summary,
-        "ratio_per_generated_token": per_token,
-        "ratio_median_step": summary["agent"]["median_step_s"] / summary["builtin"]["median_step_s"],
+        **ratios(arms),
         "steps": arms,
     }
-    print(
-        json.dumps(
-            {k: result[k] for k in ("summary", "ratio_per_generated_token", "ratio_median_step")}, indent=1
-        )
-    )
+    print(json.dumps({k: v for k, v in result.items() if k == "summary" or k.startswith("ratio")}, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": {},
     }
     figures: list[Figure] = []
+    other_cpu: list[str] = []
     for name in args.checks.split(","):
         check = CHECKS[name]
         if args.from_results:
@@ -255,11 +256,16 @@ def main(argv: list[str] | None = None) -> int:
             new = rerun(check, args.skip_peer)
         found = figures_of(check, new, args.skip_peer)
         figures += found
+        reference = json.loads((REFERENCE / check.reference).read_text())
+        processors = [data.get("machine", {}).get("processor") for data in (reference, new)]
         report["checks"][name] = {
             "reference": check.reference,
-            "reference_date": json.loads((REFERENCE / check.reference).read_text()).get("date"),
+            "reference_date": reference.get("date"),
+            "processors": processors,  # the reference's and this run's
             "figures": [{**vars(f), "ratio": f.ratio, "worse": f.worse} for f in found],
         }
+        if None not in processors and processors[0] != processors[1]:
+            other_cpu.append(f"{name}: reference on {processors[0]}, now on {processors[1]}")
     report["machine"]["load_average_end"] = os.getloadavg()
     regressions = [f for f in figures if f.equal_work and f.worse]
     report["regressions"] = [f"{f.check}: {f.name} {f.ratio:.2f}x its reference" for f in regressions]
@@ -269,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(regressions)} equal-work figure(s) more than {WORSE_BY:.0%} worse than the reference"
         + "".join(f"\n  {line}" for line in report["regressions"])
     )
+    if other_cpu:  # a ratio to TRL moves with the CPU's balance of matmul rate and per-call overhead
+        print(
+            "another CPU than the reference's: its ratios to TRL are not equal work across machines; compare "
+            "posttrain's commits on this machine (old/new A/B, benchmarks/reference/lean_up_ab_cpu.json)\n  "
+            + "\n  ".join(other_cpu)
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

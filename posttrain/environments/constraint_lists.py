@@ -110,9 +110,3 @@ def on_topic_share(sample: dict[str, Any]) -> float | None:
     words = {_stem(w) for w in TOPICS[parsed[1]].split()}
     items = [item for item in list_items(_reply(sample), parsed[0].separator) if item]
     return sum(_stem(item) in words for item in items) / len(items) if items else 0.0
-
-
-def all_constraints_met_on_topic(sample: dict[str, Any]) -> float | None:
-    """1.0 when the reply meets all four constraints and every item belongs to the topic."""
-    strict, on_topic = all_constraints_met(sample), on_topic_share(sample)
-    return None if strict is None or on_topic is None else float(strict == 1.0 and on_topic == 1.0)

@@ -113,11 +113,14 @@ def test_a_tool_call_sent_back_as_returned_continues_the_episode(worker):
     assert [m["role"] for m in rollouts["message_log"][0]][1:] == ["assistant", "tool", "assistant"]
 
 
-def test_a_hundred_concurrent_episodes_complete(worker):
+def test_a_hundred_concurrent_episodes_complete_in_one_batch(worker):
+    """Every episode's request waits in a server thread of its own, and the batch goes once all wait (with
+    the server's default 16 threads, 16 at a time: 7 batches)."""
     from agents_for_tests import misbehaving
 
     rollouts, metrics = rollout(worker, misbehaving, ["ok"] * 100)
     assert not rollouts["failed"].any() and metrics["mean_turns"] == 1.0
+    assert metrics["env/agent_batches"] <= 2.0
 
 
 def test_an_agent_command_runs_each_episode_and_its_failures_cost_only_theirs(worker, caplog):

@@ -14,7 +14,6 @@ from posttrain.environments import EnvironmentConfig, register_reward, resolve_e
 from posttrain.environments.constraint_lists import (
     ListConstraints,
     all_constraints_met,
-    all_constraints_met_on_topic,
     constraint_share,
     constraints_met,
     on_topic_share,
@@ -52,6 +51,12 @@ def test_the_verifier_checks_each_constraint_as_derived_by_hand(reply, asked, me
     assert constraints_met(reply, asked) == met
     columns = {"n": asked.n, "case": asked.case, "separator": asked.separator, "rule": asked.rule}
     assert constraint_share(reply, **columns, rule_value=asked.rule_value) == sum(met) / 4
+
+
+def all_constraints_met_on_topic(sample):
+    """1.0 when the reply meets all four constraints and every item belongs to the topic."""
+    strict, on_topic = all_constraints_met(sample), on_topic_share(sample)
+    return None if strict is None or on_topic is None else float(strict == 1.0 and on_topic == 1.0)
 
 
 def test_the_strict_grade_is_all_four_and_the_on_topic_grade_sees_what_the_reward_cannot():

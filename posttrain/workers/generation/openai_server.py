@@ -54,7 +54,9 @@ class Sampling:
 
 class Batcher:
     """Collects prompts from concurrent requests and decodes each group of equal `Sampling` as one batch on
-    `generation` (an object with `cfg` and `generate(data, greedy, seed)`, e.g. an HFGenerationWorker)."""
+    `generation` (an object with `cfg` and `generate(data, greedy, seed)`, e.g. an HFGenerationWorker).
+    A batch goes when no request has joined it for `batch_wait_s` (at most 50 such waits), or at once when
+    every live episode has a request waiting (`live`: the agent rollouts' count of running episodes)."""
 
     def __init__(
         self,
@@ -65,32 +67,43 @@ class Batcher:
         base_seed: int = 0,
     ) -> None:
         self.generation, self.pad_id, self.batch_wait_s = generation, pad_id, batch_wait_s
-        self.fixed_sampling = fixed_sampling  # training: the run's sampling settings, whatever is asked
+        self.fixed_sampling = fixed_sampling  # training: the run's settings, whatever is asked; one group
         self.base_seed = base_seed  # fixed sampling: batch k samples with seed base_seed + k
-        self.lock = threading.Lock()
-        self.pending: dict[Sampling, list[tuple[list[int], list[str], Future]]] = {}
+        self.ready = threading.Condition()  # guards `pending` and `live`; notified on every change
+        self.pending: dict[Sampling | None, list[tuple[list[int], list[str], int, Future]]] = {}
+        self.live: int | None = None
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="openai-batch")  # one generate at a time
         self.num_batches = 0
 
     def submit(self, prompts: list[list[int]], stop: list[str], sampling: Sampling) -> list[Future]:
         futures = [Future() for _ in prompts]
-        with self.lock:
-            first = sampling not in self.pending
-            self.pending.setdefault(sampling, []).extend(
-                (ids, stop, future) for ids, future in zip(prompts, futures)
-            )
+        key = None if self.fixed_sampling else sampling  # fixed: one group, each request's budget its own
+        with self.ready:
+            first = key not in self.pending
+            items = [(ids, stop, sampling.max_tokens, future) for ids, future in zip(prompts, futures)]
+            self.pending.setdefault(key, []).extend(items)
+            self.ready.notify_all()
         if first:
-            self.decoder.submit(self._decode, sampling)
+            self.decoder.submit(self._decode, key)
         return futures
 
-    def _decode(self, sampling: Sampling) -> None:
-        time.sleep(self.batch_wait_s)  # let concurrent requests join the batch
-        with self.lock:
-            batch = self.pending.pop(sampling, [])
+    def episode_done(self) -> None:
+        """One live episode ended: the requests of the others need not wait for it."""
+        with self.ready:
+            self.live = (self.live or 1) - 1
+            self.ready.notify_all()
+
+    def _decode(self, key: Sampling | None) -> None:
+        with self.ready:  # let concurrent requests join the batch
+            for _ in range(50):
+                waiting = sum(len(items) for items in self.pending.values())
+                if (self.live is not None and waiting >= self.live) or not self.ready.wait(self.batch_wait_s):
+                    break
+            batch = self.pending.pop(key, [])
         if not batch:
             return
         try:
-            results = self._generate([item[0] for item in batch], [item[1] for item in batch], sampling)
+            results = self._generate(batch, key)
         except Exception as error:  # every waiting request learns of it
             for *_, future in batch:
                 future.set_exception(error)
@@ -98,14 +111,15 @@ class Batcher:
         for (*_, future), result in zip(batch, results):
             future.set_result(result)
 
-    def _generate(self, prompts: list[list[int]], stops: list[list[str]], sampling: Sampling) -> list[dict]:
+    def _generate(self, batch: list[tuple], sampling: Sampling | None) -> list[dict]:
+        prompts, stops, budgets, _ = (list(column) for column in zip(*batch))
         lengths = torch.tensor([len(ids) for ids in prompts])
         input_ids = torch.full((len(prompts), int(lengths.max())), self.pad_id, dtype=torch.long)
         for row, ids in enumerate(prompts):
             input_ids[row, : len(ids)] = torch.tensor(ids)
         data = {"input_ids": input_ids, "input_lengths": lengths, "stop_strings": stops}
-        if self.fixed_sampling:  # the run's settings; max_tokens lowers the budget of this batch only
-            data["max_new_tokens"] = torch.full((len(prompts),), sampling.max_tokens)
+        if self.fixed_sampling:  # the run's settings; a request's max_tokens lowers its own budget
+            data["max_new_tokens"] = torch.tensor(budgets)
             out = self.generation.generate(data, greedy=False, seed=self.base_seed + self.num_batches)
         else:
             base = self.generation.cfg
@@ -120,17 +134,15 @@ class Batcher:
             finally:
                 self.generation.cfg = base
         self.num_batches += 1
-        results = []
-        for row, prompt_len in enumerate(lengths.tolist()):
-            end = prompt_len + int(out["generation_lengths"][row])
-            results.append(
-                {
-                    "token_ids": out["output_ids"][row, prompt_len:end].tolist(),
-                    "logprobs": out["logprobs"][row, prompt_len:end].tolist(),
-                    "truncated": bool(out["truncated"][row]),
-                }
-            )
-        return results
+        ends = (lengths + torch.as_tensor(out["generation_lengths"]).cpu()).tolist()
+        return [
+            {
+                "token_ids": out["output_ids"][row, start:end].tolist(),
+                "logprobs": out["logprobs"][row, start:end].tolist(),
+                "truncated": bool(out["truncated"][row]),
+            }
+            for row, (start, end) in enumerate(zip(lengths.tolist(), ends))
+        ]
 
 
 class CompletionServer(JsonServer):
@@ -176,12 +188,13 @@ class CompletionServer(JsonServer):
             raise BadRequest(f"messages: the chat template cannot render them: {error}") from None
         if episode is not None and body.get("n", 1) != 1:
             raise BadRequest("n must be 1 in an episode (its trajectory is one sequence)")
-        choices, usage = self._complete(list(prompt), body)
+        choices, usage, results = self._complete(list(prompt), body)
         if episode is not None:
-            episode.record(messages, list(prompt), choices[0]["_result"], self.tokenizer)
+            episode.record(messages, list(prompt), results[0], self.tokenizer)
         for choice in choices:
-            parsed = parse_hermes(choice.pop("text")) if tools else None
-            message = {"role": "assistant", "content": parsed.content if parsed else choice["raw_text"]}
+            text = choice.pop("text")
+            parsed = parse_hermes(text) if tools else None
+            message = {"role": "assistant", "content": parsed.content if parsed else text}
             if parsed is not None and parsed.calls:
                 message["tool_calls"] = [
                     {
@@ -193,7 +206,6 @@ class CompletionServer(JsonServer):
                 ]
                 choice["finish_reason"] = "tool_calls"
             choice["message"] = message
-            del choice["raw_text"]
         if episode is not None and not episode.closed:  # continued by the reply as returned (calls parsed)
             episode.sent[-1] = plain(choices[0]["message"])
         return self._response("chat.completion", prompt, choices, usage)
@@ -206,13 +218,12 @@ class CompletionServer(JsonServer):
             prompt = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         if not (isinstance(prompt, list) and prompt and all(isinstance(i, int) for i in prompt)):
             raise BadRequest("prompt must be a string or a non-empty list of token ids")
-        choices, usage = self._complete(prompt, body)
-        for choice in choices:
-            choice["text"] = choice.pop("raw_text")
+        choices, usage, _ = self._complete(prompt, body)
         return self._response("text_completion", prompt, choices, usage)
 
-    def _complete(self, prompt: list[int], body: dict[str, Any]) -> tuple[list[dict], dict]:
-        """Sample n completions of `prompt` with the request's settings (one batch with other requests)."""
+    def _complete(self, prompt: list[int], body: dict[str, Any]) -> tuple[list[dict], dict, list[dict]]:
+        """Sample n completions of `prompt` with the request's settings (one batch with other requests):
+        the choices, the usage and the batcher's results."""
         unserved = [key for key in UNSERVED if body.get(key)]
         if unserved:
             raise BadRequest(f"not served: {', '.join(unserved)}")
@@ -225,11 +236,9 @@ class CompletionServer(JsonServer):
             choice = {
                 "index": index,
                 "text": text,
-                "raw_text": text,
                 "finish_reason": "length" if result["truncated"] else "stop",
                 "token_ids": result["token_ids"],
                 "weight_version": self.weight_version,
-                "_result": result,  # for an episode's record; not sent
             }
             if body.get("logprobs"):
                 tokens = [self.tokenizer.decode([i]) for i in result["token_ids"]]
@@ -243,11 +252,9 @@ class CompletionServer(JsonServer):
         generated = sum(len(r["token_ids"]) for r in results)
         usage = {"prompt_tokens": len(prompt), "completion_tokens": generated}
         usage["total_tokens"] = len(prompt) + generated
-        return choices, usage
+        return choices, usage, results
 
     def _response(self, kind: str, prompt: list[int], choices: list[dict], usage: dict) -> dict[str, Any]:
-        for choice in choices:
-            choice.pop("_result", None)
         return {
             "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind,
@@ -384,20 +391,13 @@ class CompletionHandler(EnvironmentHandler):
 def stream_events(completion: dict[str, Any]) -> list[dict]:
     """A chat completion as `chat.completion.chunk` events, one per choice whose delta is the whole message
     (tool calls numbered by `index`)."""
-    return [
-        {
-            **completion,
-            "object": "chat.completion.chunk",
-            "choices": [{**c, "delta": numbered(c.pop("message"))}],
-        }
-        for c in completion["choices"]
-    ]
-
-
-def numbered(message: dict) -> dict:
-    """`message` with its tool calls numbered (`index`), as a stream's delta carries them."""
-    calls = [{**call, "index": i} for i, call in enumerate(message.get("tool_calls", []))]
-    return {**message, "tool_calls": calls} if calls else message
+    events, chunk = [], {**completion, "object": "chat.completion.chunk"}
+    for choice in completion["choices"]:
+        delta = choice.pop("message")
+        if delta.get("tool_calls"):
+            delta["tool_calls"] = [{**call, "index": i} for i, call in enumerate(delta["tool_calls"])]
+        events.append({**chunk, "choices": [{**choice, "delta": delta}]})
+    return events
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
