@@ -110,7 +110,7 @@ def run_agent_rollout(
     batcher.live = size  # a batch goes once every running episode waits on it
     limits = ServerLimits(max_workers=size + 4)  # each episode's request waits in a thread of its own
     server = CompletionServer(batcher, tokenizer, "policy", max_tokens=max_tokens, limits=limits)
-    server.episodes = {str(i): Episode() for i in range(size)}
+    server.episodes = {str(i): Episode(i) for i in range(size)}
     # its shutdown waits for the serving loop's next poll: 10 ms, not the default 0.5 s, ends each rollout
     threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
     try:

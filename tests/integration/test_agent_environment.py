@@ -3,7 +3,9 @@ against the endpoint over a generation worker, their training tokens are the tok
 byte-level tokenizer, whose re-tokenization of the text would change them), a failing agent costs only its
 episode, and GRPO trains on agent episodes end to end."""
 
+import asyncio
 import math
+import random
 
 import pytest
 import torch
@@ -100,6 +102,20 @@ class ToolCallingGeneration:
             "generation_lengths": lengths,
             "truncated": lengths < 0,
         }
+
+
+def test_the_same_seed_samples_the_same_episodes_whatever_order_their_requests_arrive_in(worker):
+    """A turn's batch is decoded in episode order, not in order of arrival: two rollouts of 16 two-turn
+    episodes with the same seed, whose first requests arrive in a random order, sample the same tokens."""
+    from agents_for_tests import two_turns
+
+    async def jittered(client, row):
+        await asyncio.sleep(random.random() / 50)
+        return await two_turns(client, row)
+
+    runs = [rollout(worker, jittered, [str(i) for i in range(16)])[0] for _ in range(2)]
+    first, second = ([flat_token_ids(log).tolist() for log in run["message_log"]] for run in runs)
+    assert first == second and len({tuple(ids) for ids in first}) > 1
 
 
 def test_a_tool_call_sent_back_as_returned_continues_the_episode(worker):

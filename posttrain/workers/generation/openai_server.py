@@ -70,17 +70,19 @@ class Batcher:
         self.fixed_sampling = fixed_sampling  # training: the run's settings, whatever is asked; one group
         self.base_seed = base_seed  # fixed sampling: batch k samples with seed base_seed + k
         self.ready = threading.Condition()  # guards `pending` and `live`; notified on every change
-        self.pending: dict[Sampling | None, list[tuple[list[int], list[str], int, Future]]] = {}
+        self.pending: dict[Sampling | None, list[tuple[list[int], list[str], int, int, Future]]] = {}
         self.live: int | None = None
         self.decoder = ThreadPoolExecutor(1, thread_name_prefix="openai-batch")  # one generate at a time
         self.num_batches = 0
 
-    def submit(self, prompts: list[list[int]], stop: list[str], sampling: Sampling) -> list[Future]:
+    def submit(self, prompts: list[list[int]], stop: list[str], sampling: Sampling, order: int = 0) -> list:
+        """Futures of each prompt's result; a batch is decoded in `order` (an episode's index: the same
+        requests sample the same tokens whatever order they arrived in), then in order of arrival."""
         futures = [Future() for _ in prompts]
         key = None if self.fixed_sampling else sampling  # fixed: one group, each request's budget its own
         with self.ready:
             first = key not in self.pending
-            items = [(ids, stop, sampling.max_tokens, future) for ids, future in zip(prompts, futures)]
+            items = [(ids, stop, sampling.max_tokens, order, future) for ids, future in zip(prompts, futures)]
             self.pending.setdefault(key, []).extend(items)
             self.ready.notify_all()
         if first:
@@ -99,7 +101,7 @@ class Batcher:
                 waiting = sum(len(items) for items in self.pending.values())
                 if (self.live is not None and waiting >= self.live) or not self.ready.wait(self.batch_wait_s):
                     break
-            batch = self.pending.pop(key, [])
+            batch = sorted(self.pending.pop(key, []), key=lambda item: item[3])
         if not batch:
             return
         try:
@@ -112,7 +114,7 @@ class Batcher:
             future.set_result(result)
 
     def _generate(self, batch: list[tuple], sampling: Sampling | None) -> list[dict]:
-        prompts, stops, budgets, _ = (list(column) for column in zip(*batch))
+        prompts, stops, budgets, *_ = (list(column) for column in zip(*batch))
         lengths = torch.tensor([len(ids) for ids in prompts])
         input_ids = torch.full((len(prompts), int(lengths.max())), self.pad_id, dtype=torch.long)
         for row, ids in enumerate(prompts):
@@ -188,7 +190,7 @@ class CompletionServer(JsonServer):
             raise BadRequest(f"messages: the chat template cannot render them: {error}") from None
         if episode is not None and body.get("n", 1) != 1:
             raise BadRequest("n must be 1 in an episode (its trajectory is one sequence)")
-        choices, usage, results = self._complete(list(prompt), body)
+        choices, usage, results = self._complete(list(prompt), body, episode.index if episode else 0)
         if episode is not None:
             episode.record(messages, list(prompt), results[0], self.tokenizer)
         for choice in choices:
@@ -221,14 +223,14 @@ class CompletionServer(JsonServer):
         choices, usage, _ = self._complete(prompt, body)
         return self._response("text_completion", prompt, choices, usage)
 
-    def _complete(self, prompt: list[int], body: dict[str, Any]) -> tuple[list[dict], dict, list[dict]]:
+    def _complete(self, prompt: list[int], body: dict, order: int = 0) -> tuple[list[dict], dict, list[dict]]:
         """Sample n completions of `prompt` with the request's settings (one batch with other requests):
         the choices, the usage and the batcher's results."""
         unserved = [key for key in UNSERVED if body.get(key)]
         if unserved:
             raise BadRequest(f"not served: {', '.join(unserved)}")
         n, sampling, stop = request_settings(body, self.max_tokens)
-        futures = self.batcher.submit([prompt] * n, stop, sampling)
+        futures = self.batcher.submit([prompt] * n, stop, sampling, order)
         results = [future.result() for future in futures]
         choices = []
         for index, result in enumerate(results):
@@ -273,7 +275,8 @@ class Episode:
     posttrain's own multi-turn rollouts) and the new reply. A call that does not continue it (an edited or
     dropped turn, several new messages) is counted in `resequenced` and the trajectory stops growing."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: int = 0) -> None:
+        self.index = index  # the episode's place in its rollout: its requests' place in a batch
         self.lock = threading.Lock()
         self.log: list[dict[str, Any]] = []  # messages with token_ids (assistant: and generation_logprobs)
         self.sent: list[dict[str, Any]] = []  # the messages the agent sent, then the reply as returned
