@@ -33,11 +33,13 @@ from posttrain.environments.constraint_lists import (  # noqa: E402
 )
 
 
-def generate(model, tokenizer, prompts: list[str], greedy: bool, num: int, max_new_tokens: int) -> list[str]:
-    """`num` replies to each prompt (contiguous), decoded without special tokens."""
+def generate(model, tokenizer, prompts: list[str], greedy: bool, num: int, max_new_tokens: int, system=None):
+    """`num` replies to each prompt (contiguous), decoded without special tokens; `system`: a system
+    message before each prompt."""
+    head = [{"role": "system", "content": system}] if system else []
     texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            [*head, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
         )
         for p in prompts
     ]

@@ -15,7 +15,10 @@ full mark and one miss (the signal toward full marks), the greedy full-mark rate
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -39,8 +42,8 @@ def screen(model, tokenizer, task: str, args: argparse.Namespace) -> dict:
     prompts = [args.template.format(prompt=row["prompt"]) for row in rows]
     env = ReasoningGymEnvironment()
     scored = lambda row, reply: env.score(env.extract(reply), row)  # noqa: E731
-    greedy = generate(model, tokenizer, prompts, True, 1, args.max_new_tokens)
-    sampled = generate(model, tokenizer, prompts, False, args.samples, args.max_new_tokens)
+    greedy = generate(model, tokenizer, prompts, True, 1, args.max_new_tokens, args.system)
+    sampled = generate(model, tokenizer, prompts, False, args.samples, args.max_new_tokens, args.system)
     greedy_scores = [scored(row, reply) for row, reply in zip(rows, greedy)]
     scores = [scored(rows[i // args.samples], reply) for i, reply in enumerate(sampled)]
     groups = [scores[i : i + args.samples] for i in range(0, len(scores), args.samples)]
@@ -64,6 +67,16 @@ def screen(model, tokenizer, task: str, args: argparse.Namespace) -> dict:
     }
 
 
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "")
+    return {
+        "platform": platform.platform(),
+        "processor": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
@@ -72,6 +85,7 @@ def main() -> int:
         "--options", default="{}", help='JSON: task -> data.options, e.g. {"chain_sum": {...}}'
     )
     parser.add_argument("--template", default="{prompt}", help="data.prompt_template")
+    parser.add_argument("--system", default=None, help="data.system_prompt")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8, help="sampled replies per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -80,10 +94,9 @@ def main() -> int:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    result = {
-        key: getattr(args, key) for key in ("model", "template", "prompts", "samples", "max_new_tokens")
-    }
-    result["tasks"] = {}
+    keys = ("model", "template", "system", "prompts", "samples", "max_new_tokens")
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine()}
+    result.update({key: getattr(args, key) for key in keys}, tasks={})
     for task in args.tasks.split(","):
         start = time.perf_counter()
         result["tasks"][task] = screen(model, tokenizer, task, args)
@@ -93,8 +106,8 @@ def main() -> int:
             {k: round(v, 3) for k, v in result["tasks"][task].items() if isinstance(v, float)},
             flush=True,
         )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")  # after each task
     print(f"wrote {args.out}")
     return 0
 
