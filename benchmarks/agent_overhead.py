@@ -20,7 +20,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,15 +30,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import torch  # noqa: E402
 from grpo_step import WORKLOADS, posttrain_config, prepare_model, write_prompts  # noqa: E402
+from step_report import machine_description  # noqa: E402
 
 from posttrain.algorithms import grpo  # noqa: E402
 from posttrain.environments.agent import AgentTask  # noqa: E402
 from posttrain.environments.answers import strip_end_markers  # noqa: E402
 from posttrain.utils.timer import Timer  # noqa: E402
 
-WORKLOAD = ["tiny"]  # the workload of this invocation
 WORKLOAD_TEXT = {
     "tiny": "tiny: 2 prompts x 8 generations, up to 64 new tokens, exact match",
     "smollm2": "SmolLM2-135M-Instruct: 8 prompts x 4 generations, up to 32 new tokens, exact match",
@@ -55,16 +53,7 @@ async def single_turn(client, row) -> float:
     )
 
 
-def cpu_model() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
-
-
-def timed_step(run, envs: dict) -> dict[str, float]:
+def timed_step(run, envs: dict, workload) -> dict[str, float]:
     """One GRPO step with the rollouts collected through `envs`."""
     run.rollouts.collector.envs = envs
     timer = Timer()
@@ -72,7 +61,6 @@ def timed_step(run, envs: dict) -> dict[str, float]:
     metrics = grpo.grpo_step(run, timer)
     run.step += 1
     seconds = time.perf_counter() - start
-    workload = WORKLOADS[WORKLOAD[0]]
     tokens = metrics["rollout/mean_generated_length"] * workload.num_prompts * workload.num_generations
     rollout = timer.get_timing_metrics(reduction="sum").get("generation", 0.0)
     return {
@@ -119,7 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     workload = WORKLOADS[args.model]
-    WORKLOAD[0] = args.model
     work_dir = Path(tempfile.mkdtemp(prefix="agent_overhead_"))
     model_dir = prepare_model(args, workload, work_dir)
     data_file = work_dir / "prompts.jsonl"
@@ -134,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         for pair in range(args.warmup + args.pairs):
             order = [("builtin", builtin_envs), ("agent", agent_envs)]
             for arm, envs in order if pair % 2 == 0 else order[::-1]:  # alternating which goes first
-                step = timed_step(run, envs)
+                step = timed_step(run, envs, workload)
                 if pair >= args.warmup:
                     arms[arm].append(step)
                 print(arm, {k: round(v, 3) for k, v in step.items()}, flush=True)
@@ -142,18 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         run.rollouts.collector.envs = builtin_envs  # the run shuts its own environments down
         run.shutdown()
     summary = {arm: summarize(steps) for arm, steps in arms.items()}
+    end = os.getloadavg()
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "device": "cpu",
-            "processor": cpu_model(),
-            "torch": torch.__version__,
-            "cpu_count": os.cpu_count(),
-            "python": platform.python_version(),
-            "load_average_start": load_start,
-            "load_average_end": os.getloadavg(),
-        },
+        "machine": {**machine_description("cpu"), "load_average_start": load_start, "load_average_end": end},
         "workload": WORKLOAD_TEXT[args.model],
         "pairs": args.pairs,
         "summary": summary,

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from prescreen_lists import generate  # noqa: E402
+from step_report import machine_description  # noqa: E402
 
 from posttrain.data.reasoning_gym import reasoning_gym_rows  # noqa: E402
 from posttrain.environments.reasoning_gym import ReasoningGymEnvironment  # noqa: E402
@@ -67,16 +66,6 @@ def screen(model, tokenizer, task: str, args: argparse.Namespace) -> dict:
     }
 
 
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "")
-    return {
-        "platform": platform.platform(),
-        "processor": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "smollm2-135m-instruct"))
@@ -95,7 +84,8 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     keys = ("model", "template", "system", "prompts", "samples", "max_new_tokens")
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine()}
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds")}
+    result["machine"] = machine_description("cpu")
     result.update({key: getattr(args, key) for key in keys}, tasks={})
     for task in args.tasks.split(","):
         start = time.perf_counter()
