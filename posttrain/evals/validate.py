@@ -52,7 +52,7 @@ class SamplingSettings:
 @dataclass
 class ValidationResult:
     metrics: dict[str, float]
-    # prompt, response (every turn after the prompt), final_response (the last assistant turn),
+    # prompt, response (every turn from the first sampled one), final_response (the last sampled turn),
     # message_log, reward, answer, ground truth
     samples: list[dict[str, Any]]
     rewards: torch.Tensor  # [num_prompts * num_generations], each prompt's samples contiguous
@@ -62,8 +62,8 @@ def sample_records(rollouts: Any) -> list[dict[str, Any]]:
     """Per-sample results of a finished rollout batch (JSON-friendly)."""
     samples = []
     for i, log in enumerate(rollouts["message_log"]):
-        first_assistant = next((j for j, m in enumerate(log) if m["role"] == "assistant"), len(log))
-        replies = [content_text(m["content"]) for m in log if m["role"] == "assistant"]
+        first_assistant = next((j for j, m in enumerate(log) if "generation_logprobs" in m), len(log))
+        replies = [content_text(m["content"]) for m in log if "generation_logprobs" in m]  # sampled turns
         samples.append(
             {
                 "idx": rollouts["idx"][i],

@@ -207,9 +207,9 @@ def _append_observation(message_logs, i, observation, tokenizer, max_seq_len, tr
 
 
 def generated_lengths(message_logs: list[list[dict]]) -> torch.Tensor:
-    """Generated (assistant) tokens of each conversation. [B] float"""
+    """Generated tokens of each conversation (its sampled assistant turns). [B] float"""
     return torch.tensor(
-        [float(sum(len(m["token_ids"]) for m in log if m["role"] == "assistant")) for log in message_logs]
+        [float(sum(len(m["token_ids"]) for m in log if "generation_logprobs" in m)) for log in message_logs]
     )
 
 

@@ -87,6 +87,12 @@ def test_messages_and_rl_and_preference_formats(tmp_path):
         TOKENIZER.decode(torch.cat([m["token_ids"] for m in train[0]["message_log"]]))
         == "<|system|>Add.<|user|>2+2=<|assistant|>"
     )
+    shot = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]
+    train, _, _ = load_datasets(DataConfig(dataset=rl, val_dataset=rl, format="rl", few_shot=shot), TOKENIZER)
+    assert (
+        TOKENIZER.decode(torch.cat([m["token_ids"] for m in train[0]["message_log"]]))
+        == "<|user|>1+1=<|assistant|>2<eos><|user|>2+2=<|assistant|>"
+    )
     pref = write(tmp_path / "p.jsonl", [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4, "jsonl")
     train, _, _ = load_datasets(
         DataConfig(dataset=pref, val_dataset=pref, prompt_template="Q: {prompt}"), TOKENIZER

@@ -193,3 +193,21 @@ def test_rejection_sampling_trains_sfts_loss_on_the_accepted_replies_alone():
     kept_tokens = (TOKEN_MASK * train_data["sample_mask"].unsqueeze(1)).sum()
     loss, _ = NLLLoss()(logprobs, train_data, 3, kept_tokens)
     assert float(loss) == 2.5 and float(kept_tokens) == 4.0
+
+
+def test_the_loss_trains_on_sampled_replies_not_on_a_prompts_few_shot_answer():
+    """[user 3 tokens, few-shot assistant 2, user 2, sampled reply 2]: only the reply's 2 tokens are trained,
+    and its sampling logprobs sit at its positions."""
+    from posttrain.algorithms.grpo import build_train_data
+    from posttrain.distributed.batched_data_dict import BatchedDataDict
+
+    def message(role, ids, logprobs=None):
+        return {"role": role, "content": "", "token_ids": torch.tensor(ids)} | (
+            {"generation_logprobs": torch.tensor(logprobs)} if logprobs else {}
+        )
+
+    log = [message("user", [5, 6, 7]), message("assistant", [8, 9]), message("user", [10, 11])]
+    log.append(message("assistant", [12, 2], [-0.5, -0.25]))
+    data = build_train_data(BatchedDataDict(message_log=[log]), pad_token_id=0, overlong_filtering=False)
+    assert data["token_mask"][0].tolist() == [0, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert data["generation_logprobs"][0].tolist() == [0, 0, 0, 0, 0, 0, 0, -0.5, -0.25]
