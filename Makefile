@@ -63,12 +63,12 @@ install-trl: $(TRL_VENV)/.installed
 # NeMo Gym needs Python >= 3.12: its own environment, built when a python3.12 is found (pyenv's or on PATH);
 # without one its test is skipped. Its servers run in it (tests/integration/test_nemo_gym.py).
 NEMO_GYM_VENV ?= .venv-nemo-gym
-NEMO_GYM ?= nemo-gym==0.4.0 reasoning-gym==0.1.25
+NEMO_GYM ?= nemo-gym==0.4.0 reasoning-gym==0.1.25 uv==0.13.9
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
 
 $(NEMO_GYM_VENV)/.installed: | $(VENV)/.installed
 	@if [ -z "$(PYTHON312)" ]; then echo "no python3.12: NeMo Gym's test will be skipped" >&2; else \
-	  $(VENV)/bin/uv venv -q -p "$(PYTHON312)" $(NEMO_GYM_VENV) && \
+	  $(VENV)/bin/uv venv -q --allow-existing -p "$(PYTHON312)" $(NEMO_GYM_VENV) && \
 	  VIRTUAL_ENV=$(NEMO_GYM_VENV) $(VENV)/bin/uv pip install -q $(NEMO_GYM) && touch $@; fi
 
 install-nemo-gym: $(NEMO_GYM_VENV)/.installed

@@ -53,8 +53,7 @@ class DataConfig:
     system_prompt: str | None = None
     """system message; '@path' reads it from a file"""
     few_shot: list[dict[str, str]] | None = None
-    """messages between the system message and each prompt, e.g. a worked question and its answer (rl; sft
-    trains on their assistant turns unless data.train_on: last_assistant)"""
+    """messages between the system message and each prompt, e.g. a worked question and its answer"""
     prompt_template: str | None = None
     """template with {prompt}, e.g. 'Q: {prompt}'; '@path' reads a file"""
     max_length: int = 512

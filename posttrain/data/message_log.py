@@ -88,9 +88,8 @@ def message_log_length(message_log: list[Message]) -> int:
 
 
 def trained_messages(message_log: list[Message], train_on: str) -> list[bool]:
-    """Which messages' tokens are trained on: assistant turns, only the final assistant turn when `train_on`
-    is "last_assistant" (`data.train_on`, checked where the config is loaded), or for RL "sampled": the turns
-    the policy generated (they carry `generation_logprobs`; a prompt's few-shot answers do not)."""
+    """Which messages' tokens are trained on: assistant turns, the last one ("last_assistant", data.train_on),
+    or for RL "sampled": the turns the policy sampled (they have `generation_logprobs`, few-shot ones not)."""
     if train_on == "sampled":
         return ["generation_logprobs" in m for m in message_log]
     assistant = [m["role"] == "assistant" for m in message_log]

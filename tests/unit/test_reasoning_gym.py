@@ -39,7 +39,7 @@ def test_training_and_validation_never_share_a_question():
 
 def test_the_tasks_scorer_is_the_reward_and_partial_credit_is_less_than_one():
     """chain_sum `4 - 1 =` (answer 3): "3" and "<answer>3</answer>" score 1, "4" scores 0, and a reply that
-    restates the sum ("4 - 1 = 3") gets the scorer's partial credit, under 1."""
+    restates the sum ("4 - 1 = 3") gets the scorer's partial credit, 1/9; with full_marks_only it gets 0."""
     train, _, _ = load_datasets(data_config(num_train=3, num_val=1), build_char_tokenizer())
     metadata = train[0]["extra_env_info"]
     entry = json.loads(metadata["reasoning_gym_entry"])
@@ -56,7 +56,9 @@ def test_the_tasks_scorer_is_the_reward_and_partial_credit_is_less_than_one():
     ]
     rewards = env.step(logs, [metadata] * 4).rewards.tolist()
     assert rewards[:3] == [1.0, 1.0, 0.0]
-    assert 0.0 < rewards[3] < 1.0
+    assert rewards[3] == pytest.approx(len(answer) / len(f"{expression} = {answer}"))  # 1 / 9
+    strict = resolve_environment_class("reasoning_gym")(full_marks_only=True)
+    assert strict.step(logs, [metadata] * 4).rewards.tolist() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_an_unknown_task_is_a_config_error_naming_the_key():
