@@ -33,10 +33,19 @@ from posttrain.environments.constraint_lists import (  # noqa: E402
 )
 
 
-def generate(model, tokenizer, prompts: list[str], greedy: bool, num: int, max_new_tokens: int, system=None):
+def generate(
+    model,
+    tokenizer,
+    prompts: list[str],
+    greedy: bool,
+    num: int,
+    max_new_tokens: int,
+    system=None,
+    few_shot=(),
+):
     """`num` replies to each prompt (contiguous), decoded without special tokens; `system`: a system
-    message before each prompt."""
-    head = [{"role": "system", "content": system}] if system else []
+    message before each prompt, then the `few_shot` messages (`data.few_shot`)."""
+    head = ([{"role": "system", "content": system}] if system else []) + list(few_shot)
     texts = [
         tokenizer.apply_chat_template(
             [*head, {"role": "user", "content": p}], tokenize=False, add_generation_prompt=True

@@ -41,8 +41,9 @@ def screen(model, tokenizer, task: str, args: argparse.Namespace) -> dict:
     prompts = [args.template.format(prompt=row["prompt"]) for row in rows]
     env = ReasoningGymEnvironment()
     scored = lambda row, reply: env.score(env.extract(reply), row)  # noqa: E731
-    greedy = generate(model, tokenizer, prompts, True, 1, args.max_new_tokens, args.system)
-    sampled = generate(model, tokenizer, prompts, False, args.samples, args.max_new_tokens, args.system)
+    settings = (args.max_new_tokens, args.system, json.loads(args.few_shot))
+    greedy = generate(model, tokenizer, prompts, True, 1, *settings)
+    sampled = generate(model, tokenizer, prompts, False, args.samples, *settings)
     greedy_scores = [scored(row, reply) for row, reply in zip(rows, greedy)]
     scores = [scored(rows[i // args.samples], reply) for i, reply in enumerate(sampled)]
     groups = [scores[i : i + args.samples] for i in range(0, len(scores), args.samples)]
@@ -75,6 +76,7 @@ def main() -> int:
     )
     parser.add_argument("--template", default="{prompt}", help="data.prompt_template")
     parser.add_argument("--system", default=None, help="data.system_prompt")
+    parser.add_argument("--few-shot", default="[]", help="data.few_shot as JSON: messages before each prompt")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--samples", type=int, default=8, help="sampled replies per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32)
@@ -83,7 +85,7 @@ def main() -> int:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    keys = ("model", "template", "system", "prompts", "samples", "max_new_tokens")
+    keys = ("model", "template", "system", "few_shot", "prompts", "samples", "max_new_tokens")
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds")}
     result["machine"] = machine_description("cpu")
     result.update({key: getattr(args, key) for key in keys}, tasks={})
