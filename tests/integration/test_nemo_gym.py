@@ -111,7 +111,10 @@ def test_nemo_gym_collects_rollouts_from_the_endpoint_with_reasoning_gym_rewards
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     head = f"+head_server={{host: 127.0.0.1, port: {11000 + os.getpid() % 1000}}}"
     common = ["+config_paths=[gym.yaml]", head, f"+uv_venv_dir={tmp_path / 'venvs'}"]
-    env = {**os.environ, "PATH": f"{NEMO_GYM / 'bin'}:{os.environ['PATH']}", "RAY_ADDRESS": ""}
+    # NeMo Gym starts a Ray instance of its own: a new one (no RAY_ADDRESS), on 127.0.0.1 only (Ray binds to
+    # the machine's outward address unless it believes multi-node clusters are off).
+    loopback_ray = {"RAY_ADDRESS": "", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {**os.environ, "PATH": f"{NEMO_GYM / 'bin'}:{os.environ['PATH']}", **loopback_ray}
     log = tmp_path / "ng_run.log"
     with open(log, "w") as out:
         run = subprocess.Popen(
@@ -139,6 +142,7 @@ def test_nemo_gym_collects_rollouts_from_the_endpoint_with_reasoning_gym_rewards
             timeout=120,
         )
         assert collect.returncode == 0, collect.stdout[-2000:] + collect.stderr[-2000:]
+        assert "Started Ray cluster at 127.0.0.1:" in log.read_text()
     finally:
         os.killpg(run.pid, signal.SIGINT)
         try:
