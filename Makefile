@@ -69,7 +69,8 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 $(NEMO_GYM_VENV)/.installed: | $(VENV)/.installed
 	@if [ -z "$(PYTHON312)" ]; then echo "no python3.12: NeMo Gym's test will be skipped" >&2; else \
 	  $(VENV)/bin/uv venv -q --allow-existing -p "$(PYTHON312)" $(NEMO_GYM_VENV) && \
-	  VIRTUAL_ENV=$(NEMO_GYM_VENV) $(VENV)/bin/uv pip install -q $(NEMO_GYM) && touch $@; fi
+	  VIRTUAL_ENV=$(NEMO_GYM_VENV) $(VENV)/bin/uv pip install -q $(NEMO_GYM) && touch $@ || { rm -rf $(NEMO_GYM_VENV); \
+	  echo "NeMo Gym did not install: its test will be skipped" >&2; }; fi
 
 install-nemo-gym: $(NEMO_GYM_VENV)/.installed
 
