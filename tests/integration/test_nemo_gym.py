@@ -18,6 +18,7 @@ import pytest
 from reasoning_gym import create_dataset
 from test_real_model import GGUF_FILE, smollm2_dir  # noqa: F401 (the released SmolLM2, converted once)
 
+from posttrain.data.reasoning_gym import ENTRY_COLUMN
 from posttrain.environments.reasoning_gym import ReasoningGymEnvironment
 from posttrain.workers.generation.config import GenerationConfig
 from posttrain.workers.generation.hf_worker import HFGenerationWorker
@@ -168,8 +169,6 @@ def test_nemo_gym_collects_rollouts_from_the_endpoint_with_reasoning_gym_rewards
             max_tokens=12,
         )
         assert text == direct.choices[0].message.content and text
-        expected = env_of_posttrain.score(
-            env_of_posttrain.extract(text), {"reasoning_gym_entry": json.dumps(entry)}
-        )
+        expected = env_of_posttrain.score(env_of_posttrain.extract(text), {ENTRY_COLUMN: json.dumps(entry)})
         assert rollout["reward"] == pytest.approx(expected)
     assert any(0 < r["reward"] for r in rollouts), [r["reward"] for r in rollouts]  # partial credit at least
