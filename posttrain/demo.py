@@ -156,7 +156,7 @@ class AccuracyProbe:
         self.generation = make_generation(
             run.cluster, GenerationConfig(max_new_tokens=8), run.cfg.policy.model_name
         )
-        self.envs = create_environments({"arithmetic": EnvironmentConfig(cls="exact_match")})
+        self.envs = create_environments({"arithmetic": EnvironmentConfig(cls="exact_match", num_workers=0)})
         self.run = run
 
     def accuracy(self, refit: bool = True) -> float:

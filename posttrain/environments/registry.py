@@ -43,7 +43,8 @@ class EnvironmentConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments of the class"""
     num_workers: int = 1
-    """Ray actors sharing this environment's samples"""
+    """Ray actors sharing this environment's samples; 0 runs it in the driver (a cheap scorer needs no
+    process, but then a crash or a hang of the environment is the run's)"""
     num_cpus: float = 0.1
     """logical CPUs reserved per environment actor"""
     reward: str | None = None
@@ -69,6 +70,8 @@ class EnvironmentConfig:
     observation_key, reset_columns, max_sessions)"""
 
     def validate(self) -> None:
+        if self.num_workers < 0:
+            raise ConfigError("num_workers", f"must be >= 0 (0: in the driver), got {self.num_workers}")
         if self.openenv is not None and (self.reward or self.is_agent or self.cls != "exact_match"):
             raise ConfigError(
                 "openenv", "an OpenEnv server is its own environment: remove reward, agent, cls"
@@ -101,8 +104,7 @@ class EnvironmentConfig:
 
     @property
     def environment(self) -> str:
-        """The environment's registered name or import spec (`reward_function` when `reward` is set, `agent`
-        when an agent runs the episodes)."""
+        """The environment's registered name or import spec (or `reward_function`, `agent`, `openenv`)."""
         if self.is_agent:
             return "agent"
         if self.openenv is not None:

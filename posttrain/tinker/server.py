@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import hmac
 import logging
+import re
 import uuid
 from typing import Any
 
@@ -62,6 +63,7 @@ class TinkerServer(JsonServer):
             "/api/v1/get_info": (self.info, False),
             "/api/v1/create_session": (lambda *_: {"session_id": uuid.uuid4().hex}, False),
             "/api/v1/session_heartbeat": (lambda *_: {"type": "session_heartbeat"}, False),
+            "/api/v1/sessions/finish": (lambda *_: {}, False),  # ServiceClient.close
             "/api/v1/client/config": (lambda *_: {"use_pyqwest_transport": False}, False),
             "/api/v1/client/dynamic_config": (lambda *_: {}, False),
             "/api/v1/telemetry": (lambda *_: {"status": "accepted"}, False),
@@ -97,14 +99,17 @@ class TinkerHandler(EnvironmentHandler):
 
     def do_POST(self) -> None:
         routes = self.server.routes()
-        refusal = self._refusal() or (None if self.path in routes else (404, f"not served: {self.path}"))
+        path = re.sub(r"^/api/v1/sessions/[^/]+/finish$", "/api/v1/sessions/finish", self.path)
+        refusal = self._refusal() or (None if path in routes else (404, f"not served: {self.path}"))
         if refusal is not None:
             self._reply(refusal[0], {"error": refusal[1]})
             return
-        handler, is_future = routes[self.path]
+        handler, is_future = routes[path]
         tenant = self.headers.get("X-API-Key") or ""
         try:
-            body = self._read_body() if self.path == "/api/v1/forward_backward" else self._read_dict()
+            body = self._read_body() if path == "/api/v1/forward_backward" else self._read_json()
+            if not isinstance(body, (bytes, dict)):
+                raise BadRequest("the body must be a JSON object")
             if is_future:
                 key = self.headers.get("X-Idempotency-Key")
                 answer = self.server.service.run(tenant, key, handler, body)
@@ -119,12 +124,6 @@ class TinkerHandler(EnvironmentHandler):
             self._reply(500, {"error": f"{type(error).__name__}: {error}"[:500]})
             return
         self._reply_bytes(answer) if isinstance(answer, bytes) else self._reply(200, answer)
-
-    def _read_dict(self) -> dict[str, Any]:
-        body = self._read_json()
-        if not isinstance(body, dict):
-            raise BadRequest("the body must be a JSON object")
-        return body
 
     def _refusal(self) -> tuple[int, str] | None:
         """(status, reason) for a refused request: a non-loopback Host on loopback, a missing or unknown

@@ -3,6 +3,7 @@ dead actors restarted, their samples scored again."""
 
 import pytest
 
+from posttrain.config import ConfigError, validate_config
 from posttrain.environments.pool import EnvironmentPool
 from posttrain.environments.registry import EnvironmentConfig
 from posttrain.environments.sandbox import SandboxUnavailableError, sandbox_mode
@@ -12,13 +13,18 @@ def conversation(response: str) -> list[dict]:
     return [{"role": "user", "content": "q"}, {"role": "assistant", "content": response}]
 
 
-def test_pool_splits_samples_across_actors_and_keeps_order(ray_session):
-    pool = EnvironmentPool("arithmetic", EnvironmentConfig(cls="exact_match", num_workers=2, num_cpus=0.1))
+@pytest.mark.parametrize("num_workers", [2, 0])
+def test_pool_splits_samples_across_actors_and_keeps_order(ray_session, num_workers):
+    """Two actors, or none (`num_workers: 0`: the environment runs in the driver), score alike."""
+    pool = EnvironmentPool("arithmetic", EnvironmentConfig(cls="exact_match", num_workers=num_workers))
+    assert len(pool.actors) == num_workers and (pool.local is None) == (num_workers > 0)
     responses = ["1", "2", "3", "x", "5"]
     result = pool.step([conversation(r) for r in responses], [{"ground_truth": str(i + 1)} for i in range(5)])
     assert result.rewards.tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
     assert result.answers == responses
     pool.shutdown()
+    with pytest.raises(ConfigError, match=r"num_workers: must be >= 0 \(0: in the driver\), got -1"):
+        validate_config(EnvironmentConfig, {"num_workers": -1})
 
 
 def test_environment_that_raises_is_scored_zero_and_counted(ray_session, tmp_path):

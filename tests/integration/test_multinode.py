@@ -152,7 +152,12 @@ def test_actors_that_cannot_be_placed_fail_at_once_naming_the_key_and_the_nodes(
         os.path.join(REPO, "configs", "grpo_tiny.yaml"),
         grpo_overrides(
             tmp_path,
-            **{"cluster.num_nodes": 2, "cluster.num_cpus_per_worker": 1, "+env.arithmetic.num_cpus": 2},
+            **{
+                "cluster.num_nodes": 2,
+                "cluster.num_cpus_per_worker": 1,
+                "+env.arithmetic.num_cpus": 2,
+                "env.arithmetic.num_workers": 1,
+            },
         ),
     )
     start = time.monotonic()

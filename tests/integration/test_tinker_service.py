@@ -34,7 +34,13 @@ def start(cfg: TinkerServiceConfig) -> TinkerServer:
     return server
 
 
+CLIENTS: dict[str, list] = {}  # server URL -> the SDK clients opened against it
+
+
 def stop(server: TinkerServer) -> None:
+    """Close the server's SDK clients (each ends its session: no heartbeats after the test), then stop it."""
+    for service in CLIENTS.pop(server.url, []):
+        assert service.close("success").result(timeout=30) is None
     server.shutdown()
     server.server_close()
 
@@ -53,7 +59,8 @@ def served(tmp_path_factory):
 
 
 def client(server: TinkerServer, key: str = "tml-alice"):
-    return tinker.ServiceClient(base_url=server.url, api_key=key)
+    CLIENTS.setdefault(server.url, []).append(tinker.ServiceClient(base_url=server.url, api_key=key))
+    return CLIENTS[server.url][-1]
 
 
 def datum(tokens: list[int]) -> types.Datum:
