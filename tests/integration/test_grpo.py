@@ -111,11 +111,13 @@ def test_a_run_whose_rewards_are_all_zero_warns_of_a_stall_at_step_3(ray_session
 
 def test_resume_equals_uninterrupted(ray_session, tmp_path):
     """Bit-identical through sampling-dependent steps: rollouts are sampled with per-step seeds and the
-    trainer's attention dropout (0.2) draws from each worker's RNG, which the checkpoint restores."""
+    trainer's attention dropout (0.2) draws from each worker's RNG, which the checkpoint restores. The
+    second run starts from the first one's step-2 checkpoint (`checkpointing.resume_from`)."""
     dropout = {"+policy.model.from_config.attention_dropout": 0.2}  # from_config is set as a whole above
     uninterrupted = run_grpo(tmp_path / "full", **{"grpo.max_num_steps": 4}, **dropout)
-    run_grpo(tmp_path / "resumed", **{"grpo.max_num_steps": 2}, **dropout)
-    resumed = run_grpo(tmp_path / "resumed", **{"grpo.max_num_steps": 4}, **dropout)  # continues from step_2
+    step_2 = {"checkpointing.resume_from": str(tmp_path / "full" / "checkpoints" / "step_2")}
+    resumed = run_grpo(tmp_path / "resumed", **{"grpo.max_num_steps": 4}, **dropout, **step_2)
+    assert min(step for step, metrics in resumed.items() if "train/loss" in metrics) == 3  # after step 2
     for step in (3, 4):
         assert resumed[step]["train/reward_mean"] == uninterrupted[step]["train/reward_mean"]
         assert resumed[step]["train/loss"] == uninterrupted[step]["train/loss"]

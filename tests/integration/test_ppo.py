@@ -32,8 +32,9 @@ def run_ppo(log_dir, **extra) -> dict[int, dict]:
 
 def test_ppo_trains_its_critic_and_a_resumed_run_equals_an_uninterrupted_one(ray_session, tmp_path):
     """The critic's value loss falls over 4 steps (its head starts at random, the returns are rewards in
-    [0, 1]); the checkpoint holds the critic, and resuming from step 2 restores it: steps 3 and 4 are
-    bit-identical, which they would not be with a fresh critic (other values, other advantages)."""
+    [0, 1]); the checkpoint holds the critic, and a run started from the step-2 checkpoint
+    (`checkpointing.resume_from`) restores it: steps 3 and 4 are bit-identical, which they would not be
+    with a fresh critic (other values, other advantages)."""
     uninterrupted = run_ppo(tmp_path / "full", **{"grpo.max_num_steps": 4})
     for step in (1, 2, 3, 4):
         metrics = uninterrupted[step]
@@ -41,8 +42,9 @@ def test_ppo_trains_its_critic_and_a_resumed_run_equals_an_uninterrupted_one(ray
         assert 0.0 <= metrics["train/critic/returns_mean"] <= 1.2
     assert uninterrupted[4]["train/critic/loss"] < uninterrupted[1]["train/critic/loss"]
     assert (tmp_path / "full" / "checkpoints" / "step_2" / "critic").is_dir()
-    run_ppo(tmp_path / "resumed", **{"grpo.max_num_steps": 2})
-    resumed = run_ppo(tmp_path / "resumed", **{"grpo.max_num_steps": 4})
+    step_2 = {"checkpointing.resume_from": str(tmp_path / "full" / "checkpoints" / "step_2")}
+    resumed = run_ppo(tmp_path / "resumed", **{"grpo.max_num_steps": 4}, **step_2)
+    assert min(step for step, metrics in resumed.items() if "train/loss" in metrics) == 3  # after step 2
     for step in (3, 4):
         for key in ("train/loss", "train/critic/loss", "train/critic/values_mean"):
             assert resumed[step][key] == uninterrupted[step][key], (step, key)

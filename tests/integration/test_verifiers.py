@@ -155,6 +155,10 @@ def test_grpo_trains_on_a_verifiers_environment(ray_session, tmp_path):
             "grpo.max_num_steps": 2,
             "grpo.val_period": 0,
             "grpo.max_seq_len": 96,
+            # 4 episodes a step (each starts verifiers' harness as a process of its own)
+            "grpo.num_prompts_per_step": 2,
+            "grpo.num_generations_per_prompt": 2,
+            "policy.train_global_batch_size": 4,
             "env.arithmetic": f"{{_override_: true, verifiers: '{ENV_FILE}', kwargs: {{agent: {{harness: "
             "{id: 'null'}}}}",
             "checkpointing.enabled": "false",
