@@ -309,7 +309,6 @@ def main(args: Any) -> int:
         )
     print(
         f"wall time: {summary['wall_time_s']['total']:.0f}s; summary {out / 'summary.json'}; plot "
-        f"{summary['curves_png']}; "
-        f"TensorBoard: tensorboard --logdir {out}"
+        f"{summary['curves_png']}; TensorBoard: tensorboard --logdir {out}"
     )
     return 0

@@ -31,15 +31,11 @@ from posttrain.utils.metrics import mean_over_steps
 from posttrain.workers.policy import Policy, PolicyConfig
 
 
-def _value_model_config() -> PolicyConfig:
-    return PolicyConfig(model_kind="value_model")
-
-
 @dataclass
 class CriticConfig:
     """PPO's critic: a value model trained beside the policy (used with grpo.advantage_estimator gae)."""
 
-    model: PolicyConfig = field(default_factory=_value_model_config)
+    model: PolicyConfig = field(default_factory=lambda: PolicyConfig(model_kind="value_model"))
     """the value model (model_kind value_model); model_name null = the policy's model, with a new value
     head"""
     loss: ValueLossConfig = field(default_factory=ValueLossConfig)
@@ -65,13 +61,14 @@ class Critic:
     """The value model's worker group and its two stages: `estimate` (values and returns) and `train`."""
 
     def __init__(
-        self, cluster: RayVirtualCluster, cfg: CriticConfig, policy_model_name: str, bundle_share: float
+        self, cluster: RayVirtualCluster, cfg: CriticConfig, policy: Policy, bundle_share: float
     ) -> None:
         self.cfg = cfg
         if cfg.model.model_name:
             check_model_exists("critic.model.model_name", cfg.model.model_name)
-        model_cfg = dataclasses.replace(cfg.model, model_name=cfg.model.model_name or policy_model_name)
-        self.model = Policy(cluster, model_cfg, name_prefix="critic", bundle_share=bundle_share)
+        model_cfg = dataclasses.replace(cfg.model, model_name=cfg.model.model_name or policy.cfg.model_name)
+        host = policy.host_for(model_cfg)
+        self.model = Policy(cluster, model_cfg, name_prefix="critic", bundle_share=bundle_share, host=host)
 
     def estimate(
         self, train_data: BatchedDataDict, rewards: torch.Tensor, token_mask: torch.Tensor

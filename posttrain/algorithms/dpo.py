@@ -8,12 +8,11 @@ logprobs under the frozen initial policy (the reference), and takes one optimize
         [ + sft_loss_weight * -log pi(y_c) ]
 
 averaged over the pairs of the global batch, where log pi(y) sums (or, with
-`loss.preference_average_log_probs`, averages) the logprobs of the final assistant turn (pairs travel as
-rows: `pairs.py`). Validation every `dpo.val_period` steps: the same loss and the implicit-reward accuracy
-(fraction of held-out pairs with r_c > r_r). Checkpoints, exact resume and logging as in SFT. Departures
-from the paper: the reference is whatever model the run starts from (the paper's pi_SFT when that is an
-SFT model, as in configs/dpo_tiny.yaml); the optional SFT term on the chosen response is RPO's
-(arXiv:2404.19733).
+`loss.preference_average_log_probs`, averages) the logprobs of the final assistant turn (pairs travel as rows:
+`pairs.py`). Validation every `dpo.val_period` steps: the same loss and the implicit-reward accuracy (fraction
+of held-out pairs with r_c > r_r). Checkpoints, exact resume and logging as in SFT. Departures from the paper:
+the reference is whatever model the run starts from (the paper's pi_SFT when that is an SFT model, as in
+configs/dpo_tiny.yaml); the optional SFT term on the chosen response is RPO's (arXiv:2404.19733).
 
 `loss.preference_loss` swaps the pair loss for IPO's squared one or SimPO's reference-free one (formulas in
 `loss.DPOLoss`); SimPO computes no reference logprobs and keeps no reference weights.

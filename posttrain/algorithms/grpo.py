@@ -218,13 +218,14 @@ def setup(cfg: GRPOConfig) -> GRPORun:
             init_reference_model=keeps_reference(cfg),
             bundle_share=share,
         )
-        critic = Critic(cluster, cfg.critic, cfg.policy.model_name, share) if helper == "critic" else None
-        teacher = Teacher(cluster, cfg.teacher, share) if helper == "teacher" else None
+        critic = Critic(cluster, cfg.critic, policy, share) if helper == "critic" else None
+        teacher = Teacher(cluster, cfg.teacher, policy, share) if helper == "teacher" else None
         generation = make_generation(
             cluster if cfg.generation.colocated else None,
             cfg.generation,
             cfg.policy.model_name,
             max_worker_restarts=cfg.cluster.max_restarts,
+            host=policy.worker_group,
         )
         envs = create_environments(cfg.env)
         checkpoints = CheckpointManager(cfg.checkpointing)

@@ -146,9 +146,8 @@ class AsyncRollouts:
         self.publish_weights(step + 1)
 
     def hold_for_validation(self) -> None:
-        """Publish the next weights with the producer paused, so that the validation after the update
-        need not wait for a batch begun in between (generated with one side's cores while the other
-        waits)."""
+        """Publish the next weights with the producer paused, so that the validation after the update need not
+        wait for a batch begun in between (generated with one side's cores while the other waits)."""
         self.hold = True
 
     def publish_weights(self, version: int) -> None:

@@ -2,11 +2,10 @@
 (`dpo`, `rm`) share: their config sections and checks, setup, step, validation and loop. A command's
 module gives its loop section, its loss (`pair_loss`) and whether that loss needs the frozen reference.
 
-A pair's chosen and rejected responses travel as adjacent rows (2i chosen, 2i+1 rejected), which the
-pairwise losses expect inside every micro-batch. Policy.train deals each global batch to the dp ranks in
-contiguous blocks of global_batch_size/dp rows and cuts those into contiguous micro-batches of
-micro_batch_size rows, so pairs stay whole when both are even and rows are not reordered (no dynamic
-batching or packing)."""
+A pair's chosen and rejected responses travel as adjacent rows (2i chosen, 2i+1 rejected), which the pairwise
+losses expect inside every micro-batch. Policy.train deals each global batch to the dp ranks in contiguous
+blocks of global_batch_size/dp rows and cuts those into contiguous micro-batches of micro_batch_size rows, so
+pairs stay whole when both are even and rows are not reordered (no dynamic batching or packing)."""
 
 from __future__ import annotations
 

@@ -88,9 +88,10 @@ class Teacher:
     """The teacher's worker group; `logprobs` is its one stage (`topk_targets(teacher.model, ...)` with
     `teacher.top_k`)."""
 
-    def __init__(self, cluster: RayVirtualCluster, cfg: TeacherConfig, bundle_share: float) -> None:
+    def __init__(self, cluster: RayVirtualCluster, cfg: TeacherConfig, policy: Policy, share: float) -> None:
         self.cfg = cfg
-        self.model = Policy(cluster, cfg.model, name_prefix="teacher", bundle_share=bundle_share)
+        host = policy.host_for(cfg.model)
+        self.model = Policy(cluster, cfg.model, name_prefix="teacher", bundle_share=share, host=host)
 
     def logprobs(self, train_data: BatchedDataDict) -> torch.Tensor:
         """log pi_teacher of each token of the batch [B, T] (position 0 and padding 0)."""

@@ -237,7 +237,7 @@ class _Checker:
                 raise self.error(unknown, f"unknown key in {schema_cls.__name__}", suggestion)
         kwargs = {name: self.convert(hints[name], item, join_key(key, name)) for name, item in value.items()}
         for name, item in fields.items():
-            if name not in kwargs and _is_mandatory(item):
+            if name not in kwargs and item.default is item.default_factory is dataclasses.MISSING:
                 raise self.error(join_key(key, name), "missing mandatory value (no default)")
         return self.build(schema_cls, kwargs, key)
 
@@ -264,10 +264,6 @@ def optimizer_key(key: str, name: str, fields: Mapping[str, Any]) -> str | None:
     if name in OPTIMIZER_ARGUMENTS and "optimizer" in fields:
         return join_key(key, f"optimizer.kwargs.{OPTIMIZER_ARGUMENTS[name]}")
     return None
-
-
-def _is_mandatory(item: dataclasses.Field) -> bool:
-    return item.default is dataclasses.MISSING and item.default_factory is dataclasses.MISSING
 
 
 def config_to_dict(instance: Any) -> Any:
@@ -343,9 +339,9 @@ def field_docs(schema_cls: type) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         for node, after in zip(body, body[1:]):
-            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr):
-                if isinstance(node.target, ast.Name) and isinstance(after.value, ast.Constant):
-                    docs[node.target.id] = " ".join(str(after.value.value).split())
+            field_doc = isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr)
+            if field_doc and isinstance(node.target, ast.Name) and isinstance(after.value, ast.Constant):
+                docs[node.target.id] = " ".join(str(after.value.value).split())
     return docs
 
 

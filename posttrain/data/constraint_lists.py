@@ -1,9 +1,8 @@
 """The built-in `constrained_lists` task's rows: prompts with four verifiable constraints and no reference
-answer, `List exactly 4 fish, all in lowercase, separated by commas, with no item repeated.`, with the
-columns its reward reads (`n`, `case`, `separator`, `rule`, `rule_value`) and the topic. The held-out rows
-change what was trained: their topics and their counts appear in no training row. The verifier and the
-graders are in `posttrain.environments.constraint_lists`.
-"""
+answer, `List exactly 4 fish, all in lowercase, separated by commas, with no item repeated.`, with the columns
+its reward reads (`n`, `case`, `separator`, `rule`, `rule_value`) and the topic. The held-out rows change what
+was trained: their topics and their counts appear in no training row. The verifier and the graders are in
+`posttrain.environments.constraint_lists`."""
 
 from __future__ import annotations
 
@@ -47,8 +46,7 @@ TOPICS = {
     "drinks": "beer cider cocoa coffee cola juice kombucha lemonade milk mojito punch rum sake smoothie soda "
     "tea tequila vodka water whiskey wine espresso latte cappuccino gin brandy",
     "clothes": "belt blazer blouse boots cap cardigan coat dress gloves gown hat hoodie jacket jeans jumper "
-    "leggings mittens pajamas raincoat robe sandals scarf shirt shoes shorts skirt socks sweater tie "
-    "vest",
+    "leggings mittens pajamas raincoat robe sandals scarf shirt shoes shorts skirt socks sweater tie vest",
     "trees": "acacia alder ash aspen bamboo baobab beech birch cedar cherry chestnut cypress elm eucalyptus "
     "fir hazel hemlock juniper larch linden magnolia maple oak olive palm pine poplar redwood spruce "
     "sycamore willow yew",

@@ -158,6 +158,7 @@ def start_local_ray(
     # workers inherit this process's environment, and the run's own progress line says what happens.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("RAY_worker_niceness", "0")  # the workers are the run (see the module docstring)
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")  # no idle task workers: all are actors
     with _loopback_only(), _agent_and_notice(minimal_agent=not (include_dashboard or dashboard_agent)):
         ray.init(
             address="local",  # a new instance: never join a cluster that happens to run on this machine

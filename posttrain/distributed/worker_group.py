@@ -201,13 +201,24 @@ def wait_until_marked_dead(node_ids: set[str], timeout_s: float = 120.0) -> bool
 
 
 def _with_group_methods(worker_cls: type) -> type:
-    """The worker class plus a method that reports where the actor runs (for error messages)."""
+    """The worker class plus a method that reports where the actor runs (for error messages), and three that
+    keep, call and drop the workers of groups hosted in the actor's process (RayWorkerGroup's `host`)."""
 
     def group_worker_info(self) -> dict[str, Any]:
         node_id = ray.get_runtime_context().get_node_id()
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": node_id}
 
-    return type(worker_cls.__name__, (worker_cls,), {"group_worker_info": group_worker_info})
+    def start_hosted(self, name: str, cls: type, init_kwargs: dict[str, Any]) -> None:
+        vars(self).setdefault("hosted_workers", {})[name] = cls(**init_kwargs)
+
+    def call_hosted(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.hosted_workers[name], method)(*args, **kwargs)
+
+    def drop_hosted(self, name: str) -> None:
+        self.hosted_workers.pop(name, None)
+
+    methods = {f.__name__: f for f in (group_worker_info, start_hosted, call_hosted, drop_hosted)}
+    return type(worker_cls.__name__, (worker_cls,), methods)
 
 
 def _log_tail(pid: int) -> str:
@@ -226,7 +237,9 @@ def _log_tail(pid: int) -> str:
 
 
 class RayWorkerGroup:
-    """`world_size` actors of `worker_cls` (a plain class), actor i on bundle i, keyword-only calls."""
+    """`world_size` actors of `worker_cls` (a plain class), actor i on bundle i. With `host` (a group on the
+    same cluster), worker i lives in host actor i's process instead: no process or start-up of its own; it
+    dies with its host, is never replaced, and `shutdown` drops it and leaves the host running."""
 
     def __init__(
         self,
@@ -238,24 +251,31 @@ class RayWorkerGroup:
         name_prefix: str = "worker",
         num_cpus_per_worker: float | None = None,
         num_gpus_per_worker: float | None = None,
+        host: RayWorkerGroup | None = None,
     ):
-        self.cluster = cluster
+        self.cluster, self.host = cluster, host
         self.world_size = cluster.world_size
         self.sharding = sharding or NamedSharding.data_parallel(self.world_size)
         # Half a bundle by default, so a colocated generation group fits beside a training group.
         num_cpus = cluster.num_cpus_per_worker / 2 if num_cpus_per_worker is None else num_cpus_per_worker
         num_gpus = cluster.cfg.num_gpus_per_worker / 2 if num_gpus_per_worker is None else num_gpus_per_worker
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
+        self.init_kwargs = init_kwargs or {}
+        self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
+        self.names = [f"{name_prefix}-{rank}-{self.name_suffix}" for rank in range(self.world_size)]
+        self.num_replaced = 0  # workers started in place of dead ones (see replace_workers)
+        if host is not None:
+            self.workers, self.info = list(host.workers), host.info
+            hosted = zip(self.workers, self.names)
+            starts = [actor.start_hosted.remote(name, worker_cls, self.init_kwargs) for actor, name in hosted]
+            self.get(starts)
+            return
         node_ips = cluster.bundle_node_ips()
         port = find_free_port(*cluster.cfg.master_port_range)
         num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
         local = num_nodes == 1  # one machine: the file rendezvous
         self.remote_cls = ray.remote(_with_group_methods(worker_cls))
-        self.init_kwargs = init_kwargs or {}
-        self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
         rendezvous = loopback_rendezvous_env() if local else {}
-        self.names = [f"{name_prefix}-{rank}-{self.name_suffix}" for rank in range(self.world_size)]
-        self.num_replaced = 0  # workers started in place of dead ones (see replace_workers)
         # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
         # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
         threads = max(1, int(cluster.num_cpus_per_worker))
@@ -364,15 +384,21 @@ class RayWorkerGroup:
             dead_workers=[self.names[rank] for rank in dead],
         )
 
+    def call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
+        """Call `method` on worker `rank`, without waiting."""
+        if self.host is not None:
+            return self.workers[rank].call_hosted.remote(self.names[rank], method, *args, **kwargs)
+        return getattr(self.workers[rank], method).remote(*args, **kwargs)
+
     def run_all_async(self, method: str, **kwargs: Any) -> list[ray.ObjectRef]:
-        return [getattr(worker, method).remote(**kwargs) for worker in self.workers]
+        return [self.call(rank, method, **kwargs) for rank in range(len(self.workers))]
 
     def run_all(self, method: str, **kwargs: Any) -> list[Any]:
         """Call `method` on every worker; results in rank order."""
         return self.get(self.run_all_async(method, **kwargs))
 
     def run_on(self, ranks: Sequence[int], method: str, **kwargs: Any) -> list[Any]:
-        return self.get([getattr(self.workers[rank], method).remote(**kwargs) for rank in ranks])
+        return self.get([self.call(rank, method, **kwargs) for rank in ranks])
 
     def run_sharded(
         self,
@@ -400,7 +426,7 @@ class RayWorkerGroup:
             index = 0
             for axis, size in zip(in_sharded_axes, shape):
                 index = index * size + coords[axis]
-            ref = getattr(self.workers[rank], method).remote(data=shard_refs[index], **common_kwargs)
+            ref = self.call(rank, method, data=shard_refs[index], **common_kwargs)
             calls.append(ref)
             if not any(coords[a] for a in output_is_replicated):
                 outputs.append((index, ref))
@@ -408,6 +434,9 @@ class RayWorkerGroup:
         return self.get([ref for _, ref in sorted(outputs, key=lambda pair: pair[0])])
 
     def shutdown(self) -> None:
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+        for worker, name in zip(self.workers, self.names):
+            if self.host is not None:
+                worker.drop_hosted.remote(name)
+            else:
+                ray.kill(worker, no_restart=True)
         self.workers = []

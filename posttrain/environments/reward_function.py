@@ -7,11 +7,10 @@ to `register_reward`). The function sees the reply text and the row's columns an
 `reply` is the last assistant message without end-of-turn markers and surrounding whitespace. The row's
 columns arrive as keyword arguments (`ground_truth` is the answer column); a function without `**columns`
 receives only the columns it names, and the ones it names without a default must be in every row
-(`required_columns`, checked before the run starts). With `env.<task>.reward_batched: true` it is called
-once per batch as `fn(replies, **columns)`, each column a list, and returns a list of floats. A call that
-raises, runs past `timeout_seconds`, or returns anything `check_reward` refuses scores 0 and is counted
-in `num_errors`.
-"""
+(`required_columns`, checked before the run starts). With `env.<task>.reward_batched: true` it is called once
+per batch as `fn(replies, **columns)`, each column a list, and returns a list of floats. A call that raises,
+runs past `timeout_seconds`, or returns anything `check_reward` refuses scores 0 and is counted in
+`num_errors`."""
 
 from __future__ import annotations
 

@@ -24,8 +24,7 @@ def strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
 
 
 def pick_device(device: str) -> torch.device:
-    """ "auto": the GPU this actor was given, else the CPU (an actor without a GPU share stays off the
-    GPU)."""
+    """ "auto": the GPU this actor was given, else the CPU (an actor without a GPU share stays on the CPU)."""
     if device == "auto":
         return assigned_device()
     return torch.device(device)

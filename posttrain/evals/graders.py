@@ -122,8 +122,7 @@ def reward_hacking_warning(
     return (
         f"validation reward {metrics['strict_accuracy'] + gap:.3f} runs ahead of the strict grade "
         f"{metrics['strict_accuracy']:.3f} by {gap:.3f} (> {max_gap}): the policy may be gaming its reward. "
-        f"Sample idx {sample.get('idx')}: prompt {sample['prompt'][-120:]!r} "
-        f"-> reply {sample['response'][:120]!r}, "
-        f"reward {sample['reward']:.2f}, strict grade {sample['strict_grade']:.0f} "
-        f"(ground truth {sample.get('ground_truth')!r})"
+        f"Sample idx {sample.get('idx')}: prompt {sample['prompt'][-120:]!r} -> reply "
+        f"{sample['response'][:120]!r}, reward {sample['reward']:.2f}, strict grade "
+        f"{sample['strict_grade']:.0f} (ground truth {sample.get('ground_truth')!r})"
     )

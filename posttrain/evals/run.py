@@ -339,8 +339,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
 def write_outputs(save_path: Path, summary: dict[str, Any], rows: list[dict]) -> None:
     (save_path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     with open(save_path / "samples.jsonl", "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, default=str) + "\n")
+        handle.writelines(json.dumps(row, default=str) + "\n" for row in rows)
 
 
 # ---------------------------------------------------------------------------------------------------- run

@@ -143,11 +143,10 @@ def run_multi_turn_rollout(
 ) -> tuple[BatchedDataDict, dict[str, float]]:
     """Roll out every sample of `batch` (keys `message_log`, `extra_env_info`, `task_name`).
 
-    Returns the batch with updated `message_log`, `extra_env_info`, and new `total_reward [B]`,
-    `truncated [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics (the
-    environments' `counts`, summed over the turns, as `env/<name>`).
-    With `seed`, turn t samples with seed `seed + t`, so a resumed run regenerates the same rollouts.
-    With a `timer`, the environments' steps are timed as "rewards"."""
+    Returns the batch with updated `message_log`, `extra_env_info`, and new `total_reward [B]`, `truncated
+    [B]`, `num_turns [B]`, `answer` (last extracted answer) plus rollout metrics (the environments' `counts`,
+    summed over the turns, as `env/<name>`). With `seed`, turn t samples with seed `seed + t`, so a resumed
+    run regenerates the same rollouts. With a `timer`, the environments' steps are timed as "rewards"."""
     batch_size = len(batch["message_log"])
     message_logs = [list(log) for log in batch["message_log"]]
     metadata = [dict(m) for m in batch["extra_env_info"]]

@@ -1,7 +1,6 @@
-"""A bounded, thread-safe buffer of finished trajectories for asynchronous GRPO: the generation side puts
-one step's worth of rollouts at a time, tagged with the policy version that generated them; the trainer
-takes them in order and never receives a batch older than the staleness bound (those are dropped and
-counted)."""
+"""A bounded, thread-safe buffer of finished trajectories for asynchronous GRPO: the generation side puts one
+step's worth of rollouts at a time, tagged with the policy version that generated them; the trainer takes them
+in order and never receives a batch older than the staleness bound (those are dropped and counted)."""
 
 from __future__ import annotations
 

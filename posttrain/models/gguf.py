@@ -1,6 +1,5 @@
-"""GGUF files as models: a `.gguf` model name is dequantized once, through transformers' own GGUF loader,
-into a plain fp32 Hugging Face directory (weights, config, tokenizer, chat template) that every path then
-loads."""
+"""GGUF files as models: a `.gguf` model name is dequantized once, through transformers' own GGUF loader, into
+a plain fp32 Hugging Face directory (weights, config, tokenizer, chat template) that every path then loads."""
 
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ class RouterTap:
     (with their graph) and the experts it used [N, k] to `logits[l]` / `indices[l]` for layer l. With
     `replay` ([N, L, k] recorded experts of the tokens the next forward sees, flattened in the order the
     routers see them), the routers use the recorded experts (see the module docstring); `replay` may be
-    changed between forwards with `set_replay`. Keeping the tap entered through backward makes
+    changed between forwards. Keeping the tap entered through backward makes
     activation-checkpointing recomputation replay the same experts."""
 
     def __init__(self, model: torch.nn.Module, replay: torch.Tensor | None = None, keep_logits: bool = True):
@@ -56,9 +56,6 @@ class RouterTap:
         self.logits: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.indices: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.handles: list[Any] = []
-
-    def set_replay(self, replay: torch.Tensor | None) -> None:
-        self.replay = replay
 
     def clear(self) -> None:
         self.logits = [[] for _ in self.routers]

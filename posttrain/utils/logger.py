@@ -374,9 +374,8 @@ def run_artifacts(log_dir: Path, include_model: bool = True) -> list[tuple[Path,
     if (log_dir / "config.yaml").is_file():
         pairs.append((log_dir / "config.yaml", None))
     for step_dir in sorted((log_dir / "checkpoints").glob("step_*")):
-        for name in ("training_info.json", "config.yaml"):
-            if (step_dir / name).is_file():
-                pairs.append((step_dir / name, f"checkpoints/{step_dir.name}"))
+        files = [step_dir / name for name in ("training_info.json", "config.yaml")]
+        pairs.extend((path, f"checkpoints/{step_dir.name}") for path in files if path.is_file())
     if include_model and (log_dir / "hf_model").is_dir():
         pairs.append((log_dir / "hf_model", "hf_model"))
     return pairs

@@ -59,15 +59,11 @@ def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank() -> int:
-    return dist.get_rank() if _is_distributed() else 0
-
-
 def on_rank0(action: Callable[[], None], what: str) -> None:
     """Run `action` on rank 0 only; every rank raises if it failed there (so no rank waits forever)."""
     failure: Exception | None = None
     error = None
-    if _rank() == 0:
+    if not _is_distributed() or dist.get_rank() == 0:
         try:
             action()
         except Exception as exc:  # any failure must reach the other ranks, not only OSError

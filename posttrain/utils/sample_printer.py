@@ -76,8 +76,7 @@ class SamplePrinter:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.directory / f"step_{step}.jsonl"
         with open(path, "w", encoding="utf-8") as handle:
-            for sample in samples:
-                handle.write(json.dumps(dict(sample), default=_json_default) + "\n")
+            handle.writelines(json.dumps(dict(sample), default=_json_default) + "\n" for sample in samples)
         return path
 
     def panel(self, samples: Sequence[Mapping[str, Any]], step: int) -> Panel:

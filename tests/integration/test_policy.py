@@ -130,12 +130,16 @@ def policy_config(model_dir, **overrides) -> PolicyConfig:
 
 
 class Run:
-    """A policy on its own cluster; `train()` runs NUM_STEPS global batches and keeps what tests compare."""
+    """A policy on its own cluster, or with `host` in the worker processes of another run's policy (as many
+    workers: no start-up of its own); `train()` runs NUM_STEPS global batches and keeps what tests compare."""
 
-    def __init__(self, model_dir, num_workers: int, init_reference_model: bool = False, **overrides):
+    def __init__(self, model_dir, num_workers: int, init_reference_model=False, host=None, **overrides):
         cluster_cfg = ClusterConfig(workers_per_node=num_workers, num_cpus_per_worker=0.5)
-        self.cluster = RayVirtualCluster(cluster_cfg)
-        self.policy = Policy(self.cluster, policy_config(model_dir, **overrides), init_reference_model)
+        self.cluster = host.cluster if host else RayVirtualCluster(cluster_cfg)
+        self.owns_cluster = host is None
+        cfg = policy_config(model_dir, **overrides)
+        host_group = host.policy.worker_group if host else None
+        self.policy = Policy(self.cluster, cfg, init_reference_model, host=host_group)
         self.data = make_train_data()
 
     def train(self, ray_session) -> Run:
@@ -148,7 +152,8 @@ class Run:
 
     def shutdown(self) -> None:
         self.policy.shutdown()
-        self.cluster.shutdown()
+        if self.owns_cluster:
+            self.cluster.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -159,24 +164,26 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(ray_session, model_dir):
-    """Six trainings of the same data from the same weights, differing only in how the batch is split.
-    All workers start together (their start-up overlaps), then each policy trains."""
+    """Eight trainings of the same data from the same weights, differing only in how the batch is split.
+    Three worker processes in all: the other runs live in the processes of the first one- and two-worker
+    runs (`host`), each with a model of its own."""
     packing = SequencePackingConfig(enabled=True, max_tokens_per_bin=24)
     dynamic = DynamicBatchingConfig(enabled=True, max_tokens_per_microbatch=24, sequence_length_round=4)
+    one, two = Run(model_dir, 1, init_reference_model=True), Run(model_dir, 2)
     built = {
-        "one_worker_2x4": Run(model_dir, 1, init_reference_model=True),
-        "two_workers_2x4": Run(model_dir, 2),
-        "one_worker_8x1": Run(model_dir, 1, train_micro_batch_size=8),
-        "one_worker_packed": Run(model_dir, 1, sequence_packing=packing),
-        "two_workers_tensor_parallel": Run(model_dir, 2, tensor_parallel_size=2),
-        "two_workers_dynamic": Run(model_dir, 2, dynamic_batching=dynamic),
-        "one_worker_activation_checkpointing": Run(model_dir, 1, activation_checkpointing=True),
-        "one_worker_in_order": Run(model_dir, 1, length_bucketing=False),
+        "one_worker_2x4": one,
+        "two_workers_2x4": two,
+        "one_worker_8x1": Run(model_dir, 1, host=one, train_micro_batch_size=8),
+        "one_worker_packed": Run(model_dir, 1, host=one, sequence_packing=packing),
+        "two_workers_tensor_parallel": Run(model_dir, 2, host=two, tensor_parallel_size=2),
+        "two_workers_dynamic": Run(model_dir, 2, host=two, dynamic_batching=dynamic),
+        "one_worker_activation_checkpointing": Run(model_dir, 1, host=one, activation_checkpointing=True),
+        "one_worker_in_order": Run(model_dir, 1, host=one, length_bucketing=False),
     }
     for run in built.values():
         run.train(ray_session)
     yield built
-    for run in built.values():
+    for run in reversed(built.values()):
         run.shutdown()
 
 
@@ -291,10 +298,12 @@ def test_evaluate_reports_loss_without_changing_weights(runs, ray_session):
 
 
 def test_reward_model_scores_ignore_padding_and_order_and_bradley_terry_training_separates_pairs(
-    ray_session, model_dir
+    runs, model_dir
 ):
-    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
-    policy = Policy(cluster, policy_config(model_dir, model_kind="reward_model", train_micro_batch_size=2))
+    """On 2 workers (in the processes of the two-worker run's policy)."""
+    host = runs["two_workers_2x4"].policy.worker_group
+    cfg = policy_config(model_dir, model_kind="reward_model", train_micro_batch_size=2)
+    policy = Policy(host.cluster, cfg, host=host)
     try:
         data = make_train_data()
         data["sample_mask"] = torch.ones(NUM_ROWS)  # rows (2i, 2i+1) are (chosen, rejected) pairs
@@ -308,17 +317,17 @@ def test_reward_model_scores_ignore_padding_and_order_and_bradley_terry_training
         assert losses[-1] < losses[0]
     finally:
         policy.shutdown()
-        cluster.shutdown()
 
 
 def test_value_model_starts_at_zero_learns_returns_and_exports_values_aligned_with_logprobs(
-    ray_session, model_dir, tmp_path
+    runs, model_dir, tmp_path
 ):
-    """A PPO critic on 2 workers: a new head predicts 0 everywhere; value-loss steps toward returns of 1
-    on the trained tokens lower the loss; the exported model's head at position t - 1 is the value at t
-    (the state before token t), with 0 at position 0 and past each length."""
-    cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
-    policy = Policy(cluster, policy_config(model_dir, model_kind="value_model"))
+    """A PPO critic on 2 workers (in the processes of the two-worker run's policy, as GRPO hosts it on
+    CPUs): a new head predicts 0 everywhere; value-loss steps toward returns of 1 on the trained tokens
+    lower the loss; the exported model's head at position t - 1 is the value at t (the state before token
+    t), with 0 at position 0 and past each length."""
+    host = runs["two_workers_2x4"].policy.worker_group
+    policy = Policy(host.cluster, policy_config(model_dir, model_kind="value_model"), host=host)
     try:
         data = make_train_data()
         assert torch.equal(policy.get_values(data)["values"], torch.zeros(NUM_ROWS, SEQ_LEN))
@@ -331,7 +340,6 @@ def test_value_model_starts_at_zero_learns_returns_and_exports_values_aligned_wi
         policy.export_hf(str(tmp_path / "critic"))
     finally:
         policy.shutdown()
-        cluster.shutdown()
     model = AutoModelForTokenClassification.from_pretrained(tmp_path / "critic", dtype=torch.float32)
     lengths = data["input_lengths"]
     real = (torch.arange(SEQ_LEN).unsqueeze(0) < lengths.unsqueeze(1)).long()  # [B, T]

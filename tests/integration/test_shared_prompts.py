@@ -14,7 +14,7 @@ from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.shared_weights import SharedWeights
 from posttrain.distributed.virtual_cluster import ClusterConfig, RayVirtualCluster
 from posttrain.models.build import ModelFromConfig, build_model_dir
-from posttrain.workers.generation import GenerationConfig, HFGeneration
+from posttrain.workers.generation import GenerationConfig, make_generation
 from posttrain.workers.policy.handle import Policy
 
 pytestmark = pytest.mark.slow  # learning runs and multi-worker runs: make test, not make test-fast
@@ -80,10 +80,14 @@ def test_shared_prefix_rows_train_like_plain_rows_on_one_and_two_workers(ray_ses
 
 
 def test_colocated_generation_maps_the_policy_weights_and_sees_each_update(ray_session, model_dir):
+    """Generation hosted in the policy's two worker processes (as GRPO places it on CPUs): no actor of its
+    own; it maps the weights the policy shares, sees each update, and leaves the policy running."""
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
     policy = Policy(cluster, policy_config(model_dir))
-    generation = HFGeneration(cluster, GenerationConfig(max_new_tokens=4, colocated=True), str(model_dir))
+    config = GenerationConfig(max_new_tokens=4, colocated=True)
+    generation = make_generation(cluster, config, str(model_dir), host=policy.worker_group)
     try:
+        assert not [name for name in ray_session.util.list_named_actors() if "generation" in name]
         data = grouped_data()
         for step in range(2):
             handle = policy.share_weights()
@@ -96,6 +100,8 @@ def test_colocated_generation_maps_the_policy_weights_and_sees_each_update(ray_s
             if step == 0:
                 policy.train(data, NLLLoss())  # the next share rewrites the same file in place
                 assert policy.share_weights().path == handle.path
+        generation.shutdown()
+        assert policy.get_logprobs(data)["logprobs"].shape == data["input_ids"].shape
     finally:
         generation.shutdown()
         policy.shutdown()

@@ -226,7 +226,7 @@ def test_a_setsid_grandchild_does_not_outlive_the_call(mode, ending):
         {"import time; time.sleep(60)" if ending == "times out" else ""}
     """,
         mode,
-        timeout_s=2.0,
+        timeout_s=6.0,  # the sandboxed interpreter must start and spawn first, on a loaded machine too
     )
     assert result.stdout == "spawned\n" and result.timed_out == (ending == "times out")
     assert "Error" not in result.stderr, result.stderr

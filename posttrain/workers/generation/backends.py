@@ -2,6 +2,7 @@
 only when constructed) and `make_generation`, which picks one."""
 
 import importlib.util
+from typing import Any
 
 from posttrain.models.vlm import is_vision_language_dir
 from posttrain.workers.generation.config import GenerationConfig
@@ -40,10 +41,12 @@ def make_generation(
     model_name: str,
     tokenizer_name: str | None = None,
     max_worker_restarts: int = 0,
+    host: Any = None,
 ) -> RayGeneration:
     """The backend named by `cfg.backend` on `cluster` (None: a cluster of its own, where the Hugging Face
     backend replaces a worker lost mid-generate up to `max_worker_restarts` times); "auto": vLLM when it is
-    importable, the workers have GPUs and the model is not a vision-language model, else hf."""
+    importable, the workers have GPUs and the model is not a vision-language model, else hf. Hugging Face
+    generation on the CPUs of `cluster` runs in the processes of `host` (the policy's workers), if given."""
     import ray
 
     vision_language = is_vision_language_dir(model_name)
@@ -59,4 +62,5 @@ def make_generation(
     vllm_fits = gpus > 0 and not vision_language and importlib.util.find_spec("vllm") is not None
     backend = cfg.backend if cfg.backend != "auto" else ("vllm" if vllm_fits else "hf")
     backends = {"hf": HFGeneration, "vllm": VllmGeneration}
-    return backends[backend](cluster, cfg, model_name, tokenizer_name, max_worker_restarts)
+    host = host if cluster is not None and backend == "hf" and gpus == 0 else None
+    return backends[backend](cluster, cfg, model_name, tokenizer_name, max_worker_restarts, host)

@@ -2,10 +2,9 @@
 per-sample seeded sampling, a batched KV-cache decode loop with stop tokens and strings, and assembling the
 outputs in the backend contract's keys.
 
-Logprobs are those of the *unfiltered* tempered distribution, log_softmax(logits / temperature), at
-the chosen token: top-k / top-p only decide which tokens may be drawn. This is what the trainer
-recomputes (`policy.logprob_temperature`), so the two can be compared token by token.
-"""
+Logprobs are those of the *unfiltered* tempered distribution, log_softmax(logits / temperature), at the chosen
+token: top-k / top-p only decide which tokens may be drawn. This is what the trainer recomputes
+(`policy.logprob_temperature`), so the two can be compared token by token."""
 
 from __future__ import annotations
 
@@ -39,9 +38,8 @@ def right_to_left_padded(
 def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k / top-p (nucleus) set to -inf. logits: [B, V], already tempered.
 
-    Top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest prefix of the
-    sorted distribution whose mass reaches top_p (the most likely token is always kept).
-    """
+    Top-k keeps every token tied with the k-th largest logit; top-p keeps the smallest prefix of the sorted
+    distribution whose mass reaches top_p (the most likely token is always kept)."""
     if top_k is not None and top_k < logits.shape[-1]:
         kth_largest = logits.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))

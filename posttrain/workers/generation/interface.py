@@ -69,13 +69,13 @@ class RayGeneration:
     (`cfg.num_workers` unused), or with None a cluster of `cfg.num_workers` bundles of its own. Subclasses
     name the worker class, which takes `(cfg, model_name, tokenizer_name)` and has generate(data, greedy,
     seed, sample_offset), update_weights(weights), prepare_for_generation() and finish_generation().
+    With `host` (the policy's worker group), the workers live in the host's actors instead of their own.
 
     On a cluster of its own, with `replaces_lost_workers`, a worker that dies during `generate` (its process
-    or its node) is replaced up to `max_worker_restarts` times: the new actor starts in the lost one's
-    bundle, loads the weights the others hold (`set_weights_source`) and generates the lost shard again as
-    the lost worker would have (samples are seeded by (seed, global sample index)). Colocated workers live
-    in the policy's bundles: their loss stays the whole run's (`algorithms/recovery.py`).
-    """
+    or its node) is replaced up to `max_worker_restarts` times: the new actor starts in the lost one's bundle,
+    loads the weights the others hold (`set_weights_source`) and generates the lost shard again as the lost
+    worker would have (samples are seeded by (seed, global sample index)). Colocated workers live in the
+    policy's bundles: their loss stays the whole run's (`algorithms/recovery.py`)."""
 
     worker_cls: type = object
     backend_name: str = "generation"
@@ -88,6 +88,7 @@ class RayGeneration:
         model_name: str,
         tokenizer_name: str | None = None,
         max_worker_restarts: int = 0,
+        host: RayWorkerGroup | None = None,
     ) -> None:
         self.cfg = cfg
         self.owned_cluster = cluster is None
@@ -121,6 +122,7 @@ class RayGeneration:
             },
             num_cpus_per_worker=self.cluster.num_cpus_per_worker if self.owned_cluster else None,
             num_gpus_per_worker=self.cluster.cfg.num_gpus_per_worker if self.owned_cluster else None,
+            host=host,
         )
 
     def generate(self, data: Any, greedy: bool = False, seed: int | None = None) -> Any:
@@ -136,9 +138,10 @@ class RayGeneration:
 
         def decode(rank: int) -> Any:
             start, end = shards[rank]
-            worker = self.worker_group.workers[rank]
             shard = {key: data[key][start:end] for key in INPUTS if data.get(key) is not None}
-            return worker.generate.remote(shard, greedy=greedy, seed=seed, sample_offset=start)
+            return self.worker_group.call(
+                rank, "generate", shard, greedy=greedy, seed=seed, sample_offset=start
+            )
 
         ranks = [rank for rank, (start, end) in enumerate(shards) if end > start]
         refs = {rank: decode(rank) for rank in ranks}

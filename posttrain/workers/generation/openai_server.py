@@ -1,11 +1,10 @@
-"""An OpenAI-compatible endpoint over a generation backend: `POST /v1/chat/completions` and
-`/v1/completions`, `GET /v1/models`, served with serve-env's limits (a token beyond loopback, body size,
-concurrent requests, bad JSON answered with a 4xx). Concurrent requests are batched: a request waits up to
-`batch_wait_s` for others with the same sampling settings, and each batch is one `generate` call. Every
-choice carries the token ids it was sampled as (`token_ids`, with `prompt_token_ids` on the response) and
-each token's logprob, so a trainer never has to re-tokenize text. `posttrain serve --model DIR` runs it on
-a model directory (a checkpoint's export or any Hugging Face model) with the Hugging Face or vLLM backend
-in-process.
+"""An OpenAI-compatible endpoint over a generation backend: `POST /v1/chat/completions` and `/v1/completions`,
+`GET /v1/models`, served with serve-env's limits (a token beyond loopback, body size, concurrent requests, bad
+JSON answered with a 4xx). Concurrent requests are batched: a request waits up to `batch_wait_s` for others
+with the same sampling settings, and each batch is one `generate` call. Every choice carries the token ids it
+was sampled as (`token_ids`, with `prompt_token_ids` on the response) and each token's logprob, so a trainer
+never has to re-tokenize text. `posttrain serve --model DIR` runs it on a model directory (a checkpoint's
+export or any Hugging Face model) with the Hugging Face or vLLM backend in-process.
 
 Served: messages (the model's chat template; `tools` passed to it and Hermes `<tool_call>` replies returned
 as `tool_calls`), prompt (text or token ids), n, temperature, top_p, max_tokens, stop, logprobs, seed;

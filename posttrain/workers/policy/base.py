@@ -101,6 +101,7 @@ class PolicyWorker:
     def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
         self.cfg = cfg
         self.timer = Timer()  # this rank's stage times, collected by get_timing_metrics
+        self.owns_process_group = not dist.is_initialized()  # not when hosted in another worker's process
         ensure_process_group()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.device = assigned_device()
@@ -315,9 +316,8 @@ class PolicyWorker:
         """One optimizer step per global batch (this rank holds global_batch_size / dp rows of each);
         forward only when `eval_mode`.
 
-        Returns per-step lists, already reduced over dp ranks (step_metrics.reduce_steps): loss
-        (global-batch loss), grad_norm, lr, num_microbatches (summed), and the loss function's metrics.
-        """
+        Returns per-step lists, already reduced over dp ranks (step_metrics.reduce_steps): loss (global-batch
+        loss), grad_norm, lr, num_microbatches (summed), and the loss function's metrics."""
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         micro_batch_size = micro_batch_size or self.cfg.train_micro_batch_size
         local_batch_size = global_batch_size // self.dp_size  # the driver's shard_by_batch_size checked
@@ -356,9 +356,8 @@ class PolicyWorker:
     def share_weights(self, dtype: str | None = None, on_device: bool = False) -> SharedWeights | None:
         """Full weights written into a flat buffer that generation workers on this machine map once (see
         distributed/shared_weights.py): a shared-memory file, or with `on_device` this rank's GPU memory
-        shared through CUDA IPC; rank 0 returns its handle, other ranks None (collective).
-        Nothing is copied when no optimizer step or checkpoint load changed the weights since the last
-        call."""
+        shared through CUDA IPC; rank 0 returns its handle, other ranks None (collective). Nothing is copied
+        when no optimizer step or checkpoint load changed the weights since the last call."""
         import ray
 
         self.sent_bytes = 0
@@ -431,9 +430,9 @@ class PolicyWorker:
         }
 
     def shutdown(self) -> bool:
-        """Leave the process group; the actor can then be killed."""
+        """Leave the process group (if this worker joined it); the actor can then be killed."""
         if self.shared_weights is not None:
             self.shared_weights.close()
-        if dist.is_initialized():
+        if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         return True

@@ -8,22 +8,20 @@ attention work (a query sees the keys before it) is the same on every rank.
 Attention (`ContextParallelLayout.attend`, run by tree_attention.layout_attention): every layer all-gathers
 the keys and values of the whole sequence from the CP ranks (all-gather, not a ring: simple and it runs over
 gloo, but each rank holds the full [b, H_kv, T, d] keys and values of the layer it is computing, and autograd
-keeps them for the backward, so a rank stores the K/V of all T positions per layer where a ring would
-hold T / cp) and attends each local chunk's queries over the keys up to the chunk's end, causally by global
-position. On a CPU, plain rows need no mask (CausalChunkAttention: flash attention over the keys before the
-chunk and, causally, over its own, merged by log-sum-exp), so memory stays linear in the length; packed rows
-(whose mask adds a same-sequence condition), dropout and GPUs use SDPA with a boolean mask of c x (chunk end)
-per chunk. The backward of the all-gather sums the key/value gradients of every rank's queries and keeps this
-rank's part (an all-reduce, which gloo has, then a slice). Positions fed to the rotary embedding are the
-global ones.
+keeps them for the backward, so a rank stores the K/V of all T positions per layer where a ring would hold T /
+cp) and attends each local chunk's queries over the keys up to the chunk's end, causally by global position.
+On a CPU, plain rows need no mask (CausalChunkAttention: flash attention over the keys before the chunk and,
+causally, over its own, merged by log-sum-exp), so memory stays linear in the length; packed rows (whose mask
+adds a same-sequence condition), dropout and GPUs use SDPA with a boolean mask of c x (chunk end) per chunk.
+The backward of the all-gather sums the key/value gradients of every rank's queries and keeps this rank's part
+(an all-reduce, which gloo has, then a slice). Positions fed to the rotary embedding are the global ones.
 
-Logprobs (`context_parallel_logprobs`): each rank computes logits and logprobs of its own positions only
-(the logits, [b, T / cp, V], are the memory a long sequence is short of), against the next token of the
-whole sequence (every rank holds all of input_ids); then the logprobs [b, T] of the whole sequence are
-all-gathered, so the loss sees full rows exactly as without CP and is normalised by the same global counts.
-Every CP rank computes that identical loss, so the gather's backward keeps only this rank's positions: the
-sum of the CP ranks' parameter gradients is the exact gradient, which FSDP's sum over the dp x cp ranks
-forms."""
+Logprobs (`context_parallel_logprobs`): each rank computes logits and logprobs of its own positions only (the
+logits, [b, T / cp, V], are the memory a long sequence is short of), against the next token of the whole
+sequence (every rank holds all of input_ids); then the logprobs [b, T] of the whole sequence are all-gathered,
+so the loss sees full rows exactly as without CP and is normalised by the same global counts. Every CP rank
+computes that identical loss, so the gather's backward keeps only this rank's positions: the sum of the CP
+ranks' parameter gradients is the exact gradient, which FSDP's sum over the dp x cp ranks forms."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The driver-side `Policy`: a handle over a Ray worker group of `DTensorPolicyWorker`s (one per bundle), or
 of `MegatronPolicyWorker`s with `policy.backend: megatron`.
 
-It shards batches across data-parallel ranks, calls the workers and puts their results back together.
-"""
+It shards batches across data-parallel ranks, calls the workers and puts their results back together."""
 
 from __future__ import annotations
 
@@ -88,9 +87,10 @@ class Policy:
         init_reference_model: bool = False,
         name_prefix: str = "policy",
         bundle_share: float = 0.5,
+        host: RayWorkerGroup | None = None,
     ) -> None:
-        """`bundle_share`: the share of each bundle's CPUs and GPUs that a worker reserves (half, so that
-        a colocated generation group fits beside it; a quarter each for a policy and a PPO critic)."""
+        """`bundle_share`: the share of each bundle's CPUs and GPUs a worker reserves (half, so that a
+        colocated generation group fits beside it; a quarter for a policy and a critic). `host`: host_for."""
         self.cfg = cfg
         if cfg.model_name is None:
             raise ValueError("policy.model_name is not set: give a Hugging Face model directory or hub name")
@@ -106,7 +106,14 @@ class Policy:
             name_prefix=name_prefix,
             num_cpus_per_worker=cluster.num_cpus_per_worker * bundle_share,
             num_gpus_per_worker=cluster.cfg.num_gpus_per_worker * bundle_share,
+            host=host,
         )
+
+    def host_for(self, cfg: PolicyConfig) -> RayWorkerGroup | None:
+        """Where another model of `cfg` on this cluster lives (RayWorkerGroup's `host`): on CPUs, when both
+        are DTensor models, in this policy's worker processes (no start-up of its own); else None."""
+        cpu = self.worker_group.cluster.cfg.num_gpus_per_worker == 0
+        return self.worker_group if cpu and self.cfg.backend == cfg.backend == "dtensor" else None
 
     # -- data-parallel dispatch ------------------------------------------------------------------------
 
@@ -169,10 +176,9 @@ class Policy:
         `policy.train_global_batch_size`), in micro-batches of `micro_batch_size` rows (default
         `policy.train_micro_batch_size`); forward only when `eval_mode` (see evaluate).
 
-        Returns one entry per global batch, reduced over ranks: `loss` (the global-batch loss),
-        `grad_norm` (before clipping), `lr` (used by the step), `num_microbatches`, and the loss
-        function's metrics summed over micro-batches and ranks.
-        """
+        Returns one entry per global batch, reduced over ranks: `loss` (the global-batch loss), `grad_norm`
+        (before clipping), `lr` (used by the step), `num_microbatches`, and the loss function's metrics summed
+        over micro-batches and ranks."""
         global_batch_size = global_batch_size or self.cfg.train_global_batch_size
         shards = data.shard_by_batch_size(self.dp_size, batch_size=global_batch_size)
         results = self._run_dp(

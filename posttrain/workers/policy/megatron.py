@@ -161,7 +161,7 @@ class MegatronPolicyWorker(PolicyWorker):
             self.layer_offset = model.decoder.layers[0].layer_number - 1 if len(model.decoder.layers) else 0
             names = [name for name, _ in model.named_parameters()]
             ep_rank = parallel_state.get_expert_model_parallel_rank()
-            expert_offset = megatron_moe_convert.local_expert_offset(moe, ep_rank, self.ep_size)
+            expert_offset = 0 if moe is None else ep_rank * (moe.num_experts // self.ep_size)  # first expert
             shard = (self.layer_offset, self.layout, self.tp_rank, self.tp_size, expert_offset)
             local = megatron_convert.hf_to_megatron(hf_model.state_dict(), names, *shard)
             del hf_model

@@ -228,10 +228,6 @@ def adapter_params(
                 yield f"{PEFT_PREFIX}{module}.{factor}.weight", adapter.tp_dim(factor), param
 
 
-def is_adapter_param(name: str) -> bool:
-    return f".{ADAPTER_ATTR}." in name
-
-
 @contextlib.contextmanager
 def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
     """The base model's forward (the reference policy); the adapters are re-enabled afterwards."""
@@ -271,7 +267,9 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
         return model
 
     def _hf_named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        return ((name, p) for name, p in self.model.module.named_parameters() if not is_adapter_param(name))
+        return (
+            (name, p) for name, p in self.model.module.named_parameters() if f".{ADAPTER_ATTR}." not in name
+        )
 
     def _adapters_disabled(self) -> contextlib.AbstractContextManager:
         return adapters_disabled(self.model.module)

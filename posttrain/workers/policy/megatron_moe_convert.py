@@ -102,11 +102,6 @@ def moe_training_fields(
     }
 
 
-def local_expert_offset(moe: MoeLayout | None, ep_rank: int, ep_size: int) -> int:
-    """The global index of this expert-parallel rank's first expert."""
-    return 0 if moe is None else ep_rank * (moe.num_experts // ep_size)
-
-
 def is_expert_name(name: str) -> bool:
     return EXPERT_NAME.match(name) is not None
 

@@ -2,13 +2,12 @@
 chosen and rejected answers of a DPO pair) compute that prompt once.
 
 A group of n sequences with a common prompt of L tokens becomes one row: the prompt, then each sequence's
-continuation in turn. Position ids restart at L for every continuation, and attention lets a continuation
-see the prompt and its own earlier tokens only (`tree_attention.py`, which computes just those pairs; for a
-model without it the rows carry the equivalent dense tree mask), so every continuation token gets the
-hidden states (and logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed
-once instead of n times, and the continuations need no padding in the linear layers: with GRPO's 4-16
-samples per prompt the forward and backward shrink by the prompt's repeats and the padding to the longest
-row.
+continuation in turn. Position ids restart at L for every continuation, and attention lets a continuation see
+the prompt and its own earlier tokens only (`tree_attention.py`, which computes just those pairs; for a model
+without it the rows carry the equivalent dense tree mask), so every continuation token gets the hidden states
+(and logprobs, and gradients) it would get in its own row. The prompt's L tokens are computed once instead of
+n times, and the continuations need no padding in the linear layers: with GRPO's 4-16 samples per prompt the
+forward and backward shrink by the prompt's repeats and the padding to the longest row.
 
 Only positions a loss reads are exact: a row's tokens after its prompt (from its first trained position
 on). The prompt is the tokens before the position that precedes the first trained token, so the
