@@ -8,6 +8,9 @@ import pytest
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each test process keeps up to 4 idle worker processes for the runs after it (RayWorkerGroup): most runs
+# start no process of their own (a worker's start-up is ~5 CPU-seconds of imports).
+os.environ.setdefault("POSTTRAIN_KEEP_WORKERS", "4")
 
 # Logical CPUs for the test Ray instance: more than the 2 physical cores so that
 # fractional actors of several worker groups fit at once.

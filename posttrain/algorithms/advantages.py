@@ -211,7 +211,6 @@ def kl_estimate(
     return kl  # [B, T]
 
 
-# -- DAPO ---------------------------------------------------------------------------------------------
 def groups_with_signal(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     """DAPO dynamic sampling: bool [G], True for groups whose rewards are not all equal (they have a
     non-zero advantage somewhere). Rows to keep: `groups_with_signal(...).repeat_interleave(n)` [N]."""
@@ -242,7 +241,6 @@ def scale_rewards(rewards: torch.Tensor, scale: float = 1.0, shift: float = 0.0)
     return rewards.float() * scale + shift
 
 
-# -- the estimators of GRPO's loop (`grpo.advantage_estimator`) ----------------------------------------
 @dataclass
 class EstimatorInputs:
     """What an estimator reads beside the rewards and the token mask, each estimator its own fields: the

@@ -128,7 +128,6 @@ class GRPORun:
             cluster.shutdown()
 
 
-# ------------------------------------------------------------------------------------------------ setup
 def make_refit(cfg: GRPOConfig, policy: Policy, generation: RayGeneration, stale: bool) -> Refit:
     """The refit between `policy` and `generation` as the config places them."""
     colocated = cfg.generation.colocated
@@ -265,7 +264,6 @@ def setup(cfg: GRPOConfig) -> GRPORun:
         )
 
 
-# ----------------------------------------------------------------------------------------------- stages
 def flat_routed_experts(logs: list[list[dict]], num_cols: int) -> torch.Tensor | None:
     """The experts an MoE generator routed each generated token to, aligned with input_ids: [B, T, L, k]
     int16, -1 where nothing was recorded (prompts, observations, padding); None without any recording."""
@@ -398,7 +396,6 @@ def add_advantages(
     return metrics
 
 
-# ------------------------------------------------------------------------------------------------- loop
 def grpo_step(run: GRPORun, timer: Timer) -> dict[str, float]:
     """One GRPO step, stage by stage (docs/architecture.md shows its data flow)."""
     cfg = run.cfg.grpo

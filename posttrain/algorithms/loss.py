@@ -34,7 +34,6 @@ LossOutput = tuple[torch.Tensor, dict[str, float]]
 Data = Mapping[str, Any]  # a micro-batch: data key -> tensor
 
 
-# -- the contract: what a loss reads and what the worker asks it ---------------------------------------
 class Loss:
     """Base of the losses: the attributes the training worker reads (`workers/policy/base.LossFn`)."""
 
@@ -107,7 +106,6 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
 
-# -- NLL ------------------------------------------------------------------------------------------
 class NLLLoss(Loss):
     """Supervised fine-tuning: -sum(logprobs * mask) / global_valid_toks.
 
@@ -180,7 +178,6 @@ class KDLoss(Loss):
         }
 
 
-# -- clipped policy gradient ----------------------------------------------------------------------
 @dataclass
 class ClippedPGLossConfig:
     """Options of the clipped policy-gradient loss (PPO/GRPO, with DAPO and GSPO variants)."""
@@ -410,7 +407,6 @@ def token_mult_prob_error(
     return torch.exp(difference.abs())  # [B, T]
 
 
-# -- value loss (PPO critic) ------------------------------------------------------------------------
 @dataclass
 class ValueLossConfig:
     """Options of PPO's value (critic) loss."""

@@ -8,11 +8,14 @@ every interface), and each rank's gloo/NCCL sockets use the interface holding it
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import glob
 import math
 import os
 import socket
+import sys
 import tempfile
 import time
 import uuid
@@ -20,7 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy as OnNode
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
 
 from posttrain.distributed.batched_data_dict import BatchedDataDict
 from posttrain.distributed.named_sharding import NamedSharding
@@ -200,25 +204,60 @@ def wait_until_marked_dead(node_ids: set[str], timeout_s: float = 120.0) -> bool
     return False
 
 
-def _with_group_methods(worker_cls: type) -> type:
-    """The worker class plus a method that reports where the actor runs (for error messages), and three that
-    keep, call and drop the workers of groups hosted in the actor's process (RayWorkerGroup's `host`)."""
+@ray.remote
+class WorkerProcess:
+    """The Ray actor of a group's rank: a process holding workers (instances of plain classes) by name, its
+    group's and those of groups hosted in it. A worker starts with its group's environment (rank,
+    rendezvous, threads) in place of the last one's. `reset` drops the workers, leaves torch.distributed's
+    process group, and says whether the process may serve another group: every class it held allows that
+    (`reuse_process`) and it holds no GPU."""
 
-    def group_worker_info(self) -> dict[str, Any]:
+    def __init__(self) -> None:
+        self.workers: dict[str, Any] = {}
+        self.env: dict[str, str] = {}
+        self.reusable = True
+
+    def info(self) -> dict[str, Any]:
         node_id = ray.get_runtime_context().get_node_id()
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": node_id}
 
-    def start_hosted(self, name: str, cls: type, init_kwargs: dict[str, Any]) -> None:
-        vars(self).setdefault("hosted_workers", {})[name] = cls(**init_kwargs)
+    def start(self, name: str, cls: type, init_kwargs: dict[str, Any], env: dict[str, str]) -> None:
+        if env:
+            for key in self.env.keys() - env.keys():
+                os.environ.pop(key, None)
+            os.environ.update(env)
+            self.env = env
+            if "torch" in sys.modules:  # imported already: its threads were set by an earlier group
+                sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+        self.reusable = self.reusable and getattr(cls, "reuse_process", False)
+        self.workers[name] = cls(**init_kwargs)
 
-    def call_hosted(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.hosted_workers[name], method)(*args, **kwargs)
+    def call(self, name: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.workers[name], method)(*args, **kwargs)
 
-    def drop_hosted(self, name: str) -> None:
-        self.hosted_workers.pop(name, None)
+    def drop(self, name: str) -> None:
+        self.workers.pop(name, None)
 
-    methods = {f.__name__: f for f in (group_worker_info, start_hosted, call_hosted, drop_hosted)}
-    return type(worker_cls.__name__, (worker_cls,), methods)
+    def reset(self) -> bool:
+        self.workers.clear()
+        if "torch" in sys.modules and sys.modules["torch"].distributed.is_initialized():
+            sys.modules["torch"].distributed.destroy_process_group()
+        if "torch.distributed.tensor" in sys.modules:  # DTensor's caches keep the old group's meshes
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+        gc.collect()
+        return self.reusable and not ray.get_gpu_ids()
+
+
+_idle: list[tuple[str, Any]] = []  # (node id, process): processes of finished groups, kept for the next
+
+
+def workers_kept() -> int:
+    """How many idle worker processes this driver keeps (POSTTRAIN_KEEP_WORKERS, 0 when unset)."""
+    if not (value := os.environ.get("POSTTRAIN_KEEP_WORKERS") or "0").isdigit():
+        raise ValueError(f"POSTTRAIN_KEEP_WORKERS={value!r}: must be a number of worker processes (0: none)")
+    return int(value)
 
 
 def _log_tail(pid: int) -> str:
@@ -237,9 +276,15 @@ def _log_tail(pid: int) -> str:
 
 
 class RayWorkerGroup:
-    """`world_size` actors of `worker_cls` (a plain class), actor i on bundle i. With `host` (a group on the
-    same cluster), worker i lives in host actor i's process instead: no process or start-up of its own; it
-    dies with its host, is never replaced, and `shutdown` drops it and leaves the host running."""
+    """`world_size` workers of `worker_cls` (a plain class), worker i in a process (a `WorkerProcess` actor)
+    of its own on bundle i. With `host` (a group on the same cluster), worker i lives in host worker i's
+    process instead: no start-up of its own; it dies with its host, is never replaced, and `shutdown` drops
+    it and leaves the host running.
+
+    With POSTTRAIN_KEEP_WORKERS=n (a driver that runs one run after another: a notebook, a sweep, the test
+    suite), `shutdown` keeps up to n processes of a CPU group, reset, for later groups on the same node: no
+    start-up, no imports. Such a process runs on its bundle's node outside the placement group (the next run
+    has its own), reserving no CPUs itself; the bundles do."""
 
     def __init__(
         self,
@@ -253,7 +298,7 @@ class RayWorkerGroup:
         num_gpus_per_worker: float | None = None,
         host: RayWorkerGroup | None = None,
     ):
-        self.cluster, self.host = cluster, host
+        self.cluster, self.host, self.worker_cls = cluster, host, worker_cls
         self.world_size = cluster.world_size
         self.sharding = sharding or NamedSharding.data_parallel(self.world_size)
         # Half a bundle by default, so a colocated generation group fits beside a training group.
@@ -264,73 +309,85 @@ class RayWorkerGroup:
         self.name_prefix, self.name_suffix = name_prefix, uuid.uuid4().hex[:6]
         self.names = [f"{name_prefix}-{rank}-{self.name_suffix}" for rank in range(self.world_size)]
         self.num_replaced = 0  # workers started in place of dead ones (see replace_workers)
+        self.lost = False  # a worker died: no process of the group is kept
         if host is not None:
-            self.workers, self.info = list(host.workers), host.info
-            hosted = zip(self.workers, self.names)
-            starts = [actor.start_hosted.remote(name, worker_cls, self.init_kwargs) for actor, name in hosted]
-            self.get(starts)
-            return
-        node_ips = cluster.bundle_node_ips()
-        port = find_free_port(*cluster.cfg.master_port_range)
-        num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
-        local = num_nodes == 1  # one machine: the file rendezvous
-        self.remote_cls = ray.remote(_with_group_methods(worker_cls))
-        rendezvous = loopback_rendezvous_env() if local else {}
-        # A phase runs alone in its bundle (colocated groups take turns), so each actor computes with as
-        # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
-        threads = max(1, int(cluster.num_cpus_per_worker))
-        per_node = cluster.cfg.workers_per_node
-        self.env_vars = [
-            rank_env_vars(rank, self.world_size, per_node, node_ips[0], port, threads, extra)
-            for rank, extra in enumerate({**rendezvous, NODE_IP_ENV: ip} for ip in node_ips)
-        ]
-        self.workers = [self._start_actor(rank) for rank in range(self.world_size)]
-        self.info: list[dict[str, Any]] = []  # where each rank runs, once all have started
-        self.info = self.get([w.group_worker_info.remote() for w in self.workers])
-        if not local:  # where each rank runs, for whoever must find a lost node's workers in the log
-            places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
-            print(f"{name_prefix}: {self.world_size} workers on {num_nodes} nodes: {places}", flush=True)
+            self.workers, self.info = list(host.workers), list(host.info)
+            self.env_vars: list[dict[str, str]] = [{}] * self.world_size
+        else:
+            node_ips = cluster.bundle_node_ips()
+            port = find_free_port(*cluster.cfg.master_port_range)
+            num_nodes = len(set(cluster.bundle_node_ids()))  # nodes, not addresses: several may share one
+            rendezvous = loopback_rendezvous_env() if num_nodes == 1 else {}  # one machine: a file
+            # A phase runs alone in its bundle (colocated groups take turns), so each worker computes with as
+            # many threads as its bundle has CPUs, not as its (half) share: every core is busy in every phase.
+            threads = max(1, int(cluster.num_cpus_per_worker))
+            per_node = cluster.cfg.workers_per_node
+            self.env_vars = [
+                rank_env_vars(rank, self.world_size, per_node, node_ips[0], port, threads, extra)
+                for rank, extra in enumerate({**rendezvous, NODE_IP_ENV: ip} for ip in node_ips)
+            ]
+            self.workers = [self._process(rank) for rank in range(self.world_size)]
+            self.info: list[dict[str, Any]] = []  # where each rank runs, once all have started
+            self.info = self.get([w.info.remote() for w in self.workers])
+            if num_nodes > 1:  # where each rank runs, for whoever must find a lost node's workers in the log
+                places = ", ".join(f"rank {rank} on {info['node_ip']}" for rank, info in enumerate(self.info))
+                print(f"{name_prefix}: {self.world_size} workers on {num_nodes} nodes: {places}", flush=True)
+        self._start_workers(range(self.world_size))
 
-    def _start_actor(self, rank: int) -> Any:
-        """An actor of the worker class for `rank`, in bundle `rank` of the cluster's placement group."""
-        strategy = PlacementGroupSchedulingStrategy(
-            self.cluster.placement_group, placement_group_bundle_index=rank
-        )
-        return self.remote_cls.options(
-            num_cpus=self.num_cpus,
+    def _process(self, rank: int) -> Any:
+        """A process for `rank`: a kept one on its bundle's node that answers, else a new one (the class)."""
+        node_id = self.cluster.bundle_node_ids()[rank]
+        keep = workers_kept() > 0 and not self.num_gpus
+        for entry in [entry for entry in _idle if keep and entry[0] == node_id]:
+            _idle.remove(entry)
+            with contextlib.suppress(Exception):  # dead, or of an earlier Ray session
+                ray.get(entry[1].info.remote(), timeout=PING_TIMEOUT_S)
+                return entry[1]
+        where = OnNode(node_id, soft=False) if keep else InGroup(self.cluster.placement_group, rank)
+        return WorkerProcess.options(
+            num_cpus=0 if keep else self.num_cpus,
             num_gpus=self.num_gpus,
-            scheduling_strategy=strategy,
+            scheduling_strategy=where,
             name=self.names[rank],
             runtime_env={"env_vars": self.env_vars[rank]},
             max_restarts=0,
-        ).remote(**self.init_kwargs)
+        ).remote()
+
+    def _start_workers(self, ranks: Sequence[int]) -> None:
+        """Construct the workers of `ranks` in their processes; on an error, shut the group down and raise."""
+        args = self.worker_cls, self.init_kwargs
+        starts = [self.workers[r].start.remote(self.names[r], *args, self.env_vars[r]) for r in ranks]
+        try:
+            self.get(starts)
+        except BaseException:
+            self.lost = True
+            self.shutdown()
+            raise
 
     def replace_workers(self, ranks: Sequence[int], timeout_s: float) -> None:
-        """Start a new actor for each of `ranks`, whose actors died, with the same arguments and environment,
-        in the rank's bundle: Ray moves the bundles of a node it counts dead to a node with room. For
-        workers that form no process group (generation): a new rank would not join the others'
-        collectives. Raises ClusterResourceError when the new actors have not all started within
-        `timeout_s` (no room for a bundle), RayActorError when a constructor fails."""
-        actors = {}
+        """Start a new process and worker for each of `ranks`, whose processes died, with the same arguments
+        and environment, on the rank's bundle: Ray moves the bundles of a node it counts dead to a node with
+        room. For workers that form no process group (generation): a new rank would not join the others'
+        collectives. Raises ClusterResourceError when the new processes have not all started within
+        `timeout_s` (no room for a bundle), a constructor's error as `_start_workers` does; either way the
+        group is shut down."""
         for rank in ranks:
             ray.kill(self.workers[rank], no_restart=True)  # dead already, or stuck on a lost node
             self.num_replaced += 1
             self.names[rank] = f"{self.name_prefix}-{rank}-{self.name_suffix}-r{self.num_replaced}"
-            actors[rank] = self._start_actor(rank)
-        pings = [actor.group_worker_info.remote() for actor in actors.values()]
-        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
-        if len(ready) < len(pings):
-            for actor in actors.values():
-                ray.kill(actor, no_restart=True)
+            self.workers[rank] = self._process(rank)
+        pings = [self.workers[rank].info.remote() for rank in ranks]
+        if len(ray.wait(pings, num_returns=len(pings), timeout=timeout_s)[0]) < len(pings):
+            self.lost = True
+            self.shutdown()
             raise ClusterResourceError(
                 f"{self.name_prefix}: replacements for ranks {list(ranks)} did not all start within "
                 f"{timeout_s:g}s: no room for their bundles"
             )
-        for rank, info in zip(actors, ray.get(pings)):
+        for rank, info in zip(ranks, ray.get(pings)):
             self.info[rank] = info
-            self.workers[rank] = actors[rank]
+        self._start_workers(ranks)
 
-    # -- calls ----------------------------------------------------------------------------------------
     def get(self, refs: Sequence[ray.ObjectRef]) -> list[Any]:
         """Wait for results; a dead worker, or one whose node has died (its peers may wait for it in a
         collective, or fail in one), raises WorkerDiedError (names, nodes, log tails) within seconds, never
@@ -356,7 +413,7 @@ class RayWorkerGroup:
 
     def _dead_ranks(self, lost_nodes: set[str]) -> list[int]:
         """Ranks that do not answer a ping (an error, not a busy worker) or live on a lost node."""
-        pings = [worker.group_worker_info.remote() for worker in self.workers]
+        pings = [worker.info.remote() for worker in self.workers]
         ready, _ = ray.wait(pings, num_returns=len(pings), timeout=PING_TIMEOUT_S)
         dead = {rank for rank, info in enumerate(self.info) if info["node_id"] in lost_nodes}
         for rank, ping in enumerate(pings):
@@ -369,7 +426,7 @@ class RayWorkerGroup:
 
     def _died_error(self, error: Exception) -> WorkerDiedError:
         """Which workers died and where."""
-        infos = self.info
+        infos, self.lost = self.info, True
         lost = sorted(dead_nodes({info["node_id"] for info in infos}))
         dead = self._dead_ranks(set(lost))
         parts = []
@@ -386,9 +443,7 @@ class RayWorkerGroup:
 
     def call(self, rank: int, method: str, *args: Any, **kwargs: Any) -> ray.ObjectRef:
         """Call `method` on worker `rank`, without waiting."""
-        if self.host is not None:
-            return self.workers[rank].call_hosted.remote(self.names[rank], method, *args, **kwargs)
-        return getattr(self.workers[rank], method).remote(*args, **kwargs)
+        return self.workers[rank].call.remote(self.names[rank], method, *args, **kwargs)
 
     def run_all_async(self, method: str, **kwargs: Any) -> list[ray.ObjectRef]:
         return [self.call(rank, method, **kwargs) for rank in range(len(self.workers))]
@@ -434,9 +489,21 @@ class RayWorkerGroup:
         return self.get([ref for _, ref in sorted(outputs, key=lambda pair: pair[0])])
 
     def shutdown(self) -> None:
-        for worker, name in zip(self.workers, self.names):
-            if self.host is not None:
-                worker.drop_hosted.remote(name)
-            else:
-                ray.kill(worker, no_restart=True)
+        """Drop the workers; kill the group's own processes, or keep them (see the class)."""
+        if self.host is not None:
+            for process, name in zip(self.workers, self.names):
+                process.drop.remote(name)
+        else:
+            keep = workers_kept() if not self.lost else 0
+            resets = [process.reset.remote() for process in self.workers] if keep else []
+            ready, _ = ray.wait(resets, num_returns=len(resets), timeout=PING_TIMEOUT_S)
+            for rank, process in enumerate(self.workers):
+                with contextlib.suppress(ray.exceptions.RayError):  # a process that died is not kept
+                    if resets and resets[rank] in ready and ray.get(resets[rank]) is True:
+                        _idle.append((self.info[rank]["node_id"], process))
+                        continue
+                ray.kill(process, no_restart=True)
+            while len(_idle) > keep:  # the oldest go (those of an earlier Ray session are gone already)
+                with contextlib.suppress(Exception):
+                    ray.kill(_idle.pop(0)[1], no_restart=True)
         self.workers = []

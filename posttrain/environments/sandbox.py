@@ -72,7 +72,6 @@ class SandboxResult:
     memory_exceeded: bool = False  # the cgroup's limit was hit (a process of the sandbox was OOM-killed)
 
 
-# --------------------------------------------------------------------------------------------- seccomp
 CLONE_NEW_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x80)
 # io_uring performs syscalls this filter would not see.
 REFUSED_SYSCALLS = tuple(
@@ -107,7 +106,6 @@ def seccomp_program() -> bytes | None:
         return program.read()
 
 
-# --------------------------------------------------------------------------------------------- cgroups
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 

@@ -20,7 +20,6 @@ import jsonschema
 from posttrain.environments.sandbox import SandboxLimits, run_python
 from posttrain.utils.imports import import_attribute
 
-# ------------------------------------------------------------------------------------------- built-ins
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 _BINARY |= {ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
@@ -99,7 +98,6 @@ PYTHON_PARAMETERS = {
 BUILTIN_TOOLS = ("calculator", "python")
 
 
-# ------------------------------------------------------------------------------------------- the tools
 @dataclass(frozen=True)
 class Tool:
     """A callable with its OpenAI function schema (`{"type": "function", "function": {name, description,

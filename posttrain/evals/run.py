@@ -42,7 +42,6 @@ from posttrain.workers.generation import GenerationConfig, make_generation
 from posttrain.workers.policy.on_disk import find_policy_checkpoint, hf_model_dir
 
 
-# ------------------------------------------------------------------------------------------------ config
 @dataclass
 class EvalSettings(SamplingSettings):
     """What is measured and where the results go (section `eval`): the sampling and grading of GRPO's
@@ -128,7 +127,6 @@ class EvalConfig:
         )
 
 
-# ------------------------------------------------------------------------------------------------- model
 def check_model_source(model_cfg: EvalModelConfig) -> None:
     """Fail before anything starts when model_name is a local path that does not exist or holds no model
     (a name that is not a local path is a hub name, left to the loader)."""
@@ -167,7 +165,6 @@ def describe_model(model_cfg: EvalModelConfig) -> str:
     )
 
 
-# ------------------------------------------------------------------------------------------------ scoring
 def load_eval_records(cfg: EvalConfig, tokenizer: Any, processor: Any = None) -> list[dict]:
     """The records `eval.records` picks from `cfg.data` (all, or the validation slice; the first
     `eval.max_samples`), checked against `cfg.env`; `processor`: a vision-language model's, for rows with
@@ -248,7 +245,6 @@ def compute_score(cfg: EvalSettings, rewards: list[float], answers: list[str | N
     return eval_cons_k(rewards, n, k, votes, seed=cfg.seed, threshold=cfg.pass_threshold)
 
 
-# ------------------------------------------------------------------------------------------------- output
 def sample_rows(samples: list[dict], num_tests_per_prompt: int) -> list[dict]:
     """The per-sample lines of samples.jsonl."""
     return [
@@ -342,7 +338,6 @@ def write_outputs(save_path: Path, summary: dict[str, Any], rows: list[dict]) ->
         handle.writelines(json.dumps(row, default=str) + "\n" for row in rows)
 
 
-# ---------------------------------------------------------------------------------------------------- run
 @dataclass
 class EvalResult:
     """What `run_eval` produced (also written under `save_path`)."""

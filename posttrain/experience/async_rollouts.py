@@ -73,7 +73,6 @@ class AsyncRolloutProducer:
         self.lease = lease
         self._holder: str | None = None  # the lease's holder as last set
 
-    # -- trainer side --------------------------------------------------------------------------------
     def publish(self, version: int, weights: Any, pause: bool = False) -> None:
         """Make `version`'s weights available to the producer (kept until no batch needs them); with
         `pause`, pause the producer in the same breath (the next `paused_at` exit resumes it), so that
@@ -129,7 +128,6 @@ class AsyncRolloutProducer:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    # -- producer thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             while self.next_index <= self.last_index:

@@ -109,7 +109,6 @@ def adapter_disabled(model: torch.nn.Module) -> Any:
     return model.disable_adapter()
 
 
-# -- The refit payload: adapter tensors only ---------------------------------------------------------
 @dataclass
 class AdapterWeights:
     """What a LoRA policy sends to generation workers: its adapter tensors in the PEFT file format
@@ -199,7 +198,6 @@ def merge_adapter(base: dict[str, torch.Tensor], adapter: AdapterWeights) -> dic
     return merged
 
 
-# -- Checkpoints and exports -------------------------------------------------------------------------
 def save_adapter_config(model: torch.nn.Module, path: str | Path) -> None:
     """`<path>/lora/adapter_config.json`: base model and LoRA settings, what an export needs (rank 0)."""
     model.peft_config["default"].save_pretrained(str(Path(path) / LORA_DIR))

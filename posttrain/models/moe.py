@@ -98,7 +98,6 @@ class RouterTap:
         return torch.stack([torch.cat(calls) for calls in self.indices], dim=1)
 
 
-# -- router losses and expert load (tensors in, tensors out) ------------------------------------------------
 def expert_counts(indices: torch.Tensor, token_mask: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens routed to each expert of each layer, [L, E] float, from the experts used [N, L, k] at the
     positions with token_mask [N] = 1 (each of a token's k experts counts it once)."""

@@ -209,7 +209,6 @@ def load_processor(path_or_name: str | Path) -> VisionProcessor:
     return VisionProcessor(tokenizer, AutoImageProcessor.from_pretrained(str(path_or_name)), image_token)
 
 
-# -- The forward pass of a vision-language model in the policy worker --------------------------------
 def concat_row_images(
     data: dict[str, Any], device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -127,7 +127,6 @@ class CheckpointManager:
     def save_optimizer(self) -> bool:
         return self.config.save_optimizer
 
-    # ---------------------------------------------------------------- writing
     def init_tmp_checkpoint(self, step: int, training_info: dict[str, Any], run_config: Any = None) -> Path:
         """Create `tmp_step_{step}` (replacing a stale one) with training_info.json and config.yaml."""
         tmp_path = self.checkpoint_dir / f"{_TMP_PREFIX}{step}"
@@ -195,7 +194,6 @@ class CheckpointManager:
             logger.warning("removed partial checkpoint(s): %s", ", ".join(str(p) for p in removed))
         return removed
 
-    # ---------------------------------------------------------------- reading
     def list_checkpoints(self) -> list[tuple[int, Path]]:
         """Finalized checkpoints as (step, path), sorted by step number; other names are ignored."""
         return _list_step_dirs(self.checkpoint_dir)
@@ -335,7 +333,6 @@ def _write_text(path: Path, text: str) -> None:
         raise CheckpointWriteError(f"cannot write checkpoint file {path}: {error}") from error
 
 
-# ---------------------------------------------------------------- integrity
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:

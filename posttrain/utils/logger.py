@@ -24,7 +24,6 @@ from posttrain.utils.sample_printer import SamplePrinter
 log = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------- configs
 @dataclass
 class WandbConfig:
     """Weights & Biases run identity (offline unless an API key is set and WANDB_MODE allows online)."""
@@ -122,7 +121,6 @@ def default_log_dir(name: str = "run") -> str:
     return f"results/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-# ---------------------------------------------------------------------------------- metric preparation
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested dicts become one level with "/"-joined keys: {"a": {"b": 1}} -> {"a/b": 1}."""
     flat: dict[str, Any] = {}
@@ -198,7 +196,6 @@ def step_timing(driver_timer: Any, worker_timings: Mapping[str, Mapping[str, flo
     return timing
 
 
-# ------------------------------------------------------------------------------------------ interface
 class LoggerInterface(ABC):
     """What every backend and the fan-out `Logger` implement. The `Logger` prepares each record once
     (`prepare_scalars`) and hands every backend the same flat record."""
@@ -381,7 +378,6 @@ def run_artifacts(log_dir: Path, include_model: bool = True) -> list[tuple[Path,
     return pairs
 
 
-# ------------------------------------------------------------------------------------------ fan-out
 class Logger(LoggerInterface):
     """Fans every call out to JSONL and the enabled backends; prints and saves validation samples;
     runs the Ray system monitor when `monitor_gpus` is set and Ray is up."""

@@ -54,7 +54,6 @@ class CheckpointLoadError(RuntimeError):
     """A checkpoint's shards could not be read (damaged or incompatible); names the directory."""
 
 
-# -- process-group helpers -----------------------------------------------------------------------------
 def _is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -126,7 +125,6 @@ def _write_json(data: Any, path: Path) -> None:
     path.write_text(text)
 
 
-# -- save / load -----------------------------------------------------------------------------------
 def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
@@ -216,7 +214,6 @@ def _read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
 
-# -- RNG state of every rank -------------------------------------------------------------------------
 def _rng_file(path: str | Path, rank: int) -> Path:
     return Path(path) / RNG_DIR / f"rank_{rank}.safetensors"
 
@@ -285,7 +282,6 @@ def load_rng_state_if_saved(path: str | Path, rank: int) -> bool:
     return True
 
 
-# -- Hugging Face export ----------------------------------------------------------------------------
 def auto_class(model_config: Any) -> Any:
     """The transformers auto class that loads a model of `model_config`: a sequence classifier when its
     architecture names one (a reward model), a token classifier likewise (a value model), an

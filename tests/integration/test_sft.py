@@ -69,6 +69,39 @@ def test_one_and_two_fsdp2_workers_give_the_same_losses(ray_session, tmp_path):
         assert two[step] == pytest.approx(one[step], abs=1e-5)
 
 
+def test_a_run_in_kept_worker_processes_gives_the_losses_of_a_run_in_new_ones(
+    ray_session, tmp_path, monkeypatch
+):
+    """The suite keeps worker processes (POSTTRAIN_KEEP_WORKERS, tests/conftest.py): a run in the processes
+    of the runs before it computes exactly what a run in new processes does."""
+    settings = {
+        "sft.max_num_steps": 3,
+        "sft.val_period": 3,
+        "checkpointing.enabled": "false",
+        "sft.export_final_model": "false",
+        "cluster.workers_per_node": 2,
+    }
+    pids = []
+
+    def run(log_dir):
+        cfg = load_typed_config(sft.SFTConfig, CONFIG, tiny_overrides(log_dir, **settings))
+        run = sft.setup(cfg)
+        pids.append({info["pid"] for info in run.policy.worker_group.info})
+        try:
+            sft.sft_train(run)
+        finally:
+            run.shutdown()
+        return losses(log_dir)
+
+    monkeypatch.setenv("POSTTRAIN_KEEP_WORKERS", "0")
+    new = run(tmp_path / "new")
+    monkeypatch.setenv("POSTTRAIN_KEEP_WORKERS", "2")
+    run(tmp_path / "first")
+    kept = run(tmp_path / "kept")
+    assert pids[2] == pids[1] and not pids[0] & pids[1]
+    assert kept == new
+
+
 def test_sigkill_after_a_checkpoint_then_restart_reproduces_the_uninterrupted_losses(ray_session, tmp_path):
     """The run is killed as soon as its first checkpoint lands; on a fast machine it may have saved a few
     more by then (every checkpoint is kept), so the comparison starts after whichever one is the latest."""

@@ -39,6 +39,13 @@ class EchoWorker:
         os._exit(3)
 
 
+class ReusableEchoWorker(EchoWorker):
+    reuse_process = True
+
+    def threads(self) -> int:
+        return torch.get_num_threads()
+
+
 @pytest.fixture(scope="module")
 def cluster(ray_session):
     cluster = RayVirtualCluster(ClusterConfig(workers_per_node=2, num_cpus_per_worker=0.5))
@@ -91,6 +98,42 @@ def test_a_dead_worker_raises_naming_it_within_seconds_and_a_replacement_takes_i
     assert group.names[1].startswith("crashy-1-") and group.names[1] not in error.value.dead_workers
     assert group.run_all("environment") == [before, {**before, "RANK": "1", "LOCAL_RANK": "1"}]
     group.shutdown()
+
+
+def test_kept_processes_serve_the_next_group_with_its_own_environment(cluster, monkeypatch):
+    """POSTTRAIN_KEEP_WORKERS=n: a finished group's processes (of a class that allows it) serve the next
+    group (the same pids), with that group's rank, rendezvous and threads; a process that died, or that
+    held a class that does not allow it, is not kept; a value that is not a count is refused by name."""
+    monkeypatch.setenv("POSTTRAIN_KEEP_WORKERS", "2")
+    first = RayWorkerGroup(cluster, ReusableEchoWorker)
+    assert first.run_all("all_reduce_rank_plus_one") == [3.0, 3.0]
+    pids, port = [info["pid"] for info in first.info], first.run_on([0], "environment")[0]["MASTER_PORT"]
+    first.shutdown()
+    wide = RayVirtualCluster(ClusterConfig(workers_per_node=1, num_cpus_per_worker=2.0))
+    try:
+        alone = RayWorkerGroup(wide, ReusableEchoWorker)  # one of the two, alone, with 2 threads
+        assert alone.info[0]["pid"] in pids and alone.run_all("threads") == [2]
+        assert alone.run_all("all_reduce_rank_plus_one") == [1.0]
+        alone.shutdown()
+    finally:
+        wide.shutdown()
+    second = RayWorkerGroup(cluster, ReusableEchoWorker)
+    assert sorted(info["pid"] for info in second.info) == sorted(pids)
+    assert second.run_all("threads") == [1, 1] and second.run_all("all_reduce_rank_plus_one") == [3.0, 3.0]
+    assert second.run_on([0], "environment")[0]["MASTER_PORT"] != port
+    with pytest.raises(WorkerDiedError):
+        second.run_on([1], "crash")
+    second.shutdown()  # a worker died: none of its processes is kept
+    third = RayWorkerGroup(cluster, EchoWorker)  # new processes; not kept, this class does not allow it
+    assert not {info["pid"] for info in third.info} & set(pids)
+    third_pids = [info["pid"] for info in third.info]
+    third.shutdown()
+    fourth = RayWorkerGroup(cluster, ReusableEchoWorker)
+    assert not {info["pid"] for info in fourth.info} & {*pids, *third_pids}
+    fourth.shutdown()
+    monkeypatch.setenv("POSTTRAIN_KEEP_WORKERS", "all")
+    with pytest.raises(ValueError, match="POSTTRAIN_KEEP_WORKERS='all': must be a number"):
+        RayWorkerGroup(cluster, ReusableEchoWorker)
 
 
 def test_asking_for_more_cpus_than_exist_fails_fast_with_what_was_asked(ray_session):

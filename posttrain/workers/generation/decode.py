@@ -128,9 +128,6 @@ def choose_tokens(
     return tokens, unfiltered.gather(1, tokens[:, None]).squeeze(1) - log_total
 
 
-# -- The decoding loop -------------------------------------------------------------------------------
-
-
 @dataclass
 class DecodeState:
     """Per-sample progress of one batched decode."""

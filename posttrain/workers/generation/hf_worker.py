@@ -47,6 +47,8 @@ def check_known(names: Any, known: Any) -> None:
 class HFGenerationWorker:
     """Holds one copy of the model and tokenizer and decodes shards of batches."""
 
+    reuse_process = True  # leaves no state behind in its process (RayWorkerGroup keeps it for the next)
+
     def __init__(self, cfg: GenerationConfig, model_name: str, tokenizer_name: str | None = None) -> None:
         self.cfg = cfg
         self.device = assigned_device()

@@ -98,6 +98,8 @@ class PolicyWorker:
     `optimizer` and `scheduler` in `_build_model_and_optimizer`, and implements `_forward_all`,
     `_run_global_batch`, `_full_weights`, `_gather_weights`, checkpoints, export, offload and onload."""
 
+    reuse_process = True  # leaves only its process group behind (RayWorkerGroup keeps the process)
+
     def __init__(self, cfg: PolicyConfig, init_reference_model: bool = False) -> None:
         self.cfg = cfg
         self.timer = Timer()  # this rank's stage times, collected by get_timing_metrics
@@ -117,8 +119,6 @@ class PolicyWorker:
         self.leased_threads: LeasedThreads | None = None  # threads borrowed from an idle generator
         if init_reference_model:
             self.init_reference_model()
-
-    # -- backend hooks ---------------------------------------------------------------------------------
 
     def _init_parallel(self) -> None:
         raise NotImplementedError
@@ -161,8 +161,6 @@ class PolicyWorker:
             return load_processor(self.cfg.tokenizer_name or self.cfg.model_name)
         return load_tokenizer(self.cfg.tokenizer_name or self.cfg.model_name)
 
-    # -- cross-rank reductions -------------------------------------------------------------------------
-
     def _all_reduce_dp(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         """All-reduce ("sum", "min", "max") over the data-parallel ranks (on the worker's device: NCCL needs
         CUDA tensors); CPU out."""
@@ -180,8 +178,6 @@ class PolicyWorker:
         counts = torch.stack([sample_mask.sum(), (token_mask.float() * sample_mask.unsqueeze(1)).sum()])
         counts = self._all_reduce_dp(counts, "sum")
         return counts[0].to(self.device), counts[1].to(self.device)
-
-    # -- micro-batches ---------------------------------------------------------------------------------
 
     def make_microbatches(
         self, data: dict[str, Any], batch_size: int, cost: ForwardCost | None = None, reorder: bool = False
@@ -211,8 +207,6 @@ class PolicyWorker:
     def set_core_lease(self, lease: Any, side: str, lent: int) -> None:
         """Borrow `lent` threads while `side` holds `lease` (a core_lease.CoreLease actor)."""
         self.leased_threads = LeasedThreads(lease, side, lent)
-
-    # -- logprobs and scores ---------------------------------------------------------------------------
 
     def _forward_rows(self, data: dict[str, Any], name: str, model_kind: str, shape: Any) -> BatchedDataDict:
         """{name: `_forward_all` of `data` into zeros of `shape`}, in the original row order; ValueError
@@ -253,8 +247,6 @@ class PolicyWorker:
         with self._backend(), self.timer.time("topk_logprobs"):
             values, ids = self.topk_logprobs(data, k)
         return BatchedDataDict({"topk_logprobs": values, "topk_ids": ids})
-
-    # -- reference model -------------------------------------------------------------------------------
 
     @staticmethod
     def _store(out: torch.Tensor, microbatch: MicroBatch, outputs: torch.Tensor) -> None:
@@ -303,8 +295,6 @@ class PolicyWorker:
             self._load_local_weights(current_weights)
         return BatchedDataDict({"reference_policy_logprobs": logprobs})
 
-    # -- training --------------------------------------------------------------------------------------
-
     def train(
         self,
         data: dict[str, Any],
@@ -334,8 +324,6 @@ class PolicyWorker:
                 for start in range(0, num_rows, local_batch_size)
             ]
             return reduce_steps(steps, eval_mode, metric_reductions(loss_fn), self._all_reduce_dp)
-
-    # -- refit -----------------------------------------------------------------------------------------
 
     def get_weights(
         self, only_changed: bool = True, dtype: str | None = None
@@ -383,8 +371,6 @@ class PolicyWorker:
         """Bytes of the tensors the last get_weights or share_weights sent (0 when nothing changed; rank
         0)."""
         return self.sent_bytes
-
-    # -- timing, description, shutdown -----------------------------------------------------------------
 
     def get_timing_metrics(self) -> dict[str, float]:
         """Seconds this rank spent per stage (train, eval, logprobs) since the last call, then reset."""

@@ -193,7 +193,6 @@ class DTensorPolicyWorker(PolicyWorker):
             model.to(self.device)
         return model
 
-    # -- forward ---------------------------------------------------------------------------------------
     def _forward(self, microbatch: MicroBatch, logprobs_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logprobs [b, T_mb] for a causal LM, scores [b] for a reward model, values [b, T_mb] for a value
         model (fp32). With `logprobs_at` ([b, T_mb, k] token ids, a distillation loss's candidates): the
@@ -342,7 +341,6 @@ class DTensorPolicyWorker(PolicyWorker):
                 self._store(out, microbatch, outputs)
         return out
 
-    # -- training --------------------------------------------------------------------------------------
     def _optimizer_step(self) -> tuple[float, float]:
         """Clip (if configured), step optimizer and scheduler; returns (grad norm before clipping, lr
         used)."""
@@ -385,7 +383,6 @@ class DTensorPolicyWorker(PolicyWorker):
             step.grad_norm, step.lr = self._optimizer_step()
         return step
 
-    # -- checkpoints, export, refit ----------------------------------------------------------------------
     def save_checkpoint(self, path: str, save_optimizer: bool = True) -> None:
         """Sharded model + optimizer (when `save_optimizer`) + scheduler state (DCP) under `path`, and this
         rank's RNG states (collective)."""
@@ -436,7 +433,6 @@ class DTensorPolicyWorker(PolicyWorker):
             weights[name] = (full.to_local() if isinstance(full, DTensor) else full).detach()
         return weights if self.rank == 0 else {}
 
-    # -- memory --------------------------------------------------------------------------------------------
     def _move_training_state(self, device: torch.device) -> None:
         self.model.to(device)
         for state in self.optimizer.state.values():

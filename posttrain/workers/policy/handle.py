@@ -115,8 +115,6 @@ class Policy:
         cpu = self.worker_group.cluster.cfg.num_gpus_per_worker == 0
         return self.worker_group if cpu and self.cfg.backend == cfg.backend == "dtensor" else None
 
-    # -- data-parallel dispatch ------------------------------------------------------------------------
-
     def _run_dp(self, method: str, shards: list[BatchedDataDict], **kwargs: Any) -> list[Any]:
         """Call `method` with one shard per dp rank (replicated over tp and pp); one result per dp rank."""
         model_parallel_axes = [axis for axis in self.sharding.names if axis != "dp"]
@@ -139,8 +137,6 @@ class Policy:
         shards = data.shard_by_batch_size(self.dp_size)
         results = self._run_dp(method, shards, **kwargs)
         return BatchedDataDict.from_batches(results).slice(0, num_rows)
-
-    # -- public API ------------------------------------------------------------------------------------
 
     def get_logprobs(self, data: BatchedDataDict) -> BatchedDataDict:
         """{"logprobs": [B, T]} fp32; position t = log p(token t | tokens < t), position 0 and padding 0."""

@@ -94,6 +94,8 @@ class MegatronPolicyWorker(PolicyWorker):
     reference-weight swap are the base worker's; the model, schedule, optimizer and state I/O are
     Megatron's."""
 
+    reuse_process = False  # Megatron's parallel state and the CPU shim's patches outlive the worker
+
     def _backend(self) -> contextlib.AbstractContextManager:
         return megatron_context(self.device.type == "cuda")
 
@@ -228,7 +230,6 @@ class MegatronPolicyWorker(PolicyWorker):
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-    # -- micro-batches through Megatron's schedule -------------------------------------------------------
     def _microbatch_shape(self, batch_size: int, seq_len: int) -> tuple[int, int] | None:
         """Pipeline stages exchange fixed-shape activations, and the allgather token dispatcher gathers
         equal token counts from the expert-parallel ranks: then every micro-batch is padded to [rows, T]
@@ -320,7 +321,6 @@ class MegatronPolicyWorker(PolicyWorker):
         dist.broadcast_object_list(holder, src=self.pp_last_rank, group=self.pp_group)
         return holder[0]
 
-    # -- logprobs ----------------------------------------------------------------------------------------
     def _forward_all(self, data: dict[str, Any], out: torch.Tensor) -> torch.Tensor:
         """Fill `out` ([B, T] logprobs or [B] scores) micro-batch by micro-batch (forward only), on every
         stage."""
@@ -337,7 +337,6 @@ class MegatronPolicyWorker(PolicyWorker):
         )
         return self._from_last_stage(out)
 
-    # -- training ----------------------------------------------------------------------------------------
     def _run_global_batch(
         self, batch: dict[str, Any], loss_fn: LossFn, eval_mode: bool, micro_batch_size: int
     ) -> StepMetrics:
@@ -401,7 +400,6 @@ class MegatronPolicyWorker(PolicyWorker):
         self._sync_lr()
         return float(grad_norm or 0.0), lr
 
-    # -- full weights: refit, export -----------------------------------------------------------------------
     def _full_weights(self) -> dict[str, torch.Tensor]:
         """Every weight in HF names and layout on rank 0 (CPU), {} elsewhere (collective, in _backend)."""
         stage: dict[str, torch.Tensor] = {}
@@ -465,7 +463,6 @@ class MegatronPolicyWorker(PolicyWorker):
             native_checkpoint.write_hf_dir(model, self.tokenizer, Path(out_dir))
         dist.barrier()
 
-    # -- native checkpoints ----------------------------------------------------------------------------------
     def _sharded_model_state(self) -> dict[str, Any]:
         return self.model.module.sharded_state_dict()
 
@@ -520,7 +517,6 @@ class MegatronPolicyWorker(PolicyWorker):
         native_checkpoint.load_rng_state_if_saved(path, self.rank)
         self.versions.bump()
 
-    # -- memory, description --------------------------------------------------------------------------------
     def offload(self) -> None:
         """No-op: Megatron's contiguous parameter/gradient buffers stay where they are."""
 

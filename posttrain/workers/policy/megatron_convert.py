@@ -117,7 +117,6 @@ def gpt_layout(hf_config: Any, tp_size: int) -> GPTLayout:
     )
 
 
-# -- Names: Megatron (local layer index) <-> HF (global layer index) ---------------------------------
 LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 HF_LAYER_PARTS = {
     "input_layernorm.weight": ["input_layernorm.weight"],
@@ -150,7 +149,6 @@ def tp_dim(name: str, layout: GPTLayout) -> int | None:
     return TP_DIM.get(match.group(2) if match else name)
 
 
-# -- Tensor transforms -------------------------------------------------------------------------------
 def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
     """HF q [nq*d, ...], k/v [nkv*d, ...] -> Megatron's per-group [q of the group, k, v] rows."""
     heads_per_group = layout.num_heads // layout.num_kv_heads
@@ -174,7 +172,6 @@ def pad_vocab(weight: torch.Tensor, layout: GPTLayout) -> torch.Tensor:
     return torch.nn.functional.pad(weight, (0, 0, 0, layout.padded_vocab_size - weight.shape[0]))
 
 
-# -- HF -> Megatron (this rank's shards) -------------------------------------------------------------
 def hf_to_megatron(
     hf_weights: dict[str, torch.Tensor],
     megatron_names: list[str],
@@ -227,7 +224,6 @@ def full_megatron_tensor(
     return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
-# -- Megatron -> HF (from every TP rank's shards of one stage) ---------------------------------------
 def merge_tp_shards(name: str, shards: list[torch.Tensor], layout: GPTLayout) -> torch.Tensor:
     """The unsharded Megatron tensor `name` from its TP shards (in TP rank order)."""
     if name.endswith("mlp.linear_fc1.weight"):
@@ -272,7 +268,6 @@ def megatron_to_hf(
     return hf
 
 
-# -- The Megatron model of a HF config ---------------------------------------------------------------
 def transformer_config(
     hf_config: Any, parallel: dict[str, Any], bf16: bool, moe_training: dict[str, Any] | None = None
 ) -> Any:

@@ -274,7 +274,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
     def _adapters_disabled(self) -> contextlib.AbstractContextManager:
         return adapters_disabled(self.model.module)
 
-    # -- the adapter in PEFT format: refit, export, loading one ---------------------------------------------
     def _gather_weights(self, dtype: str | None = None) -> lora.AdapterWeights | dict:
         """Collective: the full adapter in PEFT names on rank 0 (AdapterWeights), {} elsewhere."""
         tensors: dict[str, torch.Tensor] = {}
@@ -312,7 +311,6 @@ class MegatronLoraPolicyWorker(MegatronPolicyWorker):
             write_peft_dir(adapter, Path(out_dir) / lora.ADAPTER_DIR, self.cfg.model_name)
         self._write_hf_dir(weights, out_dir)
 
-    # -- checkpoints: adapter (+ optimizer) through dist_checkpointing, and a PEFT directory -----------------
     def _sharded_model_state(self) -> dict[str, Any]:
         """The adapter factors as ShardedTensors keyed by PEFT name (global layer index: reshardable
         across tp/pp/dp)."""
