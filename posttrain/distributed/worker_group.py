@@ -494,8 +494,8 @@ class RayWorkerGroup:
             for process, name in zip(self.workers, self.names):
                 process.drop.remote(name)
         else:
-            keep = workers_kept() if not self.lost else 0
-            resets = [process.reset.remote() for process in self.workers] if keep else []
+            keep = workers_kept()  # a group that lost a worker keeps none of its processes
+            resets = [process.reset.remote() for process in self.workers] if keep and not self.lost else []
             ready, _ = ray.wait(resets, num_returns=len(resets), timeout=PING_TIMEOUT_S)
             for rank, process in enumerate(self.workers):
                 with contextlib.suppress(ray.exceptions.RayError):  # a process that died is not kept
